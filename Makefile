@@ -1,0 +1,45 @@
+# lit-pretrain: `make train` and `make test` are the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+RUN ?= experiments/runs/default.yaml
+ARGS ?=
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install prepare train test test-fast lint bench clean
+
+help: ## show this help
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "  variables: RUN=<experiment yaml> ARGS='key=value ...' PYTEST_ARGS='...'"
+
+install: $(STAMP) ## create .venv: torch 2.13.0 (CPU build on disk) first, then the project with its dev extra
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned resolve would fetch a CUDA build of several GB.
+	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	touch $(STAMP)
+
+prepare: $(STAMP) ## tokenize the experiment's corpus into shards (train does this when missing)
+	$(BIN)/lit-pretrain prepare $(RUN) $(ARGS)
+
+train: $(STAMP) ## pretrain the default experiment on this machine (RUN=..., ARGS='trainer.max_steps=50')
+	$(BIN)/lit-pretrain train $(RUN) $(ARGS)
+
+test: $(STAMP) ## run the whole test suite
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP) ## run the tests that take no extra processes or end-to-end runs
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff over the package and tests
+	$(BIN)/ruff check lit_pretrain tests
+
+bench: $(STAMP) ## run the benchmark cases and write runs/bench/results.json
+	$(BIN)/python -m lit_pretrain.bench
+
+clean: ## remove the virtual environment, prepared data and runs
+	rm -rf $(VENV) data runs

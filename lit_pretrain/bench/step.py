@@ -1,0 +1,89 @@
+"""Case: tokens/s of our Trainer's training step against a hand-written PyTorch loop (same model, batch, seed).
+
+Both sides do the same work per step: forward, fp32 cross-entropy, backward, global-norm gradient clipping, AdamW
+with the same parameter groups, the learning-rate schedule. The data is the same in-memory random windows, so
+the case measures what Lightning and our module add to a step, not the data path (a case of its own).
+"""
+
+import tempfile
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_pretrain.model import GPT
+from lit_pretrain.module import PretrainModule, param_groups
+from lit_pretrain.schedule import lr_lambda
+
+
+class _StepClock(L.Callback):
+    """Time from the end of optimizer step `skip` to the end of the last one (compile-free warm-up excluded)."""
+
+    def __init__(self, skip: int):
+        self.skip, self.start, self.end = skip, None, None
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.skip:
+            self.start = time.perf_counter()
+        self.end = time.perf_counter()
+
+
+def _data(c, steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(c.run.seed)
+    windows = torch.randint(0, c.model.vocab_size, (steps * c.trainer.micro_batch_size, c.model.seq_len + 1), generator=g)
+    return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=c.trainer.micro_batch_size)
+
+
+def raw_loop(c, steps: int, skip: int) -> float:
+    """Tokens/s of the plain loop over steps skip..steps."""
+    torch.manual_seed(c.run.seed)
+    model = GPT(c.model)
+    opt = torch.optim.AdamW(param_groups(model, c.optim.weight_decay), lr=c.optim.lr_peak,
+                            betas=(c.optim.beta1, c.optim.beta2), eps=c.optim.eps, foreach=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(c.schedule, c.optim.lr_peak, steps))
+    start = None
+    for step, (x, y) in enumerate(_data(c, steps)):
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.optim.grad_clip_norm, foreach=True)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step + 1 == skip:
+            start = time.perf_counter()
+    return (steps - skip) * c.trainer.micro_batch_size * c.model.seq_len / (time.perf_counter() - start)
+
+
+def trainer_loop(c, steps: int, skip: int) -> float:
+    """Tokens/s of PretrainModule under L.Trainer, logging as `lit-pretrain train` does (CSV, every n steps)."""
+    tokens_per_step = c.trainer.micro_batch_size * c.model.seq_len
+    module = PretrainModule(c.model, c.optim, c.schedule, max_steps=steps, tokens_per_step=tokens_per_step,
+                            seed=c.run.seed)
+    clock = _StepClock(skip)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0,
+                            logger=L.pytorch.loggers.CSVLogger(tmp, name="", version=""),
+                            log_every_n_steps=c.trainer.log_every_n_steps, callbacks=[clock],
+                            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+        trainer.fit(module, _data(c, steps))
+    return (steps - skip) * tokens_per_step / (clock.end - clock.start)
+
+
+def run(c, steps: int, skip: int, repeats: int) -> dict:
+    """Alternate the two loops `repeats` times and compare the best of each (noise only ever slows a run)."""
+    raw, ours = [], []
+    for _ in range(repeats):
+        raw.append(raw_loop(c, steps, skip))
+        ours.append(trainer_loop(c, steps, skip))
+    return {
+        "case": "trainer_step_tokens_per_s",
+        "value": max(ours),
+        "reference": max(raw),
+        "ratio": max(ours) / max(raw),
+        "goal": ">= 0.97",
+        "unit": "tokens/s",
+        "detail": {"trainer": ours, "raw_loop": raw, "steps": steps, "timed_steps": steps - skip,
+                   "params": GPT(c.model).num_params(non_embedding=False)},
+    }

@@ -1,0 +1,50 @@
+"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`: parse, load the config, call one function."""
+
+import argparse
+import sys
+
+from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+
+USAGE_ERRORS = (ConfigError, DataError, RunFolderError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lit-pretrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("prepare", "read the corpus, train the tokenizer and write token shards into data.prepared_dir"),
+        ("train", "pretrain a model as the experiment says, into runs/<run.name>/"),
+        ("show", "print the composed, checked config without running anything"),
+    ):
+        cmd = sub.add_parser(name, help=text, description=text)
+        cmd.add_argument("run_file", help="experiment file, e.g. experiments/runs/default.yaml")
+        cmd.add_argument("overrides", nargs="*", help="key=value (optim.lr_peak=1e-3) or group=name (strategy=ddp)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        from lit_pretrain import config
+
+        cfg = config.load(args.run_file, args.overrides)
+        if args.command == "show":
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(cfg), end="")
+        elif args.command == "prepare":
+            from lit_pretrain.data.prepare import prepare
+
+            prepare(config.to_object(cfg).data)
+        else:
+            from lit_pretrain.train import train
+
+            train(cfg)
+    except USAGE_ERRORS as err:
+        print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

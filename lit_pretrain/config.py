@@ -1,0 +1,220 @@
+"""Load an experiment: compose YAML files, apply command-line overrides, check every key, type and range.
+
+An experiment is a run file under `experiments/runs/` whose `defaults:` list names what it builds on:
+
+    defaults:
+      - base              # experiments/base.yaml, a full-config fragment
+      - model: tiny       # experiments/model/tiny.yaml, the contents of the `model` section
+      - strategy: single  # experiments/strategy/single.yaml
+    trainer:
+      max_steps: 200      # the run file's own keys win over its defaults
+
+Command-line overrides come last: `strategy=ddp` picks another group file (replacing the run file's choice) and
+`optim.lr_peak=1e-3` sets one key. Errors name the key, the file (or "command line") and the closest valid key.
+"""
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lit_pretrain.errors import ConfigError
+from lit_pretrain.schema import Config
+
+GROUPS = ("model", "data", "strategy", "optim", "schedule", "trainer", "callbacks", "run")
+COMMAND_LINE = "the command line"
+
+
+def experiments_root(run_file: Path) -> Path:
+    """The `experiments/` folder a run file belongs to (the nearest ancestor holding base.yaml)."""
+    for parent in run_file.resolve().parents:
+        if (parent / "base.yaml").is_file():
+            return parent
+    return run_file.resolve().parent
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    with open(path) as f:
+        try:
+            # safe_load: a config is data; no YAML tag may construct Python objects.
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, not {type(data).__name__}")
+    return data
+
+
+def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
+    """Every key must exist in the schema; say which one is wrong, where it came from and what was meant."""
+    if not dataclasses.is_dataclass(schema) or not isinstance(data, dict):
+        return
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys here: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key '{full}' in {source}{hint}")
+        default = getattr(schema, key) if not isinstance(schema, type) else None
+        sub = fields[key].type
+        target = default if dataclasses.is_dataclass(default) else sub if dataclasses.is_dataclass(sub) else None
+        if target is not None:
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"config key '{full}' in {source} is a section: give a mapping of its keys")
+            _check_keys(value, target, f"{full}.", source)
+
+
+def _merge(base: DictConfig, data: dict, source: str) -> DictConfig:
+    _check_keys(data, Config(), "", source)
+    try:
+        return OmegaConf.merge(base, data)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"config key '{err.full_key}' in {source}: {_first_line(err)}") from None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0]
+
+
+def _parse_overrides(overrides: Sequence[str]) -> Tuple[dict, List[str]]:
+    """Split `group=name` choices from `a.b=value` key overrides."""
+    groups, keys = {}, []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' on the command line must look like key=value (e.g. trainer.max_steps=200)")
+        key, value = item.split("=", 1)
+        if "." not in key and key in GROUPS and value and not value.startswith(("{", "[")):
+            groups[key] = value
+        else:
+            keys.append(item)
+    return groups, keys
+
+
+def _defaults(data: dict, path: Path) -> List[Tuple[Optional[str], str]]:
+    entries = data.pop("defaults", []) or []
+    if not isinstance(entries, list):
+        raise ConfigError(f"'defaults' in {path} must be a list like [base, {{model: tiny}}]")
+    parsed = []
+    for entry in entries:
+        if isinstance(entry, str):
+            parsed.append((None, entry))
+        elif isinstance(entry, dict) and len(entry) == 1:
+            (group, name), = entry.items()
+            if group not in GROUPS:
+                close = difflib.get_close_matches(str(group), GROUPS, n=1)
+                hint = f"; did you mean {close[0]}?" if close else f"; groups are {', '.join(GROUPS)}"
+                raise ConfigError(f"unknown config group '{group}' in the defaults of {path}{hint}")
+            parsed.append((group, str(name)))
+        else:
+            raise ConfigError(f"entry {entry!r} in the defaults of {path} must be a file name or {{group: name}}")
+    return parsed
+
+
+def _group_file(root: Path, group: str, name: str, source: str) -> Path:
+    path = root / group / f"{name}.yaml"
+    if not path.is_file():
+        options = sorted(p.stem for p in (root / group).glob("*.yaml"))
+        raise ConfigError(f"{group}={name} in {source}: no file {path}; choose one of: {', '.join(options) or 'none'}")
+    return path
+
+
+def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> DictConfig:
+    """Compose the run file with its defaults and the overrides into a checked, struct-mode config."""
+    cfg = OmegaConf.structured(Config)
+    groups, key_overrides = _parse_overrides(list(overrides))
+    if run_file is not None:
+        run_path = Path(run_file)
+        root = experiments_root(run_path)
+        data = _read_yaml(run_path)
+        chosen = dict(groups)
+        for group, name in _defaults(data, run_path):
+            if group is None:
+                cfg = _merge(cfg, _defaults_free(root / f"{name}.yaml"), str(root / f"{name}.yaml"))
+                continue
+            source = COMMAND_LINE if group in chosen else str(run_path)
+            path = _group_file(root, group, chosen.pop(group, name), source)
+            cfg = _merge(cfg, {group: _read_yaml(path)}, str(path))
+        for group, name in chosen.items():
+            path = _group_file(root, group, name, COMMAND_LINE)
+            cfg = _merge(cfg, {group: _read_yaml(path)}, str(path))
+        cfg = _merge(cfg, data, str(run_path))
+    elif groups:
+        raise ConfigError(f"group choices {groups} on the command line need a run file to find experiments/")
+    if key_overrides:
+        try:
+            dot = OmegaConf.from_dotlist(key_overrides)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"cannot parse overrides on the command line: {_first_line(err)}") from None
+        cfg = _merge(cfg, OmegaConf.to_container(dot), COMMAND_LINE)
+    OmegaConf.set_struct(cfg, True)
+    check_ranges(cfg)
+    return cfg
+
+
+def _defaults_free(path: Path) -> dict:
+    data = _read_yaml(path)
+    if "defaults" in data:
+        raise ConfigError(f"{path} has its own 'defaults': only run files compose others")
+    return data
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Enforce the `ge/gt/le/lt/choices` metadata of every schema field, and cross-field rules."""
+    _check_section(cfg, Config, "")
+    model = to_object(cfg).model
+    try:
+        model.check()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.schedule.warmup_steps > cfg.trainer.max_steps:
+        raise ConfigError(
+            f"schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds trainer.max_steps={cfg.trainer.max_steps}: "
+            "lower the warmup or train longer"
+        )
+    if cfg.schedule.lr_min > cfg.optim.lr_peak:
+        raise ConfigError(f"schedule.lr_min={cfg.schedule.lr_min} exceeds optim.lr_peak={cfg.optim.lr_peak}")
+    for i, spec in enumerate(cfg.callbacks.extra):
+        module, _, cls = spec.class_path.partition(":")
+        if not module or not cls:
+            raise ConfigError(
+                f"callbacks.extra[{i}].class_path='{spec.class_path}' must be 'module:Class' (e.g. my_pkg.callbacks:MyCallback)"
+            )
+
+
+def _check_section(node: Any, schema: type, prefix: str) -> None:
+    for f in dataclasses.fields(schema):
+        value = node[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(f.type) or isinstance(value, DictConfig):
+            sub = f.type if dataclasses.is_dataclass(f.type) else type(getattr(schema(), f.name))
+            if dataclasses.is_dataclass(sub):
+                _check_section(value, sub, f"{key}.")
+            continue
+        meta = f.metadata
+        if value is None:
+            continue
+        if "choices" in meta and value not in meta["choices"]:
+            raise ConfigError(f"config key '{key}' = {value!r}: expected one of {meta['choices']}")
+        for op, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                             ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+            if op in meta and not ok(value, meta[op]):
+                raise ConfigError(f"config key '{key}' = {value!r}: expected a value {word} {meta[op]}")
+
+
+def to_object(cfg: DictConfig) -> Config:
+    """The typed dataclass view of a config (for code that wants attributes with real types)."""
+    return OmegaConf.to_object(cfg)
+
+
+def save(cfg: DictConfig, path: Path) -> None:
+    """Write the fully resolved config, so a run folder records exactly what ran."""
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))

@@ -1,0 +1,199 @@
+"""Token shards → per-rank, deterministic batches of (x, y) next-token pairs.
+
+A sample is a window of seq_len + 1 tokens, taken with stride seq_len inside one shard (windows never cross shards,
+so no shard boundary has to be stitched): x = w[:-1], y = w[1:]. Windows span document boundaries; the EOD id marks
+them.
+
+The training order is one global sequence, the same for any number of ranks: epoch e is a permutation of all
+train windows seeded by (seed, e), cut to a multiple of world_size * micro_batch_size. Rank r of W reads global
+positions r, r + W, r + 2W, ..., so global step k reads positions [k*B*W, (k+1)*B*W) across the ranks: exactly the
+batch a single process with a W-times larger micro-batch reads. Hence under data parallelism the set of windows per
+optimizer step does not depend on W, and a position in the run is one number, the global samples consumed.
+"""
+
+import bisect
+import hashlib
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+from lit_pretrain.data.prepare import prepare
+from lit_pretrain.data.shards import check_config, load_manifest, open_shard, verify_shards
+from lit_pretrain.errors import DataError
+
+
+class ShardWindows(Dataset):
+    """The windows of one split's shards. Memmaps open on first use in each process, so the dataset pickles small
+    into spawned DataLoader workers (a pickled np.memmap would copy its whole shard)."""
+
+    def __init__(self, folder, shards: List[Dict], dtype: str, seq_len: int):
+        self.paths = [str(Path(folder) / s["file"]) for s in shards]
+        self.dtype, self.seq_len = dtype, seq_len
+        # A shard of n tokens holds (n - 1) // seq_len windows of seq_len + 1 tokens at stride seq_len.
+        counts = [max(0, (s["tokens"] - 1) // seq_len) for s in shards]
+        self.starts = [0]
+        for c in counts:
+            self.starts.append(self.starts[-1] + c)
+        self._maps: Dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range [0, {len(self)})")
+        shard = bisect.bisect_right(self.starts, index) - 1  # skips shards with no window (equal starts)
+        offset = (index - self.starts[shard]) * self.seq_len
+        if shard not in self._maps:
+            self._maps[shard] = open_shard(self.paths[shard], self.dtype)
+        window = torch.from_numpy(self._maps[shard][offset : offset + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]  # (T,) inputs, (T,) next-token targets
+
+    def __getstate__(self):
+        return {**self.__dict__, "_maps": {}}
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A generator seed per (seed, epoch); hashing keeps (seed, epoch + 1) and (seed + 1, epoch) unrelated."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
+
+
+class GlobalOrderSampler(Sampler[int]):
+    """Rank `rank`'s share of the global training order (see the module docstring)."""
+
+    def __init__(self, num_windows: int, micro_batch_size: int, rank: int, world_size: int, seed: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.num_windows, self.rank, self.world_size, self.seed = num_windows, rank, world_size, seed
+        self.global_batch_size = micro_batch_size * world_size
+        # Every rank gets the same number of full micro-batches; the remainder of the permutation is skipped.
+        self.samples_per_epoch = num_windows // self.global_batch_size * self.global_batch_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def global_order(self, epoch: int) -> torch.Tensor:
+        """Window indices of epoch `epoch` in global order (the same for every rank and world size)."""
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        return torch.randperm(self.num_windows, generator=generator)[: self.samples_per_epoch]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.global_order(self.epoch)[self.rank :: self.world_size].tolist())
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch // self.world_size
+
+
+class TokenShardDataModule(L.LightningDataModule):
+    """Prepares (or reuses) `data.prepared_dir` and serves its train and validation windows."""
+
+    def __init__(
+        self,
+        data,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        val_batches: int,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ):
+        super().__init__()
+        for key, value in (("model.seq_len", seq_len), ("trainer.micro_batch_size", micro_batch_size),
+                           ("trainer.val_batches", val_batches)):
+            if value < 1:
+                raise DataError(f"{key}={value} must be at least 1")
+        self.data, self.seq_len, self.micro_batch_size = data, seq_len, micro_batch_size
+        self.seed, self.val_batches = seed, val_batches
+        self._rank, self._world_size = rank, world_size
+        self._manifest: Optional[Dict] = None
+        self.train_dataset: Optional[ShardWindows] = None
+        self.val_dataset: Optional[ShardWindows] = None
+        self.train_sampler: Optional[GlobalOrderSampler] = None
+
+    @property
+    def prepared_dir(self) -> Path:
+        return Path(self.data.prepared_dir)
+
+    def rank_and_world_size(self) -> Tuple[int, int]:
+        """From the attached Trainer when there is one, else from the constructor (default: 0 of 1)."""
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        return self._rank or 0, self._world_size or 1
+
+    @property
+    def manifest(self) -> Dict:
+        if self._manifest is None:
+            self._manifest = load_manifest(self.prepared_dir)
+        return self._manifest
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["tokenizer"]["vocab_size"]
+
+    @property
+    def eod_id(self) -> int:
+        return self.manifest["tokenizer"]["eod_id"]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.prepared_dir / self.manifest["tokenizer"]["file"]
+
+    def prepare_data(self) -> None:
+        prepare(self.data)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:  # fit then validate calls setup twice
+            return
+        manifest = load_manifest(self.prepared_dir)
+        check_config(manifest, self.data, self.prepared_dir)
+        verify_shards(self.prepared_dir, manifest)
+        self._manifest = manifest
+        train = ShardWindows(self.prepared_dir, manifest["splits"]["train"]["shards"], manifest["dtype"], self.seq_len)
+        val = ShardWindows(self.prepared_dir, manifest["splits"]["val"]["shards"], manifest["dtype"], self.seq_len)
+        _, world_size = self.rank_and_world_size()
+        if len(train) < world_size * self.micro_batch_size:
+            raise DataError(
+                f"the train split has {len(train)} windows of model.seq_len+1={self.seq_len + 1} tokens, fewer than "
+                f"one global batch ({world_size} ranks x trainer.micro_batch_size={self.micro_batch_size}): lower "
+                "model.seq_len or trainer.micro_batch_size, or use a larger corpus"
+            )
+        if len(val) < world_size:
+            raise DataError(
+                f"the validation split has {len(val)} windows of model.seq_len+1={self.seq_len + 1} tokens, fewer "
+                f"than the {world_size} ranks: lower model.seq_len or raise data.val_fraction"
+            )
+        self.train_dataset, self.val_dataset = train, val
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world_size = self.rank_and_world_size()
+        self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank, world_size,
+                                                self.seed)
+        return DataLoader(self.train_dataset, sampler=self.train_sampler, drop_last=True, **self._loader_kwargs())
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Subset(self.val_dataset, self.val_indices()), shuffle=False, **self._loader_kwargs())
+
+    def val_indices(self) -> List[int]:
+        """This rank's share of the fixed validation subset: the first val_batches * micro_batch_size * W windows
+        (fewer if the split is smaller, cut to a multiple of W so every rank runs the same number of batches)."""
+        rank, world_size = self.rank_and_world_size()
+        n = min(self.val_batches * self.micro_batch_size * world_size, len(self.val_dataset))
+        n -= n % world_size
+        return list(range(rank, n, world_size))
+
+    def _loader_kwargs(self) -> Dict:
+        kwargs = {"batch_size": self.micro_batch_size, "num_workers": self.data.num_workers,
+                  "pin_memory": self._on_cuda()}
+        if self.data.num_workers > 0:
+            # Workers outlive an epoch (no restart cost at each validation); 2 batches ahead each hides the
+            # memmap reads, which are far faster than a training step.
+            kwargs.update(persistent_workers=True, prefetch_factor=2)
+        return kwargs
+
+    def _on_cuda(self) -> bool:
+        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"

@@ -1,0 +1,205 @@
+"""Token shards on disk and the manifest that describes them.
+
+A shard is a flat file of fixed-width token ids (no header): each document's ids followed by the EOD id. uint16
+holds any vocabulary of up to 65,536 tokens at 2 bytes a token; larger vocabularies use uint32. Readers map shards
+with `np.memmap`, so a shard is never loaded whole.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+
+from lit_pretrain.data.tokenizer import tokenizer_sha256
+from lit_pretrain.errors import DataError
+
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+# DataConfig fields that decide what a prepared folder holds; num_workers and prepared_dir do not.
+CONTENT_FIELDS = (
+    "corpus",
+    "paths",
+    "text_field",
+    "vocab_size",
+    "tokenizer_path",
+    "tokenizer_train_bytes",
+    "val_fraction",
+    "split_seed",
+    "max_documents",
+    "shard_tokens",
+)
+_REPREPARE = "re-run `lit-pretrain prepare` into a new data.prepared_dir"
+
+
+def content_config(cfg) -> Dict:
+    """The content-determining data config as plain JSON values (cfg may be a dataclass or an OmegaConf node)."""
+    out = {name: getattr(cfg, name) for name in CONTENT_FIELDS}
+    out["paths"] = [str(p) for p in out["paths"]]
+    return json.loads(json.dumps(out))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+class ShardWriter:
+    """Writes one split's documents into `{split}_{index:05d}.bin` files, each closed after `shard_tokens` tokens at
+    the next document boundary, hashing bytes as they are written (no second read)."""
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int, dtype: np.dtype, vocab_size: int):
+        self.folder, self.split, self.shard_tokens, self.dtype = folder, split, shard_tokens, dtype
+        self.shards: List[Dict] = []
+        self.documents = 0
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
+        self._file = None
+
+    def write(self, doc_ids: List[np.ndarray]) -> None:
+        """Append documents, each already ending in the EOD id."""
+        for ids in doc_ids:
+            if self._file is None or self._tokens >= self.shard_tokens:
+                self._open_next()
+            ids.tofile(self._file)
+            self._hash.update(ids)
+            self._tokens += len(ids)
+            self.documents += 1
+        if doc_ids:  # one bincount per batch, not per document: each call costs O(vocab_size)
+            self.counts += np.bincount(np.concatenate(doc_ids), minlength=len(self.counts))
+
+    def close(self) -> Dict:
+        self._close_current()
+        return {
+            "documents": self.documents,
+            "tokens": sum(s["tokens"] for s in self.shards),
+            "shards": self.shards,
+        }
+
+    def _open_next(self) -> None:
+        self._close_current()
+        name = f"{self.split}_{len(self.shards):05d}.bin"
+        self._file = open(self.folder / name, "wb")
+        self._name, self._tokens, self._hash = name, 0, hashlib.sha256()
+
+    def _close_current(self) -> None:
+        if self._file is None:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        self.shards.append({"file": self._name, "tokens": self._tokens, "sha256": self._hash.hexdigest()})
+
+
+def unigram_entropy_nats(counts: np.ndarray) -> float:
+    """-sum p ln p of the token frequencies: the loss of a model that ignores context, a ceiling any trained model
+    should beat."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def write_manifest(folder: Path, manifest: Dict) -> None:
+    with open(folder / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_manifest(prepared_dir) -> Dict:
+    """Read and check the structure of `prepared_dir/manifest.json`."""
+    path = Path(prepared_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path} does not exist: run `lit-pretrain prepare` for this data.prepared_dir first")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not valid JSON ({e}): {_REPREPARE}") from None
+    where = str(path)
+    if _field(manifest, "format_version", int, where) != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format_version {manifest['format_version']}, this code reads {FORMAT_VERSION}: {_REPREPARE}"
+        )
+    _field(manifest, "config", dict, where)
+    _field(_field(manifest, "corpus", dict, where), "fingerprint", str, where)
+    _field(manifest, "unigram_entropy_nats", float, where)
+    tok = _field(manifest, "tokenizer", dict, where)
+    for key, kind in (("file", str), ("sha256", str), ("vocab_size", int), ("eod_id", int)):
+        _field(tok, key, kind, where)
+    try:
+        np.dtype(_field(manifest, "dtype", str, where))
+    except TypeError:
+        raise DataError(f"{path}: dtype {manifest['dtype']!r} is not a numpy dtype: {_REPREPARE}") from None
+    splits = _field(manifest, "splits", dict, where)
+    for split in SPLITS:
+        info = _field(splits, split, dict, where)
+        _field(info, "documents", int, where)
+        _field(info, "tokens", int, where)
+        for shard in _field(info, "shards", list, where):
+            name = _field(shard, "file", str, where)
+            if Path(name).name != name:
+                raise DataError(f"{path}: shard name {name!r} is not a plain file name: {_REPREPARE}")
+            _field(shard, "tokens", int, where)
+            _field(shard, "sha256", str, where)
+    return manifest
+
+
+def _field(obj, key: str, kind: type, where: str):
+    value = obj.get(key) if isinstance(obj, dict) else None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise DataError(f"{where}: entry {key!r} is missing or not a {kind.__name__}: {_REPREPARE}")
+    return value
+
+
+def check_config(manifest: Dict, cfg, prepared_dir) -> None:
+    """Refuse a prepared folder made from a different content-determining data config."""
+    here, there = content_config(cfg), manifest["config"]
+    if here != there:
+        diff = ", ".join(
+            f"data.{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in CONTENT_FIELDS if here[k] != there.get(k)
+        )
+        raise DataError(
+            f"data.prepared_dir {str(prepared_dir)!r} was prepared from a different data config ({diff}): set "
+            "data.prepared_dir to a new folder, or delete that folder to prepare it again"
+        )
+
+
+def verify_shards(prepared_dir, manifest: Dict, checksums: bool = True) -> None:
+    """Check that the tokenizer and every shard are the files the manifest describes (size, and sha256 when
+    `checksums`; hashing runs at ~1 GB/s, so it is cheap next to training)."""
+    folder = Path(prepared_dir)
+    tok_path = folder / manifest["tokenizer"]["file"]
+    if not tok_path.is_file():
+        raise DataError(f"{tok_path} is missing: {_REPREPARE}")
+    if tokenizer_sha256(tok_path) != manifest["tokenizer"]["sha256"]:
+        raise DataError(
+            f"{tok_path}: the tokenizer does not match the shards (its sha256 differs from the manifest's; these are "
+            f"shards from another tokenizer): {_REPREPARE}"
+        )
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            path = folder / shard["file"]
+            if not path.is_file():
+                raise DataError(f"shard {path} is missing: {_REPREPARE}")
+            size, expected = path.stat().st_size, shard["tokens"] * itemsize
+            if size != expected:
+                raise DataError(
+                    f"shard {path} has {size} bytes, the manifest says {expected} (truncated?): {_REPREPARE}"
+                )
+            if checksums and _file_sha256(path) != shard["sha256"]:
+                raise DataError(f"shard {path} is corrupted (sha256 differs from the manifest's): {_REPREPARE}")
+
+
+def open_shard(path, dtype) -> np.ndarray:
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()

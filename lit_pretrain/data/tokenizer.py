@@ -1,0 +1,72 @@
+"""Byte-level BPE (GPT-2's scheme, Radford et al. 2019, section 2.2) trained with `tokenizers`.
+
+Every byte is in the initial alphabet, so any UTF-8 text encodes without unknown tokens and decodes back exactly.
+The one special token, EOD, separates documents in the token shards.
+"""
+
+import hashlib
+from pathlib import Path
+from typing import Iterable, List
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from lit_pretrain.errors import DataError
+
+EOD = "<|endoftext|>"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE of at most `vocab_size` tokens (fewer when the texts have fewer merges to learn)."""
+    texts = list(texts)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer, length=len(texts))
+    _treat_special_tokens_as_text(tokenizer)
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, path) -> None:
+    tokenizer.save(str(path))
+
+
+def load_tokenizer(path) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"tokenizer file {path} does not exist: fix data.tokenizer_path, or unset it to train one")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise DataError(f"{path} is not a tokenizers tokenizer.json ({e}): point data.tokenizer_path at one") from None
+    if tokenizer.token_to_id(EOD) is None:
+        raise DataError(
+            f"{path} has no end-of-document token {EOD!r}: use a tokenizer that has it, or unset "
+            "data.tokenizer_path to train one"
+        )
+    _treat_special_tokens_as_text(tokenizer)
+    return tokenizer
+
+
+def tokenizer_sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def eod_id(tokenizer: Tokenizer) -> int:
+    return tokenizer.token_to_id(EOD)
+
+
+def encode_texts(tokenizer: Tokenizer, texts: List[str]) -> List[List[int]]:
+    """Ids of each text, no special tokens added; the batch is encoded on all cores (Rust threads)."""
+    return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def _treat_special_tokens_as_text(tokenizer: Tokenizer) -> None:
+    # A document that contains the literal string "<|endoftext|>" must not produce an EOD id: EOD ids are where
+    # documents end in the shards. The flag is not saved in tokenizer.json, so it is set on every load.
+    tokenizer.encode_special_tokens = True

@@ -1,0 +1,13 @@
+"""Errors a user can act on: each message names the config key or file and says how to fix it."""
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong (unknown key, wrong type, value out of range)."""
+
+
+class DataError(ValueError):
+    """A corpus, tokenizer, shard or manifest is missing, empty, corrupted or does not match the config."""
+
+
+class RunFolderError(FileExistsError):
+    """A run folder already exists and the run was not told to overwrite it."""

@@ -1,0 +1,192 @@
+"""A decoder-only GPT as a plain `nn.Module`: pre-norm RMSNorm blocks, RoPE, causal attention, SwiGLU MLP.
+
+Knows nothing of Lightning or distribution: tensor parallelism, activation checkpointing and FSDP wrap it from
+outside and refer to submodules by name (`blocks.{i}.attn.wq`, `blocks.{i}.mlp.w_down`, ...), so those names
+are part of the interface. Layout follows LLaMA (Touvron et al. 2023); readable in one sitting like nanoGPT.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_pretrain.model_config import GPTConfig
+
+
+def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): 6·N + 12·L·H·Q·T, PaLM appendix B (Chowdhery et al. 2022).
+
+    6·N: each of the N matmul parameters costs one multiply-add (2 FLOPs) per token forward and twice that
+    backward (gradient w.r.t. the input and w.r.t. the weight). 12·L·H·Q·T: the attention scores QKᵀ and the
+    weighted sum over V, each 2·H·Q·T FLOPs per token per layer forward, times 3 for forward + backward.
+    The full T×T score matrix is counted, as PaLM does, although causal attention needs only half of it.
+    """
+    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None):
+    """cos and sin tables of RoPE (Su et al. 2021, eq. 34), each (seq_len, head_dim), in fp32.
+
+    Rotate-half layout (GPT-NeoX, Hugging Face LLaMA): channel i is paired with channel i + head_dim/2, not with
+    its neighbour as in the paper's interleaved form; both are the same rotation up to a fixed channel permutation
+    of wq and wk. fp32 because the angles reach seq_len radians: near 1000 rad bf16's spacing is 4 rad.
+    """
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (Q/2,)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)  # (T,)
+    angles = torch.outer(positions, inv_freq)  # (T, Q/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, Q): both halves of a pair turn by the same angle
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, n_heads, head_dim) by the angles of its positions; cos, sin are (T, head_dim)."""
+    # Rotation done in fp32 (as Meta's LLaMA reference does) so bf16 activations don't round the angles.
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)  # (B, T, n_heads, head_dim/2) each
+    rotated = torch.cat([-x2, x1], dim=-1)  # (B, T, n_heads, head_dim)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim): broadcast over heads
+    return (xf * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with RoPE on q and k."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        # Separate q/k/v (not one fused wqkv) so tensor parallelism can shard each column-wise by whole heads.
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads, not cfg.n_heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, n_heads, T, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n_heads, T, head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
+        return self.wo(y)
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP w_down(silu(w_gate(x)) * w_up(x)) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
+        self.w_down = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # (B, T, hidden_dim) -> (B, T, d_model)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block (GPT-2, LLaMA): normalizing the branch input, not the stream, keeps the
+    residual path an identity, which trains stably without warmup tricks at depth (Xiong et al. 2020)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, d_model)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, d_model)
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, vocab_size). No loss inside: the LightningModule owns it."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError(
+                "model.vocab_size is null: set it in the config or take it from the prepared tokenizer "
+                "(data.vocab_size) before building the model"
+            )
+        cfg.check()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight  # one Parameter, two views (GPT-2, PaLM)
+        # Non-persistent: derived from the config, so checkpoints hold only weights.
+        self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialize every weight and the RoPE tables; deterministic under `torch.manual_seed`.
+
+        Weight matrices ~ N(0, init_std); the residual output projections (attn.wo, mlp.w_down) ~
+        N(0, init_std / sqrt(2 * n_layers)) so the residual stream's variance stays O(1) in depth: 2 projections
+        add into it per block (GPT-2 paper §2.3, "scaled residual initialization"). Norm weights = 1.
+        A small std also matters for speed: N(0, 1) tied embeddings produced denormals that slowed CPU steps 5x.
+        Call again after materializing from the meta device: the children's own `reset_parameters` would apply
+        PyTorch's defaults (Kaiming-uniform Linears, N(0, 1) Embedding), not this scheme.
+        """
+        cfg = self.cfg
+        std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for block in self.blocks:
+            for linear in (block.attn.wq, block.attn.wk, block.attn.wv, block.mlp.w_gate, block.mlp.w_up):
+                nn.init.normal_(linear.weight, mean=0.0, std=std)
+            for linear in (block.attn.wo, block.mlp.w_down):
+                nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
+            nn.init.ones_(block.attn_norm.weight)
+            nn.init.ones_(block.mlp_norm.weight)
+        nn.init.ones_(self.norm.weight)
+        if not cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device=self.rope_cos.device)
+        # Assigned, not copied: the buffers may have been cast (e.g. `.to(bfloat16)`); the tables are fp32.
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(
+                f"input has {T} tokens but model.seq_len={self.cfg.seq_len}: the RoPE tables cover only "
+                "model.seq_len positions; raise model.seq_len or feed shorter windows"
+            )
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, head_dim)
+        x = self.tok_embeddings(idx)  # (B, T, d_model)
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, d_model)
+        return self.lm_head(self.norm(x))  # (B, T, vocab_size)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Number of unique parameters (a tied embedding/head Parameter is counted once).
+
+        non_embedding=True follows Kaplan et al. 2020 §2.1: N excludes the vocabulary matrices, i.e. both the
+        token embedding and the output head, tied or not. Norm weights are included.
+        non_embedding=False counts every unique parameter.
+        """
+        vocab_matrices = {id(self.tok_embeddings.weight), id(self.lm_head.weight)}
+        return sum(p.numel() for p in self.parameters() if not (non_embedding and id(p) in vocab_matrices))
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: see `flops_per_token_formula`.
+
+        N = num_params(non_embedding=True) + vocab_size·d_model: every parameter used per token plus the output
+        head's matmul; the embedding is a lookup, not a matmul. Norm weights stay in N, as PaLM counts all
+        parameters, although they cost elementwise multiplies, not matmuls (an overcount of 6·(2L+1)·d_model).
+        The attention term counts the full T×T score matrix, as PaLM does, though attention is causal.
+        seq_len defaults to model.seq_len.
+        """
+        cfg = self.cfg
+        n_matmul_params = self.num_params(non_embedding=True) + cfg.vocab_size * cfg.d_model
+        seq_len = cfg.seq_len if seq_len is None else seq_len
+        return flops_per_token_formula(n_matmul_params, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)

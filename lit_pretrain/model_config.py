@@ -1,0 +1,55 @@
+"""The GPT's shape as plain data: read by `model.py` and by the config loader alike.
+
+Kept apart from `model.py` so that loading and checking a config never imports torch.
+Field metadata (`ge`, `gt`, `le`, `choices`) is the range the config loader enforces.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: Optional[int] = field(default=None, metadata={"ge": 2})
+    """Vocabulary size. null: taken from the prepared tokenizer (`data.vocab_size` after training)."""
+    n_layers: int = field(default=6, metadata={"ge": 1})
+    """Number of transformer blocks (L)."""
+    d_model: int = field(default=384, metadata={"ge": 1})
+    """Residual stream width (d_model = n_heads * head_dim)."""
+    n_heads: int = field(default=6, metadata={"ge": 1})
+    """Attention heads (H); must divide d_model."""
+    d_ff: Optional[int] = field(default=None, metadata={"ge": 1})
+    """SwiGLU hidden width. null: 8/3 * d_model rounded up to a multiple of 64 (LLaMA's choice, same FLOPs as a 4x GELU MLP)."""
+    seq_len: int = field(default=256, metadata={"ge": 1})
+    """Context length in tokens (T); also the training window length."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head (fewer parameters, as GPT-2 and PaLM do)."""
+    rope_theta: float = field(default=10000.0, metadata={"gt": 0})
+    """RoPE base frequency (Su et al. 2021)."""
+    norm_eps: float = field(default=1e-5, metadata={"gt": 0})
+    """RMSNorm epsilon."""
+    init_std: float = field(default=0.02, metadata={"gt": 0})
+    """Std of the normal init of every weight matrix; residual output projections get init_std / sqrt(2 * n_layers)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        return 64 * ((8 * self.d_model // 3 + 63) // 64)
+
+    def check(self) -> None:
+        """Cross-field checks that a single field's range can't express."""
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                "choose n_heads that divides d_model"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "
+                "channels, so the head dimension must be even"
+            )

@@ -1,0 +1,127 @@
+"""PretrainModule: the GPT, its loss, AdamW with a warmup schedule, and gradient clipping by global norm."""
+
+import math
+from typing import Iterable, List, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.aggregation import MeanMetric
+
+from lit_pretrain.model import GPT
+from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.schedule import lr_lambda
+from lit_pretrain.schema import OptimConfig, ScheduleConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
+    """AdamW groups: weight decay on matrices of linear layers only.
+
+    Norm gains, biases and embeddings are left undecayed (GPT-3 §B and nanoGPT's `configure_optimizers` do the
+    same): decaying a norm gain or an embedding pulls it toward zero without regularizing any function of inputs.
+    A tied embedding/head matrix is an embedding, so it is not decayed either.
+    """
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or not isinstance(module, nn.Linear):
+            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():  # parameters() yields a tied tensor once
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (no_decay if id(p) in no_decay_ids or p.ndim < 2 else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def clip_by_global_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Rescale all gradients by one factor so their global L2 norm is at most max_norm; return the pre-clip norm.
+
+    This is `torch.nn.utils.clip_grad_norm_` (one factor for the whole gradient, never per-value clamping; it also
+    reduces DTensor-sharded gradients to the full norm). With max_norm <= 0 nothing is changed.
+    """
+    grads = [p for p in parameters if p.grad is not None]
+    if max_norm <= 0:
+        return torch.nn.utils.get_total_norm([p.grad for p in grads], 2.0)
+    return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=2.0, foreach=True)
+
+
+class PretrainModule(L.LightningModule):
+    """Next-token prediction on token windows. `tokens_per_step` is the global count per optimizer step."""
+
+    def __init__(self, model_cfg: GPTConfig, optim: OptimConfig, schedule: ScheduleConfig, max_steps: int,
+                 tokens_per_step: int, seed: Optional[int] = None):
+        super().__init__()
+        self.model_cfg, self.optim_cfg, self.schedule_cfg = model_cfg, optim, schedule
+        self.max_steps, self.tokens_per_step = max_steps, tokens_per_step
+        if seed is not None:
+            torch.manual_seed(seed)  # the initial weights depend on the run seed alone, not on what ran before
+        self.model = GPT(model_cfg)
+        self.val_loss = MeanMetric()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch  # (B, T) inputs and (B, T) next-token targets
+        logits = self.model(x)  # (B, T, V)
+        # fp32 cross-entropy: under bf16 the log-softmax over a large vocabulary loses most of its precision.
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def on_train_start(self):
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._micro_batches = 0
+        self._step_seen = self.global_step
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self._loss_sum += loss.detach()
+        self._micro_batches += 1
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_step == self._step_seen:
+            return  # mid-accumulation: the optimizer has not stepped yet
+        self._step_seen = self.global_step
+        # The step's loss is the mean over its micro-batches and (sync_dist) over data-parallel ranks, not rank 0's
+        # last micro-batch. Lightning converts it to a Python number only on logging steps.
+        self.log("train/loss", self._loss_sum / self._micro_batches, prog_bar=True, sync_dist=True)
+        self._loss_sum.zero_()
+        self._micro_batches = 0
+        self.log("train/tokens_seen", float(self.global_step * self.tokens_per_step))
+        self.log("train/lr", self._lr_used)
+
+    def on_before_optimizer_step(self, optimizer):
+        # Read here, not after the step: by then the scheduler has moved on to the next step's rate.
+        self._lr_used = optimizer.param_groups[0]["lr"]
+
+    def validation_step(self, batch, batch_idx):
+        self.val_loss.update(self.loss(batch), weight=batch[0].numel())
+
+    def on_validation_epoch_end(self):
+        val_loss = self.val_loss.compute()  # torchmetrics reduces across ranks
+        self.val_loss.reset()
+        self.log("val/loss", val_loss, prog_bar=True)
+        self.log("val/perplexity", torch.exp(val_loss))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        norm = clip_by_global_norm(self.parameters(), self.optim_cfg.grad_clip_norm)
+        self.log("train/grad_norm", norm)
+        if self.optim_cfg.grad_clip_norm > 0:
+            self.log("train/clipped", (norm > self.optim_cfg.grad_clip_norm).float())
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        groups = param_groups(self.model, o.weight_decay)
+        # foreach: one fused kernel launch per group instead of one per tensor (the default where supported).
+        optimizer = torch.optim.AdamW(groups, lr=o.lr_peak, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf

@@ -1,0 +1,50 @@
+"""Learning-rate schedules as pure functions of the optimizer step.
+
+Step convention: `step` counts optimizer updates already applied, so the first update uses step 0 and the last of a
+run of `max_steps` uses step `max_steps - 1`. Warmup is linear: step s < warmup_steps uses
+lr_peak * (s + 1) / warmup_steps, so step 0 is not wasted on a zero rate and the last warmup step uses lr_peak.
+Decay starts on the step after it and ends exactly at `lr_min` on the last step, `max_steps - 1`.
+
+- cosine: half a cosine from lr_peak to lr_min (Loshchilov & Hutter 2017, SGDR, without restarts).
+- linear: a straight line from lr_peak to lr_min.
+- wsd: warmup-stable-decay; lr_peak until the final `decay_fraction` of the run, then linear to lr_min
+  (Hu et al. 2024, MiniCPM §4).
+- constant: lr_peak after warmup (lr_min unused).
+"""
+
+import math
+
+KINDS = ("cosine", "linear", "wsd", "constant")
+
+
+def lr_at(step: int, *, kind: str, lr_peak: float, lr_min: float, warmup_steps: int, max_steps: int,
+          decay_fraction: float = 0.2) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    if kind not in KINDS:
+        raise ValueError(f"schedule.kind={kind!r}: expected one of {KINDS}")
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr_peak * (step + 1) / warmup_steps
+    if kind == "constant":
+        return lr_peak
+    last = max_steps - 1
+    if kind == "wsd":
+        decay_start = max(warmup_steps - 1, last - round(decay_fraction * max_steps), 0)
+    else:
+        decay_start = max(warmup_steps - 1, 0)
+    if step <= decay_start or last <= decay_start:
+        return lr_peak
+    progress = min(1.0, (step - decay_start) / (last - decay_start))
+    if kind == "cosine":
+        return lr_min + 0.5 * (lr_peak - lr_min) * (1.0 + math.cos(math.pi * progress))
+    return lr_peak + (lr_min - lr_peak) * progress
+
+
+def lr_lambda(cfg_schedule, lr_peak: float, max_steps: int):
+    """A LambdaLR multiplier (relative to lr_peak) from a `schedule` config section."""
+
+    def factor(step: int) -> float:
+        return lr_at(step, kind=cfg_schedule.kind, lr_peak=lr_peak, lr_min=cfg_schedule.lr_min,
+                     warmup_steps=cfg_schedule.warmup_steps, max_steps=max_steps,
+                     decay_fraction=cfg_schedule.decay_fraction) / lr_peak
+
+    return factor

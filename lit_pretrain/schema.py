@@ -1,0 +1,149 @@
+"""Typed config schemas: one dataclass per concern, each field documented where it is declared.
+
+YAML may set only the fields that exist here (OmegaConf struct mode). Field metadata gives the range the
+loader enforces: `ge`/`gt`/`le`/`lt` for numbers, `choices` for strings.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from lit_pretrain.model_config import GPTConfig
+
+ModelConfig = GPTConfig
+
+
+@dataclass
+class DataConfig:
+    corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl"]})
+    """Where documents come from. stdlib: the Python standard library's own .py files (on every machine,
+    no download); text: plain text files, one document per file; jsonl: one JSON object per line."""
+    paths: List[str] = field(default_factory=list)
+    """Files, directories or glob patterns of the corpus (text and jsonl); directories are searched recursively."""
+    text_field: str = "text"
+    """For jsonl: the key holding a document's text."""
+    prepared_dir: str = "data/stdlib"
+    """Folder for the tokenizer, shards and manifest. Reused when its manifest matches this data config;
+    never overwritten."""
+    vocab_size: int = field(default=8192, metadata={"ge": 259})
+    """Byte-level BPE vocabulary size, including the 256 byte tokens and the end-of-document token."""
+    tokenizer_path: Optional[str] = None
+    """An existing tokenizer.json to use instead of training one (it must contain the end-of-document token)."""
+    tokenizer_train_bytes: int = field(default=16_000_000, metadata={"ge": 1})
+    """Train the tokenizer on at most this many bytes of training documents (in corpus order)."""
+    val_fraction: float = field(default=0.02, metadata={"gt": 0.0, "lt": 1.0})
+    """Fraction of documents held out for validation, chosen by a seeded hash of the document id."""
+    split_seed: int = 1234
+    """Seed of the document-level train/validation split."""
+    max_documents: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Use only the first N documents of the corpus (for quick experiments and tests)."""
+    shard_tokens: int = field(default=1 << 25, metadata={"ge": 1024})
+    """Tokens per shard file (a new shard starts at the next document after this many tokens)."""
+    num_workers: int = field(default=0, metadata={"ge": 0})
+    """DataLoader worker processes per rank (0: load in the training process)."""
+
+
+@dataclass
+class OptimConfig:
+    lr_peak: float = field(default=1e-3, metadata={"gt": 0.0})
+    """Learning rate at the end of warmup."""
+    weight_decay: float = field(default=0.1, metadata={"ge": 0.0})
+    """AdamW decoupled weight decay, applied to weight matrices only (not norms, biases or embeddings)."""
+    beta1: float = field(default=0.9, metadata={"ge": 0.0, "lt": 1.0})
+    """AdamW first-moment decay."""
+    beta2: float = field(default=0.95, metadata={"ge": 0.0, "lt": 1.0})
+    """AdamW second-moment decay (0.95 as in GPT-3 and LLaMA; 0.999 is less stable at scale)."""
+    eps: float = field(default=1e-8, metadata={"gt": 0.0})
+    """AdamW epsilon."""
+    grad_clip_norm: float = field(default=1.0, metadata={"ge": 0.0})
+    """Gradient clipping: rescale the whole gradient so its global L2 norm is at most this. 0 disables."""
+
+
+@dataclass
+class ScheduleConfig:
+    kind: str = field(default="cosine", metadata={"choices": ["cosine", "linear", "wsd", "constant"]})
+    """Decay after warmup: cosine, linear, wsd (warmup-stable-decay) or constant."""
+    warmup_steps: int = field(default=100, metadata={"ge": 0})
+    """Optimizer steps of linear learning rate warmup from 0 to optim.lr_peak."""
+    lr_min: float = field(default=1e-4, metadata={"ge": 0.0})
+    """Learning rate at the last step (cosine, linear, wsd)."""
+    decay_fraction: float = field(default=0.2, metadata={"gt": 0.0, "le": 1.0})
+    """wsd only: fraction of trainer.max_steps spent in the final linear decay (Hu et al. 2024, MiniCPM)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = field(default=1000, metadata={"ge": 1})
+    """Optimizer steps to train for (after gradient accumulation)."""
+    micro_batch_size: int = field(default=8, metadata={"ge": 1})
+    """Sequences per forward/backward on one device."""
+    tokens_per_step: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Global tokens per optimizer step. null: one micro-batch per device, no accumulation. Otherwise it must be a
+    multiple of micro_batch_size * model.seq_len * devices * num_nodes; the quotient is the accumulation count."""
+    accelerator: str = field(default="auto", metadata={"choices": ["auto", "cpu", "gpu", "cuda"]})
+    """Lightning accelerator."""
+    devices: int = field(default=1, metadata={"ge": 1})
+    """Devices (processes) per node."""
+    num_nodes: int = field(default=1, metadata={"ge": 1})
+    """Nodes."""
+    precision: str = field(default="32-true", metadata={"choices": ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]})
+    """Lightning precision. On CPUs without AMX bf16 is slower than fp32: use it for correctness checks."""
+    num_threads: Optional[int] = field(default=None, metadata={"ge": 1})
+    """torch intra-op threads per process. null: the cores divided by the processes on this node."""
+    val_every_n_steps: int = field(default=200, metadata={"ge": 1})
+    """Run validation every this many optimizer steps (and once at the end)."""
+    val_batches: int = field(default=20, metadata={"ge": 1})
+    """Validation micro-batches per device each time (a fixed, deterministic subset of the validation split)."""
+    log_every_n_steps: int = field(default=10, metadata={"ge": 1})
+    """Write metrics every this many optimizer steps."""
+    checkpoint_every_n_steps: int = field(default=500, metadata={"ge": 0})
+    """Save a checkpoint every this many optimizer steps (0: only the final one)."""
+    progress_bar: bool = True
+    """Show Lightning's progress bar."""
+
+
+@dataclass
+class StrategyConfig:
+    name: str = field(default="single", metadata={"choices": ["single", "ddp"]})
+    """How the work is split across devices: single (one process) or ddp (data parallelism, gradients all-reduced)."""
+    process_group_backend: Optional[str] = field(default=None, metadata={"choices": [None, "gloo", "nccl"]})
+    """torch.distributed backend. null: gloo on CPU, nccl on GPUs."""
+    timeout_seconds: int = field(default=1800, metadata={"ge": 1})
+    """Process-group timeout: how long a rank waits for its peers before failing."""
+
+
+@dataclass
+class CallbackSpec:
+    class_path: str = ""
+    """A user's own Lightning callback as `module:Class` (the only import string a config may hold)."""
+    init_args: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for its constructor (plain data)."""
+
+
+@dataclass
+class CallbacksConfig:
+    extra: List[CallbackSpec] = field(default_factory=list)
+    """User callbacks added to the Trainer, each `{class_path: "module:Class", init_args: {...}}`."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    """Run name: the run folder is root_dir/name."""
+    root_dir: str = "runs"
+    """Folder that holds run folders."""
+    seed: int = 1337
+    """Seed of model initialization and of the training data order."""
+    overwrite: bool = False
+    """Allow writing into an existing run folder (its previous contents are deleted first)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)

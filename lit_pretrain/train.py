@@ -1,0 +1,149 @@
+"""config → datamodule, module, callbacks, loggers, Trainer → fit → run folder with summary and plots."""
+
+import dataclasses
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import DictConfig
+
+from lit_pretrain import config as config_lib
+from lit_pretrain.callbacks import user_callbacks
+from lit_pretrain.data.datamodule import TokenShardDataModule
+from lit_pretrain.data.prepare import prepare
+from lit_pretrain.errors import ConfigError
+from lit_pretrain.module import PretrainModule, perplexity
+from lit_pretrain.parallel.strategies import build_strategy, world_size
+from lit_pretrain.runs import create_run_dir, is_primary_process, plot_loss_curve, read_metrics, write_summary
+from lit_pretrain.schema import Config, TrainerConfig
+
+
+def setup_process(trainer: TrainerConfig) -> None:
+    # Denormal floats made CPU steps 5x slower in measurements here (shared/CPU-DISTRIBUTED.md, pitfall 1).
+    torch.set_flush_denormal(True)
+    threads = trainer.num_threads or max(1, (os.cpu_count() or 1) // trainer.devices)
+    torch.set_num_threads(threads)
+
+
+def accumulation(c: Config) -> tuple[int, int]:
+    """(micro-batches per optimizer step, global tokens per optimizer step)."""
+    per_micro_step = c.trainer.micro_batch_size * c.model.seq_len * world_size(c.trainer)
+    if c.trainer.tokens_per_step is None:
+        return 1, per_micro_step
+    if c.trainer.tokens_per_step % per_micro_step:
+        raise ConfigError(
+            f"trainer.tokens_per_step={c.trainer.tokens_per_step} is not a multiple of micro_batch_size × seq_len × "
+            f"devices × num_nodes = {c.trainer.micro_batch_size} × {c.model.seq_len} × {c.trainer.devices} × "
+            f"{c.trainer.num_nodes} = {per_micro_step}: use a multiple of {per_micro_step}"
+        )
+    return c.trainer.tokens_per_step // per_micro_step, c.trainer.tokens_per_step
+
+
+def resolve_vocab(c: Config, tokenizer_vocab: int) -> Config:
+    if c.model.vocab_size is None:
+        return dataclasses.replace(c, model=dataclasses.replace(c.model, vocab_size=tokenizer_vocab))
+    if c.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={c.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens: "
+            "set model.vocab_size=null to take the tokenizer's size"
+        )
+    return c
+
+
+def loggers(run_dir: Path) -> list:
+    # name="" and version="" put metrics.csv directly in the run folder, not in lightning_logs/version_N.
+    out = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        out.append(TensorBoardLogger(save_dir=str(run_dir), name="", version="tensorboard", default_hp_metric=False))
+    return out
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run one experiment; return its summary (also written to runs/<name>/summary.json)."""
+    started = time.perf_counter()
+    c = config_lib.to_object(cfg)
+    setup_process(c.trainer)
+    accumulate, tokens_per_step = accumulation(c)
+    strategy = build_strategy(c.strategy, c.trainer)
+    run_dir = create_run_dir(c.run.root_dir, c.run.name, c.run.overwrite)
+
+    manifest = prepare(c.data)  # reuses prepared shards when present; the other ranks always find them
+    datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
+                                      seed=c.run.seed, val_batches=c.trainer.val_batches)
+    c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
+    cfg.model.vocab_size = c.model.vocab_size
+    if is_primary_process():
+        config_lib.save(cfg, run_dir / "config.yaml")
+
+    module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
+                            tokens_per_step=tokens_per_step, seed=c.run.seed)
+    timer = Timer()
+    callbacks = [
+        timer,
+        ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:07d}", auto_insert_metric_name=False,
+                        every_n_train_steps=c.trainer.checkpoint_every_n_steps or None, save_top_k=-1, save_last=True),
+        *user_callbacks(c.callbacks),
+    ]
+    if c.trainer.progress_bar:
+        callbacks.append(TQDMProgressBar(refresh_rate=max(1, accumulate)))
+    trainer = L.Trainer(
+        accelerator=c.trainer.accelerator, devices=c.trainer.devices, num_nodes=c.trainer.num_nodes,
+        strategy=strategy, precision=c.trainer.precision, max_steps=c.trainer.max_steps,
+        accumulate_grad_batches=accumulate,
+        # Lightning counts validation intervals in micro-batches; ours are optimizer steps.
+        val_check_interval=c.trainer.val_every_n_steps * accumulate, check_val_every_n_epoch=None,
+        limit_val_batches=c.trainer.val_batches, num_sanity_val_steps=0,
+        log_every_n_steps=c.trainer.log_every_n_steps, logger=loggers(run_dir), callbacks=callbacks,
+        enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
+        # Our sampler defines one global order for any number of ranks; Lightning's would replace it.
+        use_distributed_sampler=False, default_root_dir=str(run_dir),
+    )
+    trainer.fit(module, datamodule=datamodule)
+    if c.trainer.max_steps % c.trainer.val_every_n_steps:
+        trainer.validate(module, datamodule=datamodule, verbose=False)  # the final validation loss is always measured
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    tokens_seen = trainer.global_step * tokens_per_step
+    train_seconds = timer.time_elapsed("train")
+    entropy = manifest.get("unigram_entropy_nats")
+    summary = {
+        "run": c.run.name,
+        "params": module.model.num_params(non_embedding=False),
+        "non_embedding_params": module.model.num_params(non_embedding=True),
+        "flops_per_token": module.model.flops_per_token(),
+        "tokens_seen": tokens_seen,
+        "tokens_per_param": tokens_seen / module.model.num_params(non_embedding=False),
+        "tokens_per_step": tokens_per_step,
+        "accumulate_grad_batches": accumulate,
+        "world_size": trainer.world_size,
+        "steps": trainer.global_step,
+        "final_train_loss": metrics.get("train/loss"),
+        "final_val_loss": metrics.get("val/loss"),
+        "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
+        "unigram_entropy_nats": entropy,
+        "wall_seconds": time.perf_counter() - started,
+        "train_seconds": train_seconds,
+        "tokens_per_second": tokens_seen / train_seconds if train_seconds > 0 else None,
+    }
+    if trainer.is_global_zero:
+        write_summary(run_dir, summary)
+        plot_loss_curve(read_metrics(run_dir / "metrics.csv"), run_dir / "loss_curve.png", entropy)
+        report(summary, run_dir)
+    return summary
+
+
+def report(summary: dict, run_dir: Path) -> None:
+    val, entropy = summary["final_val_loss"], summary["unigram_entropy_nats"]
+    print(f"\nrun folder: {run_dir}")
+    print(f"params {summary['params']:,} ({summary['non_embedding_params']:,} non-embedding), "
+          f"{summary['tokens_seen']:,} tokens seen, tokens_per_param {summary['tokens_per_param']:.2f}")
+    print(f"{summary['steps']} steps in {summary['train_seconds']:.1f} s of training "
+          f"({summary['tokens_per_second']:,.0f} tokens/s), {summary['wall_seconds']:.1f} s in all")
+    if val is not None and entropy is not None:
+        print(f"validation loss {val:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}) against the "
+              f"unigram entropy of the corpus {entropy:.3f} nats/token: {entropy - val:+.3f} below it")

@@ -1,0 +1,117 @@
+"""Config: every shipped YAML composes and passes its checks; bad keys, types and ranges are clear errors."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError
+
+from lit_pretrain import config
+from lit_pretrain.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1] / "experiments"
+RUN_FILES = sorted((ROOT / "runs").glob("*.yaml"))
+GROUP_FILES = sorted(p for p in ROOT.glob("*/*.yaml") if p.parent.name != "runs")
+
+
+def test_there_are_shipped_experiments():
+    assert {"default.yaml", "tiny.yaml"} <= {p.name for p in RUN_FILES}
+    assert len(GROUP_FILES) >= 5
+
+
+@pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
+def test_every_run_file_loads(run_file):
+    cfg = config.load(run_file)
+    assert OmegaConf.is_struct(cfg)
+    assert cfg.run.name == run_file.stem  # run names match their files, so runs/<name> is easy to find
+
+
+@pytest.mark.parametrize("group_file", GROUP_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_group_file_loads_into_a_run(group_file):
+    group, name = group_file.parent.name, group_file.stem
+    cfg = config.load(ROOT / "runs" / "tiny.yaml", [f"{group}={name}"])
+    run_own = OmegaConf.load(ROOT / "runs" / "tiny.yaml").get(group, {})
+    for key, value in OmegaConf.load(group_file).items():
+        if key not in run_own:  # the run file's own keys win over its group files
+            assert cfg[group][key] == value, f"{group_file}: {key}"
+
+
+def test_composition_order_run_file_wins_then_command_line():
+    cfg = config.load(ROOT / "runs" / "tiny.yaml")
+    assert cfg.model.d_model == 64  # from model/tiny.yaml
+    assert cfg.optim.lr_peak == 1e-3  # from base.yaml
+    assert cfg.trainer.max_steps == 100  # the run file's own key
+    cfg = config.load(ROOT / "runs" / "tiny.yaml", ["trainer.max_steps=70", "optim.lr_peak=3e-3"])
+    assert (cfg.trainer.max_steps, cfg.optim.lr_peak) == (70, 3e-3)
+
+
+def test_group_choice_on_the_command_line():
+    cfg = config.load(ROOT / "runs" / "tiny.yaml", ["strategy=ddp", "trainer.devices=2"])
+    assert cfg.strategy.name == "ddp" and cfg.trainer.devices == 2
+
+
+def test_struct_mode_rejects_new_keys_after_load():
+    cfg = config.load(ROOT / "runs" / "tiny.yaml")
+    with pytest.raises(ConfigAttributeError):
+        cfg.trainer.max_step = 3
+
+
+def test_unknown_key_on_command_line_names_key_source_and_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.lr_pek' in the command line; did you mean optim\.lr_peak\?"):
+        config.load(ROOT / "runs" / "tiny.yaml", ["optim.lr_pek=1e-3"])
+
+
+def test_unknown_key_in_a_file_names_that_file(tmp_path):
+    run = tmp_path / "experiments" / "runs" / "bad.yaml"
+    run.parent.mkdir(parents=True)
+    (tmp_path / "experiments" / "base.yaml").write_text("trainer:\n  max_steps: 5\n")
+    (tmp_path / "experiments" / "model").mkdir()
+    (tmp_path / "experiments" / "model" / "m.yaml").write_text("n_layer: 2\n")
+    run.write_text("defaults:\n  - base\n  - model: m\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(run)
+    message = str(err.value)
+    assert "'model.n_layer'" in message and str(tmp_path / "experiments" / "model" / "m.yaml") in message
+    assert "did you mean model.n_layers?" in message
+
+
+def test_unknown_section_names_closest():
+    with pytest.raises(ConfigError, match="did you mean trainer"):
+        config.load(None, ["trainr.max_steps=3"])
+
+
+def test_wrong_type_names_key_and_expected_type():
+    with pytest.raises(ConfigError, match=r"'trainer\.max_steps'.*could not be converted to Integer"):
+        config.load(ROOT / "runs" / "tiny.yaml", ["trainer.max_steps=many"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("trainer.max_steps=0", r"'trainer\.max_steps' = 0: expected a value >= 1"),
+    ("data.val_fraction=1.5", r"'data\.val_fraction' = 1\.5: expected a value < 1\.0"),
+    ("schedule.kind=exponential", r"'schedule\.kind' = 'exponential': expected one of"),
+    ("model.n_heads=5", r"model\.d_model=64 is not divisible by model\.n_heads=5"),
+    ("schedule.warmup_steps=1000", r"schedule\.warmup_steps=1000 exceeds trainer\.max_steps=100"),
+    ("callbacks.extra=[{class_path: nocolon}]", r"callbacks\.extra\[0\]\.class_path='nocolon' must be 'module:Class'"),
+])
+def test_out_of_range_values_name_key_and_expectation(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        config.load(ROOT / "runs" / "tiny.yaml", [override])
+
+
+def test_missing_group_file_lists_choices():
+    with pytest.raises(ConfigError, match=r"strategy=zero .*choose one of: ddp, single"):
+        config.load(ROOT / "runs" / "tiny.yaml", ["strategy=zero"])
+
+
+def test_yaml_is_data_not_code(tmp_path):
+    bad = tmp_path / "evil.yaml"
+    bad.write_text("run: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(bad)
+
+
+def test_save_round_trips(tmp_path):
+    cfg = config.load(ROOT / "runs" / "tiny.yaml", ["optim.lr_peak=2e-3"])
+    config.save(cfg, tmp_path / "config.yaml")
+    again = config.load(tmp_path / "config.yaml")
+    assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)

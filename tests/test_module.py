@@ -1,0 +1,111 @@
+"""PretrainModule: gradient clipping by global norm, AdamW parameter groups, the schedule stepped per optimizer step."""
+
+import csv
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_pretrain.model import GPT
+from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.module import PretrainModule, clip_by_global_norm, param_groups
+from lit_pretrain.schedule import lr_at
+from lit_pretrain.schema import OptimConfig, ScheduleConfig
+
+TINY = dict(vocab_size=97, n_layers=2, d_model=32, n_heads=4, seq_len=16)
+
+
+def model_with_grads(seed=0, scale=1.0, tie=True):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**TINY, tie_embeddings=tie))
+    x = torch.randint(0, 97, (3, 16))
+    (model(x).square().mean() * scale).backward()
+    return model
+
+
+def global_norm(model):
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+
+
+def test_clipping_above_threshold_rescales_to_exactly_the_threshold_in_the_same_direction():
+    model = model_with_grads(scale=1e4)
+    before = [p.grad.clone() for p in model.parameters()]
+    norm_before = global_norm(model)
+    assert norm_before > 1.0
+    returned = clip_by_global_norm(model.parameters(), max_norm=1.0)
+    assert returned.item() == pytest.approx(norm_before, rel=1e-6)  # the pre-clip norm is what is reported
+    # torch scales by max_norm / (norm + 1e-6): the result is max_norm·norm/(norm + 1e-6), off by < 1e-6 relative.
+    assert global_norm(model) == pytest.approx(1.0, rel=1e-6)
+    # One factor for the whole gradient: every element is multiplied by the same scalar (so the direction holds).
+    factor = 1.0 / (norm_before + 1e-6)
+    for p, g in zip(model.parameters(), before):
+        torch.testing.assert_close(p.grad, g * factor, rtol=1e-6, atol=0)
+
+
+def test_clipping_below_threshold_changes_nothing():
+    model = model_with_grads(scale=1e-3)
+    before = [p.grad.clone() for p in model.parameters()]
+    assert global_norm(model) < 1.0
+    clip_by_global_norm(model.parameters(), max_norm=1.0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+
+
+def test_clipping_matches_torch_clip_grad_norm_and_is_not_value_clamping():
+    ours, ref = model_with_grads(scale=1e4), model_with_grads(scale=1e4)
+    clip_by_global_norm(ours.parameters(), 0.5)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    clamped = model_with_grads(scale=1e4)
+    for p in clamped.parameters():
+        p.grad.clamp_(-0.5, 0.5)
+    assert any(not torch.equal(a.grad, c.grad) for a, c in zip(ours.parameters(), clamped.parameters()))
+
+
+def test_module_hook_clips_with_the_configured_norm():
+    torch.manual_seed(0)
+    module = PretrainModule(GPTConfig(**TINY), OptimConfig(grad_clip_norm=0.25), ScheduleConfig(warmup_steps=0),
+                            max_steps=10, tokens_per_step=48)
+    x = torch.randint(0, 97, (3, 17))
+    module.loss((x[:, :-1], x[:, 1:])).mul(1e3).backward()
+    module.configure_gradient_clipping(optimizer=None)
+    assert global_norm(module.model) == pytest.approx(0.25, rel=1e-6)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_param_groups_decay_only_linear_weight_matrices(tie):
+    model = GPT(GPTConfig(**TINY, tie_embeddings=tie))
+    decay, no_decay = param_groups(model, weight_decay=0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}  # named_parameters lists a tied tensor once
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in no_decay["params"]}
+    linear = {f"blocks.{i}.{m}.weight" for i in range(2)
+              for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")}
+    # The untied head is a Linear weight matrix: decayed. Tied, it is the embedding: not decayed.
+    assert decayed == (linear if tie else linear | {"lm_head.weight"})
+    norms = {f"blocks.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "mlp_norm")} | {"norm.weight"}
+    assert kept == norms | {"tok_embeddings.weight"}
+    total = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert total == model.num_params(non_embedding=False)  # every parameter exactly once
+
+
+def test_schedule_is_stepped_per_optimizer_step_under_accumulation(tmp_path):
+    """6 optimizer steps of 2 micro-batches: the logged lr of step s is lr_at(s), tokens_seen counts steps."""
+    torch.manual_seed(0)
+    sched = ScheduleConfig(kind="cosine", warmup_steps=2, lr_min=1e-4)
+    module = PretrainModule(GPTConfig(**TINY), OptimConfig(lr_peak=1e-3), sched, max_steps=6,
+                            tokens_per_step=2 * 4 * 16)
+    data = torch.randint(0, 97, (48, 17))
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=2, log_every_n_steps=1,
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="", version=""), limit_val_batches=0,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    rows = [r for r in csv.DictReader(open(tmp_path / "metrics.csv")) if r.get("train/lr")]
+    assert [int(r["step"]) for r in rows] == list(range(6))
+    expected = [lr_at(s, kind="cosine", lr_peak=1e-3, lr_min=1e-4, warmup_steps=2, max_steps=6) for s in range(6)]
+    assert [float(r["train/lr"]) for r in rows] == pytest.approx(expected, rel=1e-6)
+    assert [float(r["train/tokens_seen"]) for r in rows] == [(s + 1) * 128 for s in range(6)]
+    assert all(float(r["train/grad_norm"]) > 0 for r in rows)

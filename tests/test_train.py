@@ -1,0 +1,75 @@
+"""End to end: `lit-pretrain train` on a tiny model learns, fills its run folder, and protects it."""
+
+import json
+
+import pytest
+
+from lit_pretrain import cli, config
+from lit_pretrain.errors import RunFolderError
+from lit_pretrain.train import train
+
+from tests.conftest import EXPERIMENTS, tiny_data_overrides
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_cfg(tmp_path, data_dir, *extra):
+    return config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
+        *tiny_data_overrides(data_dir), f"run.root_dir={tmp_path / 'runs'}", "trainer.progress_bar=false",
+        "trainer.max_steps=60", "trainer.val_every_n_steps=30", "schedule.warmup_steps=5", "optim.lr_peak=3e-3",
+        *extra,
+    ])
+
+
+def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir):
+    summary = train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.tokens_per_step=1024",
+                             "trainer.checkpoint_every_n_steps=30"))
+    run_dir = tmp_path / "runs" / "tiny"
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    for key in ("params", "non_embedding_params", "tokens_seen", "tokens_per_param", "steps", "final_train_loss",
+                "final_val_loss", "val_perplexity", "wall_seconds", "tokens_per_second"):
+        assert on_disk[key] is not None, key
+    # micro-batch 8 × 64 tokens = 512 per micro-step, so tokens_per_step 1024 means 2 micro-batches per step.
+    assert on_disk["accumulate_grad_batches"] == 2
+    assert on_disk["steps"] == 60 and on_disk["tokens_seen"] == 60 * 1024
+    assert on_disk["tokens_per_param"] == pytest.approx(60 * 1024 / on_disk["params"])
+    # An untrained model predicts ~uniformly: loss ln(512) = 6.24. 60 steps must beat the unigram entropy of the
+    # corpus, i.e. the model uses context, not only token frequencies.
+    assert summary["final_val_loss"] < summary["unigram_entropy_nats"] < 6.24
+    assert summary["val_perplexity"] == pytest.approx(2.718281828 ** summary["final_val_loss"], rel=1e-6)
+    for name in ("config.yaml", "metrics.csv", "loss_curve.png", "summary.json"):
+        assert (run_dir / name).is_file(), name
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert "last.ckpt" in checkpoints and "step0000030.ckpt" in checkpoints
+    saved = config.load(run_dir / "config.yaml")
+    assert saved.model.vocab_size == 512 and saved.trainer.tokens_per_step == 1024
+
+
+def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_data_dir):
+    run_dir = tmp_path / "runs" / "tiny"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    precious = run_dir / "checkpoints" / "last.ckpt"
+    precious.write_bytes(b"weeks of training")
+    with pytest.raises(RunFolderError, match=r"run folder .*tiny already exists.*run\.overwrite=true"):
+        train(tiny_cfg(tmp_path, tiny_data_dir))
+    assert precious.read_bytes() == b"weeks of training"
+    train(tiny_cfg(tmp_path, tiny_data_dir, "run.overwrite=true", "trainer.max_steps=5",
+                   "trainer.val_every_n_steps=5"))
+    assert not precious.exists() or precious.read_bytes() != b"weeks of training"
+
+
+def test_cli_reports_usage_errors_without_a_traceback(tmp_path, tiny_data_dir, capsys):
+    code = cli.main(["train", str(EXPERIMENTS / "runs" / "tiny.yaml"), "trainer.max_stepz=3"])
+    assert code == 2
+    assert "did you mean trainer.max_steps?" in capsys.readouterr().err
+    code = cli.main(["train", str(EXPERIMENTS / "runs" / "tiny.yaml"), "data=text", "data.paths=[/no/such/corpus]",
+                     f"data.prepared_dir={tmp_path / 'prep'}", f"run.root_dir={tmp_path / 'runs'}"])
+    assert code == 2
+    assert "/no/such/corpus" in capsys.readouterr().err
+
+
+def test_tokens_per_step_must_divide(tmp_path, tiny_data_dir):
+    from lit_pretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer\.tokens_per_step=1000 is not a multiple of .* 512"):
+        train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.tokens_per_step=1000"))
