@@ -90,7 +90,9 @@ def _parse_overrides(overrides: Sequence[str]) -> Tuple[dict, List[str]]:
     groups, keys = {}, []
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' on the command line must look like key=value (e.g. trainer.max_steps=200)")
+            raise ConfigError(
+                f"override '{item}' on the command line must look like key=value (e.g. trainer.max_steps=200)"
+            )
         key, value = item.split("=", 1)
         if "." not in key and key in GROUPS and value and not value.startswith(("{", "[")):
             groups[key] = value
@@ -186,7 +188,8 @@ def check_ranges(cfg: DictConfig) -> None:
         module, _, cls = spec.class_path.partition(":")
         if not module or not cls:
             raise ConfigError(
-                f"callbacks.extra[{i}].class_path='{spec.class_path}' must be 'module:Class' (e.g. my_pkg.callbacks:MyCallback)"
+                f"callbacks.extra[{i}].class_path='{spec.class_path}' must be 'module:Class' "
+                "(e.g. my_pkg.callbacks:MyCallback)"
             )
 
 

@@ -19,7 +19,8 @@ class GPTConfig:
     n_heads: int = field(default=6, metadata={"ge": 1})
     """Attention heads (H); must divide d_model."""
     d_ff: Optional[int] = field(default=None, metadata={"ge": 1})
-    """SwiGLU hidden width. null: 8/3 * d_model rounded up to a multiple of 64 (LLaMA's choice, same FLOPs as a 4x GELU MLP)."""
+    """SwiGLU hidden width. null: 8/3 * d_model rounded up to a multiple of 64 (LLaMA's choice: the same
+    parameters and FLOPs as a 4x GELU MLP)."""
     seq_len: int = field(default=256, metadata={"ge": 1})
     """Context length in tokens (T); also the training window length."""
     tie_embeddings: bool = True

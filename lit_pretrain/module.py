@@ -119,7 +119,8 @@ class PretrainModule(L.LightningModule):
         groups = param_groups(self.model, o.weight_decay)
         # foreach: one fused kernel launch per group instead of one per tensor (the default where supported).
         optimizer = torch.optim.AdamW(groups, lr=o.lr_peak, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps))
+        schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
 

@@ -4,6 +4,7 @@ import dataclasses
 import importlib.util
 import os
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +16,6 @@ from omegaconf import DictConfig
 from lit_pretrain import config as config_lib
 from lit_pretrain.callbacks import user_callbacks
 from lit_pretrain.data.datamodule import TokenShardDataModule
-from lit_pretrain.data.prepare import prepare
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.strategies import build_strategy, world_size
@@ -72,9 +72,12 @@ def train(cfg: DictConfig) -> dict:
     strategy = build_strategy(c.strategy, c.trainer)
     run_dir = create_run_dir(c.run.root_dir, c.run.name, c.run.overwrite)
 
-    manifest = prepare(c.data)  # reuses prepared shards when present; the other ranks always find them
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
                                       seed=c.run.seed, val_batches=c.trainer.val_batches)
+    # Prepared here, before the Trainer, because the model's vocabulary size comes from the tokenizer. Under the
+    # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
+    datamodule.prepare_data()
+    manifest = datamodule.manifest
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
     cfg.model.vocab_size = c.model.vocab_size
     if is_primary_process():
@@ -103,7 +106,11 @@ def train(cfg: DictConfig) -> dict:
         # Our sampler defines one global order for any number of ranks; Lightning's would replace it.
         use_distributed_sampler=False, default_root_dir=str(run_dir),
     )
-    trainer.fit(module, datamodule=datamodule)
+    with warnings.catch_warnings():
+        # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
+        # already refused to reuse a folder from another run.
+        warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
+        trainer.fit(module, datamodule=datamodule)
     if c.trainer.max_steps % c.trainer.val_every_n_steps:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the final validation loss is always measured
 
@@ -145,5 +152,5 @@ def report(summary: dict, run_dir: Path) -> None:
     print(f"{summary['steps']} steps in {summary['train_seconds']:.1f} s of training "
           f"({summary['tokens_per_second']:,.0f} tokens/s), {summary['wall_seconds']:.1f} s in all")
     if val is not None and entropy is not None:
-        print(f"validation loss {val:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}) against the "
-              f"unigram entropy of the corpus {entropy:.3f} nats/token: {entropy - val:+.3f} below it")
+        print(f"validation loss {val:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}); unigram entropy "
+              f"of the corpus {entropy:.3f} nats/token; the model is {entropy - val:.3f} nats/token below it")

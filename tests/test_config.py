@@ -57,7 +57,8 @@ def test_struct_mode_rejects_new_keys_after_load():
 
 
 def test_unknown_key_on_command_line_names_key_source_and_closest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.lr_pek' in the command line; did you mean optim\.lr_peak\?"):
+    expected = r"unknown config key 'optim\.lr_pek' in the command line; did you mean optim\.lr_peak\?"
+    with pytest.raises(ConfigError, match=expected):
         config.load(ROOT / "runs" / "tiny.yaml", ["optim.lr_pek=1e-3"])
 
 

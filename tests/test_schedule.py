@@ -37,7 +37,8 @@ def test_schedule_table(kind):
 
 def test_cosine_hand_values():
     # step 2: progress 1/8, 0.1 + 0.45·(1 + cos(π/8)) = 0.1 + 0.45·1.9238795 = 0.9657458
-    assert lr_at(2, kind="cosine", lr_peak=1.0, lr_min=0.1, warmup_steps=2, max_steps=10) == pytest.approx(0.9657458, abs=1e-7)
+    lr = lr_at(2, kind="cosine", lr_peak=1.0, lr_min=0.1, warmup_steps=2, max_steps=10)
+    assert lr == pytest.approx(0.9657458, abs=1e-7)
     # midpoint of the decay (step 5, progress 1/2): exactly halfway between peak and min
     assert lr_at(5, kind="cosine", lr_peak=1.0, lr_min=0.1, warmup_steps=2, max_steps=10) == pytest.approx(0.55)
 

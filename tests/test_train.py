@@ -7,7 +7,6 @@ import pytest
 from lit_pretrain import cli, config
 from lit_pretrain.errors import RunFolderError
 from lit_pretrain.train import train
-
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
 pytestmark = pytest.mark.slow

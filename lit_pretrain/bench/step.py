@@ -32,7 +32,8 @@ class _StepClock(L.Callback):
 
 def _data(c, steps: int) -> DataLoader:
     g = torch.Generator().manual_seed(c.run.seed)
-    windows = torch.randint(0, c.model.vocab_size, (steps * c.trainer.micro_batch_size, c.model.seq_len + 1), generator=g)
+    shape = (steps * c.trainer.micro_batch_size, c.model.seq_len + 1)
+    windows = torch.randint(0, c.model.vocab_size, shape, generator=g)
     return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=c.trainer.micro_batch_size)
 
 

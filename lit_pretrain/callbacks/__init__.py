@@ -21,7 +21,9 @@ def user_callbacks(cfg: CallbacksConfig) -> list[Callback]:
             raise ConfigError(f"{key}='{spec.class_path}': cannot import module '{module_name}' ({err})") from None
         cls = getattr(module, class_name, None)
         if not (inspect.isclass(cls) and issubclass(cls, Callback)):
-            raise ConfigError(f"{key}='{spec.class_path}': '{class_name}' is not a Lightning Callback class in {module_name}")
+            raise ConfigError(
+                f"{key}='{spec.class_path}': '{class_name}' is not a Lightning Callback class in {module_name}"
+            )
         try:
             out.append(cls(**dict(spec.init_args)))
         except TypeError as err:

@@ -144,7 +144,8 @@ class TokenShardDataModule(L.LightningDataModule):
         return self.prepared_dir / self.manifest["tokenizer"]["file"]
 
     def prepare_data(self) -> None:
-        prepare(self.data)
+        if self._manifest is None:  # once per process: train() prepares before Lightning calls this again
+            self._manifest = prepare(self.data)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:  # fit then validate calls setup twice
