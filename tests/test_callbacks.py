@@ -5,7 +5,7 @@ import pytest
 
 from lit_pretrain.callbacks import user_callbacks
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.schema import CallbackSpec, CallbacksConfig
+from lit_pretrain.schema import CallbacksConfig, CallbackSpec
 
 
 class CountSteps(L.Callback):

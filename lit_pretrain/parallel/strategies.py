@@ -6,7 +6,7 @@ The same config runs on CPU (gloo) and on GPUs (nccl): the backend is chosen fro
 
 from datetime import timedelta
 
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
@@ -32,5 +32,3 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig) -> Strategy
         )
     raise ConfigError(f"strategy.name={strategy.name!r}: expected single or ddp")
 
-
-__all__ = ["build_strategy", "world_size", "SingleDeviceStrategy"]
