@@ -3,9 +3,13 @@
 import json
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from lit_pretrain import cli, config
-from lit_pretrain.errors import RunFolderError
+from lit_pretrain.checkpoints import load_gpt
+from lit_pretrain.data.datamodule import TokenShardDataModule
+from lit_pretrain.errors import DataError, RunFolderError
 from lit_pretrain.train import train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
@@ -42,6 +46,23 @@ def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir):
     assert "last.ckpt" in checkpoints and "step0000030.ckpt" in checkpoints
     saved = config.load(run_dir / "config.yaml")
     assert saved.model.vocab_size == 512 and saved.trainer.tokens_per_step == 1024
+
+    # The last checkpoint reads back (weights only) into a plain GPT that gives the run's final validation loss.
+    model = load_gpt(run_dir)
+    datamodule = TokenShardDataModule(config.to_object(saved).data, seq_len=64, micro_batch_size=8, seed=1337,
+                                      val_batches=4)
+    datamodule.setup()
+    losses, tokens = 0.0, 0
+    with torch.no_grad():
+        for x, y in datamodule.val_dataloader():
+            losses += F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+            tokens += y.numel()
+    # Same weights, same windows, fp32 both times; only the summation order of the mean differs (~1e-7).
+    assert losses / tokens == pytest.approx(summary["final_val_loss"], abs=1e-5)
+    last = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
+    (run_dir / "checkpoints" / "cut.ckpt").write_bytes(last[: len(last) // 2])
+    with pytest.raises(DataError, match=r"checkpoint .*cut\.ckpt cannot be read"):
+        load_gpt(run_dir, "cut.ckpt")
 
 
 def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_data_dir):
