@@ -88,7 +88,7 @@ class PretrainModule(L.LightningModule):
             return  # mid-accumulation: the optimizer has not stepped yet
         self._step_seen = self.global_step
         # The step's loss is the mean over its micro-batches and (sync_dist) over data-parallel ranks, not rank 0's
-        # last micro-batch. Lightning converts it to a Python number only on logging steps.
+        # last micro-batch.
         self.log("train/loss", self._loss_sum / self._micro_batches, prog_bar=True, sync_dist=True)
         self._loss_sum.zero_()
         self._micro_batches = 0
