@@ -118,13 +118,14 @@ def train(cfg: DictConfig) -> dict:
     tokens_seen = trainer.global_step * tokens_per_step
     train_seconds = timer.time_elapsed("train")
     entropy = manifest.get("unigram_entropy_nats")
+    params = module.model.num_params(non_embedding=False)
     summary = {
         "run": c.run.name,
-        "params": module.model.num_params(non_embedding=False),
+        "params": params,
         "non_embedding_params": module.model.num_params(non_embedding=True),
         "flops_per_token": module.model.flops_per_token(),
         "tokens_seen": tokens_seen,
-        "tokens_per_param": tokens_seen / module.model.num_params(non_embedding=False),
+        "tokens_per_param": tokens_seen / params,
         "tokens_per_step": tokens_per_step,
         "accumulate_grad_batches": accumulate,
         "world_size": trainer.world_size,

@@ -70,12 +70,16 @@ def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_da
     (run_dir / "checkpoints").mkdir(parents=True)
     precious = run_dir / "checkpoints" / "last.ckpt"
     precious.write_bytes(b"weeks of training")
+    stale = run_dir / "notes-from-the-old-run.txt"
+    stale.write_text("left by the previous run")
     with pytest.raises(RunFolderError, match=r"run folder .*tiny already exists.*run\.overwrite=true"):
         train(tiny_cfg(tmp_path, tiny_data_dir))
     assert precious.read_bytes() == b"weeks of training"
     train(tiny_cfg(tmp_path, tiny_data_dir, "run.overwrite=true", "trainer.max_steps=5",
                    "trainer.val_every_n_steps=5"))
-    assert not precious.exists() or precious.read_bytes() != b"weeks of training"
+    # Asked to overwrite, the run starts from an empty folder: nothing of the old run is left to mix in.
+    assert not stale.exists()
+    assert precious.read_bytes() != b"weeks of training"
 
 
 def test_cli_reports_usage_errors_without_a_traceback(tmp_path, tiny_data_dir, capsys):
