@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 from scipy.optimize import minimize
 
+from lit_pretrain.errors import DataError
 from lit_pretrain.scaling.laws import ParametricLaw
 from lit_pretrain.scaling.lbfgs import FunGrad, minimize_rows
 
@@ -24,6 +25,8 @@ CHINCHILLA_GRID = {
     "a": np.arange(0.0, 25.1, 5.0), "b": np.arange(0.0, 25.1, 5.0),
 }
 _LBFGS = {"ftol": 1e-15, "gtol": 1e-12, "maxiter": 5000, "maxcor": 20}
+# The grid's runs stop a little earlier (scaled objective ~1e3): only the best is kept, and it is then polished.
+_GRID = {"ftol": 1e-10, "gtol": 1e-6}
 
 
 def huber(r: np.ndarray, delta: float) -> np.ndarray:
@@ -98,11 +101,15 @@ def fit_parametric(n: Sequence[float], d: Sequence[float], loss: Sequence[float]
     """
     log_n, log_d, log_l = (np.log(np.asarray(v, dtype=float))[None, :] for v in (n, d, loss))
     starts = grid_starts() if starts is None else np.atleast_2d(starts)
-    x, f = minimize_rows(_rows_objective(log_n, log_d, log_l, delta), starts)
+    x, f = minimize_rows(_rows_objective(log_n, log_d, log_l, delta), starts, **_GRID)
     f = np.where(np.isfinite(f), f, np.inf) * delta**2
     best = int(np.argmin(f))
     theta, value = _polish(x[best], log_n[0], log_d[0], log_l[0], delta)
     a, b, e, alpha, beta = theta
+    if max(a, b, e) > 700:
+        raise DataError(f"the fit to {log_n.shape[1]} runs ran off to A = e^{a:.0f}, B = e^{b:.0f}, E = e^{e:.0f}: "
+                        "these runs do not pin down L(N, D) (e.g. loss does not fall with N or D); add runs that "
+                        "span more sizes and token counts")
     law = ParametricLaw(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta), name=name,
                         source=f"Huber (delta {delta:g}) fit of {log_n.shape[1]} runs, L-BFGS from {len(starts)} "
                                "starts")
@@ -126,20 +133,24 @@ def bootstrap(n, d, loss, best: Dict, resamples: int, seed: int = 0, delta: floa
     starts = np.vstack([best["theta"], grid[np.argsort(initial)[:extra_starts]]])  # (k, 5)
     idx = rng.integers(0, len(log_n), (resamples, len(log_n)))
     rows = np.repeat(idx, len(starts), axis=0)  # (resamples * k, runs)
-    x, f = minimize_rows(_rows_objective(log_n[rows], log_d[rows], log_l[rows], delta), np.tile(starts, (resamples, 1)))
+    x, f = minimize_rows(_rows_objective(log_n[rows], log_d[rows], log_l[rows], delta), np.tile(starts, (resamples, 1)),
+                        **_GRID)
     f = np.where(np.isfinite(f), f, np.inf).reshape(resamples, len(starts))
     chosen = x.reshape(resamples, len(starts), 5)[np.arange(resamples), np.argmin(f, axis=1)]
     samples = []
     for a, b, e, alpha, beta in chosen:
+        if max(a, b, e) > 700 or not np.isfinite([a, b, e, alpha, beta]).all():
+            continue  # a degenerate resample (a coefficient beyond float range): counted in `degenerate`
         law = ParametricLaw(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta))
         samples.append({"E": law.E, "A": law.A, "B": law.B, "alpha": law.alpha, "beta": law.beta, "a": law.a,
                         "b": law.b})
     summary = {}
-    for key in ("E", "A", "B", "alpha", "beta", "a", "b"):
+    for key in ("E", "A", "B", "alpha", "beta", "a", "b") if len(samples) > 1 else ():
         values = np.array([s[key] for s in samples])
         summary[key] = {"standard_error": float(values.std(ddof=1)),
                         "interval_90": [float(np.percentile(values, 5)), float(np.percentile(values, 95))]}
-    return {"resamples": resamples, "seed": seed, "coefficients": summary, "samples": samples}
+    return {"resamples": resamples, "degenerate": resamples - len(samples), "seed": seed, "coefficients": summary,
+            "samples": samples}
 
 
 def isoflop_groups(c: Sequence[float], rel_tol: float = 0.1) -> List[List[int]]:

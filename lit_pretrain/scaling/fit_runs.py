@@ -11,17 +11,18 @@ from lit_pretrain.scaling.points import load_points
 
 
 def fit_sources(sources: List[str], out: Optional[Path] = None, plots_dir: Optional[Path] = None,
-                bootstrap: int = 200, drop_highest: int = 0, seed: int = 0, log: Callable = print) -> dict:
+                bootstrap: int = 200, drop_highest: int = 0, seed: int = 0, log: Callable = print,
+                starts: Optional[np.ndarray] = None) -> dict:
     """Fit the approach-3 law and the frontier power laws to the runs in `sources`; write law.json and plots.
 
     drop_highest: leave out this many highest-loss points first (Besiroglu et al. 2024 drop 5 of Hoffmann et al.'s
-    extracted points as outliers).
+    extracted points as outliers). starts: L-BFGS starting points (default: Hoffmann et al.'s grid).
     """
     points = load_points(sources)
     if drop_highest:
         points = sorted(points, key=lambda p: p["loss"])[: len(points) - drop_highest]
     n, d, c, loss = (np.array([p[k] for p in points]) for k in ("N", "D", "C", "loss"))
-    law = fit_lib.fit_parametric(n, d, loss)
+    law = fit_lib.fit_parametric(n, d, loss, starts=starts)
     boot = fit_lib.bootstrap(n, d, loss, law, bootstrap, seed=seed) if bootstrap > 1 else None
     if boot:
         law["bootstrap"] = {k: v for k, v in boot.items() if k != "samples"}

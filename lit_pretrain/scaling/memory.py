@@ -146,7 +146,8 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     activations = per_layer * layers_here * p
     logits = 4.0 * cfg.seq_len * micro_batch * v / t if p == 1 else 0.0
     matmul_params = local - layers_here * norms - (d if p == 1 else 0)
-    cast = b.cast_weight * matmul_params / (data_parallel if zero_stage >= 3 else 1)
+    # autocast casts the weight a matmul reads, gathered in full under ZeRO-3, and saves the copy for the backward
+    cast = b.cast_weight * matmul_params
     total = states["model_state_bytes"] + cast + activations + logits
     out = {
         "params": shapes.params(cfg), "params_per_device": local, "precision": precision,

@@ -9,7 +9,9 @@ leaves out the vocabulary matrices (Kaplan et al. 2020 §2.1).
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Optional, Tuple
+
+import numpy as np
 
 from lit_pretrain.model import flops_per_token_formula
 from lit_pretrain.model_config import GPTConfig
@@ -82,29 +84,27 @@ def shape_near(target_params: float, vocab_size: int, seq_len: int, head_dim: in
         raise ValueError(f"target parameter count must be positive, got {target_params}")
     if count not in ("params", "non_embedding_params"):
         raise ValueError(f"count must be 'params' or 'non_embedding_params', got {count!r}")
-    best, best_key = None, None
-    for cfg in _candidates(vocab_size, seq_len, head_dim, tie_embeddings, max_layers, aspect_ratio):
-        ratio = cfg.d_model / cfg.n_layers
-        if not aspect_ratio / 2 <= ratio <= aspect_ratio * 2:
-            continue
-        n = params(cfg) if count == "params" else non_embedding_params(cfg)
-        miss = abs(math.log(n / target_params))
-        key = (0.0 if miss <= math.log1p(tolerance) else miss, abs(math.log(ratio / aspect_ratio)), miss)
-        if best_key is None or key < best_key:
-            best, best_key = cfg, key
-    if best is None:
+    # every (n_layers, n_heads) whose width is within the aspect window, as arrays (the same counts as `params`)
+    layers = np.arange(1, max_layers + 1)
+    lo = np.maximum(1, np.ceil(layers * aspect_ratio / 2 / head_dim)).astype(int)
+    hi = np.floor(layers * aspect_ratio * 2 / head_dim).astype(int)
+    n_layers = np.repeat(layers, np.maximum(0, hi - lo + 1))
+    n_heads = np.concatenate([np.arange(a, b + 1) for a, b in zip(lo, hi) if b >= a] or [np.zeros(0, int)])
+    if n_heads.size == 0:
         raise ValueError(f"no shape with head_dim {head_dim} and aspect ratio {aspect_ratio} up to {max_layers} "
                          "layers: lower the aspect ratio or the head dimension")
-    return shape_of(best)
-
-
-def _candidates(vocab_size: int, seq_len: int, head_dim: int, tie: bool, max_layers: int,
-                aspect_ratio: float) -> Iterable[GPTConfig]:
-    for n_layers in range(1, max_layers + 1):
-        lo = max(1, math.ceil(n_layers * aspect_ratio / 2 / head_dim))  # only widths within the aspect window
-        for n_heads in range(lo, int(n_layers * aspect_ratio * 2 / head_dim) + 1):
-            yield GPTConfig(vocab_size=vocab_size, n_layers=n_layers, d_model=n_heads * head_dim, n_heads=n_heads,
-                            seq_len=seq_len, tie_embeddings=tie)
+    d = (n_heads * head_dim).astype(np.float64)
+    hidden = 64 * ((8 * d // 3 + 63) // 64)
+    non_embedding = n_layers * (4 * d * d + 3 * d * hidden + 2 * d) + d
+    n = non_embedding + (1 if tie_embeddings else 2) * vocab_size * d if count == "params" else non_embedding
+    miss = np.abs(np.log(n / target_params))
+    near = miss <= math.log1p(tolerance)
+    pool = np.flatnonzero(near) if near.any() else np.flatnonzero(miss == miss.min())
+    off_ratio = np.abs(np.log(d[pool] / n_layers[pool] / aspect_ratio))
+    pick = pool[np.lexsort((miss[pool], off_ratio))[0]]
+    cfg = GPTConfig(vocab_size=vocab_size, n_layers=int(n_layers[pick]), d_model=int(d[pick]),
+                    n_heads=int(n_heads[pick]), seq_len=seq_len, tie_embeddings=tie_embeddings)
+    return shape_of(cfg)
 
 
 def with_shape(cfg: GPTConfig, n_layers: int, d_model: int, n_heads: int) -> GPTConfig:
