@@ -188,7 +188,8 @@ def run_sweep(sweep_file: str, stage: str = "all", log: Callable = print) -> Opt
     error = (prediction["predicted_loss"] - actual) / actual
     report = {"held_out": held, "predicted_loss": prediction["predicted_loss"],
               "predicted_loss_interval": prediction["predicted_loss_interval"], "actual_loss": actual,
-              "relative_error": error, "goal": "|relative_error| <= 0.03", "law": law["chinchilla"],
+              "relative_error": error, "goal": "|relative_error| <= 0.03",
+              "law": {k: v for k, v in law["chinchilla"].items() if k != "bootstrap_samples"},
               "grid_runs": len(grid), "grid_flops": total, "wall_seconds_this_call": time.perf_counter() - started}
     (root / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(f"held-out {held['name']}: predicted {prediction['predicted_loss']:.4f}, measured {actual:.4f}, "
