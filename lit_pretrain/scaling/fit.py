@@ -147,7 +147,10 @@ def bootstrap(n, d, loss, best: Dict, resamples: int, seed: int = 0, delta: floa
     summary = {}
     for key in ("E", "A", "B", "alpha", "beta", "a", "b") if len(samples) > 1 else ():
         values = np.array([s[key] for s in samples])
-        summary[key] = {"standard_error": float(values.std(ddof=1)),
+        with np.errstate(over="ignore"):
+            spread = float(values.std(ddof=1)) if np.isfinite(values).all() else math.inf
+        # a resample that sends A or B to ~1e300 makes the standard error meaningless: null, use the interval
+        summary[key] = {"standard_error": spread if math.isfinite(spread) and spread < 1e100 else None,
                         "interval_90": [float(np.percentile(values, 5)), float(np.percentile(values, 95))]}
     return {"resamples": resamples, "degenerate": resamples - len(samples), "seed": seed, "coefficients": summary,
             "samples": samples}

@@ -59,7 +59,8 @@ def _print(result: dict, log: Callable) -> None:
         extra = ""
         if boot:
             ci = boot["coefficients"][key]
-            extra = (f"  (bootstrap s.e. {ci['standard_error']:.4g}, 90% interval {ci['interval_90'][0]:.4g} .. "
+            se = "n/a" if ci["standard_error"] is None else f"{ci['standard_error']:.4g}"
+            extra = (f"  (bootstrap s.e. {se}, 90% interval {ci['interval_90'][0]:.4g} .. "
                      f"{ci['interval_90'][1]:.4g})")
         log(f"  {key:<6} {law[key]:.4g}{extra}")
     fr = result["frontier"]
@@ -68,3 +69,7 @@ def _print(result: dict, log: Callable) -> None:
             f"L(C) = {fr['L']['coefficient']:.4g}·C^{fr['L']['exponent']:.4f}, "
             f"N_opt(C) = {fr['N_opt']['coefficient']:.4g}·C^{fr['N_opt']['exponent']:.4f}, "
             f"D_opt(C) = {fr['D_opt']['coefficient']:.4g}·C^{fr['D_opt']['exponent']:.4f}")
+    outside = [p for p in fr["points"] if p.get("bracketed") is False]
+    if outside:
+        log(f"note: {len(outside)} of {len(fr['points'])} isoFLOP minima lie outside their group's model sizes "
+            "(extrapolated parabola vertices): the runs do not bracket the compute-optimal size there")

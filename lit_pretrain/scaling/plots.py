@@ -26,7 +26,8 @@ def plot_all(result: dict, folder: Path) -> List[Path]:
     sc = ax.scatter(c, loss, c=np.log10(n), cmap="viridis", s=18, label="runs")
     fig.colorbar(sc, ax=ax, label="log10 parameters")
     grid = np.logspace(np.log10(c.min()) - 0.3, np.log10(c.max()) + 0.5, 100)
-    ax.plot(grid, [law.loss(*law.compute_optimal(x)) for x in grid], "k-", label="fitted L(N, D) at compute-optimal")
+    ax.plot(grid, [law.loss(*law.compute_optimal(x)) for x in grid], "k-",
+            label="fitted L(N, D), compute-optimal with C = 6ND")
     fr = result["frontier"]
     if "L" in fr:
         ax.plot(grid, fr["L"]["coefficient"] * grid ** fr["L"]["exponent"], "r--", label=f"frontier ({fr['method']})")
@@ -43,10 +44,10 @@ def plot_all(result: dict, folder: Path) -> List[Path]:
         order = sorted(group, key=lambda i: n[i])
         budget = float(np.exp(np.mean(np.log(c[order]))))
         ax.plot(n[order], loss[order], "o", color=color, label=f"C ≈ {budget:.2g}")
-        span = np.logspace(np.log10(n[order][0]) - 0.2, np.log10(n[order][-1]) + 0.2, 60)
-        ax.plot(span, [law.loss(x, budget / (6 * x)) for x in span], "-", color=color, alpha=0.7)
+        # the law at each run's own (N, D): a run's D is C / flops_per_token, not C / 6N, for small models
+        ax.plot(n[order], [law.loss(n[i], d[i]) for i in order], "-", color=color, alpha=0.7)
     ax.set(xscale="log", xlabel="parameters N", ylabel="final loss (nats / token)",
-           title="isoFLOP curves (lines: fitted law with D = C / 6N)")
+           title="isoFLOP groups (dots: runs; lines: fitted law at the runs' N, D)")
     ax.grid(alpha=0.3, which="both")
     if 0 < len(groups) <= 12:  # a legend of more budgets hides the curves
         ax.legend(fontsize=7, ncol=2)
