@@ -6,9 +6,10 @@ STAMP := $(VENV)/.installed
 RUN ?= experiments/runs/default.yaml
 ARGS ?=
 PYTEST_ARGS ?=
+SWEEP ?= experiments/sweep/cpu/sweep.yaml
 
 .DEFAULT_GOAL := help
-.PHONY: help install prepare train test test-fast lint bench clean
+.PHONY: help install prepare train test test-fast lint bench clean sweep
 
 help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -40,6 +41,9 @@ lint: $(STAMP) ## ruff over the package and tests
 
 bench: $(STAMP) ## run the benchmark cases and write runs/bench/results.json
 	$(BIN)/python -m lit_pretrain.bench
+
+sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
+	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)
 
 clean: ## remove the virtual environment, prepared data and runs
 	rm -rf $(VENV) data runs

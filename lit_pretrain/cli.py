@@ -19,10 +19,17 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("run_file", help="experiment file, e.g. experiments/runs/default.yaml")
         cmd.add_argument("overrides", nargs="*", help="key=value (optim.lr_peak=1e-3) or group=name (strategy=ddp)")
+    for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
+        sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("fit", "plan", "memory"):  # scaling laws and planning: lit_pretrain/scaling/cli.py
+        from lit_pretrain.scaling.cli import main as scaling_main
+
+        return scaling_main(argv)
     args = _parser().parse_args(argv)
     try:
         from lit_pretrain import config

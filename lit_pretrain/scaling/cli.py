@@ -1,0 +1,151 @@
+"""`lit-pretrain fit | plan | memory`: parse, call one function, print a table or JSON."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lit_pretrain.errors import ConfigError, DataError
+from lit_pretrain.scaling.laws import PUBLISHED
+from lit_pretrain.scaling.memory import CHECKPOINTING, PRECISIONS
+
+COMMANDS = ("fit", "plan", "memory")
+_SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def count(text: str) -> float:
+    """'7e9', '7B', '1.4T', '500M' -> a number."""
+    raw = text.strip().upper()
+    scale = _SUFFIX.get(raw[-1:], None)
+    try:
+        return float(raw[:-1]) * scale if scale else float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: write e.g. 7e9, 7B, 1.4T") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lit-pretrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    fit = sub.add_parser("fit", help="fit L(N, D) and the compute frontier to runs or a CSV",
+                         description="Fit L(N, D) = E + A/N^alpha + B/D^beta (Hoffmann et al. 2022, approach 3) "
+                                     "and power laws of the compute frontier; write the law as JSON and plots.")
+    fit.add_argument("sources", nargs="+", help="run folders (runs/<name>), folders of runs, or CSV files with "
+                                                "columns N (or params, Model Size), D or C, loss")
+    fit.add_argument("--out", default="law.json", help="law file to write (default law.json)")
+    fit.add_argument("--plots", default=None, help="folder for the PNG plots (default: plots/ beside --out)")
+    fit.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for intervals (0: none)")
+    fit.add_argument("--drop-highest", type=int, default=0, help="leave out this many highest-loss points")
+    fit.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples")
+
+    plan = sub.add_parser("plan", help="compute-optimal parameters and tokens for a budget",
+                          description="Compute-optimal plan from exactly one of --flops, --params, --tokens.")
+    group = plan.add_mutually_exclusive_group(required=True)
+    group.add_argument("--flops", type=count, help="training compute C in FLOPs (C = 6·N·D)")
+    group.add_argument("--params", type=count, help="parameter count N (the law's convention)")
+    group.add_argument("--tokens", type=count, help="training tokens D")
+    plan.add_argument("--law", default="chinchilla", help=f"{', '.join(PUBLISHED)}, or a law.json from fit")
+    plan.add_argument("--vocab", type=int, default=32000, help="vocabulary size of the shape (default 32000)")
+    plan.add_argument("--seq-len", type=int, default=2048, help="sequence length of the shape (default 2048)")
+    plan.add_argument("--head-dim", type=int, default=64, help="head dimension of the shape (default 64)")
+    plan.add_argument("--aspect-ratio", type=float, default=64.0, help="d_model / n_layers of the shape (default 64)")
+    plan.add_argument("--tokens-per-step", type=count, default=2**20, help="global batch in tokens (default 2^20)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    mem = sub.add_parser("memory", help="per-device memory of a training configuration",
+                         description="Per-device bytes: model states (Rajbhandari et al. 2019) and activations "
+                                     "(Korthikanti et al. 2022, Table 2).")
+    mem.add_argument("--params", type=count, help="parameter count: picks a shape of our family near it")
+    mem.add_argument("--layers", type=int, help="transformer layers")
+    mem.add_argument("--hidden", type=int, help="hidden size d_model")
+    mem.add_argument("--heads", type=int, help="attention heads")
+    mem.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
+    mem.add_argument("--seq-len", type=int, default=2048, help="sequence length (default 2048)")
+    mem.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    mem.add_argument("--untied", action="store_true", help="separate output head (default: tied embeddings)")
+    mem.add_argument("--data-parallel", type=int, default=1)
+    mem.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    mem.add_argument("--tensor-parallel", type=int, default=1)
+    mem.add_argument("--pipeline-parallel", type=int, default=1)
+    mem.add_argument("--sequence-parallel", action="store_true")
+    mem.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING)
+    mem.add_argument("--precision", default="zero-mixed-adam", choices=list(PRECISIONS),
+                     help="zero-mixed-adam: the ZeRO paper's 2 + 2 + 12 bytes/param; 32-true, bf16-mixed, "
+                          "16-mixed, bf16-true: what our runs hold under that Lightning precision")
+    mem.add_argument("--exact", action="store_true", help="sum FSDP2's padded per-tensor shards (data parallel only)")
+    mem.add_argument("--device-memory", default=None, help="device memory, e.g. 80GB or 141GiB: adds `fits`")
+    mem.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "fit":
+            from lit_pretrain.scaling.fit_runs import fit_sources
+
+            out = Path(args.out)
+            plots = Path(args.plots) if args.plots else out.parent / "plots"
+            fit_sources(args.sources, out=out, plots_dir=plots, bootstrap=args.bootstrap,
+                        drop_highest=args.drop_highest, seed=args.seed)
+        elif args.command == "plan":
+            from lit_pretrain.scaling.plan import format_plan, load_law, plan
+
+            result = plan(load_law(args.law), flops=args.flops, params=args.params, tokens=args.tokens,
+                          vocab_size=args.vocab, seq_len=args.seq_len, tokens_per_step=int(args.tokens_per_step),
+                          head_dim=args.head_dim, aspect_ratio=args.aspect_ratio)
+            print(json.dumps(result, indent=2) if args.json else format_plan(result))
+        else:
+            result = _memory(args)
+            print(json.dumps(result, indent=2) if args.json else format_memory(result))
+    except (ConfigError, DataError) as err:
+        print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _memory(args) -> dict:
+    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.scaling import shapes
+    from lit_pretrain.scaling.memory import memory_plan, parse_bytes
+
+    shape_args = (args.layers, args.hidden, args.heads)
+    if (args.params is None) == all(v is None for v in shape_args) or (
+            args.params is None and any(v is None for v in shape_args)):
+        raise ConfigError("give either --params, or all of --layers, --hidden and --heads")
+    if args.params is not None:
+        s = shapes.shape_near(args.params, args.vocab, args.seq_len)
+        shape_args = (s.n_layers, s.d_model, s.n_heads)
+    cfg = GPTConfig(vocab_size=args.vocab, n_layers=shape_args[0], d_model=shape_args[1], n_heads=shape_args[2],
+                    seq_len=args.seq_len, tie_embeddings=not args.untied)
+    try:
+        cfg.check()
+    except ValueError as err:
+        raise ConfigError(str(err).replace("model.d_model", "--hidden").replace("model.n_heads", "--heads")) from None
+    device = parse_bytes(args.device_memory) if args.device_memory else None
+    result = memory_plan(cfg, args.micro_batch, args.data_parallel, args.zero_stage, args.tensor_parallel,
+                         args.pipeline_parallel, args.sequence_parallel, args.activation_checkpointing,
+                         args.precision, device, exact=args.exact)
+    return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
+                      "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings}, **result}
+
+
+def format_memory(r: dict) -> str:
+    s = r["shape"]
+    gib = 2**30
+    lines = [f"model: {s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads, vocab {s['vocab_size']}; "
+             f"{r['params']:,} parameters, {r['params_per_device']:,.0f} on this device before ZeRO sharding",
+             f"layout: data_parallel {r['data_parallel']} (ZeRO stage {r['zero_stage']}), tensor_parallel "
+             f"{r['tensor_parallel']}, pipeline_parallel {r['pipeline_parallel']}, sequence_parallel "
+             f"{r['sequence_parallel']}, activation_checkpointing {r['activation_checkpointing']}, precision "
+             f"{r['precision']}, micro_batch {r['micro_batch']} × seq_len {r['seq_len']}"]
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes", "cast_weight_bytes",
+                "activation_bytes_per_layer", "activation_bytes", "total_bytes"):
+        lines.append(f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gib:>10.3f} GiB")
+    if "fits" in r:
+        lines.append(f"fits in {r['device_memory'] / gib:.1f} GiB: {'yes' if r['fits'] else 'NO'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

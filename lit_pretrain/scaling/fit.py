@@ -1,0 +1,207 @@
+"""Fit L(N, D) = E + A/N^alpha + B/D^beta the way Hoffmann et al. 2022 did (approach 3, §3.3 and appendix D.2).
+
+Minimize over θ = (a, b, e, alpha, beta), A = e^a, B = e^b, E = e^e, the sum over runs i of
+    Huber_δ( LSE(a − alpha·log N_i, b − beta·log D_i, e) − log L_i ),  δ = 1e-3,
+with L-BFGS from every point of their grid of starting points, keeping the best. The objective is tiny (~1e-3), so
+it is scaled by 1/δ² before the optimizer sees it: Besiroglu et al. 2024 found Hoffmann et al.'s optimizer stopped
+early for want of such a scale. The best start is then polished by scipy's L-BFGS-B to tight tolerances.
+"""
+
+import itertools
+import math
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+from scipy.optimize import minimize
+
+from lit_pretrain.errors import DataError
+from lit_pretrain.scaling.laws import ParametricLaw
+from lit_pretrain.scaling.lbfgs import FunGrad, minimize_rows
+
+HUBER_DELTA = 1e-3
+# Hoffmann et al. appendix D.2: alpha, beta in {0, 0.5, ..., 2}; e in {-1, -0.5, ..., 1}; a, b in {0, 5, ..., 25}.
+CHINCHILLA_GRID = {
+    "alpha": np.arange(0.0, 2.01, 0.5), "beta": np.arange(0.0, 2.01, 0.5), "e": np.arange(-1.0, 1.01, 0.5),
+    "a": np.arange(0.0, 25.1, 5.0), "b": np.arange(0.0, 25.1, 5.0),
+}
+_LBFGS = {"ftol": 1e-15, "gtol": 1e-12, "maxiter": 5000, "maxcor": 20}
+# The grid's runs stop a little earlier (scaled objective ~1e3): only the best is kept, and it is then polished.
+_GRID = {"ftol": 1e-10, "gtol": 1e-6}
+
+
+def huber(r: np.ndarray, delta: float) -> np.ndarray:
+    small = np.abs(r) <= delta
+    return np.where(small, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta))
+
+
+def objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, delta: float):
+    """Sum of Huber losses of the log-loss residuals, and its gradient with respect to θ = (a, b, e, alpha, beta)."""
+    a, b, e, alpha, beta = theta
+    terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])  # (3, runs)
+    top = terms.max(axis=0)
+    ex = np.exp(terms - top)
+    total = ex.sum(axis=0)
+    r = top + np.log(total) - log_l  # (runs,): LSE - log L
+    w = ex / total  # d LSE / d term, (3, runs)
+    g = np.clip(r, -delta, delta)  # Huber'(r)
+    grad = np.array([g @ w[0], g @ w[1], g @ w[2], -(g * w[0]) @ log_n, -(g * w[1]) @ log_d])
+    return float(huber(r, delta).sum()), grad
+
+
+def grid_starts(grid: Dict[str, np.ndarray] = CHINCHILLA_GRID) -> np.ndarray:
+    """Every starting θ = (a, b, e, alpha, beta) of the grid, (starts, 5)."""
+    return np.array(list(itertools.product(grid["a"], grid["b"], grid["e"], grid["alpha"], grid["beta"])))
+
+
+def _rows_objective(log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, delta: float) -> FunGrad:
+    """`objective` for many θ rows at once, scaled by 1/δ² so that L-BFGS tolerances are meaningful.
+
+    log_n, log_d, log_l: (1, runs) shared by every row, or (rows, runs) with each row's own resample.
+    """
+    scale = 1.0 / delta**2
+
+    def fun_grad(theta: np.ndarray, rows: np.ndarray):
+        ln, ld, ll = (v if v.shape[0] == 1 else v[rows] for v in (log_n, log_d, log_l))
+        a, b, e, alpha, beta = (theta[:, i : i + 1] for i in range(5))  # each (k, 1)
+        t0, t1 = a - alpha * ln, b - beta * ld  # (k, runs)
+        t2 = np.broadcast_to(e, t0.shape)
+        top = np.maximum(np.maximum(t0, t1), t2)
+        e0, e1, e2 = np.exp(t0 - top), np.exp(t1 - top), np.exp(t2 - top)
+        total = e0 + e1 + e2
+        r = top + np.log(total) - ll
+        w0, w1, w2 = e0 / total, e1 / total, e2 / total
+        h = np.clip(r, -delta, delta)  # Huber'(r)
+        f = huber(r, delta).sum(axis=1)
+        grad = np.stack([(h * w0).sum(1), (h * w1).sum(1), (h * w2).sum(1), -(h * w0 * ln).sum(1),
+                         -(h * w1 * ld).sum(1)], axis=1)
+        return f * scale, grad * scale
+
+    return fun_grad
+
+
+def _polish(theta: np.ndarray, log_n, log_d, log_l, delta: float):
+    """scipy's L-BFGS-B from the best row, to tight tolerances (the objective is scaled by 1/δ²)."""
+    scale = 1.0 / delta**2
+
+    def scaled(t):
+        value, grad = objective(t, log_n, log_d, log_l, delta)
+        return value * scale, grad * scale
+
+    res = minimize(scaled, theta, jac=True, method="L-BFGS-B", options=_LBFGS)
+    return (res.x, res.fun / scale) if res.fun / scale <= objective(theta, log_n, log_d, log_l, delta)[0] else (
+        theta, objective(theta, log_n, log_d, log_l, delta)[0])
+
+
+def fit_parametric(n: Sequence[float], d: Sequence[float], loss: Sequence[float], delta: float = HUBER_DELTA,
+                   starts: Optional[np.ndarray] = None, name: str = "fitted") -> Dict:
+    """Best L-BFGS fit over the starting points (default: Hoffmann et al.'s whole grid of 4,500).
+
+    Returns the law's coefficients, the objective (sum of Huber losses), how many starts reached it and the
+    exponents of the compute-optimal allocation (a = beta/(alpha+beta), b = alpha/(alpha+beta)).
+    """
+    log_n, log_d, log_l = (np.log(np.asarray(v, dtype=float))[None, :] for v in (n, d, loss))
+    starts = grid_starts() if starts is None else np.atleast_2d(starts)
+    x, f = minimize_rows(_rows_objective(log_n, log_d, log_l, delta), starts, **_GRID)
+    f = np.where(np.isfinite(f), f, np.inf) * delta**2
+    best = int(np.argmin(f))
+    theta, value = _polish(x[best], log_n[0], log_d[0], log_l[0], delta)
+    a, b, e, alpha, beta = theta
+    if max(a, b, e) > 700:
+        raise DataError(f"the fit to {log_n.shape[1]} runs ran off to A = e^{a:.0f}, B = e^{b:.0f}, E = e^{e:.0f}: "
+                        "these runs do not pin down L(N, D) (e.g. loss does not fall with N or D); add runs that "
+                        "span more sizes and token counts")
+    law = ParametricLaw(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta), name=name,
+                        source=f"Huber (delta {delta:g}) fit of {log_n.shape[1]} runs, L-BFGS from {len(starts)} "
+                               "starts")
+    return {**law.to_dict(), "objective": float(value), "theta": [float(v) for v in theta], "starts": len(starts),
+            # starts whose L-BFGS run ended within 1e-6 (relative) of the best objective: one basin or several
+            "starts_at_best": int(np.sum(f <= f[best] * (1 + 1e-6))), "runs": int(log_n.shape[1]),
+            "a": law.a, "b": law.b, "G": law.G}
+
+
+def bootstrap(n, d, loss, best: Dict, resamples: int, seed: int = 0, delta: float = HUBER_DELTA,
+              extra_starts: int = 8) -> Dict:
+    """Refit on `resamples` resamples of the runs (drawn with replacement); percentile intervals and standard errors.
+
+    Each resample starts from the full-data optimum and from the `extra_starts` grid points with the lowest
+    objective on the full data (the whole grid for every resample would cost resamples × 4,500 L-BFGS runs).
+    """
+    rng = np.random.default_rng(seed)
+    log_n, log_d, log_l = (np.log(np.asarray(v, dtype=float)) for v in (n, d, loss))
+    grid = grid_starts()
+    initial, _ = _rows_objective(log_n[None], log_d[None], log_l[None], delta)(grid, np.arange(len(grid)))
+    starts = np.vstack([best["theta"], grid[np.argsort(initial)[:extra_starts]]])  # (k, 5)
+    idx = rng.integers(0, len(log_n), (resamples, len(log_n)))
+    rows = np.repeat(idx, len(starts), axis=0)  # (resamples * k, runs)
+    x, f = minimize_rows(_rows_objective(log_n[rows], log_d[rows], log_l[rows], delta), np.tile(starts, (resamples, 1)),
+                        **_GRID)
+    f = np.where(np.isfinite(f), f, np.inf).reshape(resamples, len(starts))
+    chosen = x.reshape(resamples, len(starts), 5)[np.arange(resamples), np.argmin(f, axis=1)]
+    samples = []
+    for a, b, e, alpha, beta in chosen:
+        if max(a, b, e) > 700 or not np.isfinite([a, b, e, alpha, beta]).all():
+            continue  # a degenerate resample (a coefficient beyond float range): counted in `degenerate`
+        law = ParametricLaw(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha), beta=float(beta))
+        samples.append({"E": law.E, "A": law.A, "B": law.B, "alpha": law.alpha, "beta": law.beta, "a": law.a,
+                        "b": law.b})
+    summary = {}
+    for key in ("E", "A", "B", "alpha", "beta", "a", "b") if len(samples) > 1 else ():
+        values = np.array([s[key] for s in samples])
+        with np.errstate(over="ignore"):
+            spread = float(values.std(ddof=1)) if np.isfinite(values).all() else math.inf
+        # a resample that sends A or B to ~1e300 makes the standard error meaningless: null, use the interval
+        summary[key] = {"standard_error": spread if math.isfinite(spread) and spread < 1e100 else None,
+                        "interval_90": [float(np.percentile(values, 5)), float(np.percentile(values, 95))]}
+    return {"resamples": resamples, "degenerate": resamples - len(samples), "seed": seed, "coefficients": summary,
+            "samples": samples}
+
+
+def isoflop_groups(c: Sequence[float], rel_tol: float = 0.1) -> List[List[int]]:
+    """Indices of runs grouped by compute: sorted by C, a new group starts where C grows by more than rel_tol."""
+    order = np.argsort(c)
+    groups: List[List[int]] = []
+    for i in order:
+        if groups and c[i] <= c[groups[-1][0]] * (1 + rel_tol):
+            groups[-1].append(int(i))
+        else:
+            groups.append([int(i)])
+    return groups
+
+
+def frontier(n, d, c, loss, rel_tol: float = 0.1) -> Dict:
+    """Power laws of the compute frontier: L(C) = L_c·C^-gamma, N_opt(C) = k_N·C^a_N, D_opt(C) = k_D·C^a_D.
+
+    Where at least two isoFLOP groups hold runs of 3 or more sizes, each group's minimum is the vertex of a parabola
+    fitted to loss against log N (Hoffmann et al. approach 2, §3.2), with D_opt = C / (6·N_opt). Otherwise the
+    frontier is the runs that reach a lower loss than every run of less compute (the lower envelope, Kaplan et al.
+    2020 §6). Each power law is a least-squares line in log-log space.
+    """
+    n, d, c, loss = (np.asarray(v, dtype=float) for v in (n, d, c, loss))
+    rows = []
+    for group in isoflop_groups(c, rel_tol):
+        if len({round(x) for x in n[group]}) < 3:
+            continue
+        x, y = np.log(n[group]), loss[group]
+        k2, k1, k0 = np.polyfit(x, y, 2)
+        if k2 <= 0:
+            continue  # no minimum: the group does not bracket its compute-optimal size
+        x_opt = -k1 / (2 * k2)
+        c_group = float(np.exp(np.mean(np.log(c[group]))))
+        n_opt = float(np.exp(x_opt))
+        rows.append({"C": c_group, "N_opt": n_opt, "D_opt": c_group / (6 * n_opt),
+                     "loss": float(k0 + k1 * x_opt + k2 * x_opt**2), "runs": len(group),
+                     "bracketed": bool(x.min() <= x_opt <= x.max())})
+    method = "isoflop parabolas (approach 2)"
+    if len(rows) < 2:
+        method, rows, best = "lower envelope", [], math.inf
+        for i in np.argsort(c):
+            if loss[i] < best:
+                best = loss[i]
+                rows.append({"C": float(c[i]), "N_opt": float(n[i]), "D_opt": float(d[i]), "loss": float(loss[i])})
+    result = {"method": method, "points": rows}
+    if len(rows) >= 2:
+        log_c = np.log([r["C"] for r in rows])
+        for key, label in (("loss", "L"), ("N_opt", "N_opt"), ("D_opt", "D_opt")):
+            slope, intercept = np.polyfit(log_c, np.log([r[key] for r in rows]), 1)
+            result[label] = {"coefficient": float(np.exp(intercept)), "exponent": float(slope)}
+    return result

@@ -1,0 +1,196 @@
+"""Per-device memory of training, as pure functions: model states and activations.
+
+Model states follow Rajbhandari et al. 2019 (ZeRO, §3.1 and §5): Ψ parameters under mixed-precision Adam hold
+2Ψ (fp16 parameters) + 2Ψ (fp16 gradients) + KΨ optimizer states with K = 12 (fp32 master parameters, momentum,
+variance); ZeRO stage 1 divides the optimizer states by the data-parallel size N_d, stage 2 the gradients as well,
+stage 3 the parameters as well (their Figure 1 and Table 1).
+What our own runs hold (torch.optim.AdamW, states in the parameter dtype):
+- "32-true": 4 (fp32 parameter) + 4 (fp32 gradient) + 8 (exp_avg, exp_avg_sq) bytes per parameter.
+- "bf16-mixed" / "16-mixed": Lightning's MixedPrecision runs forward under torch.autocast; parameters, gradients
+  and AdamW states stay fp32 (the same 4 + 4 + 8), and autocast additionally caches a 16-bit copy of every weight a
+  matmul reads during the forward (2 bytes per matmul parameter, kept for the backward): `cast_weight_bytes`.
+- "bf16-true": everything in bf16, 2 + 2 + 4 bytes per parameter.
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+Table 2; s sequence length, b micro-batch, h hidden size, a heads, t tensor-parallel size), in bytes per layer for
+16-bit activations with 1-byte dropout masks:
+    no recomputation, tensor parallel          sbh·(10 + 24/t + 5·a·s/(h·t))   (t = 1: sbh·(34 + 5as/h))
+    ... with sequence parallelism              sbh·(34/t + 5·a·s/(h·t))
+    selective recomputation                    sbh·(10 + 24/t)
+    selective + sequence parallelism           sbh·34/t
+    full recomputation                         2·sbh  (only each layer's input is kept)
+Under 1F1B pipeline parallelism the first stage keeps p micro-batches of its L/p layers in flight, i.e. L layers'
+worth whatever p is (§4.2.3); it also holds the input embedding. Logits for the cross-entropy are stored in fp32,
+4·s·b·v/t bytes (§4.3), on the last stage. For fp32 activations ("32-true") the 16-bit formulas are doubled: our
+model has no dropout, whose 1-byte masks the formulas count, so this is an upper estimate.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from lit_pretrain.errors import ConfigError
+from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.scaling import shapes
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state under one precision recipe."""
+
+    param: int
+    grad: int
+    optimizer: int
+    cast_weight: int  # 16-bit weight copies autocast keeps from forward to backward
+    activation_factor: float  # multiplier of Korthikanti et al.'s 16-bit activation formulas
+
+
+PRECISIONS: Dict[str, StateBytes] = {
+    "zero-mixed-adam": StateBytes(2, 2, 12, 0, 1.0),  # Rajbhandari et al. 2019 §3.1, K = 12
+    "32-true": StateBytes(4, 4, 8, 0, 2.0),
+    "bf16-mixed": StateBytes(4, 4, 8, 2, 1.0),
+    "16-mixed": StateBytes(4, 4, 8, 2, 1.0),
+    "bf16-true": StateBytes(2, 2, 4, 0, 1.0),
+}
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def model_state_bytes(params: float, data_parallel: int = 1, zero_stage: int = 0,
+                      precision: str = "zero-mixed-adam") -> Dict[str, float]:
+    """Per-rank bytes of parameters, gradients and optimizer states for `params` parameters held by a rank before
+    data-parallel sharding (Rajbhandari et al. 2019, Figure 1: (2 + 2 + K)·Ψ, divided by N_d per ZeRO stage)."""
+    b = _precision(precision)
+    _check_parallel(data_parallel, zero_stage)
+    nd = data_parallel
+    out = {"param_bytes": b.param * params / (nd if zero_stage >= 3 else 1),
+           "grad_bytes": b.grad * params / (nd if zero_stage >= 2 else 1),
+           "optimizer_bytes": b.optimizer * params / (nd if zero_stage >= 1 else 1)}
+    out["model_state_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]
+    return out
+
+
+def per_rank_model_state_bytes(cfg: GPTConfig, world_size: int, zero_stage: int, precision: str = "32-true",
+                               exact: bool = True) -> Dict[str, float]:
+    """Per-rank param/grad/optimizer bytes of a GPT under data parallelism with ZeRO stage `zero_stage`.
+
+    exact=True sums per-tensor shards the way FSDP2 lays them out: each parameter is split along dim 0 into
+    world_size chunks padded to ceil(dim0 / world_size) rows, so a rank holds ceil(dim0/ws)·(numel/dim0)
+    elements of every sharded tensor. exact=False divides the total by world_size (the ZeRO paper's accounting).
+    """
+    b = _precision(precision)
+    _check_parallel(world_size, zero_stage)
+    if not exact:
+        return model_state_bytes(shapes.params(cfg), world_size, zero_stage, precision)
+    full = shapes.params(cfg)
+    sharded = sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes.param_shapes(cfg).values())
+    out = {"param_bytes": b.param * (sharded if zero_stage >= 3 else full),
+           "grad_bytes": b.grad * (sharded if zero_stage >= 2 else full),
+           "optimizer_bytes": b.optimizer * (sharded if zero_stage >= 1 else full)}
+    out["model_state_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]
+    return out
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tensor_parallel: int = 1,
+                               sequence_parallel: bool = False, activation_checkpointing: str = "none") -> float:
+    """Korthikanti et al. 2022, Table 2: bytes of one transformer layer's stored activations (16-bit)."""
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tensor_parallel
+    if activation_checkpointing not in CHECKPOINTING:
+        raise ConfigError(f"--activation-checkpointing must be one of {', '.join(CHECKPOINTING)}, got "
+                          f"{activation_checkpointing!r}")
+    if sequence_parallel and t == 1:
+        raise ConfigError("--sequence-parallel splits activations over the tensor-parallel group: it needs "
+                          "--tensor-parallel > 1")
+    sbh = s * b * h
+    if activation_checkpointing == "full":
+        return 2.0 * sbh
+    attention = 0.0 if activation_checkpointing == "selective" else 5.0 * a * s / (h * t)
+    rest = 34.0 / t if sequence_parallel else 10.0 + 24.0 / t
+    return sbh * (rest + attention)
+
+
+def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_stage: int = 0,
+                tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False,
+                activation_checkpointing: str = "none", precision: str = "zero-mixed-adam",
+                device_memory: Optional[float] = None, exact: bool = False) -> dict:
+    """Per-device bytes of the most loaded rank: the first pipeline stage (all layers' worth of activations under
+    1F1B, plus the embedding); with a single stage it also holds the fp32 logits.
+    exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only."""
+    b = _precision(precision)
+    _check_parallel(data_parallel, zero_stage)
+    t, p, L = tensor_parallel, pipeline_parallel, cfg.n_layers
+    if t < 1 or p < 1:
+        raise ConfigError("--tensor-parallel and --pipeline-parallel must be at least 1")
+    if cfg.n_heads % t:
+        raise ConfigError(f"--tensor-parallel {t} must divide --heads {cfg.n_heads} (tensor parallelism splits whole "
+                          "heads)")
+    if p > L:
+        raise ConfigError(f"--pipeline-parallel {p} exceeds --layers {L}: every stage needs at least one layer")
+    layers_here = math.ceil(L / p)
+    d, v = cfg.d_model, cfg.vocab_size
+    block = shapes.block_params(cfg)
+    norms = 2 * d  # RMSNorm weights are replicated across the tensor-parallel group
+    # The first stage holds its layers and the (vocab-parallel) embedding; with one stage also the final norm and,
+    # untied, the head. Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits).
+    local = layers_here * ((block - norms) / t + norms) + v * d / t
+    if p == 1:
+        local += d + (0 if cfg.tie_embeddings else v * d / t)
+    if exact and (t > 1 or p > 1):
+        raise ConfigError("--exact sums FSDP2's per-tensor shards under data parallelism alone: drop --exact or "
+                          "set --tensor-parallel 1 --pipeline-parallel 1")
+    if exact:
+        states = per_rank_model_state_bytes(cfg, data_parallel, zero_stage, precision, exact=True)
+    else:
+        states = model_state_bytes(local, data_parallel, zero_stage, precision)
+    per_layer = b.activation_factor * activation_bytes_per_layer(cfg.seq_len, micro_batch, d, cfg.n_heads, t,
+                                                                 sequence_parallel, activation_checkpointing)
+    # 1F1B: the first stage has p micro-batches of its L/p layers in flight (Korthikanti et al. §4.2.3)
+    activations = per_layer * layers_here * p
+    logits = 4.0 * cfg.seq_len * micro_batch * v / t if p == 1 else 0.0
+    matmul_params = local - layers_here * norms - (d if p == 1 else 0)
+    # autocast casts the weight a matmul reads, gathered in full under ZeRO-3, and saves the copy for the backward
+    cast = b.cast_weight * matmul_params
+    total = states["model_state_bytes"] + cast + activations + logits
+    out = {
+        "params": shapes.params(cfg), "params_per_device": local, "precision": precision,
+        "data_parallel": data_parallel, "zero_stage": zero_stage, "tensor_parallel": t, "pipeline_parallel": p,
+        "sequence_parallel": sequence_parallel, "activation_checkpointing": activation_checkpointing,
+        "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,
+        **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,
+        "activation_bytes": activations + logits, "logits_bytes": logits, "total_bytes": total,
+    }
+    if device_memory is not None:
+        out["device_memory"] = device_memory
+        out["fits"] = total <= device_memory
+    return out
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB' -> 8e10, '80GiB' -> 80·2^30, '1.5e9' -> 1.5e9 (plain numbers are bytes)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "B": 1}
+    raw = text.strip().upper()
+    for unit, factor in units.items():
+        if raw.endswith(unit):
+            raw, scale = raw[: -len(unit)], factor
+            break
+    else:
+        scale = 1
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise ConfigError(f"--device-memory {text!r} is not a size: write e.g. 80GB, 141GiB or 8e10") from None
+    if value <= 0:
+        raise ConfigError(f"--device-memory must be positive, got {text!r}")
+    return value
+
+
+def _precision(name: str) -> StateBytes:
+    if name not in PRECISIONS:
+        raise ConfigError(f"--precision {name!r} is not one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+def _check_parallel(data_parallel: int, zero_stage: int) -> None:
+    if data_parallel < 1:
+        raise ConfigError(f"--data-parallel must be at least 1, got {data_parallel}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
