@@ -22,7 +22,7 @@ from datasketch import MinHash, MinHashLSH
 
 from lit_pretrain.data.corpus import read_documents
 from lit_pretrain.data.lsh import bands_rows, candidate_pairs, clusters, index_basename
-from lit_pretrain.data.minhash import compute_signatures, estimated_jaccard, normalize, shingles
+from lit_pretrain.data.minhash import chunk_signatures, compute_signatures, estimated_jaccard, normalize, shingles
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
 
 _MEMORY_DOCS = 20_000
@@ -36,6 +36,14 @@ def _texts(cfg: DeduplicationConfig) -> List[str]:
 def _ours(texts, cfg, processes: int) -> float:
     start = time.perf_counter()
     compute_signatures(texts, cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed, processes, progress=False)
+    return time.perf_counter() - start
+
+
+def _pool_start(cfg) -> float:
+    """Seconds to spawn 2 workers and have each import the signature code (an empty chunk each)."""
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pool.map(chunk_signatures, [([], cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed)] * 2, chunksize=1)
     return time.perf_counter() - start
 
 
@@ -102,15 +110,19 @@ def run(cfg: DeduplicationConfig, repeats: int = 2) -> List[Dict]:
     cfg = replace(cfg, storage="memory")
     texts = _texts(cfg)
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    bare, one, two = [], [], []
+    bare, one, two, pool = [], [], [], []
     for _ in range(repeats):
         bare.append(_bare(texts, cfg))
         one.append(_ours(texts, cfg, 1))
         two.append(_ours(texts, cfg, 2))
+        pool.append(_pool_start(cfg))
     n = len(texts)
     detail = {"documents": n, "MB": round(mb, 2), "num_perm": cfg.num_perm,
               "shingles": f"{cfg.shingle_size}-{cfg.shingle}", "seconds_bare": bare, "seconds_1_process": one,
-              "seconds_2_processes": two}
+              "seconds_2_processes": two, "seconds_pool_start": pool,
+              # The speed-up once workers run: each spawned worker first imports datasketch (and with it scipy),
+              # a fixed cost that a larger corpus amortizes.
+              "speedup_after_pool_start": min(one) / max(1e-9, min(two) - min(pool))}
     cases = [
         {"case": "dedup_signatures_docs_per_s", "value": n / min(one), "reference": n / min(bare),
          "ratio": min(bare) / min(one), "goal": ">= 0.9", "unit": "documents/s (ref: MinHash.bulk)", "detail": detail},

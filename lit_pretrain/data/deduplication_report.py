@@ -66,6 +66,12 @@ def format_report(report: Dict) -> str:
         f"  {'':<24}{'documents':>12}{'MB':>10}",
         f"  {'in':<24}{report['documents_in']:>12,}{report['bytes_in'] / mb:>10.2f}",
         f"  {'empty, dropped':<24}{report['empty']['documents']:>12,}{'':>10}",
+    ]
+    if "corpus" in report:  # what reading the corpus dropped before this stage saw the documents
+        c = report["corpus"]
+        rows.append(f"  (reading the corpus skipped {c['skipped_undecodable']:,} files that are not UTF-8 and "
+                    f"{c['dropped_empty']:,} empty documents)")
+    rows += [
         f"  {'exact duplicates':<24}{ex['removed_documents']:>12,}{ex['removed_bytes'] / mb:>10.2f}"
         + ("" if ex["enabled"] else "  (off)"),
         f"  {'near duplicates':<24}{near['removed_documents']:>12,}{near['removed_bytes'] / mb:>10.2f}"

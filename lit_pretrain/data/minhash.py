@@ -18,12 +18,16 @@ from typing import Iterator, Optional, Sequence, Set, Tuple
 import numpy as np
 from datasketch import MinHash
 
+from lit_pretrain.errors import DataError
+
 # One update_batch call builds a (shingles, num_perm) array: 16k shingles × 128 × 4 bytes = 8 MB at most, however
 # long the document.
 _UPDATE_BATCH = 1 << 14
 # Work is handed to the pool in chunks of about this many characters: large enough that pickling and scheduling
 # are small next to hashing, small enough that 2 processes get many chunks each and the progress bar moves.
 _CHUNK_CHARS = 1 << 20
+# A 1 MB chunk takes about a second; a worker silent for this long is gone.
+_CHUNK_TIMEOUT_S = 600
 
 
 def normalize(text: str, lowercase: bool, fold_whitespace: bool) -> str:
@@ -115,8 +119,16 @@ def compute_signatures(texts: Sequence[str], kind: str, size: int, num_perm: int
         else:
             with multiprocessing.get_context("spawn").Pool(workers) as pool:
                 # imap keeps the order of the chunks; each result lands in its own rows.
-                for (a, b), sig in zip(ranges, pool.imap(chunk_signatures, tasks)):
-                    out[a:b] = sig
+                results = pool.imap(chunk_signatures, tasks)
+                for a, b in ranges:
+                    try:
+                        # A pool whose worker died (e.g. killed for memory) never answers for its chunk.
+                        out[a:b] = results.next(timeout=_CHUNK_TIMEOUT_S)
+                    except multiprocessing.TimeoutError:
+                        raise DataError(
+                            f"a MinHash signature process gave no result for documents {a}..{b - 1} in "
+                            f"{_CHUNK_TIMEOUT_S} s (killed for memory?): lower data.deduplication.processes"
+                        ) from None
                     bar.update(b - a)
     finally:
         bar.close()
