@@ -39,11 +39,11 @@ def _ours(texts, cfg, processes: int) -> float:
     return time.perf_counter() - start
 
 
-def _pool_start(cfg) -> float:
-    """Seconds to spawn 2 workers and have each import the signature code (an empty chunk each)."""
+def _worker_start(cfg) -> float:
+    """Seconds to spawn one worker and have it import the signature code (an empty chunk)."""
     start = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        pool.map(chunk_signatures, [([], cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed)] * 2, chunksize=1)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        pool.apply(chunk_signatures, (([], cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed),))
     return time.perf_counter() - start
 
 
@@ -115,14 +115,14 @@ def run(cfg: DeduplicationConfig, repeats: int = 2) -> List[Dict]:
         bare.append(_bare(texts, cfg))
         one.append(_ours(texts, cfg, 1))
         two.append(_ours(texts, cfg, 2))
-        pool.append(_pool_start(cfg))
+        pool.append(_worker_start(cfg))
     n = len(texts)
     detail = {"documents": n, "MB": round(mb, 2), "num_perm": cfg.num_perm,
               "shingles": f"{cfg.shingle_size}-{cfg.shingle}", "seconds_bare": bare, "seconds_1_process": one,
-              "seconds_2_processes": two, "seconds_pool_start": pool,
-              # The speed-up once workers run: each spawned worker first imports datasketch (and with it scipy),
-              # a fixed cost that a larger corpus amortizes.
-              "speedup_after_pool_start": min(one) / max(1e-9, min(two) - min(pool))}
+              "seconds_2_processes": two,
+              # What a spawned worker spends importing datasketch (and scipy with it) before its first chunk; this
+              # process computes chunks meanwhile, so the cost is overlapped, not added.
+              "seconds_worker_start": pool}
     cases = [
         {"case": "dedup_signatures_docs_per_s", "value": n / min(one), "reference": n / min(bare),
          "ratio": min(bare) / min(one), "goal": ">= 0.9", "unit": "documents/s (ref: MinHash.bulk)", "detail": detail},

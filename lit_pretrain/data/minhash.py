@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import sys
 import unicodedata
+from collections import deque
 from typing import Iterator, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -73,9 +74,13 @@ def chunk_signatures(task: Tuple[Sequence[str], str, int, int, int]) -> np.ndarr
     out = np.empty((len(texts), num_perm), dtype=empty.hashvalues.dtype)
     for row, text in enumerate(texts):
         m = empty.copy()  # shares the permutation arrays, as MinHash.bulk does
-        grams = list(shingles(text, kind, size))
-        for start in range(0, len(grams), _UPDATE_BATCH):
-            m.update_batch(grams[start : start + _UPDATE_BATCH])
+        grams = shingles(text, kind, size)
+        if len(grams) <= _UPDATE_BATCH:
+            m.update_batch(grams)
+        else:
+            grams = list(grams)
+            for start in range(0, len(grams), _UPDATE_BATCH):
+                m.update_batch(grams[start : start + _UPDATE_BATCH])
         out[row] = m.hashvalues
     return out
 
@@ -100,39 +105,57 @@ def pool_size(processes: Optional[int], n_chunks: int) -> int:
 
 def compute_signatures(texts: Sequence[str], kind: str, size: int, num_perm: int, seed: int,
                        processes: Optional[int] = None, progress: bool = True) -> Tuple[np.ndarray, int]:
-    """Signatures of normalized texts (rows in input order) and the number of processes that computed them.
-
-    The pool uses the spawn context: a forked child that runs OpenMP code after the parent did can deadlock
-    (shared/CPU-DISTRIBUTED.md, pitfall 6), and spawned children import only this module's dependencies.
-    """
+    """Signatures of normalized texts (rows in input order) and the number of processes that computed them
+    (this one included)."""
     ranges = list(chunks(texts, _CHUNK_CHARS))
-    workers = pool_size(processes, len(ranges))
-    tasks = [(list(texts[a:b]), kind, size, num_perm, seed) for a, b in ranges]
+    processes = pool_size(processes, len(ranges))
     out = np.empty((len(texts), num_perm), dtype=signature_dtype(num_perm, seed))
     bar = _progress(len(texts), progress)
     try:
-        if workers == 1:
-            results = map(chunk_signatures, tasks)
-            for (a, b), sig in zip(ranges, results):
-                out[a:b] = sig
+        if processes == 1:
+            for a, b in ranges:
+                out[a:b] = chunk_signatures((texts[a:b], kind, size, num_perm, seed))
                 bar.update(b - a)
         else:
-            with multiprocessing.get_context("spawn").Pool(workers) as pool:
-                # imap keeps the order of the chunks; each result lands in its own rows.
-                results = pool.imap(chunk_signatures, tasks)
-                for a, b in ranges:
-                    try:
-                        # A pool whose worker died (e.g. killed for memory) never answers for its chunk.
-                        out[a:b] = results.next(timeout=_CHUNK_TIMEOUT_S)
-                    except multiprocessing.TimeoutError:
-                        raise DataError(
-                            f"a MinHash signature process gave no result for documents {a}..{b - 1} in "
-                            f"{_CHUNK_TIMEOUT_S} s (killed for memory?): lower data.deduplication.processes"
-                        ) from None
-                    bar.update(b - a)
+            _share_work(texts, ranges, out, bar, processes - 1, (kind, size, num_perm, seed))
     finally:
         bar.close()
-    return out, workers
+    return out, processes
+
+
+def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple) -> None:
+    """Chunks go to `workers` spawned processes, up to 2 queued per worker, and this process computes the others:
+    so each worker's start-up (importing datasketch, and scipy with it: about a second) overlaps useful work.
+
+    Spawn, not fork: a forked child that runs OpenMP code after the parent did can deadlock
+    (shared/CPU-DISTRIBUTED.md, pitfall 6), and a spawned one imports only this module's dependencies.
+    """
+    in_flight: deque = deque()  # (a, b, AsyncResult) in submission order
+
+    def collect() -> None:
+        a, b, result = in_flight.popleft()
+        try:
+            # A pool whose worker died (e.g. killed for memory) never answers for its chunk.
+            out[a:b] = result.get(timeout=_CHUNK_TIMEOUT_S)
+        except multiprocessing.TimeoutError:
+            raise DataError(
+                f"a MinHash signature process gave no result for documents {a}..{b - 1} in {_CHUNK_TIMEOUT_S} s "
+                "(killed for memory?): lower data.deduplication.processes"
+            ) from None
+        bar.update(b - a)
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for a, b in ranges:
+            task = (list(texts[a:b]), *params)
+            if len(in_flight) < 2 * workers:
+                in_flight.append((a, b, pool.apply_async(chunk_signatures, (task,))))
+            else:
+                out[a:b] = chunk_signatures(task)
+                bar.update(b - a)
+            while in_flight and in_flight[0][2].ready():
+                collect()
+        while in_flight:
+            collect()
 
 
 def estimated_jaccard(signatures: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
