@@ -138,6 +138,14 @@ def test_same_kept_set_and_signatures_whatever_the_number_of_processes(planted, 
     assert sig2.dtype == np.uint32 and sig2.nbytes == 120 * 128 * 4
 
 
+def test_a_long_document_is_hashed_in_slices_to_the_same_signature():
+    text = " ".join(f"w{i}" for i in range(40_000))  # 39,996 distinct 5-word shingles: 3 update_batch slices
+    grams = minhash.shingles(text, "word", 5)
+    assert len(grams) > 2 * minhash._UPDATE_BATCH
+    sig = minhash.chunk_signatures(([text], "word", 5, 64, 3))
+    assert np.array_equal(sig[0], MinHash.bulk([grams], num_perm=64, seed=3)[0].hashvalues)
+
+
 def test_another_seed_gives_other_signatures_but_finds_the_same_duplicates(planted):
     docs, pairs, result = planted
     other = deduplicate(docs, replace(IN_PROCESS, seed=7), progress=False)
