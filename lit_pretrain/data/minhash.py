@@ -27,7 +27,7 @@ _UPDATE_BATCH = 1 << 14
 # Work is handed to the pool in chunks of about this many characters: large enough that pickling and scheduling
 # are small next to hashing, small enough that 2 processes get many chunks each and the progress bar moves.
 _CHUNK_CHARS = 1 << 20
-# A 1 MB chunk takes about a second; a worker silent for this long is gone.
+# A 1 MB chunk takes well under a second; a worker silent for this long is gone.
 _CHUNK_TIMEOUT_S = 600
 
 
