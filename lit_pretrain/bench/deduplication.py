@@ -9,12 +9,15 @@ in-memory LSH index, candidate pairs, clusters) on synthetic 1 kB documents, aga
 with datasketch's objects as its own examples show (a list of `MinHash.bulk` results inserted into `MinHashLSH`).
 """
 
+import json
 import multiprocessing
 import random
 import resource
 import string
+import subprocess
+import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Dict, List
 
 import numpy as np
@@ -106,6 +109,17 @@ def _peak_mb(kind: str, n: int, cfg: DeduplicationConfig) -> float:
 
 
 def run(cfg: DeduplicationConfig, repeats: int = 2) -> List[Dict]:
+    """The cases, measured in a fresh `python -m lit_pretrain.bench.deduplication` process: a spawned worker
+    re-imports its parent's main module, and `python -m lit_pretrain.bench`'s imports torch and Lightning, seconds
+    of start-up that `lit-pretrain prepare` (a light main module) never pays."""
+    args = [sys.executable, "-m", "lit_pretrain.bench.deduplication", json.dumps(asdict(cfg)), str(repeats)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(args[:3])} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(cfg: DeduplicationConfig, repeats: int) -> List[Dict]:
     """Alternate reference and candidate `repeats` times and compare the best of each (noise only slows a run)."""
     cfg = replace(cfg, storage="memory")
     texts = _texts(cfg)
@@ -139,3 +153,7 @@ def run(cfg: DeduplicationConfig, repeats: int = 2) -> List[Dict]:
                   "detail": {"documents_measured": _MEMORY_DOCS,
                              "signature_MB_per_100k": 100_000 * cfg.num_perm * np.dtype(np.uint32).itemsize / 2**20}})
     return cases
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(DeduplicationConfig(**json.loads(sys.argv[1])), int(sys.argv[2]))))
