@@ -128,7 +128,9 @@ def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple
     so each worker's start-up (importing datasketch, and scipy with it: about a second) overlaps useful work.
 
     Spawn, not fork: a forked child that runs OpenMP code after the parent did can deadlock
-    (shared/CPU-DISTRIBUTED.md, pitfall 6), and a spawned one imports only this module's dependencies.
+    (shared/CPU-DISTRIBUTED.md, pitfall 6). A spawned worker imports this module and re-imports the caller's main
+    module (Python's rule): a script that prepares data needs an `if __name__ == "__main__":` guard, and whatever
+    that script imports at the top each worker imports too (`lit-pretrain`'s own entry point imports nothing heavy).
     """
     in_flight: deque = deque()  # (a, b, AsyncResult) in submission order
 
