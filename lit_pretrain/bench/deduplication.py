@@ -50,6 +50,26 @@ def _worker_start(cfg) -> float:
     return time.perf_counter() - start
 
 
+def _spin(n: int) -> float:
+    start = time.perf_counter()
+    total = 0
+    for i in range(n):
+        total += i
+    return time.perf_counter() - start
+
+
+def _machine_speedup(n: int = 10_000_000) -> float:
+    """What 2 processes gain over 1 on this machine right now, for a pure CPU loop with no start-up or data: the
+    ceiling for any 2-process speed-up measured alongside it (on a shared machine it can be far below 2)."""
+    serial = _spin(n) + _spin(n)
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pool.map(_spin, [1, 1], chunksize=1)  # workers started before the clock
+        start = time.perf_counter()
+        pool.map(_spin, [n, n], chunksize=1)
+        parallel = time.perf_counter() - start
+    return serial / parallel
+
+
 def _bare(texts, cfg) -> float:
     start = time.perf_counter()
     MinHash.bulk([list(shingles(t, cfg.shingle, cfg.shingle_size)) for t in texts], num_perm=cfg.num_perm,
@@ -124,8 +144,9 @@ def measure(cfg: DeduplicationConfig, repeats: int) -> List[Dict]:
     cfg = replace(cfg, storage="memory")
     texts = _texts(cfg)
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    bare, one, two, pool = [], [], [], []
+    bare, one, two, pool, machine = [], [], [], [], []
     for _ in range(repeats):
+        machine.append(_machine_speedup())
         bare.append(_bare(texts, cfg))
         one.append(_ours(texts, cfg, 1))
         two.append(_ours(texts, cfg, 2))
@@ -142,8 +163,11 @@ def measure(cfg: DeduplicationConfig, repeats: int) -> List[Dict]:
          "ratio": min(bare) / min(one), "goal": ">= 0.9", "unit": "documents/s (ref: MinHash.bulk)", "detail": detail},
         {"case": "dedup_signatures_MB_per_s", "value": mb / min(one), "reference": mb / min(bare),
          "ratio": min(bare) / min(one), "goal": ">= 0.9", "unit": "MB/s (ref: MinHash.bulk)"},
-        {"case": "dedup_signatures_2_processes", "value": n / min(two), "reference": n / min(one),
-         "ratio": min(one) / min(two), "goal": ">= 1.7 on 2 idle cores", "unit": "documents/s (ref: 1 process)"},
+        {"case": "dedup_signatures_2_processes", "value": min(one) / min(two), "reference": max(machine),
+         "ratio": min(one) / min(two) / max(machine), "goal": ">= 0.85 (value >= 1.7 on 2 idle cores)",
+         "unit": "speed-up 1 -> 2 processes (ref: the machine's, for a pure CPU loop, in the same run)",
+         "detail": {"docs_per_s_1_process": n / min(one), "docs_per_s_2_processes": n / min(two),
+                    "machine_speedups": machine}},
     ]
     ours, bare_mb = _peak_mb("ours", _MEMORY_DOCS, cfg), _peak_mb("datasketch", _MEMORY_DOCS, cfg)
     scale = 100_000 / _MEMORY_DOCS
