@@ -7,9 +7,81 @@ loader enforces: `ge`/`gt`/`le`/`lt` for numbers, `choices` for strings.
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from lit_pretrain.errors import ConfigError
 from lit_pretrain.model_config import GPTConfig
 
 ModelConfig = GPTConfig
+
+
+@dataclass
+class DeduplicationConfig:
+    exact: bool = True
+    """Remove documents whose normalized text (below) is identical to an earlier document's (sha256 of it)."""
+    lowercase: bool = False
+    """Normalization: lower-case the text before hashing and shingling (case-only variants become duplicates)."""
+    fold_whitespace: bool = True
+    """Normalization: collapse every run of whitespace into one space and strip the ends (whitespace-only variants
+    become duplicates). Unicode NFC is always applied."""
+    near: bool = True
+    """Remove near-duplicates: MinHash signatures of shingle sets, candidate pairs from LSH, clusters by union-find;
+    the first document of each cluster in corpus order is kept."""
+    shingle: str = field(default="word", metadata={"choices": ["word", "char"]})
+    """Shingles are n-grams of words (whitespace-separated) or of characters."""
+    shingle_size: int = field(default=5, metadata={"ge": 1})
+    """n of the n-gram shingles (5 words by default; a document shorter than n is one shingle)."""
+    num_perm: int = field(default=128, metadata={"ge": 2})
+    """MinHash permutations: the signature length (the Jaccard estimate's std is sqrt(s(1-s)/num_perm))."""
+    threshold: float = field(default=0.8, metadata={"gt": 0.0, "lt": 1.0})
+    """Jaccard similarity of shingle sets at or above which two documents are near-duplicates."""
+    false_negative_weight: float = field(default=0.9, metadata={"ge": 0.0, "le": 1.0})
+    """Weight of missed pairs against false candidates when bands x rows is chosen (datasketch's optimum of the
+    weighted error; 0.5 weighs both alike). High by default because `verify` removes false candidates cheaply,
+    while a pair LSH misses is never seen again."""
+    bands: Optional[int] = field(default=None, metadata={"ge": 2})
+    """LSH bands b. null (with rows null): datasketch's optimum for (threshold, num_perm, weights)."""
+    rows: Optional[int] = field(default=None, metadata={"ge": 1})
+    """LSH rows per band r; set together with bands, and bands * rows <= num_perm."""
+    verify: bool = True
+    """Keep an LSH candidate pair only if its estimated Jaccard (share of equal signature values) reaches
+    threshold; the report counts the candidates rejected (LSH false positives)."""
+    seed: int = 1
+    """Seed of the MinHash permutations: the same corpus and seed give the same kept set."""
+    processes: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Processes that compute signatures, this one included (the others spawned). null: one per CPU core; 1: only
+    this one. The kept set does not depend on it."""
+    storage: str = field(default="memory", metadata={"choices": ["memory", "redis"]})
+    """Where the LSH index lives: in this process, or in a Redis server (datasketch's redis storage) for corpora
+    past one process's memory or an index shared by several processes or machines."""
+    redis_host: str = "127.0.0.1"
+    """storage=redis: the server's host."""
+    redis_port: int = field(default=6379, metadata={"ge": 1, "le": 65535})
+    """storage=redis: the server's port."""
+    redis_db: int = field(default=0, metadata={"ge": 0})
+    """storage=redis: the database number."""
+    redis_basename: Optional[str] = None
+    """storage=redis: key prefix of the index. null: a fresh prefix, deleted after the stage. Named: the index is
+    kept under it for other processes to attach to, and must be empty when the stage starts."""
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field checks that a single field's range can't express (and the ranges, for direct callers)."""
+        if not 0.0 < self.threshold < 1.0:
+            raise ConfigError(
+                f"data.deduplication.threshold={self.threshold} is outside (0, 1): it is a Jaccard similarity; "
+                "0.8 is the usual near-duplicate threshold"
+            )
+        if (self.bands is None) != (self.rows is None):
+            raise ConfigError(
+                f"data.deduplication.bands={self.bands} and data.deduplication.rows={self.rows}: set both (an "
+                "explicit LSH shape) or neither (datasketch's optimum for threshold and num_perm)"
+            )
+        if self.bands is not None and self.bands * self.rows > self.num_perm:
+            raise ConfigError(
+                f"data.deduplication.bands × rows = {self.bands} × {self.rows} = {self.bands * self.rows} exceeds "
+                f"data.deduplication.num_perm={self.num_perm}: lower bands or rows, or raise num_perm"
+            )
 
 
 @dataclass
@@ -40,6 +112,8 @@ class DataConfig:
     """Tokens per shard file (a new shard starts at the next document after this many tokens)."""
     num_workers: int = field(default=0, metadata={"ge": 0})
     """DataLoader worker processes per rank (0: load in the training process)."""
+    deduplication: DeduplicationConfig = field(default_factory=DeduplicationConfig)
+    """Exact and MinHash near-duplicate removal before the split and the tokenizer (data/deduplicate.py)."""
 
 
 @dataclass

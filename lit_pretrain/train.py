@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from lit_pretrain import config as config_lib
 from lit_pretrain.callbacks import user_callbacks
 from lit_pretrain.data.datamodule import TokenShardDataModule
+from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.strategies import build_strategy, world_size
@@ -137,6 +138,7 @@ def train(cfg: DictConfig) -> dict:
         "wall_seconds": time.perf_counter() - started,
         "train_seconds": train_seconds,
         "tokens_per_second": tokens_seen / train_seconds if train_seconds > 0 else None,
+        **dataset_summary(manifest, params, tokens_seen),
     }
     if trainer.is_global_zero:
         write_summary(run_dir, summary)
@@ -152,6 +154,10 @@ def report(summary: dict, run_dir: Path) -> None:
           f"{summary['tokens_seen']:,} tokens seen, tokens_per_param {summary['tokens_per_param']:.2f}")
     print(f"{summary['steps']} steps in {summary['train_seconds']:.1f} s of training "
           f"({summary['tokens_per_second']:,.0f} tokens/s), {summary['wall_seconds']:.1f} s in all")
+    if summary.get("deduplication"):
+        print(summary_line(summary["deduplication"]))
+    print(f"dataset: {summary['dataset_train_tokens']:,} train tokens after deduplication, dataset_tokens_per_param "
+          f"{summary['dataset_tokens_per_param']:.2f}, {summary['epochs']:.2f} epochs of it seen")
     if val is not None and entropy is not None:
         print(f"validation loss {val:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}); unigram entropy "
               f"of the corpus {entropy:.3f} nats/token; the model is {entropy - val:.3f} nats/token below it")

@@ -18,6 +18,7 @@ import numpy as np
 
 from lit_pretrain.data.corpus import CorpusStats, Document, corpus_fingerprint, corpus_roots, iter_documents
 from lit_pretrain.data.deduplicate import deduplicate
+from lit_pretrain.data.deduplication_report import format_report, manifest_entry, summary_line, write_report
 from lit_pretrain.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
@@ -60,8 +61,9 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
         docs = list(iter_documents(cfg, stats))
         fingerprint = corpus_fingerprint(docs)
     with _timed(seconds, "deduplicate"):
-        kept = deduplicate(docs, cfg)
-    log(f"deduplication: {len(docs)} documents in, {len(kept)} out")
+        deduplicated = deduplicate(docs, cfg.deduplication)
+    kept, dedup_report = deduplicated.kept, deduplicated.report
+    dedup_report["corpus"] = {"skipped_undecodable": stats.undecodable, "dropped_empty": stats.empty}
     with _timed(seconds, "split"):
         split_docs = split_documents(kept, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -71,6 +73,12 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
             tokenizer, tok_info = _tokenizer_stage(cfg, split_docs["train"], tmp)
         with _timed(seconds, "tokenize"):
             splits, entropy = _tokenize_stage(cfg, tokenizer, tok_info, split_docs, tmp)
+        with _timed(seconds, "count_removed_tokens"):
+            # Tokens before deduplication = tokens kept + the removed documents' tokens (each + one EOD id).
+            tokens_after = sum(splits[split]["tokens"] for split in SPLITS)
+            tokens_removed = sum(len(ids) + 1 for chunk in _chunks(deduplicated.removed)
+                                 for ids in encode_texts(tokenizer, [d.text for d in chunk]))
+            dedup_report.update(tokens_before=tokens_after + tokens_removed, tokens_after=tokens_after)
         seconds["total"] = time.perf_counter() - start
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -84,13 +92,14 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
                 "skipped_undecodable": stats.undecodable,
                 "dropped_empty": stats.empty,
             },
-            "deduplication": {"documents_in": len(docs), "documents_out": len(kept)},
+            "deduplication": manifest_entry(dedup_report, tokens_after + tokens_removed, tokens_after),
             "tokenizer": tok_info,
             "dtype": token_dtype(tok_info["vocab_size"]).name,
             "splits": splits,
             "unigram_entropy_nats": entropy,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
         }
+        write_report(tmp, dedup_report)
         write_manifest(tmp, manifest)
         try:
             # rename(2) replaces an empty folder atomically and fails on a non-empty one: another process may have
@@ -104,6 +113,7 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+    log(format_report(dedup_report))
     log(summary(manifest, out))
     return manifest
 
@@ -141,6 +151,8 @@ def reuse_prepared(out: Path, cfg, log: Callable[[str], None] = print) -> Option
             "differs): prepare into a new data.prepared_dir, or delete that folder"
         )
     log(f"reusing {out}: manifest matches data config, shards verified ({time.perf_counter() - start:.2f} s)")
+    if "deduplication" in manifest:
+        log(summary_line(manifest["deduplication"]))
     return manifest
 
 
@@ -192,6 +204,8 @@ def summary(manifest: Dict, out: Path) -> str:
             f"{split}: {s['documents']} documents, {s['bytes'] / 1e6:.1f} MB, {s['tokens']:,} tokens "
             f"({s['bytes'] / max(s['tokens'], 1):.2f} bytes/token), {len(s['shards'])} shards"
         )
+    if "deduplication" in manifest:
+        lines.append(summary_line(manifest["deduplication"]))
     lines.append(f"unigram entropy of train tokens: {manifest['unigram_entropy_nats']:.3f} nats")
     lines.append("seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in manifest["seconds"].items()))
     return "\n".join(lines)

@@ -32,7 +32,11 @@ CONTENT_FIELDS = (
     "split_seed",
     "max_documents",
     "shard_tokens",
+    "deduplication",
 )
+# data.deduplication fields that decide which documents are kept; its processes and index storage do not.
+DEDUPLICATION_CONTENT_FIELDS = ("exact", "lowercase", "fold_whitespace", "near", "shingle", "shingle_size", "num_perm",
+                                "threshold", "false_negative_weight", "bands", "rows", "verify", "seed")
 _REPREPARE = "re-run `lit-pretrain prepare` into a new data.prepared_dir"
 
 
@@ -40,6 +44,7 @@ def content_config(cfg) -> Dict:
     """The content-determining data config as plain JSON values (cfg may be a dataclass or an OmegaConf node)."""
     out = {name: getattr(cfg, name) for name in CONTENT_FIELDS}
     out["paths"] = [str(p) for p in out["paths"]]
+    out["deduplication"] = {name: getattr(cfg.deduplication, name) for name in DEDUPLICATION_CONTENT_FIELDS}
     return json.loads(json.dumps(out))
 
 

@@ -1,0 +1,188 @@
+"""Normalization, shingles and MinHash signatures (datasketch), computed in a spawned process pool.
+
+A signature is one row of a `(documents, num_perm)` numpy array in the dtype of datasketch's permutation scheme
+(uint32 for its default "affine32" since datasketch 2.0: 512 bytes a document at num_perm 128), never one Python
+object per document. Each row depends only on its document's text, num_perm and seed, so the array is the same
+for any pool size and chunking. Shingles are hashed with datasketch's default (SHA-1, first 4 bytes), so these
+signatures agree with any other datasketch MinHash built with the same seed and num_perm.
+
+This module imports neither torch nor Lightning: it is what each spawned worker loads.
+"""
+
+import multiprocessing
+import os
+import sys
+import unicodedata
+from collections import deque
+from typing import Iterator, Optional, Sequence, Set, Tuple
+
+import numpy as np
+from datasketch import MinHash
+
+from lit_pretrain.errors import DataError
+
+# One update_batch call builds a (shingles, num_perm) array: 16k shingles × 128 × 4 bytes = 8 MB at most, however
+# long the document.
+_UPDATE_BATCH = 1 << 14
+# Work is handed to the pool in chunks of about this many characters: large enough that pickling and scheduling
+# are small next to hashing, small enough that 2 processes get many chunks each and the progress bar moves.
+_CHUNK_CHARS = 1 << 20
+# A 1 MB chunk takes well under a second; a worker silent for this long is gone.
+_CHUNK_TIMEOUT_S = 600
+
+
+def normalize(text: str, lowercase: bool, fold_whitespace: bool) -> str:
+    """Unicode NFC, then optional lower-casing, then optional whitespace folding (runs → one space, ends stripped)."""
+    text = unicodedata.normalize("NFC", text)
+    if lowercase:
+        text = text.lower()
+    if fold_whitespace:
+        # str.split() with no argument splits on runs of Unicode whitespace (str.isspace) and drops the ends; ~5x
+        # faster than the equivalent regex substitution.
+        text = " ".join(text.split())
+    return text
+
+
+def shingles(text: str, kind: str, size: int) -> Set[bytes]:
+    """The set of word or character n-grams of a normalized text, UTF-8 encoded; a text shorter than n is one
+    shingle (so short documents are compared whole rather than dropped)."""
+    if kind == "word":
+        words = text.split()
+        if len(words) <= size:
+            return {" ".join(words).encode("utf-8")}
+        return {" ".join(gram).encode("utf-8") for gram in zip(*(words[i:] for i in range(size)))}
+    if kind == "char":
+        if len(text) <= size:
+            return {text.encode("utf-8")}
+        return {text[i : i + size].encode("utf-8") for i in range(len(text) - size + 1)}
+    raise ValueError(f"shingle kind {kind!r} is not 'word' or 'char'")
+
+
+def template(num_perm: int, seed: int) -> MinHash:
+    """The empty MinHash every signature starts from (its permutations are drawn once per process)."""
+    return MinHash(num_perm=num_perm, seed=seed)
+
+
+def signature_dtype(num_perm: int, seed: int) -> np.dtype:
+    return template(num_perm, seed).hashvalues.dtype
+
+
+def chunk_signatures(task: Tuple[Sequence[str], str, int, int, int]) -> np.ndarray:
+    """Signatures of normalized texts as a (len(texts), num_perm) array; the pool's unit of work."""
+    texts, kind, size, num_perm, seed = task
+    empty = template(num_perm, seed)
+    out = np.empty((len(texts), num_perm), dtype=empty.hashvalues.dtype)
+    for row, text in enumerate(texts):
+        m = empty.copy()  # shares the permutation arrays, as MinHash.bulk does
+        grams = shingles(text, kind, size)
+        if len(grams) <= _UPDATE_BATCH:
+            m.update_batch(grams)
+        else:
+            grams = list(grams)
+            for start in range(0, len(grams), _UPDATE_BATCH):
+                m.update_batch(grams[start : start + _UPDATE_BATCH])
+        out[row] = m.hashvalues
+    return out
+
+
+def chunks(texts: Sequence[str], max_chars: int = _CHUNK_CHARS) -> Iterator[Tuple[int, int]]:
+    """[start, end) index ranges of consecutive texts of about max_chars characters each."""
+    start, size = 0, 0
+    for i, text in enumerate(texts):
+        size += len(text)
+        if size >= max_chars:
+            yield start, i + 1
+            start, size = i + 1, 0
+    if start < len(texts):
+        yield start, len(texts)
+
+
+def pool_size(processes: Optional[int], n_chunks: int) -> int:
+    """Processes to use: the configured number (null: one per core), never more than there are chunks."""
+    wanted = processes if processes is not None else (os.cpu_count() or 1)
+    return max(1, min(wanted, n_chunks))
+
+
+def compute_signatures(texts: Sequence[str], kind: str, size: int, num_perm: int, seed: int,
+                       processes: Optional[int] = None, progress: bool = True) -> Tuple[np.ndarray, int]:
+    """Signatures of normalized texts (rows in input order) and the number of processes that computed them
+    (this one included)."""
+    ranges = list(chunks(texts, _CHUNK_CHARS))
+    processes = pool_size(processes, len(ranges))
+    out = np.empty((len(texts), num_perm), dtype=signature_dtype(num_perm, seed))
+    bar = _progress(len(texts), progress)
+    try:
+        if processes == 1:
+            for a, b in ranges:
+                out[a:b] = chunk_signatures((texts[a:b], kind, size, num_perm, seed))
+                bar.update(b - a)
+        else:
+            _share_work(texts, ranges, out, bar, processes - 1, (kind, size, num_perm, seed))
+    finally:
+        bar.close()
+    return out, processes
+
+
+def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple) -> None:
+    """Chunks go to `workers` spawned processes, up to 2 queued per worker, and this process computes the others:
+    so each worker's start-up (importing datasketch, and scipy with it: about a second) overlaps useful work.
+
+    Spawn, not fork: a forked child that runs OpenMP code after the parent did can deadlock
+    (shared/CPU-DISTRIBUTED.md, pitfall 6). A spawned worker imports this module and re-imports the caller's main
+    module (Python's rule): a script that prepares data needs an `if __name__ == "__main__":` guard, and whatever
+    that script imports at the top each worker imports too (`lit-pretrain`'s own entry point imports nothing heavy).
+    """
+    in_flight: deque = deque()  # (a, b, AsyncResult) in submission order
+
+    def collect() -> None:
+        a, b, result = in_flight.popleft()
+        try:
+            # A pool whose worker died (e.g. killed for memory) never answers for its chunk.
+            out[a:b] = result.get(timeout=_CHUNK_TIMEOUT_S)
+        except multiprocessing.TimeoutError:
+            raise DataError(
+                f"a MinHash signature process gave no result for documents {a}..{b - 1} in {_CHUNK_TIMEOUT_S} s "
+                "(killed for memory?): lower data.deduplication.processes"
+            ) from None
+        bar.update(b - a)
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for a, b in ranges:
+            task = (list(texts[a:b]), *params)
+            if len(in_flight) < 2 * workers:
+                in_flight.append((a, b, pool.apply_async(chunk_signatures, (task,))))
+            else:
+                out[a:b] = chunk_signatures(task)
+                bar.update(b - a)
+            while in_flight and in_flight[0][2].ready():
+                collect()
+        while in_flight:
+            collect()
+
+
+def estimated_jaccard(signatures: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """Share of equal signature values of each pair (left[k], right[k]): MinHash's estimate of their Jaccard
+    similarity (Broder 1997), the same number as datasketch's MinHash.jaccard."""
+    out = np.empty(len(left), dtype=np.float64)
+    step = 1 << 16  # bounds the temporary (pairs, num_perm) boolean array
+    for start in range(0, len(left), step):
+        sl = slice(start, start + step)
+        out[sl] = (signatures[left[sl]] == signatures[right[sl]]).mean(axis=1)
+    return out
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    # disable=None: shown on a terminal, silent in logs and CI.
+    return tqdm(total=total, desc="MinHash signatures", unit="doc", file=sys.stderr, disable=None, leave=False)
