@@ -120,6 +120,21 @@ def test_text_corpus_reads_files_directories_and_globs(tmp_path):
     assert [d.id for d in read_documents(replace(cfg, max_documents=2))] == [d.id for d in docs[:2]]
 
 
+def test_bytes_that_are_not_utf8_are_replaced_and_counted(tmp_path):
+    (tmp_path / "a.txt").write_bytes("caf\u00e9 ok".encode("utf-8"))
+    # latin-1 "café" (one invalid byte), a truncated 3-byte sequence, and a genuine U+FFFD that is text, not an error
+    (tmp_path / "b.txt").write_bytes(b"caf\xe9 and \xe2\x82 and " + "\ufffd".encode("utf-8"))
+    (tmp_path / "c.jsonl").write_bytes(b'{"text": "na\xefve"}\n')
+    stats = CorpusStats()
+    docs = read_documents(DataConfig(corpus="text", paths=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]), stats)
+    assert [d.text for d in docs] == ["caf\u00e9 ok", "caf\ufffd and \ufffd and \ufffd"]
+    assert (stats.invalid_utf8_documents, stats.invalid_utf8_sequences) == (1, 2)
+    stats = CorpusStats()
+    docs = read_documents(DataConfig(corpus="jsonl", paths=[str(tmp_path / "c.jsonl")]), stats)
+    assert [d.text for d in docs] == ["na\ufffdve"]
+    assert (stats.invalid_utf8_documents, stats.invalid_utf8_sequences) == (1, 1)
+
+
 def test_jsonl_corpus_and_its_errors(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"body": "one"}\n\n{"body": "two", "meta": 1}\n{"body": "  "}\n{"body": "three"}\n')

@@ -7,7 +7,9 @@ Corpora (`data.corpus`):
   jsonl   one document per line of each file of `data.paths` (a directory contributes its `*.jsonl` files),
           text under `data.text_field`; id = `path:line`
 Order: `data.paths` in the order given; inside a directory or glob match, sorted by path. Empty or whitespace-only
-documents are dropped; `data.max_documents` keeps the first N documents left.
+documents are dropped; `data.max_documents` keeps the first N documents left. Bytes that are not UTF-8 are decoded
+with replacement (U+FFFD) and counted, never skipped silently: the count reaches the manifest and the
+deduplication report.
 """
 
 import glob
@@ -40,8 +42,10 @@ class CorpusStats:
     documents: int = 0
     bytes: int = 0
     """UTF-8 bytes of the documents kept."""
-    undecodable: int = 0
-    """stdlib files skipped because they are not UTF-8."""
+    invalid_utf8_documents: int = 0
+    """Documents holding bytes that are not UTF-8 (decoded with replacement, kept)."""
+    invalid_utf8_sequences: int = 0
+    """Invalid byte sequences replaced by U+FFFD, over all documents."""
     empty: int = 0
     """Empty or whitespace-only documents dropped."""
 
@@ -67,7 +71,10 @@ def iter_documents(cfg, stats: Optional[CorpusStats] = None) -> Iterator[Documen
         source = _stdlib_documents(stats)
     elif cfg.corpus in ("text", "jsonl"):
         files = _resolve_paths(cfg.paths, cfg.corpus)
-        source = _text_documents(files) if cfg.corpus == "text" else _jsonl_documents(files, cfg.text_field)
+        if cfg.corpus == "text":
+            source = _text_documents(files, stats)
+        else:
+            source = _jsonl_documents(files, cfg.text_field, stats)
     else:
         raise DataError(f"data.corpus={cfg.corpus!r} is not a corpus kind: use 'stdlib', 'text' or 'jsonl'")
     for doc in source:
@@ -82,7 +89,7 @@ def iter_documents(cfg, stats: Optional[CorpusStats] = None) -> Iterator[Documen
     if stats.documents == 0:
         raise DataError(
             f"the {cfg.corpus} corpus at data.paths={corpus_roots(cfg)} has no non-empty documents "
-            f"({stats.empty} empty, {stats.undecodable} not UTF-8): point data.paths at files with text"
+            f"({stats.empty} empty): point data.paths at files with text"
         )
 
 
@@ -111,13 +118,8 @@ def _stdlib_documents(stats: CorpusStats) -> Iterator[Document]:
         rel = Path(folder).relative_to(root)
         rel_paths += [(rel / f).as_posix() for f in files if f.endswith(".py")]
     for rel in sorted(rel_paths):
-        try:
-            text = (root / rel).read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            # A few test files are deliberately in other encodings; they are not worth a decoding heuristic.
-            stats.undecodable += 1
-            continue
-        yield Document(id=rel, text=text)
+        # A few test files are deliberately in other encodings: kept, with their odd bytes replaced and counted.
+        yield Document(id=rel, text=decode_utf8((root / rel).read_bytes(), stats))
 
 
 def _resolve_paths(paths, kind: str) -> List[Path]:
@@ -151,26 +153,32 @@ def _files_under(folder: Path, suffixes) -> List[Path]:
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 
 
-def _decode(where: str, data: bytes) -> str:
+_REPLACEMENT_UTF8 = "\ufffd".encode("utf-8")
+
+
+def decode_utf8(data: bytes, stats: CorpusStats) -> str:
+    """UTF-8 text of `data`, each invalid byte sequence replaced by U+FFFD and counted in `stats`."""
     try:
         return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{where} (from data.paths) is not UTF-8 ({e}): convert it to UTF-8 or remove it from data.paths"
-        ) from None
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        # A U+FFFD already present in the input (validly encoded) is text, not a replacement: leave it out.
+        stats.invalid_utf8_sequences += text.count("\ufffd") - data.count(_REPLACEMENT_UTF8)
+        stats.invalid_utf8_documents += 1
+        return text
 
 
-def _text_documents(files: List[Path]) -> Iterator[Document]:
+def _text_documents(files: List[Path], stats: CorpusStats) -> Iterator[Document]:
     for path in files:
-        yield Document(id=str(path), text=_decode(str(path), path.read_bytes()))
+        yield Document(id=str(path), text=decode_utf8(path.read_bytes(), stats))
 
 
-def _jsonl_documents(files: List[Path], text_field: str) -> Iterator[Document]:
+def _jsonl_documents(files: List[Path], text_field: str, stats: CorpusStats) -> Iterator[Document]:
     for path in files:
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 where = f"{path}:{line_no}"
-                line = _decode(where, raw)
+                line = decode_utf8(raw, stats)
                 if not line.strip():
                     continue
                 try:

@@ -69,8 +69,8 @@ def format_report(report: Dict) -> str:
     ]
     if "corpus" in report:  # what reading the corpus dropped before this stage saw the documents
         c = report["corpus"]
-        rows.append(f"  (reading the corpus skipped {c['skipped_undecodable']:,} files that are not UTF-8 and "
-                    f"{c['dropped_empty']:,} empty documents)")
+        rows.append(f"  (reading the corpus replaced {c['invalid_utf8_sequences']:,} invalid UTF-8 sequences in "
+                    f"{c['invalid_utf8_documents']:,} documents and dropped {c['dropped_empty']:,} empty ones)")
     rows += [
         f"  {'exact duplicates':<24}{ex['removed_documents']:>12,}{ex['removed_bytes'] / mb:>10.2f}"
         + ("" if ex["enabled"] else "  (off)"),

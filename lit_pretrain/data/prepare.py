@@ -63,7 +63,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     with _timed(seconds, "deduplicate"):
         deduplicated = deduplicate(docs, cfg.deduplication)
     kept, dedup_report = deduplicated.kept, deduplicated.report
-    dedup_report["corpus"] = {"skipped_undecodable": stats.undecodable, "dropped_empty": stats.empty}
+    dedup_report["corpus"] = {"invalid_utf8_documents": stats.invalid_utf8_documents,
+                              "invalid_utf8_sequences": stats.invalid_utf8_sequences, "dropped_empty": stats.empty}
     with _timed(seconds, "split"):
         split_docs = split_documents(kept, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
                 "fingerprint": fingerprint,
                 "documents": stats.documents,
                 "bytes": stats.bytes,
-                "skipped_undecodable": stats.undecodable,
+                "invalid_utf8_documents": stats.invalid_utf8_documents,
+                "invalid_utf8_sequences": stats.invalid_utf8_sequences,
                 "dropped_empty": stats.empty,
             },
             "deduplication": manifest_entry(dedup_report, tokens_after + tokens_removed, tokens_after),
@@ -195,7 +197,8 @@ def summary(manifest: Dict, out: Path) -> str:
     c, t = manifest["corpus"], manifest["tokenizer"]
     lines = [
         f"prepared {out}: {c['kind']} corpus, {c['documents']} documents, {c['bytes'] / 1e6:.1f} MB "
-        f"({c['skipped_undecodable']} not UTF-8 skipped, {c['dropped_empty']} empty dropped)",
+        f"({c['invalid_utf8_documents']} with bytes that are not UTF-8, decoded with replacement; "
+        f"{c['dropped_empty']} empty dropped)",
         f"tokenizer: vocab {t['vocab_size']}, eod id {t['eod_id']}, {t['source']}, dtype {manifest['dtype']}",
     ]
     for split in SPLITS:
