@@ -41,5 +41,11 @@ lint: $(STAMP) ## ruff over the package and tests
 bench: $(STAMP) ## run the benchmark cases and write runs/bench/results.json
 	$(BIN)/python -m lit_pretrain.bench
 
+.PHONY: launch
+NODES ?= 2
+DEVICES ?= 8
+launch: $(STAMP) ## print the torchrun and sbatch commands for NODES x DEVICES (RUN=..., ARGS='...')
+	@$(BIN)/python -m lit_pretrain.parallel.launch --nodes $(NODES) --devices $(DEVICES) $(RUN) $(ARGS)
+
 clean: ## remove the virtual environment, prepared data and runs
 	rm -rf $(VENV) data runs
