@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import lightning as L
-
 import torch.distributed as dist
 
 from lit_pretrain.parallel.memory import SavedActivations, gathered_param_bytes, rank_state_bytes

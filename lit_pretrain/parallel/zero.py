@@ -2,9 +2,9 @@
 
 | stage | optimizer state | gradients | parameters | built on |
 |---|---|---|---|---|
-| 1 | sharded | full (all-reduced by DDP) | full | `ZeroRedundancyOptimizer` under DDP |
-| 2 | sharded | sharded (reduce-scattered) | gathered from forward to the end of backward | FSDP2, `reshard_after_forward=False` |
-| 3 | sharded | sharded | gathered per block, freed after its forward and backward | FSDP2, `reshard_after_forward=True` |
+| 1 | sharded | full (DDP all-reduce) | full | ZeroRedundancyOptimizer under DDP |
+| 2 | sharded | sharded (reduce-scatter) | gathered from forward to end of backward | FSDP2, no reshard after forward |
+| 3 | sharded | sharded | gathered per block for its forward, again for its backward | FSDP2, reshard after forward |
 
 (Rajbhandari et al. 2020, "ZeRO", §5: P_os, P_os+g, P_os+g+p.) FSDP2 has no stage-1 mode, so stage 1 is PyTorch's
 ZeroRedundancyOptimizer: each rank owns whole parameter tensors (greedy by size) and updates only those, then
