@@ -59,9 +59,10 @@ def rank_state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimize
     Under FSDP call it between steps (after the optimizer step), when parameters are sharded: parameters that
     are gathered at the time of the call are the unsharded views, counted by `gathered_param_bytes` instead.
     """
-    params = [p for p in module.parameters()]
+    params = list(module.parameters())
+    sharded = is_fsdp(module)
     return {
-        "param_bytes": storage_bytes(p for p in params if isinstance(p, DTensor) or not is_fsdp(module)),
+        "param_bytes": storage_bytes(p for p in params if isinstance(p, DTensor) or not sharded),
         "grad_bytes": storage_bytes(p.grad for p in params if p.grad is not None),
         "optimizer_bytes": storage_bytes(optimizer_state_tensors(optimizer)) if optimizer is not None else 0,
     }
