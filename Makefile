@@ -45,5 +45,11 @@ bench: $(STAMP) ## run the benchmark cases and write runs/bench/results.json
 sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
 	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)
 
+.PHONY: launch
+NODES ?= 2
+DEVICES ?= 8
+launch: $(STAMP) ## print the torchrun and sbatch commands for NODES x DEVICES (RUN=..., ARGS='...')
+	@$(BIN)/python -m lit_pretrain.parallel.launch --nodes $(NODES) --devices $(DEVICES) $(RUN) $(ARGS)
+
 clean: ## remove the virtual environment, prepared data and runs
 	rm -rf $(VENV) data runs

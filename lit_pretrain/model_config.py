@@ -31,6 +31,11 @@ class GPTConfig:
     """RMSNorm epsilon."""
     init_std: float = field(default=0.02, metadata={"gt": 0})
     """Std of the normal init of every weight matrix; residual output projections get init_std / sqrt(2 * n_layers)."""
+    activation_checkpointing: str = field(default="none", metadata={"choices": ["none", "full", "every_k"]})
+    """Recompute whole blocks in the backward pass instead of saving their activations: none, full (every block)
+    or every_k (blocks 0, k, 2k, ...). Applied from outside the GPT by lit_pretrain.parallel; the GPT ignores it."""
+    activation_checkpointing_k: int = field(default=2, metadata={"ge": 1})
+    """activation_checkpointing=every_k only: checkpoint one block in every k."""
 
     @property
     def head_dim(self) -> int:

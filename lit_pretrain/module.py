@@ -7,12 +7,16 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.parallel import parallelize
+from lit_pretrain.parallel.strategies import zero_stage
+from lit_pretrain.parallel.zero import build_adamw
 from lit_pretrain.schedule import lr_lambda
-from lit_pretrain.schema import OptimConfig, ScheduleConfig
+from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
@@ -41,22 +45,28 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
 def clip_by_global_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Rescale all gradients by one factor so their global L2 norm is at most max_norm; return the pre-clip norm.
 
-    This is `torch.nn.utils.clip_grad_norm_` (one factor for the whole gradient, never per-value clamping; it also
-    reduces DTensor-sharded gradients to the full norm). With max_norm <= 0 nothing is changed.
+    One factor for the whole gradient, never per-value clamping. Under FSDP (ZeRO stages 2 and 3) each rank holds
+    DTensor shards of the gradients: their norm is a partial result that `full_tensor()` all-reduces to the norm of
+    the whole gradient, so every rank rescales by the same factor (as torchtitan's clipping does). With
+    max_norm <= 0 nothing is changed.
     """
     grads = [p for p in parameters if p.grad is not None]
-    if max_norm <= 0:
-        return torch.nn.utils.get_total_norm([p.grad for p in grads], 2.0)
-    return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=2.0, foreach=True)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in grads], 2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm
 
 
 class PretrainModule(L.LightningModule):
     """Next-token prediction on token windows. `tokens_per_step` is the global count per optimizer step."""
 
     def __init__(self, model_cfg: GPTConfig, optim: OptimConfig, schedule: ScheduleConfig, max_steps: int,
-                 tokens_per_step: int, seed: Optional[int] = None):
+                 tokens_per_step: int, seed: Optional[int] = None, strategy: Optional[StrategyConfig] = None):
         super().__init__()
         self.model_cfg, self.optim_cfg, self.schedule_cfg = model_cfg, optim, schedule
+        self.strategy_cfg = strategy or StrategyConfig()
         self.max_steps, self.tokens_per_step = max_steps, tokens_per_step
         if seed is not None:
             torch.manual_seed(seed)  # the initial weights depend on the run seed alone, not on what ran before
@@ -65,6 +75,11 @@ class PretrainModule(L.LightningModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
+
+    def configure_model(self):
+        # Activation checkpointing, then FSDP (ZeRO 2/3) over the data-parallel mesh; both wrap the GPT from outside.
+        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
+        parallelize(self.model, self.model_cfg, self.strategy_cfg, mesh)
 
     def loss(self, batch) -> torch.Tensor:
         x, y = batch  # (B, T) inputs and (B, T) next-token targets
@@ -118,7 +133,8 @@ class PretrainModule(L.LightningModule):
         o = self.optim_cfg
         groups = param_groups(self.model, o.weight_decay)
         # foreach: one fused kernel launch per group instead of one per tensor (the default where supported).
-        optimizer = torch.optim.AdamW(groups, lr=o.lr_peak, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        optimizer = build_adamw(groups, zero_stage(self.strategy_cfg), lr=o.lr_peak, betas=(o.beta1, o.beta2),
+                                eps=o.eps, foreach=True)
         schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

@@ -177,8 +177,12 @@ class TrainerConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = field(default="single", metadata={"choices": ["single", "ddp"]})
-    """How the work is split across devices: single (one process) or ddp (data parallelism, gradients all-reduced)."""
+    name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero"]})
+    """How the work is split across devices: single (one process), ddp (data parallelism, gradients all-reduced)
+    or zero (data parallelism with model state sharded across the ranks by ZeRO stage, see zero_stage)."""
+    zero_stage: int = field(default=3, metadata={"ge": 1, "le": 3})
+    """name=zero only: 1 shards optimizer state (ZeroRedundancyOptimizer under DDP); 2 also gradients (FSDP2,
+    parameters kept gathered from forward to backward); 3 also parameters (FSDP2, resharded after forward)."""
     process_group_backend: Optional[str] = field(default=None, metadata={"choices": [None, "gloo", "nccl"]})
     """torch.distributed backend. null: gloo on CPU, nccl on GPUs."""
     timeout_seconds: int = field(default=1800, metadata={"ge": 1})

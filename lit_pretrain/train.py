@@ -19,7 +19,8 @@ from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
-from lit_pretrain.parallel.strategies import build_strategy, world_size
+from lit_pretrain.parallel.memory_log import MemoryAccounting
+from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
 from lit_pretrain.runs import create_run_dir, is_primary_process, plot_loss_curve, read_metrics, write_summary
 from lit_pretrain.schema import Config, TrainerConfig
 
@@ -85,12 +86,16 @@ def train(cfg: DictConfig) -> dict:
         config_lib.save(cfg, run_dir / "config.yaml")
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
-                            tokens_per_step=tokens_per_step, seed=c.run.seed)
+                            tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy)
     timer = Timer()
     callbacks = [
         timer,
         ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:07d}", auto_insert_metric_name=False,
                         every_n_train_steps=c.trainer.checkpoint_every_n_steps or None, save_top_k=-1, save_last=True),
+        # Bytes each rank holds (parameters, gradients, optimizer state, saved activations) → memory.json.
+        MemoryAccounting(run_dir, {"strategy": c.strategy.name, "zero_stage": zero_stage(c.strategy),
+                                   "activation_checkpointing": c.model.activation_checkpointing,
+                                   "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
         *user_callbacks(c.callbacks),
     ]
     if c.trainer.progress_bar:

@@ -100,8 +100,8 @@ def test_out_of_range_values_name_key_and_expectation(override, expected):
 
 
 def test_missing_group_file_lists_choices():
-    with pytest.raises(ConfigError, match=r"strategy=zero .*choose one of: ddp, single"):
-        config.load(ROOT / "runs" / "tiny.yaml", ["strategy=zero"])
+    with pytest.raises(ConfigError, match=r"strategy=fsdp .*choose one of: ddp, single"):
+        config.load(ROOT / "runs" / "tiny.yaml", ["strategy=fsdp"])
 
 
 def test_yaml_is_data_not_code(tmp_path):

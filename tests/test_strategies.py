@@ -1,12 +1,14 @@
 """Strategy config → Lightning strategy."""
 
+import tempfile
 from datetime import timedelta
 
 import pytest
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.parallel.strategies import build_strategy, world_size
+from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
+from lit_pretrain.parallel.zero import zero_partition
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
@@ -29,3 +31,63 @@ def test_ddp_carries_backend_and_timeout():
 
 def test_world_size_counts_nodes():
     assert world_size(TrainerConfig(devices=4, num_nodes=3)) == 12
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_2_and_3_are_fsdp2_over_one_data_parallel_group(stage):
+    strategy = build_strategy(StrategyConfig(name="zero", zero_stage=stage, timeout_seconds=42),
+                              TrainerConfig(devices=4, num_nodes=2))
+    assert isinstance(strategy, ModelParallelStrategy)
+    # All 8 ranks shard the model (no tensor parallelism), and checkpoints are one consolidated file.
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (8, 1)
+    assert strategy._save_distributed_checkpoint is False
+    assert strategy._timeout == timedelta(seconds=42)
+
+
+def test_zero_1_is_ddp_with_a_sharded_optimizer():
+    strategy = build_strategy(StrategyConfig(name="zero", zero_stage=1), TrainerConfig(devices=2))
+    assert isinstance(strategy, DDPStrategy)
+
+
+def test_zero_refuses_a_precision_fsdp_cannot_run():
+    with pytest.raises(ConfigError, match=r"trainer\.precision=16-mixed .*strategy\.zero_stage=3.*bf16-mixed"):
+        build_strategy(StrategyConfig(name="zero", zero_stage=3), TrainerConfig(devices=2, precision="16-mixed"))
+
+
+@pytest.mark.parametrize("name, stage, expected", [("single", 3, None), ("ddp", 2, None), ("zero", 1, 1),
+                                                   ("zero", 3, 3)])
+def test_zero_stage_only_counts_under_zero(name, stage, expected):
+    assert zero_stage(StrategyConfig(name=name, zero_stage=stage)) == expected
+
+
+def test_zero_partition_is_greedy_by_size_across_groups():
+    # By hand: group 0 largest first: 10 → rank 0 (tie: lowest rank), 6 → rank 1, 5 → rank 1 (6 < 10); totals
+    # 10 | 11. Group 1 continues from those totals: 4 → rank 0 (10 < 11), 3 → rank 1 (11 < 14).
+    assert zero_partition([[5, 10, 6], [3, 4]], 2) == [[[1], [2, 0]], [[1], [0]]]
+
+
+def test_zero_partition_matches_zero_redundancy_optimizer():
+    """Our pure function against torch's own partition of the GPT's groups. The partition depends on the sizes
+    and the world size alone, so torch's is asked for 2 ranks inside a 1-process group (no processes to start)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lit_pretrain.model import GPT
+    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.module import param_groups
+
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+    try:
+        model = GPT(GPTConfig(vocab_size=513, n_layers=2, d_model=64, n_heads=4, seq_len=16))
+        groups = param_groups(model, 0.1)
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=1e-3)
+        opt.world_size = 2  # partition for 2 ranks from the same sizes
+        opt._partition_parameters_cache = []
+        theirs = opt._partition_parameters()
+        ours = zero_partition([[p.numel() for p in g["params"]] for g in groups], 2)
+        for rank in range(2):
+            for g, group in enumerate(groups):
+                assert [id(p) for p in theirs[rank][g]["params"]] == [id(group["params"][i]) for i in ours[g][rank]]
+    finally:
+        dist.destroy_process_group()

@@ -2,18 +2,40 @@
 
 The same config runs on CPU (gloo) and on GPUs (nccl): the backend is chosen from the accelerator unless
 `strategy.process_group_backend` says otherwise.
+
+| strategy | Lightning strategy | what our module adds |
+|---|---|---|
+| single | "auto" (one device) | |
+| ddp | DDPStrategy | |
+| zero, zero_stage=1 | DDPStrategy | ZeroRedundancyOptimizer (`parallel.zero.build_adamw`) |
+| zero, zero_stage=2, 3 | ModelParallelStrategy (all ranks data parallel) | FSDP2 in `configure_model` |
+
+Lightning's own FSDPStrategy refuses CPUs and refuses norm-based gradient clipping; ModelParallelStrategy runs
+FSDP2 on both and leaves clipping to our module, which reduces the norm over the whole sharded gradient.
 """
 
 from datetime import timedelta
 
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
+# Precisions Lightning's ModelParallelStrategy accepts (lightning/pytorch/trainer/connectors/accelerator_connector.py).
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
 
 def world_size(trainer: TrainerConfig) -> int:
     return trainer.devices * trainer.num_nodes
+
+
+def zero_stage(strategy: StrategyConfig) -> int | None:
+    """The ZeRO stage a config asks for, or None when no state is sharded (single, ddp)."""
+    return strategy.zero_stage if strategy.name == "zero" else None
+
+
+def uses_fsdp(strategy: StrategyConfig) -> bool:
+    return zero_stage(strategy) in (2, 3)
 
 
 def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig) -> Strategy | str:
@@ -25,10 +47,21 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig) -> Strategy
             )
         # "auto" lets Lightning pick the one device (CPU or the first GPU) as a SingleDeviceStrategy.
         return "auto"
-    if strategy.name == "ddp":
-        return DDPStrategy(
-            process_group_backend=strategy.process_group_backend,
-            timeout=timedelta(seconds=strategy.timeout_seconds),
+    timeout = timedelta(seconds=strategy.timeout_seconds)
+    if strategy.name == "ddp" or (strategy.name == "zero" and strategy.zero_stage == 1):
+        return DDPStrategy(process_group_backend=strategy.process_group_backend, timeout=timeout)
+    if strategy.name == "zero":
+        if trainer.precision not in FSDP_PRECISIONS:
+            raise ConfigError(
+                f"trainer.precision={trainer.precision} is not supported with strategy.name=zero and "
+                f"strategy.zero_stage={strategy.zero_stage} (FSDP2 under Lightning's ModelParallelStrategy): "
+                f"choose one of {', '.join(FSDP_PRECISIONS)}"
+            )
+        # Every rank in one data-parallel group (no tensor parallelism). A consolidated checkpoint (one file,
+        # written by rank 0) reads back like any other strategy's: the full state dict is gathered without the
+        # FSDP1 full-state-dict path that crashes on CPU (shared/CPU-DISTRIBUTED.md).
+        return ModelParallelStrategy(
+            data_parallel_size=world_size(trainer), tensor_parallel_size=1, save_distributed_checkpoint=False,
+            process_group_backend=strategy.process_group_backend, timeout=timeout,
         )
-    raise ConfigError(f"strategy.name={strategy.name!r}: expected single or ddp")
-
+    raise ConfigError(f"strategy.name={strategy.name!r}: expected single, ddp or zero")

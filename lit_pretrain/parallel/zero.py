@@ -1,0 +1,71 @@
+"""ZeRO stages from outside the model: which state each data-parallel rank keeps only a 1/world share of.
+
+| stage | optimizer state | gradients | parameters | built on |
+|---|---|---|---|---|
+| 1 | sharded | full (DDP all-reduce) | full | ZeroRedundancyOptimizer under DDP |
+| 2 | sharded | sharded (reduce-scatter) | gathered from forward to end of backward | FSDP2, no reshard after forward |
+| 3 | sharded | sharded | gathered per block for its forward, again for its backward | FSDP2, reshard after forward |
+
+(Rajbhandari et al. 2020, "ZeRO", §5: P_os, P_os+g, P_os+g+p.) FSDP2 has no stage-1 mode, so stage 1 is PyTorch's
+ZeroRedundancyOptimizer: each rank owns whole parameter tensors (greedy by size) and updates only those, then
+broadcasts them. FSDP2 shards every parameter along dim 0 (padded to a multiple of world) and keeps the shards as
+DTensors, so the optimizer state it creates is sharded too. Stage 2 here keeps the all-gathered parameters from
+forward until the end of backward (no second all-gather in backward), the equivalent of ZeRO-2's replicated
+parameters during the step; between steps FSDP2 frees them, which only lowers memory.
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int) -> nn.Module:
+    """Apply FSDP2 to each block, then to the root (embeddings, final norm, head): one all-gather group per block.
+
+    Stage 3 frees each block's gathered parameters after its forward and gathers them again for its backward;
+    stage 2 keeps them until backward. The root group (embeddings, final norm, the tied
+    embedding/head) follows the same rule. Applying twice changes nothing.
+    """
+    if stage not in (2, 3):
+        raise ValueError(f"strategy.zero_stage={stage}: FSDP2 shards stages 2 and 3; stage 1 is an optimizer")
+    if isinstance(model, FSDPModule):
+        return model
+    reshard = stage == 3
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def build_adamw(groups: List[dict], zero_stage: Optional[int], **adamw) -> torch.optim.Optimizer:
+    """AdamW over `groups`; at ZeRO stage 1 wrapped so each rank keeps the state of its share of the tensors only.
+
+    Stages 2 and 3 need no wrapper: the parameters are already DTensor shards, so AdamW's state is sharded too.
+    """
+    if zero_stage == 1:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **adamw)
+    return torch.optim.AdamW(groups, **adamw)
+
+
+def zero_partition(sizes: List[List[int]], world: int) -> List[List[List[int]]]:
+    """Which tensors ZeroRedundancyOptimizer assigns to which rank, as a pure function of their sizes.
+
+    sizes[g] lists the element counts of parameter group g's tensors. Returns, per group and rank, the indices
+    (into sizes[g]) of the tensors that rank owns. The rule (torch.distributed.optim.ZeroRedundancyOptimizer.
+    _partition_parameters): groups in order; within a group, tensors from largest to smallest (stable sort), each
+    to the rank with the fewest elements so far across all groups, the lowest rank on a tie.
+    """
+    totals = [0] * world
+    out = []
+    for group in sizes:
+        per_rank: List[List[int]] = [[] for _ in range(world)]
+        for i in sorted(range(len(group)), key=lambda j: group[j], reverse=True):
+            rank = min(range(world), key=lambda r: totals[r])
+            per_rank[rank].append(i)
+            totals[rank] += group[i]
+        out.append(per_rank)
+    return out

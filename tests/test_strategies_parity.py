@@ -1,0 +1,191 @@
+"""The parity matrix: ddp and ZeRO stages 1, 2, 3 on 2 processes (gloo, CPU) against one process, same global batches.
+
+Each run is `python -m lit_pretrain.cli train` in a subprocess, the code path users run (config → Lightning
+strategy → our module); Lightning's `ddp` launcher re-runs the command for rank 1, which inside pytest would
+re-launch pytest itself (shared/CPU-DISTRIBUTED.md, pitfall 2). One run per strategy answers every question:
+per-step global losses, gradient norms under active clipping, final weights, optimizer state, per-rank bytes,
+and (ZeRO-3) the checkpoint read back into a plain GPT.
+
+Settings that make the runs probe what they must:
+- optim.grad_clip_norm=0.1 while the gradient norm is 0.68-0.94 (measured): every step is clipped, so a norm
+  taken over one rank's shard only (about 0.7 of the full norm on 2 ranks) would change the update and weights.
+- model.vocab_size=513 (the tokenizer has 512): dim 0 of the embedding is odd, so FSDP pads its shards.
+- activation checkpointing differs per run (none, full, every_k), showing it composes with each strategy; it
+  does not change the math (tests/test_activation_checkpointing.py checks that bit for bit).
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
+from lit_pretrain.model import GPT
+from lit_pretrain.module import param_groups
+from lit_pretrain.parallel.zero import zero_partition
+from lit_pretrain.runs import read_metrics, series
+from tests.conftest import EXPERIMENTS, tiny_data_overrides
+from tests.strategies_logits import probe_input
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+VOCAB = 513
+WORLD = 2
+COMMON = [f"trainer.max_steps={STEPS}", f"trainer.val_every_n_steps={STEPS}", "trainer.log_every_n_steps=1",
+          "schedule.warmup_steps=2", "optim.grad_clip_norm=0.1", f"model.vocab_size={VOCAB}",
+          "trainer.progress_bar=false", "strategy.timeout_seconds=60"]
+STRATEGIES = {
+    "ddp": ["strategy=ddp"],
+    "zero1": ["strategy=zero", "strategy.zero_stage=1", "model.activation_checkpointing=full"],
+    "zero2": ["strategy=zero", "strategy.zero_stage=2", "model.activation_checkpointing=every_k",
+              "model.activation_checkpointing_k=2"],
+    "zero3": ["strategy=zero", "strategy.zero_stage=3", "model.activation_checkpointing=full"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_data_dir):
+    """Run folders by name, each run started on first use and kept for the module."""
+    root = tmp_path_factory.mktemp("strategy_runs")
+    done = {}
+
+    def get(name):
+        if name not in done:
+            if name == "single":
+                overrides = ["trainer.micro_batch_size=8"]
+            else:
+                overrides = [*STRATEGIES[name], f"trainer.devices={WORLD}", "trainer.micro_batch_size=4"]
+            logits = root / f"{name}.logits.pt"
+            callback = ["callbacks.extra=[{class_path: 'tests.strategies_logits:SaveLogits', "
+                        f"init_args: {{out: '{logits}'}}}}]"]
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+            for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+                env.pop(var, None)
+            cmd = [sys.executable, "-m", "lit_pretrain.cli", "train", str(EXPERIMENTS / "runs" / "tiny.yaml"),
+                   *tiny_data_overrides(tiny_data_dir), f"run.root_dir={root}", f"run.name={name}", *COMMON,
+                   *overrides, *callback]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            done[name] = root / name
+        return done[name]
+
+    return get
+
+
+def model_cfg(run_dir):
+    from lit_pretrain import config
+
+    return config.to_object(config.load(run_dir / "config.yaml")).model
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_matches_one_process(runs, name):
+    single, other = read_metrics(runs("single") / "metrics.csv"), read_metrics(runs(name) / "metrics.csv")
+    # Same windows per step (one global sampler order), same init (run.seed), gradients averaged over the ranks:
+    # the runs differ only in float summation order (two 4-sample means averaged vs one 8-sample mean; gradient
+    # all-reduce or reduce-scatter; 1 vs 2 threads). Measured on every strategy: losses within 9.5e-7 (2 ulps of
+    # fp32 at a loss of 6), gradient norms within 4.2e-7 (ZeRO 2/3; 6e-8 ddp, ZeRO 1); 1e-5 leaves a 10x margin,
+    # while another seed moves the per-step loss by 1.3e-3 or more (tests/test_ddp.py).
+    for key, tol in (("train/loss", 1e-5), ("train/grad_norm", 1e-5)):
+        a, b = series(single, key), series(other, key)
+        assert [s for s, _ in a] == [s for s, _ in b] == list(range(STEPS)), key
+        for (step, x), (_, y) in zip(a, b):
+            assert x == pytest.approx(y, abs=tol), f"{key} at step {step}"
+    # Clipping was active at every step, in both runs, so each used the global norm of the whole gradient.
+    assert [v for _, v in series(other, "train/clipped")] == [1.0] * STEPS
+    assert [v for _, v in series(single, "train/clipped")] == [1.0] * STEPS
+    # Final weights: AdamW divides by sqrt(v) + eps, which turns a float-order difference in a tiny gradient
+    # entry into a visible one; measured 5.6e-7 on every strategy after 6 steps; 1e-5 is 1% of one step's update
+    # (lr 1e-3).
+    a, b = load_gpt(runs("single")), load_gpt(runs(name))
+    for (key, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-5), f"{name}: {key} differs by {(p - q).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3"])
+def test_optimizer_state_is_consolidated_into_the_checkpoint(runs, name):
+    """The one-file checkpoint holds the whole optimizer state, which loads into a single-process AdamW."""
+    ref = load_optimizer_state(runs("single"))
+    got = load_optimizer_state(runs(name))
+    assert len(got.state) == len(ref.state) == len(list(load_gpt(runs(name)).parameters()))
+    for p_ref, p_got in zip((p for g in ref.param_groups for p in g["params"]),
+                            (p for g in got.param_groups for p in g["params"])):
+        s_ref, s_got = ref.state[p_ref], got.state[p_got]
+        assert s_got["step"].item() == s_ref["step"].item() == STEPS
+        # Measured within 9.3e-10 (exp_avg) and 3.6e-12 (exp_avg_sq); the bounds are 10x that. The moments
+        # themselves reach 2.7e-3 and 9.6e-6 (medians 1.2e-5 and 7e-10): state consolidated into the wrong tensors,
+        # or one rank's share only, would be off by about the moments' own size.
+        assert torch.allclose(s_got["exp_avg"], s_ref["exp_avg"], rtol=0, atol=1e-8)
+        assert torch.allclose(s_got["exp_avg_sq"], s_ref["exp_avg_sq"], rtol=0, atol=1e-10)
+
+
+def test_zero3_checkpoint_gives_the_logits_of_the_sharded_model(runs):
+    run_dir = runs("zero3")
+    sharded_logits = torch.load(run_dir.parent / "zero3.logits.pt", weights_only=True)
+    model = load_gpt(run_dir)
+    torch.set_num_threads(1)  # as each rank ran: the same kernels on the same weights give the same bits
+    with torch.no_grad():
+        logits = model(probe_input(VOCAB, model.cfg.seq_len))
+    assert torch.equal(logits, sharded_logits)
+
+
+def shard_rows(dim0: int, rank: int) -> tuple:
+    """FSDP2's dim-0 shard of a tensor on `rank`: (rows held, rows padded to). torch.chunk rule: ceil(dim0/world)."""
+    per = math.ceil(dim0 / WORLD)
+    held = max(0, min(per, dim0 - rank * per))
+    return held, per
+
+
+def test_per_rank_bytes_follow_the_shard_sizes(runs):
+    cfg = model_cfg(runs("single"))
+    gpt = GPT(cfg)
+    shapes = [tuple(p.shape) for p in gpt.parameters()]
+    n_tensors, numel = len(shapes), sum(math.prod(s) for s in shapes)
+    # One process: fp32 parameters and gradients (4 bytes each), AdamW's two moments (8 bytes) and a fp32 step
+    # counter per tensor (4 bytes).
+    full = {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * numel + 4 * n_tensors}
+    table = {"single": [{**full, "gathered_param_bytes": 0}], "ddp": [{**full, "gathered_param_bytes": 0}] * WORLD}
+
+    # ZeRO-1: each tensor's AdamW state lives on the one rank ZeroRedundancyOptimizer assigns it to.
+    groups = [[p.numel() for p in g["params"]] for g in param_groups(gpt, 0.1)]
+    owned = zero_partition(groups, WORLD)
+    table["zero1"] = [{**full, "gathered_param_bytes": 0, "optimizer_bytes": sum(
+        8 * groups[g][i] + 4 for g in range(len(groups)) for i in owned[g][r])} for r in range(WORLD)]
+
+    # ZeRO-2/3: every tensor sharded on dim 0. Parameters and gradients live in padded shards (ceil(dim0/world)
+    # rows on every rank); AdamW's moments are allocated like the unpadded local shard.
+    def rest(s):
+        return math.prod(s[1:])
+
+    for name in ("zero2", "zero3"):
+        table[name] = []
+        for r in range(WORLD):
+            padded = sum(4 * shard_rows(s[0], r)[1] * rest(s) for s in shapes)
+            held = sum(shard_rows(s[0], r)[0] * rest(s) for s in shapes)
+            gathered = sum(4 * shard_rows(s[0], r)[1] * WORLD * rest(s) for s in shapes) if name == "zero2" else 0
+            table[name].append({"param_bytes": padded, "grad_bytes": padded,
+                                "optimizer_bytes": 8 * held + 4 * n_tensors, "gathered_param_bytes": gathered})
+
+    for name, expected in table.items():
+        measured = json.loads((runs(name) / "memory.json").read_text())["ranks"]
+        assert [m["rank"] for m in measured] == list(range(len(expected)))
+        for m, e in zip(measured, expected):
+            assert {k: m[k] for k in e} == e, f"{name} rank {m['rank']}"
+    # The claims of the ZeRO table, checked on the measurement: stage 1 splits optimizer state (exactly, summed
+    # over ranks), stage 2 also gradients, stage 3 keeps no parameters gathered into backward.
+    z1 = json.loads((runs("zero1") / "memory.json").read_text())["ranks"]
+    assert sum(r["optimizer_bytes"] for r in z1) == full["optimizer_bytes"]
+    z2 = json.loads((runs("zero2") / "memory.json").read_text())["ranks"]
+    assert all(r["grad_bytes"] < full["grad_bytes"] * 0.51 for r in z2)
