@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 SWEEP ?= experiments/sweep/cpu/sweep.yaml
 
 .DEFAULT_GOAL := help
-.PHONY: help install prepare train test test-fast lint bench clean sweep
+.PHONY: help install prepare train test test-fast lint bench clean sweep launch
 
 help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -45,7 +45,6 @@ bench: $(STAMP) ## run the benchmark cases and write runs/bench/results.json
 sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
 	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)
 
-.PHONY: launch
 NODES ?= 2
 DEVICES ?= 8
 launch: $(STAMP) ## print the torchrun and sbatch commands for NODES x DEVICES (RUN=..., ARGS='...')
