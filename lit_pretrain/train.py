@@ -14,7 +14,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig
 
 from lit_pretrain import config as config_lib
-from lit_pretrain.callbacks import user_callbacks
+from lit_pretrain.callbacks import build_callbacks
+from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
@@ -90,7 +91,7 @@ def train(cfg: DictConfig) -> dict:
         timer,
         ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:07d}", auto_insert_metric_name=False,
                         every_n_train_steps=c.trainer.checkpoint_every_n_steps or None, save_top_k=-1, save_last=True),
-        *user_callbacks(c.callbacks),
+        *build_callbacks(c),
     ]
     if c.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=max(1, accumulate)))
@@ -142,6 +143,8 @@ def train(cfg: DictConfig) -> dict:
         write_summary(run_dir, summary)
         plot_loss_curve(read_metrics(run_dir / "metrics.csv"), run_dir / "loss_curve.png", entropy)
         report(summary, run_dir)
+        for cb in (cb for cb in callbacks if isinstance(cb, StabilityReport) and cb.report is not None):
+            print(format_report(cb.report))
     return summary
 
 
