@@ -228,6 +228,7 @@ class LossSpike(Callback):
     def _write(self, trainer) -> None:
         if trainer.is_global_zero:
             path = Path(trainer.default_root_dir) / self.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(_json_safe(self.events), indent=1) + "\n")
 
     def summary(self) -> Dict:

@@ -27,6 +27,7 @@ class StabilityReport(Callback):
         self.report = build_report(trainer, pl_module)
         if trainer.is_global_zero:
             path = Path(trainer.default_root_dir) / self.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(_json_safe(self.report), indent=2) + "\n")
 
 
