@@ -13,16 +13,15 @@ def _steps(steps):
 
 
 class PoisonBatch(L.Callback):
-    """Replace the targets of every micro-batch of `steps` with seeded random tokens (on `ranks` only, if given)."""
+    """Replace every target of the micro-batches of `steps` by the last token id (on `ranks` only, if given): the
+    last BPE merge is among the rarest tokens, so the loss of a poisoned batch is far above the level of the run."""
 
-    def __init__(self, steps, ranks=None, seed=0):
-        self.steps, self.ranks, self.seed = _steps(steps), ranks, seed
+    def __init__(self, steps, ranks=None):
+        self.steps, self.ranks = _steps(steps), ranks
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step in self.steps and (self.ranks is None or trainer.global_rank in self.ranks):
-            _, y = batch
-            g = torch.Generator().manual_seed(self.seed + trainer.global_step)
-            y.copy_(torch.randint(0, pl_module.model.cfg.vocab_size, y.shape, generator=g))
+            batch[1].fill_(pl_module.model.cfg.vocab_size - 1)
 
 
 class LrJump(L.Callback):

@@ -14,7 +14,7 @@ import lightning
 import torch
 
 from lit_pretrain import config as config_lib
-from lit_pretrain.bench import step
+from lit_pretrain.bench import stability, step
 from lit_pretrain.train import resolve_vocab, setup_process
 
 
@@ -32,6 +32,7 @@ def main(argv=None) -> None:
     setup_process(c.trainer)
     c = resolve_vocab(c, c.data.vocab_size)  # the step's cost depends on the vocabulary size, not its contents
     cases = [step.run(c, args.steps, args.skip, args.repeats)]
+    cases.append(stability.run(c, args.steps, args.skip, args.repeats))
 
     print(f"\n{'case':<32} {'value':>14} {'reference':>14} {'ratio':>7}  goal")
     for case in cases:
