@@ -135,7 +135,7 @@ def test_default_experiment_callbacks_end_to_end(tmp_path, tiny_data_dir, capsys
         "trainer.max_steps=20", "trainer.val_every_n_steps=20", "schedule.warmup_steps=5",
         "callbacks.loss_spike.action=rewind", "callbacks.gradient_norm.per_layer_every_n_steps=10"])
     train(cfg)
-    run = tmp_path / "update-ratio"
+    run = tmp_path / "update_ratio"
     out = capsys.readouterr().out
     assert "stability report" in out and "throughput" in out
     report = json.loads((run / "stability.json").read_text())
