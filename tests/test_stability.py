@@ -175,3 +175,16 @@ def test_state_round_trips():
     s2 = ThroughputMonitor()
     s2.load_state_dict(speed.state_dict())
     assert s2.totals == speed.totals
+
+
+def test_detector_on_gradient_norm_flags_a_norm_spike_with_a_normal_loss():
+    detectors = [SpikeDetector(window=20, watch_steps=10, sigmas=6.0, ratio=None, on_grad_norm=on) for on in (1, 0)]
+    rng = random.Random(1)
+    for loss in noisy_losses(30):
+        norm = 0.5 + rng.gauss(0, 0.02)
+        for d in detectors:
+            d.commit(loss, norm, accept=True)
+    with_norm, loss_only = (d.check(4.0, 5.0) for d in detectors)  # loss at its median, gradient norm 10× its level
+    assert with_norm.hit and with_norm.metric == "grad_norm"
+    assert with_norm.loss_baseline == pytest.approx(4.0, abs=0.05)  # recovery is still judged on the loss
+    assert not loss_only.hit

@@ -50,7 +50,7 @@ def gpu_peak_flops(device_name: str, precision: str) -> Optional[float]:
 def measured_cpu_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
     """Best of `repeats` n×n matmuls on this process's threads: 2·n³ FLOPs each (once per process and dtype)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)  # warm the kernels up
+    torch.mm(a, b)  # the first call pays one-time set-up (allocation, kernel selection): not timed
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
