@@ -11,9 +11,7 @@ follows the step count, is not rewound (so the run still ends at trainer.max_ste
 and no checkpoint name is ever reused).
 """
 
-import json
 import math
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -21,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_pretrain.callbacks import step_state
+from lit_pretrain.callbacks.records import gather_rows, json_safe, write_json
 from lit_pretrain.callbacks.rewind import RewindPoints
 from lit_pretrain.callbacks.spike_stats import SpikeDetector, Verdict
 from lit_pretrain.errors import ConfigError
@@ -127,7 +126,7 @@ class LossSpike(Callback):
     # ---- events ----------------------------------------------------------------------------------------------
 
     def _open(self, trainer, pl_module, optimizer, step, loss, verdict, action, cause=None, origin=None) -> None:
-        rows = _gather(trainer, [float(verdict.hit), loss, verdict.baseline, _finite(verdict.score),
+        rows = gather_rows(trainer, [float(verdict.hit), loss, verdict.baseline, _finite(verdict.score),
                                  verdict.metric == "grad_norm"])
         flagged = [r for r, row in enumerate(rows) if row[0] > 0.5] or list(range(len(rows)))
         top = max(flagged, key=lambda r: rows[r][3])
@@ -226,10 +225,7 @@ class LossSpike(Callback):
         return sorted(gathered.flatten().tolist())
 
     def _write(self, trainer) -> None:
-        if trainer.is_global_zero:
-            path = Path(trainer.default_root_dir) / self.filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(_json_safe(self.events), indent=1) + "\n")
+        write_json(trainer, self.filename, self.events)
 
     def summary(self) -> Dict:
         outcomes = [e["outcome"] or "open" for e in self.events]
@@ -241,7 +237,7 @@ class LossSpike(Callback):
 
     def state_dict(self) -> Dict:
         # Rewind points are not saved: a resumed run takes a fresh one at its first step.
-        return {"detector": self.detector.state_dict(), "events": _json_safe(self.events),
+        return {"detector": self.detector.state_dict(), "events": json_safe(self.events),
                 "open_event": self.open_event, "baseline_local": self.baseline_local, "rewinds": self.rewinds,
                 "lr_scale_until": self.lr_scale_until, "stop_reason": self.stop_reason}
 
@@ -255,20 +251,3 @@ class LossSpike(Callback):
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else 1e300
-
-
-def _gather(trainer, row: List[float]) -> List[List[float]]:
-    """Every rank's row (only when an agreed event happens: a collective every rank enters)."""
-    local = torch.tensor(row, dtype=torch.float64, device=trainer.strategy.root_device)
-    gathered = trainer.strategy.all_gather(local)
-    return (gathered.unsqueeze(0) if gathered.dim() == 1 else gathered).cpu().tolist()
-
-
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj

@@ -5,16 +5,15 @@ steps rewound, batches and tokens skipped, clip rate and mean gradient norm by s
 decay), the gradient-norm trend, throughput and MFU, and why the run stopped early if it did.
 """
 
-import json
 import math
-from pathlib import Path
 from typing import Dict, Optional
 
 from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.callbacks.gradient_norm import GradientNormMonitor
-from lit_pretrain.callbacks.loss_spike import LossSpike, _json_safe
+from lit_pretrain.callbacks.loss_spike import LossSpike
 from lit_pretrain.callbacks.nan_guard import NanGuard
+from lit_pretrain.callbacks.records import write_json
 from lit_pretrain.callbacks.throughput import ThroughputMonitor
 
 
@@ -25,10 +24,7 @@ class StabilityReport(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.report = build_report(trainer, pl_module)
-        if trainer.is_global_zero:
-            path = Path(trainer.default_root_dir) / self.filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(_json_safe(self.report), indent=2) + "\n")
+        write_json(trainer, self.filename, self.report)
 
 
 def _find(trainer, cls):
