@@ -198,9 +198,94 @@ class CallbackSpec:
 
 
 @dataclass
+class LossSpikeConfig:
+    enabled: bool = False
+    """Detect loss spikes (callbacks/loss_spike.py), act on them and label each `recovered` or `divergence`."""
+    window: int = field(default=100, metadata={"ge": 5})
+    """Steps in the rolling window whose median and 1.4826 × MAD are the baseline and the robust spread."""
+    watch_steps: int = field(default=100, metadata={"ge": 0})
+    """Steps at the start that are only watched (filling the window), never flagged."""
+    threshold_sigmas: Optional[float] = field(default=6.0, metadata={"gt": 0.0})
+    """Flag a step whose loss is more than this many robust standard deviations above the baseline. null: unused."""
+    threshold_ratio: Optional[float] = field(default=None, metadata={"gt": 1.0})
+    """Flag a step whose loss exceeds this multiple of the baseline. null: unused. When both thresholds are set,
+    a spike must pass both."""
+    on_grad_norm: bool = False
+    """Apply the same rule to the pre-clip gradient norm (its own window) as well."""
+    action: str = field(default="skip_step", metadata={"choices": ["log", "skip_step", "rewind", "stop"]})
+    """log: record only; skip_step: drop the flagged step's update (and later flagged ones until it resolves);
+    rewind: restore the state of about rewind_steps earlier and skip skip_batches batches; stop: end the run."""
+    rewind_steps: int = field(default=100, metadata={"ge": 0})
+    """Rewind to the newest rewind point at least this many steps before the spike (PaLM §5.1: about 100)."""
+    rewind_every_n_steps: int = field(default=50, metadata={"ge": 1})
+    """Take an in-memory rewind point (each rank's module and optimizer state) every this many steps."""
+    skip_batches: int = field(default=200, metadata={"ge": 0})
+    """Global batches (optimizer steps' worth of data) skipped after a rewind (PaLM §5.1: 200 to 500)."""
+    lr_scale: float = field(default=1.0, metadata={"gt": 0.0, "le": 1.0})
+    """After a rewind, multiply the learning rate by this for lr_scale_steps steps (1: unchanged)."""
+    lr_scale_steps: int = field(default=0, metadata={"ge": 0})
+    """Steps the lowered learning rate lasts after a rewind."""
+    recovery_steps: int = field(default=50, metadata={"ge": 1})
+    """An event is `recovered` if within this many steps the loss is back within recovery_tolerance of its
+    pre-spike level, else `divergence`."""
+    recovery_tolerance: float = field(default=0.05, metadata={"ge": 0.0})
+    """Relative tolerance: back means loss <= baseline × (1 + recovery_tolerance)."""
+    on_divergence: str = field(default="stop", metadata={"choices": ["log", "rewind", "stop"]})
+    """What a divergence triggers."""
+    max_rewinds: int = field(default=3, metadata={"ge": 0})
+    """Stop instead of rewinding once this many rewinds were made."""
+
+
+@dataclass
+class NanGuardConfig:
+    enabled: bool = False
+    """Drop any update whose loss or gradient is NaN or Inf (callbacks/nan_guard.py)."""
+    max_consecutive: int = field(default=5, metadata={"ge": 1})
+    """Stop the run after this many such steps in a row."""
+    check_gradients: bool = True
+    """Check the global gradient norm as well as the loss."""
+
+
+@dataclass
+class GradientNormConfig:
+    enabled: bool = False
+    """Log the pre-clip global gradient norm (mean, max) and the clip rate per interval (callbacks/gradient_norm.py)."""
+    log_every_n_steps: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Logging interval in optimizer steps. null: trainer.log_every_n_steps."""
+    per_layer_every_n_steps: int = field(default=0, metadata={"ge": 0})
+    """Also log each block's gradient norm every this many steps (0: never)."""
+
+
+@dataclass
+class ThroughputConfig:
+    enabled: bool = False
+    """Log tokens/s, samples/s, model FLOPs/s and MFU (callbacks/throughput.py)."""
+    log_every_n_steps: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Logging interval in optimizer steps. null: trainer.log_every_n_steps."""
+    peak_flops_per_s: Optional[float] = field(default=None, metadata={"gt": 0.0})
+    """Peak FLOP/s of one device for MFU. null: a table of common GPUs, or a matmul measured at start on a CPU."""
+
+
+@dataclass
+class StabilityReportConfig:
+    enabled: bool = False
+    """At the end of training write stability.json and print the stability report (callbacks/stability_report.py)."""
+
+
+@dataclass
 class CallbacksConfig:
     extra: List[CallbackSpec] = field(default_factory=list)
     """User callbacks added to the Trainer, each `{class_path: "module:Class", init_args: {...}}`."""
+    loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
+    """Loss-spike detection and recovery."""
+    nan_guard: NanGuardConfig = field(default_factory=NanGuardConfig)
+    """Non-finite loss/gradient guard."""
+    gradient_norm: GradientNormConfig = field(default_factory=GradientNormConfig)
+    """Gradient-norm monitor."""
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    """Throughput and MFU monitor."""
+    stability_report: StabilityReportConfig = field(default_factory=StabilityReportConfig)
+    """End-of-run stability report."""
 
 
 @dataclass

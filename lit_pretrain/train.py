@@ -14,7 +14,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig
 
 from lit_pretrain import config as config_lib
-from lit_pretrain.callbacks import user_callbacks
+from lit_pretrain.callbacks import build_callbacks
+from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.errors import ConfigError
@@ -96,7 +97,7 @@ def train(cfg: DictConfig) -> dict:
         MemoryAccounting(run_dir, {"strategy": c.strategy.name, "zero_stage": zero_stage(c.strategy),
                                    "activation_checkpointing": c.model.activation_checkpointing,
                                    "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
-        *user_callbacks(c.callbacks),
+        *build_callbacks(c),
     ]
     if c.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=max(1, accumulate)))
@@ -117,10 +118,12 @@ def train(cfg: DictConfig) -> dict:
         # already refused to reuse a folder from another run.
         warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
         trainer.fit(module, datamodule=datamodule)
+    # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if c.trainer.max_steps % c.trainer.val_every_n_steps:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the final validation loss is always measured
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     tokens_seen = trainer.global_step * tokens_per_step
     train_seconds = timer.time_elapsed("train")
     entropy = manifest.get("unigram_entropy_nats")
@@ -149,6 +152,8 @@ def train(cfg: DictConfig) -> dict:
         write_summary(run_dir, summary)
         plot_loss_curve(read_metrics(run_dir / "metrics.csv"), run_dir / "loss_curve.png", entropy)
         report(summary, run_dir)
+        for cb in (cb for cb in callbacks if isinstance(cb, StabilityReport) and cb.report is not None):
+            print(format_report(cb.report))
     return summary
 
 

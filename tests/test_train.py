@@ -75,8 +75,10 @@ def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_da
     with pytest.raises(RunFolderError, match=r"run folder .*tiny already exists.*run\.overwrite=true"):
         train(tiny_cfg(tmp_path, tiny_data_dir))
     assert precious.read_bytes() == b"weeks of training"
-    train(tiny_cfg(tmp_path, tiny_data_dir, "run.overwrite=true", "trainer.max_steps=5",
-                   "trainer.val_every_n_steps=5"))
+    # 5 steps, validation every 4: the final validation runs after fit, and must not wipe the train loss.
+    summary = train(tiny_cfg(tmp_path, tiny_data_dir, "run.overwrite=true", "trainer.max_steps=5",
+                             "trainer.val_every_n_steps=4", "trainer.log_every_n_steps=1"))
+    assert summary["final_train_loss"] is not None and summary["final_val_loss"] is not None
     # Asked to overwrite, the run starts from an empty folder: nothing of the old run is left to mix in.
     assert not stale.exists()
     assert precious.read_bytes() != b"weeks of training"

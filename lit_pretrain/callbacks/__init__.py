@@ -1,12 +1,76 @@
-"""Callbacks built from the `callbacks` config section, one job each."""
+"""Callbacks built from the `callbacks` config section, one job each.
 
+The stability callbacks (loss spike, non-finite guard, gradient-norm and throughput monitors, stability report) come
+from their typed sections; a user's own callbacks from `callbacks.extra` as an explicit `module:Class`.
+"""
+
+import dataclasses
 import importlib
 import inspect
+import os
+import sys
 
 from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.schema import CallbacksConfig
+from lit_pretrain.schema import CallbacksConfig, Config
+
+
+def build_callbacks(c: Config) -> list[Callback]:
+    """Every callback the config asks for: the stability ones (in the order their hooks must run), then the user's."""
+    return stability_callbacks(c) + user_callbacks(c.callbacks)
+
+
+def stability_callbacks(c: Config) -> list[Callback]:
+    # Imported here: each pulls in torch and Lightning, which loading a config never needs.
+    from lit_pretrain.callbacks.gradient_norm import GradientNormMonitor
+    from lit_pretrain.callbacks.loss_spike import LossSpike
+    from lit_pretrain.callbacks.nan_guard import NanGuard
+    from lit_pretrain.callbacks.stability_report import StabilityReport
+    from lit_pretrain.callbacks.throughput import ThroughputMonitor
+
+    cb, out = c.callbacks, []
+    # Order matters within a step: the guard drops a non-finite update before the spike detector looks at the step,
+    # and both decide before the monitors read what was applied.
+    if cb.nan_guard.enabled:
+        out.append(NanGuard(cb.nan_guard.max_consecutive, cb.nan_guard.check_gradients))
+    if cb.loss_spike.enabled:
+        spike = cb.loss_spike
+        args = {f.name: getattr(spike, f.name) for f in dataclasses.fields(spike) if f.name != "enabled"}
+        out.append(LossSpike(**args))
+    if cb.gradient_norm.enabled:
+        s = c.schedule
+        out.append(GradientNormMonitor(
+            clip_norm=c.optim.grad_clip_norm,
+            log_every_n_steps=cb.gradient_norm.log_every_n_steps or c.trainer.log_every_n_steps,
+            per_layer_every_n_steps=cb.gradient_norm.per_layer_every_n_steps,
+            schedule=(s.kind, s.warmup_steps, c.trainer.max_steps, s.decay_fraction)))
+    if cb.throughput.enabled:
+        out.append(ThroughputMonitor(cb.throughput.log_every_n_steps or c.trainer.log_every_n_steps,
+                                     peak_flops_per_s=cb.throughput.peak_flops_per_s))
+    if cb.stability_report.enabled:
+        out.append(StabilityReport())
+    return out
+
+
+def _import(module_name: str, key: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        # `python -m` puts the working directory on sys.path, the `lit-pretrain` script does not: look there too,
+        # so `experiments.callbacks.x:Cls` loads the same way from either.
+        cwd = os.getcwd()
+        if err.name and module_name.startswith(err.name) and cwd not in sys.path:
+            sys.path.insert(0, cwd)
+            try:
+                return importlib.import_module(module_name)
+            except ImportError:
+                pass
+            finally:
+                sys.path.remove(cwd)
+        raise ConfigError(f"{key}: cannot import module '{module_name}' ({err})") from None
+    except ImportError as err:
+        raise ConfigError(f"{key}: cannot import module '{module_name}' ({err})") from None
 
 
 def user_callbacks(cfg: CallbacksConfig) -> list[Callback]:
@@ -15,10 +79,7 @@ def user_callbacks(cfg: CallbacksConfig) -> list[Callback]:
     for i, spec in enumerate(cfg.extra):
         key = f"callbacks.extra[{i}].class_path"
         module_name, _, class_name = spec.class_path.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ConfigError(f"{key}='{spec.class_path}': cannot import module '{module_name}' ({err})") from None
+        module = _import(module_name, f"{key}='{spec.class_path}'")
         cls = getattr(module, class_name, None)
         if not (inspect.isclass(cls) and issubclass(cls, Callback)):
             raise ConfigError(

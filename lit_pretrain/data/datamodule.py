@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from lit_pretrain.data.prepare import prepare
 from lit_pretrain.data.shards import check_config, load_manifest, open_shard, verify_shards
+from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import DataError
 
 
@@ -114,6 +115,9 @@ class TokenShardDataModule(L.LightningDataModule):
         self.train_dataset: Optional[ShardWindows] = None
         self.val_dataset: Optional[ShardWindows] = None
         self.train_sampler: Optional[GlobalOrderSampler] = None
+        self.train_loader: Optional[TrainLoader] = None
+        self.batch_indices: Optional[List[int]] = None
+        """Window indices (into the train split) of the micro-batch this rank is training on now."""
 
     @property
     def prepared_dir(self) -> Path:
@@ -174,7 +178,22 @@ class TokenShardDataModule(L.LightningDataModule):
         rank, world_size = self.rank_and_world_size()
         self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank, world_size,
                                                 self.seed)
-        return DataLoader(self.train_dataset, sampler=self.train_sampler, drop_last=True, **self._loader_kwargs())
+        kwargs = self._loader_kwargs()
+        self.train_loader = TrainLoader(self.train_dataset, self.train_sampler, kwargs.pop("batch_size"), **kwargs)
+        return self.train_loader
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        # Lightning calls this as training takes each batch (after its prefetch), so the indices are the trained ones.
+        if self.trainer is not None and self.trainer.training and self.train_loader is not None:
+            self.batch_indices = self.train_loader.take_trained_indices()
+        return batch
+
+    def skip_micro_batches(self, micro_batches: int) -> None:
+        """Drop this rank's next `micro_batches` training batches (every rank dropping the same number drops one
+        contiguous range of the global order); `train_loader.dropped` records which."""
+        if self.train_loader is None:
+            raise RuntimeError("skip_micro_batches needs the train dataloader: call it during fit")
+        self.train_loader.drop(micro_batches)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(Subset(self.val_dataset, self.val_indices()), shuffle=False, **self._loader_kwargs())

@@ -1,0 +1,1 @@
+"""Example user callbacks, loaded by a config as `experiments.callbacks.<module>:<Class>`."""

@@ -1,0 +1,53 @@
+"""Case: the stability callbacks' cost on the training step, as tokens/s with them over tokens/s without them.
+
+Both sides run the same `PretrainModule` under the same `L.Trainer` on the same in-memory windows (bench/step.py's
+data and clock); the candidate adds the callbacks the experiment's config turns on (non-finite guard, loss-spike
+detector, gradient-norm and throughput monitors, report). The detector and the guard each read one value per step
+on the host (their decision needs it); the monitors read only at logging intervals.
+"""
+
+import dataclasses
+import tempfile
+
+import lightning as L
+
+from lit_pretrain.bench.step import _data, _StepClock
+from lit_pretrain.callbacks import stability_callbacks
+from lit_pretrain.module import PretrainModule
+
+
+def _tokens_per_s(c, steps: int, skip: int, with_callbacks: bool) -> float:
+    tokens_per_step = c.trainer.micro_batch_size * c.model.seq_len
+    module = PretrainModule(c.model, c.optim, c.schedule, max_steps=steps, tokens_per_step=tokens_per_step,
+                            seed=c.run.seed)
+    clock = _StepClock(skip)
+    # Rewinds need the token-shard datamodule; the in-memory windows here do not skip, and no spike is expected.
+    spike = dataclasses.replace(c.callbacks.loss_spike, skip_batches=0)
+    c = dataclasses.replace(c, callbacks=dataclasses.replace(c.callbacks, loss_spike=spike))
+    extra = stability_callbacks(c) if with_callbacks else []
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0,
+                            logger=L.pytorch.loggers.CSVLogger(tmp, name="", version=""),
+                            log_every_n_steps=c.trainer.log_every_n_steps, callbacks=[clock, *extra],
+                            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                            default_root_dir=tmp)
+        trainer.fit(module, _data(c, steps))
+    return (steps - skip) * tokens_per_step / (clock.end - clock.start)
+
+
+def run(c, steps: int, skip: int, repeats: int) -> dict:
+    """Alternate without/with `repeats` times; compare the best of each (noise only ever slows a run)."""
+    without, with_ = [], []
+    for _ in range(repeats):
+        without.append(_tokens_per_s(c, steps, skip, with_callbacks=False))
+        with_.append(_tokens_per_s(c, steps, skip, with_callbacks=True))
+    return {
+        "case": "stability_callbacks_tokens_per_s",
+        "value": max(with_),
+        "reference": max(without),
+        "ratio": max(with_) / max(without),
+        "goal": ">= 0.97",
+        "unit": "tokens/s",
+        "detail": {"with_callbacks": with_, "without": without, "steps": steps, "timed_steps": steps - skip,
+                   "callbacks": [type(cb).__name__ for cb in stability_callbacks(c)]},
+    }

@@ -1,0 +1,70 @@
+"""NanGuard: a non-finite loss or gradient never reaches the optimizer.
+
+Each optimizer step, before the update: if any micro-batch loss or the global gradient norm is NaN or ±Inf on any
+rank, the update is dropped (see `step_state`), counted, and listed. After `max_consecutive` such steps in a row the
+run stops with a message saying which steps and what to do; parameters and optimizer state stay finite throughout.
+A finite gradient whose norm overflows to Inf is treated the same: clipping it would turn it into zeros or NaN.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_pretrain.callbacks import step_state
+from lit_pretrain.errors import ConfigError
+
+
+class NanGuard(Callback):
+    def __init__(self, max_consecutive: int = 5, check_gradients: bool = True):
+        if max_consecutive < 1:
+            raise ConfigError(f"callbacks.nan_guard.max_consecutive={max_consecutive}: expected a value >= 1")
+        self.max_consecutive, self.check_gradients = max_consecutive, check_gradients
+        self.consecutive = 0
+        self.skipped_steps: List[int] = []
+        self.stop_reason: Optional[str] = None
+        self._bad: Optional[torch.Tensor] = None
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach())  # stays on the device: no sync per micro-batch
+        self._bad = bad if self._bad is None else self._bad | bad
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        bad = self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)
+        self._bad = None
+        if self.check_gradients:
+            # A NaN or Inf in any gradient makes the global norm non-finite, so one reduction covers them all.
+            bad = bad.to(pl_module.device) | ~torch.isfinite(step_state.grad_norm(trainer, pl_module))
+        # The decision must be known before the update: one host sync per step, unavoidable.
+        nonfinite = trainer.strategy.reduce_boolean_decision(bool(bad.item()), all=False)
+        if not nonfinite:
+            self.consecutive = 0
+            return
+        step_state.drop_update(trainer, pl_module, optimizer, "non_finite")
+        self.consecutive += 1
+        self.skipped_steps.append(trainer.global_step)
+        if self.consecutive >= self.max_consecutive:
+            first = trainer.global_step - self.consecutive + 1
+            self.stop_reason = (
+                f"nan_guard: {self.consecutive} optimizer steps in a row (steps {first}..{trainer.global_step}) had a "
+                f"non-finite loss or gradient (callbacks.nan_guard.max_consecutive={self.max_consecutive}); every "
+                "one of their updates was dropped, so the parameters are still finite. The run stops: lower "
+                "optim.lr_peak or raise schedule.warmup_steps, check the data of these steps, or use bf16/fp32 "
+                "precision if this ran in fp16"
+            )
+            trainer.should_stop = True
+            rank_zero_warn(self.stop_reason)
+
+    def summary(self) -> Dict:
+        return {"steps_skipped": len(self.skipped_steps), "skipped_steps": list(self.skipped_steps),
+                "stop_reason": self.stop_reason}
+
+    def state_dict(self) -> Dict:
+        return {"consecutive": self.consecutive, "skipped_steps": list(self.skipped_steps),
+                "stop_reason": self.stop_reason}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.consecutive = int(state["consecutive"])
+        self.skipped_steps = [int(s) for s in state["skipped_steps"]]
+        self.stop_reason = state["stop_reason"]

@@ -1,0 +1,85 @@
+"""In-memory rewind points for the loss-spike callback: each rank's own module and optimizer state dicts.
+
+Strategy-agnostic by holding only what each rank holds locally: `LightningModule.state_dict()` gives a DDP rank its
+full replica and an FSDP2 rank its DTensor shards; a `ZeroRedundancyOptimizer` (ZeRO stage 1) contributes the state
+of its local optimizer, not a consolidated copy (consolidating would be a collective on rank 0). Restoring copies
+values into the live tensors, so the optimizer keeps referring to the same parameters.
+
+Plain tensors are copied to host memory (a rewind point costs no accelerator memory); DTensors are cloned where they
+live, because moving them would separate them from their device mesh. Each point costs the parameters plus the
+optimizer state (3× the parameters for AdamW) on each rank.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+def clone_tree(obj: Any, to_host: bool = True) -> Any:
+    """A deep copy of nested dicts/lists/tuples whose tensors share no storage with the originals."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "full_tensor") or not to_host:  # DTensor: keep it on its mesh
+            return obj.detach().clone()
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: clone_tree(v, to_host) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tree(v, to_host) for v in obj)
+    return obj
+
+
+def local_optimizer(optimizer):
+    """The optimizer whose state this rank holds: ZeRO stage 1 keeps its shard in a wrapped local optimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+@dataclass
+class RewindPoint:
+    step: int
+    """Optimizer updates applied when it was taken: the state step `step` trains from."""
+    module: Dict[str, Any]
+    optimizers: List[Dict[str, Any]]
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """The owner's own state at that step (the detector's windows)."""
+
+
+class RewindPoints:
+    """Rewind points every `every_n_steps`, keeping just enough to reach `back_steps` before any later step."""
+
+    def __init__(self, every_n_steps: int, back_steps: int):
+        self.every_n_steps, self.back_steps = every_n_steps, back_steps
+        self.points: List[RewindPoint] = []
+
+    def due(self, step: int) -> bool:
+        return (not self.points or self.points[-1].step < step) and step % self.every_n_steps == 0
+
+    def take(self, step: int, pl_module, optimizers, extra: Optional[Dict] = None) -> None:
+        self.points.append(RewindPoint(step, clone_tree(pl_module.state_dict()),
+                                       [clone_tree(local_optimizer(o).state_dict()) for o in optimizers],
+                                       clone_tree(extra or {})))
+        self.prune(step)
+
+    def prune(self, step: int) -> None:
+        """Keep the newest point at least back_steps before `step` and every newer one."""
+        reach = [i for i, p in enumerate(self.points) if p.step <= step - self.back_steps]
+        if reach:
+            del self.points[: reach[-1]]
+
+    def target(self, spike_step: int) -> Optional[RewindPoint]:
+        """The newest point at least back_steps before the spike; the oldest one if none reaches that far."""
+        if not self.points:
+            return None
+        reach = [p for p in self.points if p.step <= spike_step - self.back_steps]
+        return reach[-1] if reach else self.points[0]
+
+    def restore(self, point: RewindPoint, pl_module, optimizers) -> None:
+        pl_module.load_state_dict(point.module, strict=True)  # copies into the live parameters
+        for optimizer, state in zip(optimizers, point.optimizers):
+            # A fresh copy: load_state_dict keeps tensors that already have the right device and dtype, and the
+            # next update would then write into the rewind point itself.
+            local_optimizer(optimizer).load_state_dict(clone_tree(state, to_host=False))
+        # Points taken after this one belong to the abandoned trajectory.
+        self.points = [p for p in self.points if p.step <= point.step]

@@ -1,0 +1,92 @@
+"""The training DataLoader plus the two things a loss-spike rewind needs from the data: which windows each batch
+holds, and dropping the next batches so an offending stretch of data is not trained on.
+
+Positions follow the global order of `GlobalOrderSampler`: rank r's micro-batch j of an epoch holds global positions
+r + W·(j·B + i), i < B, so micro-batch j on every rank together is the contiguous range [j·B·W, (j+1)·B·W). Dropping
+the same n micro-batches on every rank therefore drops one contiguous range of the global order, whatever W is.
+"""
+
+from collections import deque
+from typing import Deque, Dict, List, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+
+class TrainLoader(DataLoader):
+    """A DataLoader over a `GlobalOrderSampler` that records the window indices of each batch it hands out and can
+    drop batches that have not been handed out yet.
+
+    Drops happen here, where batches leave the loader, not in the sampler: with worker processes the sampler runs
+    several batches ahead, and dropping at the consumer side is exact whatever the prefetch depth.
+    """
+
+    def __init__(self, dataset, sampler, batch_size: int, **kwargs):
+        super().__init__(dataset, sampler=sampler, batch_size=batch_size, drop_last=True, **kwargs)
+        self._base = None
+        self._epoch = 0
+        self._position = 0  # micro-batches taken from the base iterator this epoch (handed out or dropped)
+        self._pending_drop = 0
+        self._handed_out: Deque[List[int]] = deque()  # window indices of batches handed out, not yet trained on
+        self._order_cache: Dict[int, torch.Tensor] = {}
+        self.dropped: List[Dict] = []
+        """Every drop: {"epoch", "micro_batches", "global_positions": [start, end)} of the global order."""
+
+    def __iter__(self):
+        self._base = super().__iter__()
+        self._epoch, self._position = self.sampler.epoch, 0
+        self._handed_out.clear()
+        self._order_cache = {k: v for k, v in self._order_cache.items() if k == self._epoch}
+        self._drop_pending()
+        return self._batches()
+
+    def _batches(self):
+        while True:
+            try:
+                batch = next(self._base)
+            except StopIteration:
+                return
+            self._handed_out.append(self.window_indices(self._epoch, self._position))
+            self._position += 1
+            yield batch
+
+    def window_indices(self, epoch: int, micro_batch: int) -> List[int]:
+        """Dataset indices of this rank's micro-batch `micro_batch` in epoch `epoch`."""
+        if epoch not in self._order_cache:
+            self._order_cache[epoch] = self.sampler.global_order(epoch)
+        s, b = self.sampler, self.batch_size
+        return self._order_cache[epoch][s.rank :: s.world_size][micro_batch * b : (micro_batch + 1) * b].tolist()
+
+    def take_trained_indices(self) -> Optional[List[int]]:
+        """Window indices of the oldest batch handed out and not yet claimed: the one being trained on, when called
+        once per batch as training consumes it (batches are consumed in the order they are handed out)."""
+        return self._handed_out.popleft() if self._handed_out else None
+
+    def drop(self, micro_batches: int) -> None:
+        """Drop this rank's next `micro_batches` batches not yet handed out (now, or at the next epoch's start)."""
+        if micro_batches < 0:
+            raise ValueError(f"cannot drop {micro_batches} micro-batches")
+        self._pending_drop += micro_batches
+        if self._base is not None:
+            self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        start = self._position
+        while self._pending_drop > 0:
+            try:
+                next(self._base)
+            except StopIteration:
+                break  # the rest is dropped from the start of the next epoch
+            self._position += 1
+            self._pending_drop -= 1
+        if self._position > start:
+            per_step = self.batch_size * self.sampler.world_size
+            self.dropped.append({"epoch": self._epoch, "micro_batches": self._position - start,
+                                 "global_positions": [start * per_step, self._position * per_step]})
+
+    def state_dict(self) -> Dict:
+        return {"pending_drop": self._pending_drop, "dropped": [dict(d) for d in self.dropped]}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self._pending_drop = int(state["pending_drop"])
+        self.dropped = [dict(d) for d in state["dropped"]]

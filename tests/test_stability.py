@@ -1,0 +1,190 @@
+"""Stability callbacks, the parts that need no training run: robust statistics, the spike rule, schedule phases,
+the data loader's drops, the GPU peak table, config errors, and every callback's state round trip."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from lit_pretrain import config
+from lit_pretrain.callbacks import stability_callbacks
+from lit_pretrain.callbacks.gradient_norm import GradientNormMonitor, layer_of, lr_phase, trend_summary
+from lit_pretrain.callbacks.loss_spike import LossSpike
+from lit_pretrain.callbacks.nan_guard import NanGuard
+from lit_pretrain.callbacks.spike_stats import SpikeDetector, is_spike, median, robust_std, spike_score
+from lit_pretrain.callbacks.throughput import ThroughputMonitor, gpu_peak_flops
+from lit_pretrain.data.datamodule import GlobalOrderSampler
+from lit_pretrain.data.train_loader import TrainLoader
+from lit_pretrain.errors import ConfigError
+from lit_pretrain.schedule import lr_at
+from tests.conftest import EXPERIMENTS
+
+
+@pytest.mark.parametrize("values, med, std", [
+    # MAD = median |x - median|; × 1.4826 = 1 / Φ⁻¹(3/4), the normal-consistency constant (Rousseeuw & Croux 1993).
+    ([1, 2, 3, 4, 100], 3, 1.4826 * 1),          # deviations 2,1,0,1,97 → MAD 1: the outlier does not count
+    ([2, 4, 4, 4, 5, 5, 7, 9], 4.5, 1.4826 * 0.5),  # deviations sorted .5 ×5, 2.5, 2.5, 4.5 → MAD 0.5
+    ([5, 5, 5, 5, 5], 5, 0.0),
+])
+def test_median_and_robust_std_table(values, med, std):
+    assert median(values) == med
+    assert robust_std(values) == pytest.approx(std)
+
+
+def test_spike_rule():
+    assert spike_score(7.0, 4.0, 0.5) == pytest.approx(6.0)
+    assert spike_score(float("nan"), 4.0, 0.5) == math.inf
+    assert spike_score(4.1, 4.0, 0.0) > 1e9  # identical window values: any rise is infinitely many spreads
+    assert not is_spike(7.0, 4.0, 0.5, sigmas=6.0, ratio=None)  # exactly 6 spreads is not more than 6
+    assert is_spike(7.01, 4.0, 0.5, sigmas=6.0, ratio=None)
+    assert not is_spike(7.01, 4.0, 0.5, sigmas=6.0, ratio=2.0)  # both set: both must hold (7.01 < 2 × 4)
+    assert is_spike(8.1, 4.0, 0.5, sigmas=6.0, ratio=2.0)
+    assert is_spike(float("inf"), 4.0, 0.5, sigmas=None, ratio=2.0)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "wsd", "constant"])
+def test_lr_phase_matches_the_schedule(kind):
+    """warmup while lr_at ramps; decay exactly where lr_at starts to fall below lr_peak; stable in between."""
+    kw = dict(kind=kind, warmup_steps=10, max_steps=100)
+    for step in range(100):
+        lr = lr_at(step, lr_peak=1.0, lr_min=0.1, decay_fraction=0.2, **kw)
+        expected = "warmup" if step < 10 else ("decay" if lr < 1.0 else "stable")
+        assert lr_phase(step, kind, 10, 100, 0.2) == expected, step
+
+
+def test_layer_names_and_trend():
+    assert layer_of("model.blocks.3.attn.wq.weight") == "blocks.3"
+    assert layer_of("model.tok_embeddings.weight") == "tok_embeddings"
+    # norm = exp(-0.002 · step) → log-slope -2 per 1,000 steps, exactly, on the second half.
+    trend = [[s, math.exp(-0.002 * s)] for s in range(0, 1000, 10)]
+    assert trend_summary(trend)["log_slope_per_1k_steps"] == pytest.approx(-2.0, rel=1e-9)
+
+
+def noisy_losses(n, seed=0, level=4.0):
+    rng = random.Random(seed)
+    return [level + rng.gauss(0, 0.05) for _ in range(n)]
+
+
+def run_detector(detector, losses):
+    decisions = []
+    for loss in losses:
+        verdict = detector.check(loss)
+        decisions.append((verdict.hit, round(verdict.score, 9)))
+        detector.commit(loss, None, accept=not verdict.hit)
+    return decisions
+
+
+def test_detector_finds_the_spike_and_a_reloaded_detector_decides_the_same():
+    losses = noisy_losses(120)
+    losses[70], losses[100] = 6.0, 9.0
+    whole = run_detector(SpikeDetector(window=20, watch_steps=10, sigmas=6.0, ratio=None), losses)
+    assert [i for i, (hit, _) in enumerate(whole) if hit] == [70, 100]
+    first = SpikeDetector(window=20, watch_steps=10, sigmas=6.0, ratio=None)
+    run_detector(first, losses[:85])
+    second = SpikeDetector(window=20, watch_steps=10, sigmas=6.0, ratio=None)
+    second.load_state_dict(first.state_dict())
+    assert run_detector(second, losses[85:]) == whole[85:]
+
+
+def test_detector_only_watches_at_first():
+    losses = noisy_losses(30)
+    losses[8] = 50.0
+    assert not any(hit for hit, _ in run_detector(SpikeDetector(20, 10, 6.0, None), losses[:10]))
+
+
+def loader(rank, world, n=64, b=2):
+    sampler = GlobalOrderSampler(n, b, rank, world, seed=3)
+    return TrainLoader(torch.arange(n), sampler, batch_size=b)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_train_loader_drops_one_contiguous_range_of_the_global_order(world):
+    loaders = [loader(r, world) for r in range(world)]
+    streams = [iter(ld) for ld in loaders]
+    trained = []
+    for step in range(8):
+        if step == 3:
+            for ld in loaders:
+                ld.drop(2)  # every rank drops its next 2 micro-batches
+        for ld, it in zip(loaders, streams):
+            batch = next(it)
+            assert batch.tolist() == ld.take_trained_indices()  # recorded indices are the batch's own
+            trained.extend(batch.tolist())
+    order = loaders[0].sampler.global_order(0).tolist()
+    per_step = 2 * world
+    assert loaders[0].dropped == [{"epoch": 0, "micro_batches": 2, "global_positions": [3 * per_step, 5 * per_step]}]
+    expected = order[: 3 * per_step] + order[5 * per_step : 10 * per_step]
+    assert sorted(trained) == sorted(expected)
+
+
+def test_gpu_peak_table():
+    # Dense datasheet figures; the longest matching name wins.
+    assert gpu_peak_flops("NVIDIA H100 PCIe", "bf16-mixed") == 756e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "bf16-mixed") == 312e12
+    assert gpu_peak_flops("NVIDIA A10G", "16-mixed") == 125e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "32-true") in (19.5e12, 156e12)  # fp32 or tf32, by torch setting
+    assert gpu_peak_flops("Some Future GPU", "bf16-mixed") is None
+
+
+def test_config_errors_name_the_key():
+    run = EXPERIMENTS / "runs" / "tiny.yaml"
+    with pytest.raises(ConfigError, match=r"callbacks\.loss_spike\.action"):
+        config.load(run, ["callbacks.loss_spike.action=explode"])
+    with pytest.raises(ConfigError, match=r"callbacks\.loss_spike\.windw.*did you mean callbacks\.loss_spike\.window"):
+        config.load(run, ["callbacks.loss_spike.windw=10"])
+    c = config.to_object(config.load(run, ["callbacks.loss_spike.threshold_sigmas=null"]))
+    with pytest.raises(ConfigError, match=r"callbacks\.loss_spike: set threshold_sigmas, threshold_ratio or both"):
+        stability_callbacks(c)
+
+
+def test_default_experiment_turns_every_stability_callback_on():
+    c = config.to_object(config.load(EXPERIMENTS / "runs" / "default.yaml"))
+    kinds = [type(cb).__name__ for cb in stability_callbacks(c)]
+    assert kinds == ["NanGuard", "LossSpike", "GradientNormMonitor", "ThroughputMonitor", "StabilityReport"]
+    assert c.callbacks.loss_spike.action == "rewind"
+
+
+def test_state_round_trips():
+    spike = LossSpike(window=10, watch_steps=5)
+    for loss in noisy_losses(12):
+        spike.detector.commit(loss, None, accept=True)
+    spike.events.append({"step": 9, "loss": 7.0, "outcome": "recovered"})
+    spike.rewinds, spike.lr_scale_until = 1, 30
+    again = LossSpike(window=10, watch_steps=5)
+    again.load_state_dict(spike.state_dict())
+    assert again.state_dict() == spike.state_dict()
+    assert again.detector.check(4.9).hit == spike.detector.check(4.9).hit is True
+
+    guard = NanGuard(max_consecutive=3)
+    guard.consecutive, guard.skipped_steps = 2, [7, 8]
+    reloaded = NanGuard(max_consecutive=3)
+    reloaded.load_state_dict(guard.state_dict())
+    assert reloaded.state_dict() == guard.state_dict()
+
+    grads = GradientNormMonitor(clip_norm=1.0)
+    grads.phases["warmup"].update(steps=4, clipped=1, norm_sum=3.0)
+    grads.trend = [[3, 0.75]]
+    g2 = GradientNormMonitor(clip_norm=1.0)
+    g2.load_state_dict(grads.state_dict())
+    assert g2.summary() == grads.summary()
+
+    speed = ThroughputMonitor()
+    speed.totals = {"tokens": 1000, "samples": 10, "seconds": 2.0}
+    s2 = ThroughputMonitor()
+    s2.load_state_dict(speed.state_dict())
+    assert s2.totals == speed.totals
+
+
+def test_detector_on_gradient_norm_flags_a_norm_spike_with_a_normal_loss():
+    detectors = [SpikeDetector(window=20, watch_steps=10, sigmas=6.0, ratio=None, on_grad_norm=on) for on in (1, 0)]
+    rng = random.Random(1)
+    for loss in noisy_losses(30):
+        norm = 0.5 + rng.gauss(0, 0.02)
+        for d in detectors:
+            d.commit(loss, norm, accept=True)
+    with_norm, loss_only = (d.check(4.0, 5.0) for d in detectors)  # loss at its median, gradient norm 10× its level
+    assert with_norm.hit and with_norm.metric == "grad_norm"
+    assert with_norm.loss_baseline == pytest.approx(4.0, abs=0.05)  # recovery is still judged on the loss
+    assert not loss_only.hit

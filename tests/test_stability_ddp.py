@@ -1,0 +1,39 @@
+"""Data parallelism: a loss spike on one rank only makes both ranks rewind identically.
+
+Run as a `lit-pretrain train` subprocess (Lightning's ddp launcher would re-launch pytest itself; see test_ddp.py).
+"""
+
+import json
+
+import pytest
+
+from tests.test_ddp import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_spike_on_one_rank_makes_every_rank_rewind_the_same(tmp_path, tiny_data_dir):
+    digests = tmp_path / "digests"
+    extra = ("callbacks.extra=[{class_path: tests.stability_helpers:PoisonBatch, "
+             "init_args: {steps: [16], ranks: [1]}}, "
+             f"{{class_path: tests.stability_helpers:RankDigest, init_args: {{folder: '{digests}'}}}}]")
+    run_cli(tmp_path, tiny_data_dir, "ddp-spike", "strategy=ddp", "trainer.devices=2", "trainer.micro_batch_size=4",
+            "trainer.max_steps=22", "trainer.val_every_n_steps=22", "callbacks.loss_spike.action=rewind",
+            "callbacks.loss_spike.window=10", "callbacks.loss_spike.watch_steps=10",
+            "callbacks.loss_spike.rewind_every_n_steps=4", "callbacks.loss_spike.rewind_steps=4",
+            "callbacks.loss_spike.skip_batches=2", "callbacks.loss_spike.recovery_steps=4", "optim.lr_peak=3e-3",
+            # At step 16 the model is still near uniform (loss 5.4 of ln 512 = 6.24), so a poisoned batch can only
+            # reach ~6.6: measured 5.1 robust spreads on rank 1, against at most 0.3 on any clean step of this run.
+            "callbacks.loss_spike.threshold_sigmas=4", extra)
+    (event,) = json.loads((tmp_path / "ddp-spike" / "spikes.json").read_text())
+    assert event["step"] == 16 and event["ranks"] == [1] and event["action"] == "rewind"
+    assert event["rewound_to"] == 12 and len(event["sample_indices"]) == 8  # both ranks' windows of step 16
+    # Both ranks skipped the same 2 global batches: positions [17 × 8, 19 × 8) of the global order.
+    assert event["skipped_data"] == [{"epoch": 0, "micro_batches": 2, "global_positions": [136, 152]}]
+    rank0, rank1 = (json.loads((digests / f"digest-rank{r}.json").read_text()) for r in (0, 1))
+    # Same final weights: both restored the same rewind point and applied the same updates since.
+    assert rank0["params_sha256"] == rank1["params_sha256"]
+    # Each rank trained on its half of the same global batches, and none of the skipped ones.
+    for step in ("17", "21"):
+        assert not set(rank0["indices"][step]) & set(rank1["indices"][step])
+    assert sorted(rank0["indices"]["16"] + rank1["indices"]["16"]) == event["sample_indices"]
