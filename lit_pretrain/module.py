@@ -124,6 +124,10 @@ class PretrainModule(L.LightningModule):
         self.log("val/perplexity", torch.exp(val_loss))
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if all(p.grad is None for p in self.parameters()):
+            # The update was dropped (the stability callbacks agree on that across ranks, so every rank returns
+            # here): logging a norm of 0 would read as a real, tiny gradient.
+            return
         norm = clip_by_global_norm(self.parameters(), self.optim_cfg.grad_clip_norm)
         self.log("train/grad_norm", norm)
         if self.optim_cfg.grad_clip_norm > 0:
