@@ -97,6 +97,8 @@ class RankDigest(L.Callback):
     def on_train_end(self, trainer, pl_module):
         h = hashlib.sha256()
         for v in pl_module.state_dict().values():
+            if hasattr(v, "full_tensor"):  # an FSDP2 shard: digest the whole tensor (a collective on every rank)
+                v = v.full_tensor()
             h.update(v.detach().cpu().contiguous().numpy().tobytes())
         out = {"params_sha256": h.hexdigest(), "indices": {str(k): v for k, v in self.indices.items()}}
         self.folder.mkdir(parents=True, exist_ok=True)
