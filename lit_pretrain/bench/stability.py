@@ -11,7 +11,7 @@ import tempfile
 
 import lightning as L
 
-from lit_pretrain.bench.step import _data, _StepClock
+from lit_pretrain.bench.step import _data, _StepClock, paired_case
 from lit_pretrain.callbacks import stability_callbacks
 from lit_pretrain.module import PretrainModule
 
@@ -36,18 +36,8 @@ def _tokens_per_s(c, steps: int, skip: int, with_callbacks: bool) -> float:
 
 
 def run(c, steps: int, skip: int, repeats: int) -> dict:
-    """Alternate without/with `repeats` times; compare the best of each (noise only ever slows a run)."""
-    without, with_ = [], []
-    for _ in range(repeats):
-        without.append(_tokens_per_s(c, steps, skip, with_callbacks=False))
-        with_.append(_tokens_per_s(c, steps, skip, with_callbacks=True))
-    return {
-        "case": "stability_callbacks_tokens_per_s",
-        "value": max(with_),
-        "reference": max(without),
-        "ratio": max(with_) / max(without),
-        "goal": ">= 0.97",
-        "unit": "tokens/s",
-        "detail": {"with_callbacks": with_, "without": without, "steps": steps, "timed_steps": steps - skip,
-                   "callbacks": [type(cb).__name__ for cb in stability_callbacks(c)]},
-    }
+    return paired_case("stability_callbacks_tokens_per_s", lambda: _tokens_per_s(c, steps, skip, False),
+                       lambda: _tokens_per_s(c, steps, skip, True), repeats, ">= 0.97", "tokens/s",
+                       ("without", "with_callbacks"),
+                       {"steps": steps, "timed_steps": steps - skip,
+                        "callbacks": [type(cb).__name__ for cb in stability_callbacks(c)]})

@@ -72,19 +72,19 @@ def trainer_loop(c, steps: int, skip: int) -> float:
     return (steps - skip) * tokens_per_step / (clock.end - clock.start)
 
 
-def run(c, steps: int, skip: int, repeats: int) -> dict:
-    """Alternate the two loops `repeats` times and compare the best of each (noise only ever slows a run)."""
-    raw, ours = [], []
+def paired_case(case: str, reference, candidate, repeats: int, goal: str, unit: str, names, detail) -> dict:
+    """Alternate reference() and candidate() `repeats` times; compare the best of each (noise only ever slows a
+    run). `names` label the two series in the case's detail."""
+    refs, cands = [], []
     for _ in range(repeats):
-        raw.append(raw_loop(c, steps, skip))
-        ours.append(trainer_loop(c, steps, skip))
-    return {
-        "case": "trainer_step_tokens_per_s",
-        "value": max(ours),
-        "reference": max(raw),
-        "ratio": max(ours) / max(raw),
-        "goal": ">= 0.97",
-        "unit": "tokens/s",
-        "detail": {"trainer": ours, "raw_loop": raw, "steps": steps, "timed_steps": steps - skip,
-                   "params": GPT(c.model).num_params(non_embedding=False)},
-    }
+        refs.append(reference())
+        cands.append(candidate())
+    return {"case": case, "value": max(cands), "reference": max(refs), "ratio": max(cands) / max(refs),
+            "goal": goal, "unit": unit, "detail": {names[1]: cands, names[0]: refs, **detail}}
+
+
+def run(c, steps: int, skip: int, repeats: int) -> dict:
+    return paired_case("trainer_step_tokens_per_s", lambda: raw_loop(c, steps, skip),
+                       lambda: trainer_loop(c, steps, skip), repeats, ">= 0.97", "tokens/s", ("raw_loop", "trainer"),
+                       {"steps": steps, "timed_steps": steps - skip,
+                        "params": GPT(c.model).num_params(non_embedding=False)})
