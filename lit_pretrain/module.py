@@ -7,9 +7,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 
+from lit_pretrain.callbacks import step_state
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.parallel import parallelize
@@ -42,18 +42,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     ]
 
 
-def clip_by_global_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_by_global_norm(parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rescale all gradients by one factor so their global L2 norm is at most max_norm; return the pre-clip norm.
 
-    One factor for the whole gradient, never per-value clamping. Under FSDP (ZeRO stages 2 and 3) each rank holds
-    DTensor shards of the gradients: their norm is a partial result that `full_tensor()` all-reduces to the norm of
-    the whole gradient, so every rank rescales by the same factor (as torchtitan's clipping does). With
-    max_norm <= 0 nothing is changed.
+    One factor for the whole gradient, never per-value clamping. Under FSDP (ZeRO stages 2 and 3) the norm is that
+    of the whole, sharded gradient (`step_state.full_norm`), so every rank rescales by the same factor (as
+    torchtitan's clipping does). `norm`: the pre-clip norm when already computed this step. With max_norm <= 0
+    nothing is changed.
     """
     grads = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in grads], 2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    if norm is None:
+        norm = step_state.full_norm([p.grad for p in grads])
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
     return norm
@@ -128,7 +128,9 @@ class PretrainModule(L.LightningModule):
             # The update was dropped (the stability callbacks agree on that across ranks, so every rank returns
             # here): logging a norm of 0 would read as a real, tiny gradient.
             return
-        norm = clip_by_global_norm(self.parameters(), self.optim_cfg.grad_clip_norm)
+        # The stability callbacks may already have taken this step's pre-clip norm: one reduction per step, not two.
+        norm = clip_by_global_norm(self.parameters(), self.optim_cfg.grad_clip_norm,
+                                   step_state.grad_norm(self._trainer, self) if self._trainer is not None else None)
         self.log("train/grad_norm", norm)
         if self.optim_cfg.grad_clip_norm > 0:
             self.log("train/clipped", (norm > self.optim_cfg.grad_clip_norm).float())

@@ -39,10 +39,11 @@ def test_spike_on_one_rank_makes_every_rank_rewind_the_same(tmp_path, tiny_data_
     # Both ranks skipped the same 2 global batches: positions [17 × 8, 19 × 8) of the global order.
     assert event["skipped_data"] == [{"epoch": 0, "micro_batches": 2, "global_positions": [136, 152]}]
     rank0, rank1 = (json.loads((digests / f"digest-rank{r}.json").read_text()) for r in (0, 1))
-    # Same final weights: both restored the same rewind point and applied the same updates since. (Under ZeRO-3
-    # the digest is of the gathered tensors, equal by construction; there the checks that count are the agreed
-    # event above and that the run completed: a rank restoring alone would have desynchronized the collectives.)
-    assert rank0["params_sha256"] == rank1["params_sha256"]
+    # Same final weights: both restored the same rewind point and applied the same updates since. Under ZeRO-3 the
+    # digest is of gathered tensors, equal by construction, so it proves nothing there; what counts is the agreed
+    # event above and that the run completed (a rank restoring alone would have desynchronized the collectives).
+    if strategy != "zero3":
+        assert rank0["params_sha256"] == rank1["params_sha256"]
     # Each rank trained on its half of the same global batches, and none of the skipped ones.
     for step in ("17", "21"):
         assert not set(rank0["indices"][step]) & set(rank1["indices"][step])
