@@ -55,17 +55,32 @@ class MeshStrategy(ModelParallelStrategy):
         super().setup(trainer)
 
     def training_step(self, *args, **kwargs):
-        out = super().training_step(*args, **kwargs)
         runner = self.parallel.runner
-        if runner is not None and runner.last_idle_fraction is not None:
-            self.lightning_module.log("pipeline/idle_fraction", runner.last_idle_fraction)
-            self.lightning_module.log("pipeline/bubble_formula", runner.bubble_formula)
+        if runner is None:
+            return super().training_step(*args, **kwargs)
+        # The schedule's backward runs inside the training step, but Lightning zeroes gradients after the training
+        # step and before backward (on the first micro-batch of an accumulation). So the step's new gradients are
+        # held aside and the earlier ones put back; `backward` adds the new ones, where loss.backward() would.
+        params = list(self.lightning_module.parameters())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        out = super().training_step(*args, **kwargs)
+        self._pending = [p.grad for p in params]
+        for p, g in zip(params, earlier):
+            p.grad = g
+        self.lightning_module.log("pipeline/idle_fraction", runner.last_idle_fraction)
+        self.lightning_module.log("pipeline/bubble_formula", runner.bubble_formula)
         return out
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
-        if self.parallel.runner is not None:
-            return closure_loss  # the pipeline schedule ran the backward pass inside the loss
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.parallel.runner is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        for p, g in zip(self.lightning_module.parameters(), self._pending):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self._pending = []
+        return closure_loss
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         def closure_then_sync():
