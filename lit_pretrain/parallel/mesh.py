@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_pretrain.parallel.layout import MESH_DIMS, Layout
 from lit_pretrain.parallel.pipeline import PipelineRunner, is_tied_copy, tied_grad_sync
-from lit_pretrain.parallel.tensor import apply_tensor_parallel, gather, shard, style_of
+from lit_pretrain.parallel.tensor import apply_tensor_parallel, gather, plain_name, shard, style_of
 
 
 def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh:
@@ -106,7 +106,7 @@ class MeshParallel:
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer, prefix: str = "") -> Optional[dict]:
         """AdamW state by single-process parameter name ({name: {step, exp_avg, exp_avg_sq}}) on rank 0."""
-        names = {id(p): n for n, p in self.gpt.named_parameters()}
+        names = {id(p): plain_name(n) for n, p in self.gpt.named_parameters()}  # as in state_dict()
         local = {f"{names[id(p)]}\0{key}": torch.as_tensor(value)
                  for p, state in optimizer.state.items() for key, value in state.items()}
         full = {k: gather(v.detach(), style_of(k.split("\0")[0]) if v.dim() > 0 else None, self.tp, self.t)
@@ -125,6 +125,7 @@ class MeshParallel:
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, by_name: dict, prefix: str = "") -> None:
         """Fill `optimizer.state` for this rank's parameters from a by-name state (full_optimizer_state's form)."""
         for name, p in self.gpt.named_parameters():
+            name = plain_name(name)
             state = by_name.get(prefix + name)
             if state is None:
                 continue

@@ -126,6 +126,7 @@ class MeshStrategy(ModelParallelStrategy):
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        assert len(state) == len(by_name), f"optimizer state of {set(by_name) - set(sum(order, []))} not placed"
         return {"state": state, "param_groups": groups}
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
