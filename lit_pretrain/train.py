@@ -21,8 +21,8 @@ from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.layout import check_layout, uses_mesh
-from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.memory_log import MemoryAccounting
+from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
 from lit_pretrain.runs import create_run_dir, is_primary_process, plot_loss_curve, read_metrics, write_summary
 from lit_pretrain.schema import Config, TrainerConfig

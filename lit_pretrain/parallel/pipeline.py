@@ -176,7 +176,7 @@ class PipelineRunner:
         wall = time.perf_counter() - start
         out = torch.zeros(2)
         if self.holds_last:
-            out[0] = torch.stack([l.detach() for l in losses]).mean() / self.scale
+            out[0] = torch.stack([loss.detach() for loss in losses]).mean() / self.scale
         out[1] = 1.0 - self.busy / wall if wall > 0 else 0.0
         # One all-reduce for both: the loss lives on the last stage only (others add 0); the idle fraction is
         # averaged over the pipeline ranks.
