@@ -41,6 +41,7 @@ def test_layouts(overrides, world, layout):
     (["strategy=pipeline", "strategy.pipeline.schedule=interleaved_1f1b"], 2, "stages_per_rank"),
     (["strategy=pipeline", "strategy.pipeline.stages_per_rank=2"], 2, "stages_per_rank"),
     (["strategy=pipeline", "strategy.pipeline.micro_batches=3"], 2, "trainer.micro_batch_size"),  # 8 / 3
+    (["strategy=pipeline", "strategy.pipeline.micro_batches=1"], 2, "strategy.pipeline.micro_batches"),  # 1F1B: m < p
     (["strategy=ddp", "strategy.tensor_parallel=2"], 2, "strategy.name"),  # sizes set for a strategy without them
 ])
 def test_impossible_layouts_name_their_key(overrides, world, key):
