@@ -5,7 +5,8 @@ The experiment's model and micro-batch run through our wrappers (parallel/mesh.p
 thread each, without Lightning: the case measures the parallelism, not the trainer. One process uses both threads.
 On a 2-core machine 2 ranks cannot beat 1 process × 2 threads: the ratios show what the split costs, and the idle
 fraction is what the schedule's bubble costs. Idle = 1 − (seconds in the stage's forward and backward) / (step
-seconds), averaged over the pipeline ranks, with GPipe (1F1B refuses m < p; both have the same bubble) (parallel/pipeline.py); it also counts communication and the loss.
+seconds), averaged over the pipeline ranks (parallel/pipeline.py); it also counts communication and the loss.
+The bubble cases run GPipe: 1F1B refuses m < p, and both have the same bubble.
 """
 
 import copy

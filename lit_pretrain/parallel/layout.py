@@ -56,8 +56,8 @@ def check_layout(config, world_size: int) -> Layout:
                               f"interleaved_1f1b ({pc.schedule} runs one stage per rank): set stages_per_rank=1")
         if pc.schedule != "gpipe" and pc.micro_batches < p:
             raise ConfigError(f"strategy.pipeline.micro_batches={pc.micro_batches} is fewer than the "
-                              f"strategy.pipeline_parallel={p} stages, which {pc.schedule} refuses: raise micro_batches "
-                              "to at least pipeline_parallel, or choose schedule gpipe")
+                              f"strategy.pipeline_parallel={p} stages, which {pc.schedule} refuses: raise "
+                              "micro_batches to at least pipeline_parallel, or choose schedule gpipe")
         if m.n_layers < p * v:
             raise ConfigError(f"model.n_layers={m.n_layers} is fewer than the {p * v} pipeline stages "
                               f"(strategy.pipeline_parallel={p} x strategy.pipeline.stages_per_rank={v}): every "
