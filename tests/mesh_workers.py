@@ -89,6 +89,13 @@ def run_layout(layout: Layout, scfg, init, xs, ys):
     return par, model, opt, losses, norms, grads0
 
 
+def dist_broadcast(obj):
+    """Rank 0's object on every rank (the gathered state exists on rank 0 only, as a checkpoint file would)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def case(layout: Layout, scfg, out: dict, name: str):
     torch.manual_seed(0)
     init = GPT(GPTConfig(**CFG))
@@ -98,6 +105,10 @@ def case(layout: Layout, scfg, out: dict, name: str):
     par, model, opt, losses, norms, grads0 = run_layout(layout, scfg, init, xs, ys)
     full = par.full_state()
     full_opt = par.full_optimizer_state(opt)
+    # The gathered AdamW state sliced into a fresh optimizer of this layout, and gathered again.
+    fresh = adamw(model)
+    par.load_full_optimizer_state(fresh, dist_broadcast(full_opt))
+    opt_back = par.full_optimizer_state(fresh)
     # Round trip: the reference's (single-process) weights into this layout, and gathered back.
     par.load_full_state(ref_model.state_dict())
     back = par.full_state()
@@ -127,6 +138,7 @@ def case(layout: Layout, scfg, out: dict, name: str):
                           for n, s in ref_state.items()),
         "opt_steps": {int(s["step"]) for s in full_opt.values()},
         "round_trip": max_diff(back, ref_model.state_dict()),
+        "opt_round_trip": max(abs(opt_back[n][k] - v).max().item() for n, s in full_opt.items() for k, v in s.items()),
         "loaded_logits": (loaded_logits - ref_logits).abs().max().item(),
         "layout_logits": None if tp_logits is None else (tp_logits - ref_logits).abs().max().item(),
     }

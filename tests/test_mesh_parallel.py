@@ -61,7 +61,7 @@ def check(results, names):
         assert r["exp_avg"] < 1e-6 and r["exp_avg_sq"] < 1e-8, (name, r)
         assert r["opt_steps"] == {3}, (name, r)
         # Sharding then gathering moves bytes only: exact.
-        assert r["round_trip"] == 0.0, (name, r)
+        assert r["round_trip"] == 0.0 and r["opt_round_trip"] == 0.0, (name, r)
         assert r["loaded_logits"] < 1e-4, (name, r)
         if r["layout_logits"] is not None:
             assert r["layout_logits"] < 1e-5, (name, r)
