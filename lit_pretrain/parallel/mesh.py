@@ -55,6 +55,8 @@ class MeshParallel:
         if self.d == 1:
             return
         grads = [p.grad for p in self.gpt.parameters() if p.grad is not None]
+        if not grads:
+            return
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat, group=self.dp)
         flat /= self.d
