@@ -82,6 +82,9 @@ class PretrainModule(L.LightningModule):
         parallelize(self.model, self.model_cfg, self.strategy_cfg, mesh)
 
     def loss(self, batch) -> torch.Tensor:
+        if getattr(self, "pipeline", None) is not None:
+            # Pipeline parallelism: the schedule runs the model, and its backward when training (parallel/pipeline.py).
+            return self.pipeline.loss(batch, training=self.training)
         x, y = batch  # (B, T) inputs and (B, T) next-token targets
         logits = self.model(x)  # (B, T, V)
         # fp32 cross-entropy: under bf16 the log-softmax over a large vocabulary loses most of its precision.

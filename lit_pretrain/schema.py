@@ -176,10 +176,22 @@ class TrainerConfig:
 
 
 @dataclass
+class PipelineConfig:
+    micro_batches: int = field(default=4, metadata={"ge": 1})
+    """Pipeline micro-batches (m) each trainer.micro_batch_size batch is cut into; the bubble is (p-1)/(m+p-1)."""
+    schedule: str = field(default="1f1b", metadata={"choices": ["gpipe", "1f1b", "interleaved_1f1b"]})
+    """torch.distributed.pipelining schedule: gpipe (all forwards, then all backwards), 1f1b, interleaved_1f1b."""
+    stages_per_rank: int = field(default=1, metadata={"ge": 1})
+    """Stages each pipeline rank holds (v): 1 for gpipe and 1f1b, 2 or more for interleaved_1f1b."""
+
+
+@dataclass
 class StrategyConfig:
-    name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero"]})
-    """How the work is split across devices: single (one process), ddp (data parallelism, gradients all-reduced)
-    or zero (data parallelism with model state sharded across the ranks by ZeRO stage, see zero_stage)."""
+    name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero", "tensor", "pipeline"]})
+    """How the work is split across devices: single (one process), ddp (data parallelism, gradients all-reduced),
+    zero (data parallelism with model state sharded across the ranks by ZeRO stage, see zero_stage), or tensor /
+    pipeline (our tensor- and pipeline-parallel wrappers on one device mesh, sized by tensor_parallel and
+    pipeline_parallel; data parallel = world / (tensor_parallel * pipeline_parallel))."""
     zero_stage: int = field(default=3, metadata={"ge": 1, "le": 3})
     """name=zero only: 1 shards optimizer state (ZeroRedundancyOptimizer under DDP); 2 also gradients (FSDP2,
     parameters kept gathered from forward to backward); 3 also parameters (FSDP2, resharded after forward)."""
@@ -187,6 +199,13 @@ class StrategyConfig:
     """torch.distributed backend. null: gloo on CPU, nccl on GPUs."""
     timeout_seconds: int = field(default=1800, metadata={"ge": 1})
     """Process-group timeout: how long a rank waits for its peers before failing."""
+    tensor_parallel: int = field(default=1, metadata={"ge": 1})
+    """name=tensor or pipeline: ranks that split each block's weight matrices (t). Divides model.n_heads and the
+    MLP width."""
+    pipeline_parallel: int = field(default=1, metadata={"ge": 1})
+    """name=tensor or pipeline: pipeline stages, each a contiguous slice of the blocks (p)."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline schedule settings (used when pipeline_parallel > 1)."""
 
 
 @dataclass

@@ -20,7 +20,9 @@ from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
+from lit_pretrain.parallel.layout import check_layout, uses_mesh
 from lit_pretrain.parallel.memory_log import MemoryAccounting
+from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
 from lit_pretrain.runs import create_run_dir, is_primary_process, plot_loss_curve, read_metrics, write_summary
 from lit_pretrain.schema import Config, TrainerConfig
@@ -35,14 +37,17 @@ def setup_process(trainer: TrainerConfig) -> None:
 
 def accumulation(c: Config) -> tuple[int, int]:
     """(micro-batches per optimizer step, global tokens per optimizer step)."""
-    per_micro_step = c.trainer.micro_batch_size * c.model.seq_len * world_size(c.trainer)
+    # Data-parallel replicas, not processes: tensor- and pipeline-parallel ranks share their replica's batch.
+    replicas = check_layout(c, world_size(c.trainer)).data_parallel
+    per_micro_step = c.trainer.micro_batch_size * c.model.seq_len * replicas
     if c.trainer.tokens_per_step is None:
         return 1, per_micro_step
     if c.trainer.tokens_per_step % per_micro_step:
         raise ConfigError(
             f"trainer.tokens_per_step={c.trainer.tokens_per_step} is not a multiple of micro_batch_size × seq_len × "
-            f"devices × num_nodes = {c.trainer.micro_batch_size} × {c.model.seq_len} × {c.trainer.devices} × "
-            f"{c.trainer.num_nodes} = {per_micro_step}: use a multiple of {per_micro_step}"
+            f"data-parallel replicas (devices × num_nodes / (tensor_parallel × pipeline_parallel)) = "
+            f"{c.trainer.micro_batch_size} × {c.model.seq_len} × {replicas} = {per_micro_step}: use a multiple of "
+            f"{per_micro_step}"
         )
     return c.trainer.tokens_per_step // per_micro_step, c.trainer.tokens_per_step
 
@@ -127,12 +132,14 @@ def train(cfg: DictConfig) -> dict:
     tokens_seen = trainer.global_step * tokens_per_step
     train_seconds = timer.time_elapsed("train")
     entropy = manifest.get("unigram_entropy_nats")
-    params = module.model.num_params(non_embedding=False)
+    # Under tensor/pipeline parallelism each rank holds a part: count the whole model's shape instead.
+    gpt = full_gpt_on_meta(c.model) if uses_mesh(c.strategy) else module.model
+    params = gpt.num_params(non_embedding=False)
     summary = {
         "run": c.run.name,
         "params": params,
-        "non_embedding_params": module.model.num_params(non_embedding=True),
-        "flops_per_token": module.model.flops_per_token(),
+        "non_embedding_params": gpt.num_params(non_embedding=True),
+        "flops_per_token": gpt.flops_per_token(),
         "tokens_seen": tokens_seen,
         "tokens_per_param": tokens_seen / params,
         "tokens_per_step": tokens_per_step,

@@ -100,7 +100,7 @@ def test_out_of_range_values_name_key_and_expectation(override, expected):
 
 
 def test_missing_group_file_lists_choices():
-    with pytest.raises(ConfigError, match=r"strategy=fsdp .*choose one of: ddp, single"):
+    with pytest.raises(ConfigError, match=r"strategy=fsdp .*choose one of: ddp, pipeline, single, tensor"):
         config.load(ROOT / "runs" / "tiny.yaml", ["strategy=fsdp"])
 
 

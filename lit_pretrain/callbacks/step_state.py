@@ -47,7 +47,9 @@ def grad_norm(trainer, pl_module) -> torch.Tensor:
     which Lightning calls after the backward pass and before gradient clipping."""
     record = current(trainer)
     if record.grad_norm is None:
-        record.grad_norm = full_norm([p.grad for p in pl_module.parameters() if p.grad is not None]).detach()
+        strategy_norm = getattr(trainer.strategy, "grad_norm", None)  # tensor/pipeline: over all shards and stages
+        record.grad_norm = (strategy_norm() if strategy_norm is not None else
+                            full_norm([p.grad for p in pl_module.parameters() if p.grad is not None])).detach()
     return record.grad_norm
 
 

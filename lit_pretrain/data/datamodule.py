@@ -126,6 +126,10 @@ class TokenShardDataModule(L.LightningDataModule):
     def rank_and_world_size(self) -> Tuple[int, int]:
         """From the attached Trainer when there is one, else from the constructor (default: 0 of 1)."""
         if self.trainer is not None:
+            # Data-parallel rank and size (tensor- and pipeline-parallel ranks of one replica read the same batch).
+            kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
+            if kwargs:
+                return kwargs["rank"], kwargs["num_replicas"]
             return self.trainer.global_rank, self.trainer.world_size
         return self._rank or 0, self._world_size or 1
 

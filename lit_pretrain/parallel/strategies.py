@@ -9,6 +9,7 @@ The same config runs on CPU (gloo) and on GPUs (nccl): the backend is chosen fro
 | ddp | DDPStrategy | |
 | zero, zero_stage=1 | DDPStrategy | ZeroRedundancyOptimizer (`parallel.zero.build_adamw`) |
 | zero, zero_stage=2, 3 | ModelParallelStrategy (all ranks data parallel) | FSDP2 in `configure_model` |
+| tensor, pipeline | MeshStrategy (parallel/mesh_strategy.py) | tensor/pipeline wrappers, data-parallel all-reduce |
 
 Lightning's own FSDPStrategy refuses CPUs and refuses norm-based gradient clipping; ModelParallelStrategy runs
 FSDP2 on both and leaves clipping to our module, which reduces the norm over the whole sharded gradient.
@@ -64,4 +65,10 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig) -> Strategy
             data_parallel_size=world_size(trainer), tensor_parallel_size=1, save_distributed_checkpoint=False,
             process_group_backend=strategy.process_group_backend, timeout=timeout,
         )
-    raise ConfigError(f"strategy.name={strategy.name!r}: expected single, ddp or zero")
+    if strategy.name in ("tensor", "pipeline"):  # our wrappers on one (pipeline, data, tensor) mesh
+        from lit_pretrain.parallel.layout import Layout
+        from lit_pretrain.parallel.mesh_strategy import MeshStrategy
+
+        t, p = strategy.tensor_parallel, strategy.pipeline_parallel
+        return MeshStrategy(strategy, Layout(world_size(trainer) // (t * p), t, p), timeout)
+    raise ConfigError(f"strategy.name={strategy.name!r}: expected single, ddp, zero, tensor or pipeline")

@@ -1,0 +1,147 @@
+"""strategy.name=tensor | pipeline: Lightning's ModelParallelStrategy (its launcher, process-group set-up, CPU and
+GPU alike) with our own mesh (pipeline, data_parallel, tensor_parallel) and our wrappers (mesh.MeshParallel).
+
+What it changes in Lightning's step, and why:
+- `setup`: wraps the GPT (after the module's configure_model applied activation checkpointing) and hands the
+  pipeline runner to the module, whose loss then runs the schedule (forward and, when training, backward).
+- `backward`: nothing to do under pipeline parallelism, the schedule already ran it.
+- `optimizer_step`: after the closure's last backward and before the callbacks and clipping see the gradients,
+  the tied embedding's copies are summed and gradients averaged over data-parallel ranks: once per optimizer step.
+- `grad_norm`: the global norm (mesh.MeshParallel.grad_norm), read by callbacks.step_state for clipping and logs.
+- checkpoints: rank 0 writes one file through `self.checkpoint_io` holding the single-process state dict and a
+  single-process AdamW state, so it loads into one process or into any other layout.
+"""
+
+from datetime import timedelta
+from typing import Any, Dict, Optional
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lit_pretrain.parallel.layout import Layout
+from lit_pretrain.parallel.mesh import MeshParallel, build_mesh
+
+MODULE_PREFIX = "model."
+
+
+def full_gpt_on_meta(model_cfg):
+    """The single-process GPT's structure (names, order, parameter groups) without memory."""
+    from lit_pretrain.model import GPT
+
+    with torch.device("meta"):
+        return GPT(model_cfg)
+
+
+class MeshStrategy(ModelParallelStrategy):
+    def __init__(self, strategy_cfg, layout: Layout, timeout: timedelta):
+        super().__init__(data_parallel_size=layout.data_parallel, tensor_parallel_size=layout.tensor_parallel,
+                         save_distributed_checkpoint=False, process_group_backend=strategy_cfg.process_group_backend,
+                         timeout=timeout)
+        self.strategy_cfg, self.layout = strategy_cfg, layout
+        self.parallel: Optional[MeshParallel] = None
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._device_mesh = build_mesh(self.layout, self.root_device.type)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def setup(self, trainer) -> None:
+        module = self.lightning_module
+        if self.parallel is None or self.parallel.gpt is not module.model:  # setup runs again for trainer.validate
+            self.parallel = MeshParallel(module.model, self.device_mesh, self.strategy_cfg)
+        module.pipeline = self.parallel.runner
+        if self.parallel.runner is not None:
+            self.parallel.runner.scale = 1.0 / trainer.accumulate_grad_batches
+        super().setup(trainer)
+
+    def training_step(self, *args, **kwargs):
+        runner = self.parallel.runner
+        if runner is None:
+            return super().training_step(*args, **kwargs)
+        # The schedule's backward runs inside the training step, but Lightning zeroes gradients after the training
+        # step and before backward (on the first micro-batch of an accumulation). So the step's new gradients are
+        # held aside and the earlier ones put back; `backward` adds the new ones, where loss.backward() would.
+        params = list(self.lightning_module.parameters())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        out = super().training_step(*args, **kwargs)
+        self._pending = [p.grad for p in params]
+        for p, g in zip(params, earlier):
+            p.grad = g
+        self.lightning_module.log("pipeline/idle_fraction", runner.last_idle_fraction)
+        self.lightning_module.log("pipeline/bubble_formula", runner.bubble_formula)
+        return out
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        if self.parallel.runner is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        for p, g in zip(self.lightning_module.parameters(), self._pending):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self._pending = []
+        return closure_loss
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        def closure_then_sync():
+            result = closure()
+            self.parallel.sync_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.parallel.grad_norm()
+
+    # Checkpoints: one file, single-process names, written by rank 0 through checkpoint_io.
+
+    def _param_order(self):
+        """Single-process parameter names in AdamW's order (module.param_groups), and the group of each."""
+        from lit_pretrain.module import param_groups
+
+        module = self.lightning_module
+        ref = full_gpt_on_meta(module.model_cfg)
+        names = {id(p): n for n, p in ref.named_parameters()}
+        return [[names[id(p)] for p in g["params"]] for g in param_groups(ref, module.optim_cfg.weight_decay)]
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        full = self.parallel.full_state()
+        if full is None:
+            return {}
+        rest = {k: v for k, v in self.lightning_module.state_dict().items() if not k.startswith(MODULE_PREFIX)}
+        return {**{MODULE_PREFIX + k: v for k, v in full.items()}, **rest}
+
+    def optimizer_state(self, optimizer) -> Dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        by_name = self.parallel.full_optimizer_state(optimizer)
+        if by_name is None:
+            return {}
+        order = self._param_order()
+        state, groups, index = {}, [], 0
+        for names, group in zip(order, optimizer.param_groups):
+            ids = []
+            for name in names:
+                if name in by_name:
+                    state[index] = by_name[name]
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        assert len(state) == len(by_name), f"optimizer state of {set(by_name) - set(sum(order, []))} not placed"
+        return {"state": state, "param_groups": groups}
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        path = self.broadcast(checkpoint_path)
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True)
+        weights = {k[len(MODULE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()
+                   if k.startswith(MODULE_PREFIX)}
+        self.parallel.load_full_state(weights)
+        states = checkpoint.get("optimizer_states") or []
+        if states and self.optimizers:
+            optimizer = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
+            saved = states[0]
+            flat = [name for names in self._param_order() for name in names]
+            by_name = {flat[i]: s for i, s in saved["state"].items()}
+            self.parallel.load_full_optimizer_state(optimizer, by_name)
+            for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+        return checkpoint

@@ -1,0 +1,190 @@
+"""Pipeline parallelism: each pipeline rank keeps a contiguous slice of the blocks (balanced by parameter count,
+layout.balanced_stages), the embedding on the first stage, the final norm and head on the last, and
+torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B) push micro-batches through them.
+
+The GPT is pruned in place, not rebuilt: blocks other ranks hold become nn.Identity, so the parameters this rank
+keeps have the single-process names (`blocks.5.attn.wq.weight`), which the checkpoint code relies on. With tied
+embeddings the last stage keeps its own copy of the embedding (tied to its head, as in the full model); the two
+copies start equal and stay equal because their gradients are summed across the pipeline before each step
+(`tied_grad_sync`), as Megatron-LM does for its word embeddings.
+
+The schedule runs forward and backward itself; gradients come out divided by the number of micro-batches, and the
+loss function here also divides by Lightning's gradient-accumulation factor, so the gradient equals that of
+`loss.backward()` on the mean loss in one process. The loss is broadcast from the last stage: every rank logs the
+global one.
+"""
+
+import time
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def block_param_counts(model: nn.Module) -> List[int]:
+    return [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+
+
+def stage_bounds(model: nn.Module, n_stages: int) -> List[Tuple[int, int]]:
+    """Blocks [start, end) of each stage; the first also holds the embedding, the last the norm and head."""
+    d, v = model.cfg.d_model, model.cfg.vocab_size
+    return balanced_stages(block_param_counts(model), n_stages, first_extra=v * d, last_extra=v * d + d)
+
+
+class StageForward(nn.Module):
+    """One stage's forward: embedding (first), its blocks, final norm and head (last). Registers only the modules of
+    this stage, so the schedule's gradient scaling touches each parameter once."""
+
+    def __init__(self, gpt: nn.Module, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(gpt.blocks[i] for i in range(start, end))
+        self.tok_embeddings = gpt.tok_embeddings if first else None
+        self.norm = gpt.norm if last else None
+        self.lm_head = gpt.lm_head if last else None
+        self._gpt = [gpt]  # the RoPE tables, unregistered: the stage does not own them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)  # (B, T) ids -> (B, T, d_model)
+        gpt = self._gpt[0]
+        T = x.shape[1]
+        cos, sin = gpt.rope_cos[:T], gpt.rope_sin[:T]
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, d_model)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))  # (B, T, vocab_size)
+        return x
+
+
+def prune_to_stages(gpt: nn.Module, bounds: List[Tuple[int, int]], stages: List[int]) -> List[StageForward]:
+    """Keep in `gpt` only what `stages` need (in place); return their forwards, in stage order."""
+    n = len(bounds)
+    keep = {i for s in stages for i in range(*bounds[s])}
+    for i in range(len(gpt.blocks)):
+        if i not in keep:
+            gpt.blocks[i] = nn.Identity()
+    first, last = 0 in stages, n - 1 in stages
+    if gpt.cfg.tie_embeddings and last and not first:
+        # The last stage's own copy of the tied matrix, kept tied to its head (names and weight decay as in the
+        # full model).
+        gpt.tok_embeddings.weight = nn.Parameter(gpt.tok_embeddings.weight.detach().clone())
+        gpt.lm_head.weight = gpt.tok_embeddings.weight
+    elif not first:
+        gpt.tok_embeddings = None
+    if not last:
+        gpt.norm = None
+        if not (gpt.cfg.tie_embeddings and first):
+            gpt.lm_head = None
+    return [StageForward(gpt, *bounds[s], first=s == 0, last=s == n - 1) for s in stages]
+
+
+def tied_grad_sync(gpt: nn.Module, pp_group) -> None:
+    """Sum the tied embedding's gradient over the first and last stages (the other stages add zeros)."""
+    if not gpt.cfg.tie_embeddings or dist.get_world_size(pp_group) == 1:
+        return
+    cfg = gpt.cfg
+    emb = gpt.tok_embeddings
+    if emb is not None and emb.weight.grad is None:
+        emb.weight.grad = torch.zeros_like(emb.weight)
+    grad = emb.weight.grad if emb is not None else torch.zeros(cfg.vocab_size, cfg.d_model)
+    dist.all_reduce(grad, group=pp_group)
+
+
+def is_tied_copy(name: str, gpt: nn.Module, holds_first_stage: bool) -> bool:
+    """The last stage's copy of the tied embedding: counted once (on the first stage) in global norms."""
+    return bool(gpt.cfg.tie_embeddings and not holds_first_stage and name.endswith("tok_embeddings.weight"))
+
+
+class PipelineRunner:
+    """Drives one schedule for one pipeline rank; `loss(batch)` runs forward (and backward when training)."""
+
+    def __init__(self, gpt: nn.Module, pp_group, schedule: str, micro_batches: int, stages_per_rank: int = 1,
+                 device: Optional[torch.device] = None):
+        from torch.distributed.pipelining import PipelineStage
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"strategy.pipeline.schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        self.gpt, self.group, self.schedule_name = gpt, pp_group, schedule
+        self.p, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        self.m, self.v = micro_batches, stages_per_rank
+        n_stages = self.p * self.v
+        self.bounds = stage_bounds(gpt, n_stages)
+        self.stage_ids = stage_of_rank(self.rank, self.p, self.v)
+        self.holds_first, self.holds_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        self.forwards = prune_to_stages(gpt, self.bounds, self.stage_ids)
+        device = device or torch.device("cpu")
+        self.stages = [PipelineStage(f, s, n_stages, device, group=pp_group)
+                       for f, s in zip(self.forwards, self.stage_ids)]
+        self.scale = 1.0  # 1 / gradient-accumulation micro-batches, set by the strategy
+        self.busy = 0.0
+        for stage in self.stages:
+            self._time(stage, "forward_one_chunk")
+            self._time(stage, "backward_one_chunk")
+        self._schedules = {}
+        self.last_idle_fraction: Optional[float] = None
+
+    def _time(self, stage, method: str) -> None:
+        """Count the seconds this rank computes (stage forward and backward); the rest of a step is waiting."""
+        inner = getattr(stage, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - start
+
+        setattr(stage, method, timed)
+
+    def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # fp32 cross-entropy as in PretrainModule.loss; scaled so gradients match Lightning's accumulation.
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()) * self.scale
+
+    def _schedule(self):
+        if self.scale not in self._schedules:
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+            if self.schedule_name == "interleaved_1f1b":
+                sched = ScheduleInterleaved1F1B(self.stages, self.m, loss_fn=self._loss_fn)
+            else:
+                cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+                sched = cls(self.stages[0], self.m, loss_fn=self._loss_fn)
+            self._schedules[self.scale] = sched
+        return self._schedules[self.scale]
+
+    def loss(self, batch, training: bool = True) -> torch.Tensor:
+        """The global mean loss of `batch` on every pipeline rank; when training, gradients are accumulated into
+        this rank's parameters (the caller must not call backward)."""
+        x, y = batch
+        losses: list = []
+        args = (x,) if self.holds_first else ()
+        target = y if self.holds_last else None
+        sched = self._schedule()
+        self.busy = 0.0
+        start = time.perf_counter()
+        if training:
+            sched.step(*args, target=target, losses=losses)
+        else:
+            with torch.no_grad():
+                sched.eval(*args, target=target, losses=losses)
+        wall = time.perf_counter() - start
+        out = torch.zeros(2)
+        if self.holds_last:
+            out[0] = torch.stack([loss.detach() for loss in losses]).mean() / self.scale
+        out[1] = 1.0 - self.busy / wall if wall > 0 else 0.0
+        # One all-reduce for both: the loss lives on the last stage only (others add 0); the idle fraction is
+        # averaged over the pipeline ranks.
+        dist.all_reduce(out, group=self.group)
+        if training:
+            self.last_idle_fraction = float(out[1]) / self.p
+        return out[0]
+
+    @property
+    def bubble_formula(self) -> float:
+        return bubble_formula(self.p, self.m, self.v)

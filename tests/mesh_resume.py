@@ -1,0 +1,46 @@
+"""`python -m tests.mesh_resume OUT DEVICES STRATEGY T P STEPS [CKPT]`: fit the tiny model under one layout for
+STEPS optimizer steps (resuming from CKPT when given, which another layout may have written) and save a checkpoint.
+
+Every batch is the same 4 windows, so a resumed run sees what an uninterrupted one would whatever position
+Lightning restarts the dataloader at. Run by tests/test_mesh_strategy.py; Lightning's launcher re-runs it per rank.
+"""
+
+import sys
+import tempfile
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_pretrain import config
+from lit_pretrain.module import PretrainModule
+from lit_pretrain.parallel.strategies import build_strategy
+from lit_pretrain.schema import PipelineConfig, StrategyConfig
+from tests.conftest import EXPERIMENTS
+
+
+def main(out, devices, name, t, p, steps, ckpt=None):
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(1)
+    c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
+        "model.vocab_size=64", "trainer.micro_batch_size=4", "optim.grad_clip_norm=0.1", "schedule.warmup_steps=1",
+        f"trainer.devices={devices}"]))
+    strategy = StrategyConfig(name=name, tensor_parallel=t, pipeline_parallel=p, timeout_seconds=60,
+                              pipeline=PipelineConfig(micro_batches=2, schedule="gpipe"))
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(0, 64, (4, c.model.seq_len + 1), generator=g).repeat(8, 1)
+    data = DataLoader(TensorDataset(w[:, :-1], w[:, 1:]), batch_size=4)
+    module = PretrainModule(c.model, c.optim, c.schedule, max_steps=3, tokens_per_step=4 * c.model.seq_len, seed=0,
+                            strategy=strategy)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=build_strategy(strategy, c.trainer),
+                            max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                            default_root_dir=tmp)
+        trainer.fit(module, data, ckpt_path=ckpt)
+    trainer.save_checkpoint(out)
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0], int(a[1]), a[2], int(a[3]), int(a[4]), int(a[5]), a[6] if len(a) > 6 else None)
