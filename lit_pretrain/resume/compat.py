@@ -19,7 +19,7 @@ FREE_KEYS = {
     "run.resume", "run.resume_allow_changes", "run.overwrite", "run.keep_last_checkpoints", "run.root_dir",
     "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size", "trainer.num_threads", "trainer.accelerator",
     "trainer.progress_bar", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "data.num_workers",
-    "data.prepared_dir", "model.activation_checkpointing", "model.activation_checkpointing_k",
+    "run.name", "data.prepared_dir", "model.activation_checkpointing", "model.activation_checkpointing_k",
 }
 
 
