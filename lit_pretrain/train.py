@@ -86,11 +86,11 @@ def train(cfg: DictConfig) -> dict:
     manifest = datamodule.manifest
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
     cfg.model.vocab_size = c.model.vocab_size
+    run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
+    resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)
     if is_primary_process():
         config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
 
-    run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
-    resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy)
     timer = Timer()
