@@ -76,7 +76,7 @@ class StepCheckpoint(Callback):
             loader.in_flight = in_flight
         try:
             path = self.folder / store.step_file(step)
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint, said explicitly
         finally:
             if loader is not None:
                 loader.in_flight = 0
