@@ -78,7 +78,7 @@ def existing_run(tmp_path_factory, tiny_data_dir):
     meta = run_meta(OmegaConf.to_container(cfg, resolve=True), manifest,
                     c.trainer.micro_batch_size * c.model.seq_len)
     path = folder / store.step_file(2)
-    save_atomic({"lit_pretrain": {"step": 2, **meta}}, path)
+    save_atomic({"lit_pretrain": {"step": 2, "metrics_rows": 3, **meta}}, path)
     store.publish(folder, path)
     (root / "kept" / "metrics.csv").write_text("step,train/loss\n0,6.2\n1,6.1\n2,6.0\n")
     return overrides

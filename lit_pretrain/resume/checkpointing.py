@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.resume import store
 from lit_pretrain.resume.checkpoint_io import META_KEY
+from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, data_rows
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
 
 
@@ -28,6 +29,7 @@ class StepCheckpoint(Callback):
         self._saved_step: Optional[int] = None
         self._at_boundary = True
         self.preempted = False
+        self._metrics_rows = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._checked_step = self._saved_step = trainer.global_step
@@ -66,11 +68,15 @@ class StepCheckpoint(Callback):
             self.save(trainer, trainer.global_step, in_flight=0)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
-        checkpoint[META_KEY] = {"step": trainer.global_step, "world_size": trainer.world_size, **self.run_meta}
+        checkpoint[META_KEY] = {"step": trainer.global_step, "world_size": trainer.world_size,
+                                "metrics_rows": self._metrics_rows, **self.run_meta}
 
     def save(self, trainer, step: int, in_flight: int) -> None:
         for logger in trainer.loggers:
             logger.save()  # metrics up to here on disk before the checkpoint that a resume continues them from
+        # Rank 0's count is the one written (Lightning saves rank 0's checkpoint dict).
+        self._metrics_rows = sum(data_rows(lg.metrics_path()) for lg in trainer.loggers
+                                 if isinstance(lg, ResumableCSVLogger) and trainer.is_global_zero)
         loader = getattr(trainer.datamodule, "train_loader", None) if trainer.datamodule is not None else None
         if loader is not None:
             loader.in_flight = in_flight

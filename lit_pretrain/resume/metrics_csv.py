@@ -1,6 +1,6 @@
 """A CSV metrics logger that continues a resumed run's metrics.csv, so the file holds each step once.
 
-On resume the rows logged after the checkpoint (by the run that was killed) are cut, and the writer starts from the
+On resume the rows written after the checkpoint (by the run that was killed) are cut, and the writer starts from the
 file's header; Lightning's own writer deletes an existing file when it starts (and would otherwise rewrite it with
 only the columns it has seen).
 """
@@ -15,23 +15,39 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_pretrain.resume.atomic import atomic_write_bytes
 
 
-def cut_after(path: Path, last_step: int) -> int:
-    """Keep the rows of `path` whose step is at most `last_step` (atomically); return how many were cut."""
+def data_rows(path: Path) -> int:
+    """Rows of a metrics.csv, header excluded (0 when there is none yet)."""
+    if not path.is_file():
+        return 0
+    with open(path, newline="") as f:
+        return sum(1 for _ in csv.DictReader(f))
+
+
+def keep_first_rows(path: Path, rows: int) -> int:
+    """Keep the header and the first `rows` rows of `path` (atomically); return how many rows were cut.
+
+    Rows, not steps, mark the checkpoint: monitors tag rows with different step conventions (the loss of optimizer
+    step k is tagged k - 1, a throughput reading k), so only the count flushed before the checkpoint is exact.
+    """
     if not path.is_file():
         return 0
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        header, rows = reader.fieldnames or [], list(reader)
-    kept = [r for r in rows if r.get("step") in (None, "") or int(float(r["step"])) <= last_step]
+        header, all_rows = reader.fieldnames or [], list(reader)
+    if len(all_rows) <= rows:
+        return 0
     out = StringIO()
     writer = csv.DictWriter(out, fieldnames=header)  # csv's \r\n rows, as Lightning writes them
     writer.writeheader()
-    writer.writerows(kept)
+    writer.writerows(all_rows[:rows])
     atomic_write_bytes(path, out.getvalue().encode())
-    return len(rows) - len(kept)
+    return len(all_rows) - rows
 
 
 class ResumableCSVLogger(CSVLogger):
+    def metrics_path(self) -> Path:
+        return Path(self.log_dir) / "metrics.csv"
+
     @property
     def experiment(self):
         if self._experiment is not None:

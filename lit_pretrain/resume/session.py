@@ -12,7 +12,7 @@ from lit_pretrain.errors import RunFolderError
 from lit_pretrain.resume import compat, store
 from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO, read_sidecar
 from lit_pretrain.resume.checkpointing import StepCheckpoint
-from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, cut_after
+from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, keep_first_rows
 from lit_pretrain.resume.rank_state import RankState
 from lit_pretrain.runs import create_run_dir, is_primary_process
 
@@ -56,7 +56,7 @@ def check(plan: Plan, run_meta: Dict, allow: List[str], tokenizer_file: Path) ->
     saved = (read_sidecar(plan.checkpoint) or {}).get("meta", {})
     plan.changed = compat.check_resume(saved, run_meta, allow, str(plan.checkpoint), str(tokenizer_file))
     if is_primary_process():
-        cut_after(plan.run_dir / "metrics.csv", saved["step"] - 1)
+        keep_first_rows(plan.run_dir / "metrics.csv", saved["metrics_rows"])
         print(f"resuming from {store.describe(plan.checkpoint)}"
               + (f", changed on purpose: {', '.join(plan.changed)}" if plan.changed else ""), flush=True)
 
