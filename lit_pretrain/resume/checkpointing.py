@@ -1,7 +1,7 @@
 """StepCheckpoint: checkpoints at optimizer-step boundaries, every `every_n_steps` and on preemption.
 
-A checkpoint is taken only where an optimizer step has just finished (at the start of the next batch, or at the end of
-training), so it never holds half an accumulation; a run killed mid-accumulation resumes from the last boundary and
+A checkpoint is taken only where an optimizer step has just finished (at the start of the next batch, where step k's
+metrics are logged and its validation has run, or at the end of training), so it never holds half an accumulation; a run killed mid-accumulation resumes from the last boundary and
 redoes the partial step from the same data. Each save:
 loggers are flushed first (so the metrics of every step up to the checkpoint are on disk), then the file is written
 through the strategy's checkpoint_io (AtomicCheckpointIO), then rank 0 publishes it (`last.ckpt`, `latest`) and
@@ -30,6 +30,8 @@ class StepCheckpoint(Callback):
         self._at_boundary = True
         self.preempted = False
         self._metrics_rows = 0
+        self._due = False  # a periodic checkpoint postponed from an epoch's first batch
+        self._in_flight = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._checked_step = self._saved_step = trainer.global_step
@@ -46,12 +48,16 @@ class StepCheckpoint(Callback):
         step = trainer.global_step
         if step == self._checked_step:
             return  # mid-accumulation
+        if trainer.fit_loop.epoch_loop.batch_progress.current.completed == 0:
+            return  # the first batch of an epoch: checked at the next boundary (see on_save_checkpoint)
         self._checked_step = step
         signalled = self.flag is not None and self.flag.signum is not None
         # Any rank's signal stops every rank (one all-reduce per optimizer step).
         preempt = trainer.strategy.reduce_boolean_decision(signalled, all=False)
-        if preempt or (self.every_n_steps > 0 and step % self.every_n_steps == 0):
+        self._due = self._due or (self.every_n_steps > 0 and step % self.every_n_steps == 0)
+        if preempt or self._due:
             self.save(trainer, step, in_flight=1)
+            self._due = False
         if preempt:
             self.preempted = True
             trainer.should_stop = True
@@ -68,6 +74,8 @@ class StepCheckpoint(Callback):
             self.save(trainer, trainer.global_step, in_flight=0)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
+        if self._in_flight:
+            as_saved_at_previous_batch_end(checkpoint["loops"]["fit_loop"])
         checkpoint[META_KEY] = {"step": trainer.global_step, "world_size": trainer.world_size,
                                 "metrics_rows": self._metrics_rows, **self.run_meta}
 
@@ -80,10 +88,12 @@ class StepCheckpoint(Callback):
         loader = getattr(trainer.datamodule, "train_loader", None) if trainer.datamodule is not None else None
         if loader is not None:
             loader.in_flight = in_flight
+        self._in_flight = in_flight
         try:
             path = self.folder / store.step_file(step)
             trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint, said explicitly
         finally:
+            self._in_flight = 0
             if loader is not None:
                 loader.in_flight = 0
         self._saved_step = step
@@ -91,3 +101,17 @@ class StepCheckpoint(Callback):
             store.publish(self.folder, path)
             store.retain(self.folder, self.keep_last)
         trainer.strategy.barrier("step_checkpoint")
+
+
+def as_saved_at_previous_batch_end(fit_loop: Dict) -> None:
+    """Rewrite Lightning's loop counters, taken at the start of batch j (ready = j + 1, completed = j), to those of a
+    checkpoint taken at the end of batch j - 1 (ready = started = processed = j, completed = j - 1, one fewer
+    batch that stepped), the point Lightning's restart logic is written for (ModelCheckpoint saves there): it then
+    completes batch j - 1, counts the step once, and does not run again a validation that already ran.
+    Needs j >= 1 within the epoch, hence no checkpoint at an epoch's first batch."""
+    progress = fit_loop["epoch_loop.batch_progress"]
+    for part in ("total", "current"):
+        counts = progress[part]
+        done = counts["completed"]
+        counts.update(ready=done, started=done, processed=done, completed=done - 1)
+    fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
