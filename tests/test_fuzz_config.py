@@ -97,6 +97,8 @@ def test_broken_configs_give_one_line_naming_the_key(capsys, existing_run, tmp_p
     folder = Path(existing_run[-2].split("=", 1)[1]) / "kept"
     before = snapshot(folder)
     missing = tmp_path / "missing"
+    foreign = tmp_path / "foreign.ckpt"  # verifies, but was not written by a training run
+    save_atomic({"state_dict": {}}, foreign)
     special = [
         # Impossible layouts.
         (["trainer.devices=2"], "trainer.devices"),
@@ -121,6 +123,7 @@ def test_broken_configs_give_one_line_naming_the_key(capsys, existing_run, tmp_p
         (["run.resume=auto", "trainer.tokens_per_step=1024"], "trainer.tokens_per_step"),
         (["run.resume=auto", "run.resume_allow_changes=[optim.lr_pek]"], "run.resume_allow_changes"),
         (["run.resume=auto", "run.overwrite=true"], "run.overwrite"),
+        ([f"run.resume={foreign}"], "foreign.ckpt carries no run metadata"),
     ]
     failures = []
     cases = [([o], k) for o, k in generated_cases()] + special

@@ -123,3 +123,11 @@ def test_resume_compatibility_rules():
     other = {"tokenizer": {"sha256": "u"}, "splits": manifest["splits"]}
     with pytest.raises(DataError, match="tokenizer tok.json differs"):
         compat.check_resume(saved, compat.run_meta(cfg, other, 512), [], "c", "tok.json")
+
+
+def test_malformed_sidecar_is_a_clear_error(tmp_path):
+    write_steps(tmp_path, [1])
+    path = tmp_path / store.step_file(1)
+    sidecar_path(path).write_text('{"file": "x"}')
+    with pytest.raises(DataError, match=f"checkpoint {path} has no readable checksum file"):
+        load_verified(path)

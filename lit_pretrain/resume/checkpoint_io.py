@@ -54,7 +54,7 @@ def verify(path: str | Path, check_sha256: bool = True) -> Dict:
     if not path.is_file():
         raise DataError(f"checkpoint {path} does not exist: check run.resume, or use run.resume=auto")
     side = read_sidecar(path)
-    if side is None:
+    if not isinstance(side, dict) or not isinstance(side.get("bytes"), int) or not isinstance(side.get("sha256"), str):
         raise DataError(f"checkpoint {path} has no readable checksum file {sidecar_path(path).name}: it was not "
                         "written completely by this project; choose another checkpoint (run.resume=auto skips it)")
     size = path.stat().st_size

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from lit_pretrain.errors import RunFolderError
+from lit_pretrain.errors import DataError, RunFolderError
 from lit_pretrain.resume import compat, store
 from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO, read_sidecar
 from lit_pretrain.resume.checkpointing import StepCheckpoint
@@ -54,6 +54,9 @@ def check(plan: Plan, run_meta: Dict, allow: List[str], tokenizer_file: Path) ->
     if plan.checkpoint is None:
         return
     saved = (read_sidecar(plan.checkpoint) or {}).get("meta", {})
+    if not all(k in saved for k in ("config", "step", "metrics_rows", "tokenizer_sha256")):
+        raise DataError(f"checkpoint {plan.checkpoint} carries no run metadata (it was not written by "
+                        "`lit-pretrain train`): resume from a run's checkpoints/step*.ckpt")
     plan.changed = compat.check_resume(saved, run_meta, allow, str(plan.checkpoint), str(tokenizer_file))
     if is_primary_process():
         keep_first_rows(plan.run_dir / "metrics.csv", saved["metrics_rows"])
