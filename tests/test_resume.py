@@ -3,8 +3,9 @@
 
 Runs: 6 optimizer steps of 2 micro-batches (trainer.tokens_per_step=1024 = 2 × 8 × 64), a checkpoint every 2 steps.
 Faults: SIGKILL in the middle of an accumulation (second micro-batch of a step) and at a step boundary that no
-checkpoint follows (start of step 6); SIGTERM during step 4 (the checkpoint comes at the next boundary). Equality is bitwise (torch.equal, exact floats in metrics.csv): same process count, same data, same RNG,
-same kernels, so any difference is a resume bug, not rounding. Across process counts the windows of each step are
+checkpoint follows (start of step 6); SIGTERM during step 4 (the checkpoint comes at the next boundary).
+Equality is bitwise (torch.equal, exact floats in metrics.csv): same process count, same data, same RNG, same
+kernels, so any difference is a resume bug, not rounding. Across process counts the windows of each step are
 compared exactly and the losses within a justified float tolerance.
 """
 

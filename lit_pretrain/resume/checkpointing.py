@@ -1,11 +1,11 @@
 """StepCheckpoint: checkpoints at optimizer-step boundaries, every `every_n_steps` and on preemption.
 
 A checkpoint is taken only where an optimizer step has just finished (at the start of the next batch, where step k's
-metrics are logged and its validation has run, or at the end of training), so it never holds half an accumulation; a run killed mid-accumulation resumes from the last boundary and
-redoes the partial step from the same data. Each save:
-loggers are flushed first (so the metrics of every step up to the checkpoint are on disk), then the file is written
-through the strategy's checkpoint_io (AtomicCheckpointIO), then rank 0 publishes it (`last.ckpt`, `latest`) and
-applies retention.
+metrics are logged and its validation has run, or at the end of training), so it never holds half an accumulation;
+a run killed mid-accumulation resumes from the last boundary and redoes the partial step from the same data. Each
+save: loggers are flushed first (so the metrics of every step up to the checkpoint are on disk), then the file is
+written through the strategy's checkpoint_io (AtomicCheckpointIO), then rank 0 publishes it (`last.ckpt`,
+`latest`) and applies retention.
 """
 
 from pathlib import Path

@@ -6,7 +6,6 @@ only the columns it has seen).
 """
 
 import csv
-import os
 from io import StringIO
 from pathlib import Path
 
