@@ -86,3 +86,24 @@ def test_sigterm_and_sigusr1_set_the_flag_and_slurm_requeue(monkeypatch, capsys)
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol here: the failure is reported, not raised
     assert requeue_slurm_job() == "scontrol requeue 4242"
     assert "failed" in capsys.readouterr().out
+
+
+def test_allowed_lr_peak_change_takes_effect_on_the_restored_schedule():
+    from types import SimpleNamespace
+
+    from lit_pretrain.resume.session import NewLrPeak
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 4)
+    # Restored state holds the old peak as base rate; the callback sets the new one and the coming step's rate.
+    trainer = SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+    NewLrPeak(2e-3).on_train_start(trainer, None)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 / 4)
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 / 5)
