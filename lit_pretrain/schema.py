@@ -317,6 +317,13 @@ class RunConfig:
     """Seed of model initialization and of the training data order."""
     overwrite: bool = False
     """Allow writing into an existing run folder (its previous contents are deleted first)."""
+    resume: Optional[str] = None
+    """null: start afresh; auto: continue from the newest valid checkpoint of this run (afresh if it has none);
+    or the path of a checkpoint file. See lit_pretrain/resume/."""
+    resume_allow_changes: List[str] = field(default_factory=list)
+    """Config keys a resume may change on purpose (e.g. [optim.lr_peak]); any other change is refused."""
+    keep_last_checkpoints: int = field(default=0, metadata={"ge": 0})
+    """Keep the newest k step checkpoints (0: keep all); the newest valid one is never deleted."""
 
 
 @dataclass

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, Timer, TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from omegaconf import DictConfig
+from lightning.pytorch.callbacks import Timer, TQDMProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config as config_lib
 from lit_pretrain.callbacks import build_callbacks
@@ -24,7 +24,9 @@ from lit_pretrain.parallel.layout import check_layout, uses_mesh
 from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
-from lit_pretrain.runs import create_run_dir, is_primary_process, plot_loss_curve, read_metrics, write_summary
+from lit_pretrain.resume import session as resume_session
+from lit_pretrain.resume.compat import run_meta as resume_meta
+from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, write_summary
 from lit_pretrain.schema import Config, TrainerConfig
 
 
@@ -65,7 +67,7 @@ def resolve_vocab(c: Config, tokenizer_vocab: int) -> Config:
 
 def loggers(run_dir: Path) -> list:
     # name="" and version="" put metrics.csv directly in the run folder, not in lightning_logs/version_N.
-    out = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+    out = [resume_session.csv_logger(run_dir)]
     if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
         out.append(TensorBoardLogger(save_dir=str(run_dir), name="", version="tensorboard", default_hp_metric=False))
     return out
@@ -78,7 +80,8 @@ def train(cfg: DictConfig) -> dict:
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
     strategy = build_strategy(c.strategy, c.trainer)
-    run_dir = create_run_dir(c.run.root_dir, c.run.name, c.run.overwrite)
+    plan = resume_session.open_run(c.run)  # a new run folder, or the one being resumed (lit_pretrain/resume/)
+    run_dir = plan.run_dir
 
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
                                       seed=c.run.seed, val_batches=c.trainer.val_batches)
@@ -88,16 +91,18 @@ def train(cfg: DictConfig) -> dict:
     manifest = datamodule.manifest
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
     cfg.model.vocab_size = c.model.vocab_size
+    run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
+    resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)
     if is_primary_process():
-        config_lib.save(cfg, run_dir / "config.yaml")
+        config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy)
     timer = Timer()
     callbacks = [
         timer,
-        ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:07d}", auto_insert_metric_name=False,
-                        every_n_train_steps=c.trainer.checkpoint_every_n_steps or None, save_top_k=-1, save_last=True),
+        *resume_session.callbacks(plan, c.trainer.checkpoint_every_n_steps, c.run.keep_last_checkpoints, run_meta,
+                                  c.optim.lr_peak),
         # Bytes each rank holds (parameters, gradients, optimizer state, saved activations) → memory.json.
         MemoryAccounting(run_dir, {"strategy": c.strategy.name, "zero_stage": zero_stage(c.strategy),
                                    "activation_checkpointing": c.model.activation_checkpointing,
@@ -115,14 +120,15 @@ def train(cfg: DictConfig) -> dict:
         limit_val_batches=c.trainer.val_batches, num_sanity_val_steps=0,
         log_every_n_steps=c.trainer.log_every_n_steps, logger=loggers(run_dir), callbacks=callbacks,
         enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
+        enable_checkpointing=False,  # resume.checkpointing.StepCheckpoint writes the checkpoints
         # Our sampler defines one global order for any number of ranks; Lightning's would replace it.
-        use_distributed_sampler=False, default_root_dir=str(run_dir),
+        use_distributed_sampler=False, default_root_dir=str(run_dir), plugins=resume_session.plugins(),
     )
     with warnings.catch_warnings():
         # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
         # already refused to reuse a folder from another run.
         warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
-        trainer.fit(module, datamodule=datamodule)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=plan.checkpoint)
     # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if c.trainer.max_steps % c.trainer.val_every_n_steps:

@@ -14,7 +14,7 @@ import lightning
 import torch
 
 from lit_pretrain import config as config_lib
-from lit_pretrain.bench import deduplication, pipeline, stability, step, strategies
+from lit_pretrain.bench import checkpoint, deduplication, pipeline, stability, step, strategies
 from lit_pretrain.train import resolve_vocab, setup_process
 
 
@@ -36,6 +36,7 @@ def main(argv=None) -> None:
     cases += strategies.run(c, args.run_file, args.overrides)
     cases += pipeline.run(c)
     cases.append(stability.run(c, args.steps, args.skip, args.repeats))
+    cases.append(checkpoint.run(c, args.repeats))
 
     print(f"\n{'case':<32} {'value':>14} {'reference':>14} {'ratio':>7}  goal")
     for case in cases:

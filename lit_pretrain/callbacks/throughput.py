@@ -87,6 +87,8 @@ class ThroughputMonitor(Callback):
             self.peak_flops_per_s = peak_flops_per_device(trainer.strategy.root_device, str(trainer.precision))
         self._world = trainer.world_size
         self._start = time.perf_counter()
+        # A resumed run starts at a step already logged: its first micro-batches are not a new step to report.
+        self._logged_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -74,6 +74,7 @@ class GlobalOrderSampler(Sampler[int]):
         # Every rank gets the same number of full micro-batches; the remainder of the permutation is skipped.
         self.samples_per_epoch = num_windows // self.global_batch_size * self.global_batch_size
         self.epoch = 0
+        self.start = 0  # global position this epoch's iteration starts from (a resumed epoch starts mid-way)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -84,7 +85,7 @@ class GlobalOrderSampler(Sampler[int]):
         return torch.randperm(self.num_windows, generator=generator)[: self.samples_per_epoch]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.global_order(self.epoch)[self.rank :: self.world_size].tolist())
+        return iter(self.global_order(self.epoch)[self.start + self.rank :: self.world_size].tolist())
 
     def __len__(self) -> int:
         return self.samples_per_epoch // self.world_size

@@ -12,6 +12,8 @@ from typing import Deque, Dict, List, Optional
 import torch
 from torch.utils.data import DataLoader
 
+from lit_pretrain.errors import ConfigError
+
 
 class TrainLoader(DataLoader):
     """A DataLoader over a `GlobalOrderSampler` that records the window indices of each batch it hands out and can
@@ -29,12 +31,19 @@ class TrainLoader(DataLoader):
         self._pending_drop = 0
         self._handed_out: Deque[List[int]] = deque()  # window indices of batches handed out, not yet trained on
         self._order_cache: Dict[int, torch.Tensor] = {}
+        self.in_flight = 0  # 1 while a checkpoint is taken at the start of a batch that is not trained on yet
+        self._resume_samples: Dict[int, int] = {}  # epoch → global samples already trained on (from a checkpoint)
         self.dropped: List[Dict] = []
         """Every drop: {"epoch", "micro_batches", "global_positions": [start, end)} of the global order."""
 
     def __iter__(self):
+        # A resumed epoch starts where the checkpoint's trained samples end (set before the base iterator asks the
+        # sampler for its order).
+        start = self._resume_samples.pop(self.sampler.epoch, 0)
+        self._resume_samples.clear()
+        self.sampler.start = start
         self._base = super().__iter__()
-        self._epoch, self._position = self.sampler.epoch, 0
+        self._epoch, self._position = self.sampler.epoch, start // (self.batch_size * self.sampler.world_size)
         self._handed_out.clear()
         self._order_cache = {k: v for k, v in self._order_cache.items() if k == self._epoch}
         self._drop_pending()
@@ -84,9 +93,27 @@ class TrainLoader(DataLoader):
             self.dropped.append({"epoch": self._epoch, "micro_batches": self._position - start,
                                  "global_positions": [start * per_step, self._position * per_step]})
 
+    def trained_samples(self) -> int:
+        """Global samples of this epoch trained on so far: micro-batches taken minus those prefetched but not yet
+        trained on, times the global micro-batch (every rank is at the same micro-batch)."""
+        trained = self._position - len(self._handed_out) - self.in_flight
+        return trained * self.batch_size * self.sampler.world_size
+
     def state_dict(self) -> Dict:
-        return {"pending_drop": self._pending_drop, "dropped": [dict(d) for d in self.dropped]}
+        # Lightning saves this with every checkpoint (a stateful loader) and restores it before iterating. Positions
+        # are global samples, so a run resumed on another number of ranks continues the same global order.
+        per_step = self.batch_size * self.sampler.world_size
+        return {"pending_drop_samples": self._pending_drop * per_step, "dropped": [dict(d) for d in self.dropped],
+                "epoch": self._epoch, "trained_samples": self.trained_samples()}
 
     def load_state_dict(self, state: Dict) -> None:
-        self._pending_drop = int(state["pending_drop"])
+        per_step = self.batch_size * self.sampler.world_size
+        for key in ("pending_drop_samples", "trained_samples"):
+            if state[key] % per_step:
+                raise ConfigError(
+                    f"the checkpoint's data position ({key}={state[key]} global samples) is not a whole number of "
+                    f"global micro-batches of {per_step} (trainer.micro_batch_size × devices): resume with a "
+                    "micro_batch_size × devices that divides it")
+        self._pending_drop = state["pending_drop_samples"] // per_step
         self.dropped = [dict(d) for d in state["dropped"]]
+        self._resume_samples = {int(state["epoch"]): int(state["trained_samples"])}

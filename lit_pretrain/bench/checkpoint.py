@@ -1,0 +1,50 @@
+"""Case: atomic checkpoint writes (temporary file, sha256 on the way, fsync, rename, sidecar; resume/atomic.py) in
+MB/s over plain `torch.save` of the same checkpoint to the same folder, alternated in one run.
+
+The checkpoint is the experiment's GPT with AdamW state after one step (weights + two moments), the bytes a
+training checkpoint holds. Plain torch.save returns before the bytes reach the disk (no fsync), so the ratio prices
+durability and the checksum together; the detail also gives the verified load time against a plain torch.load.
+"""
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lit_pretrain.bench.step import paired_case
+from lit_pretrain.model import GPT
+from lit_pretrain.resume.checkpoint_io import load_verified, save_atomic
+
+
+def _checkpoint(c) -> dict:
+    torch.manual_seed(c.run.seed)
+    model = GPT(c.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
+
+
+def _mb_per_s(save, checkpoint: dict, path: Path) -> float:
+    start = time.perf_counter()
+    save(checkpoint, path)
+    seconds = time.perf_counter() - start
+    return path.stat().st_size / 1e6 / seconds
+
+
+def run(c, repeats: int) -> dict:
+    checkpoint = _checkpoint(c)
+    with tempfile.TemporaryDirectory(dir=".") as tmp:  # on the disk runs/ lives on, not a RAM-backed /tmp
+        plain, atomic = Path(tmp) / "plain.ckpt", Path(tmp) / "atomic.ckpt"
+        case = paired_case("checkpoint_atomic_save_mb_per_s", lambda: _mb_per_s(torch.save, checkpoint, plain),
+                           lambda: _mb_per_s(save_atomic, checkpoint, atomic), repeats, "report (durable + sha256)",
+                           "MB/s", ("torch_save", "atomic"), {})
+        case["detail"]["bytes"] = atomic.stat().st_size
+        start = time.perf_counter()
+        torch.load(plain, map_location="cpu", weights_only=True)
+        middle = time.perf_counter()
+        load_verified(atomic)
+        case["detail"].update(plain_load_s=middle - start, verified_load_s=time.perf_counter() - middle)
+    return case

@@ -1,0 +1,117 @@
+"""StepCheckpoint: checkpoints at optimizer-step boundaries, every `every_n_steps` and on preemption.
+
+A checkpoint is taken only where an optimizer step has just finished (at the start of the next batch, where step k's
+metrics are logged and its validation has run, or at the end of training), so it never holds half an accumulation;
+a run killed mid-accumulation resumes from the last boundary and redoes the partial step from the same data. Each
+save: loggers are flushed first (so the metrics of every step up to the checkpoint are on disk), then the file is
+written through the strategy's checkpoint_io (AtomicCheckpointIO), then rank 0 publishes it (`last.ckpt`,
+`latest`) and applies retention.
+"""
+
+from pathlib import Path
+from typing import Dict, Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from lit_pretrain.resume import store
+from lit_pretrain.resume.checkpoint_io import META_KEY
+from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, data_rows
+from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
+
+
+class StepCheckpoint(Callback):
+    def __init__(self, folder: Path, every_n_steps: int, keep_last: int, run_meta: Dict,
+                 handle_signals: bool = True):
+        self.folder, self.every_n_steps, self.keep_last = Path(folder), every_n_steps, keep_last
+        self.run_meta = run_meta
+        self.flag = PreemptionFlag() if handle_signals else None
+        self._checked_step: Optional[int] = None
+        self._saved_step: Optional[int] = None
+        self._at_boundary = True
+        self.preempted = False
+        self._metrics_rows = 0
+        self._due = False  # a periodic checkpoint postponed from an epoch's first batch
+        self._in_flight = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._checked_step = self._saved_step = trainer.global_step
+        if self.flag is not None:
+            self.flag.install()  # after Lightning registered its own handlers at the start of fit
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._at_boundary = trainer.global_step != self._checked_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The first batch after an optimizer step: step k's metrics are logged, its validation has run, and the
+        # batch about to be trained is not counted as trained (in_flight). Lightning's own loop state treats a
+        # checkpoint taken here as "batch not started", so a resume starts with this very batch.
+        step = trainer.global_step
+        if step == self._checked_step:
+            return  # mid-accumulation
+        if trainer.fit_loop.epoch_loop.batch_progress.current.completed == 0:
+            return  # the first batch of an epoch: checked at the next boundary (see on_save_checkpoint)
+        self._checked_step = step
+        signalled = self.flag is not None and self.flag.signum is not None
+        # Any rank's signal stops every rank (one all-reduce per optimizer step).
+        preempt = trainer.strategy.reduce_boolean_decision(signalled, all=False)
+        self._due = self._due or (self.every_n_steps > 0 and step % self.every_n_steps == 0)
+        if preempt or self._due:
+            self.save(trainer, step, in_flight=1)
+            self._due = False
+        if preempt:
+            self.preempted = True
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                print(f"preemption: checkpoint at step {step} written, stopping", flush=True)
+                requeue_slurm_job()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.flag is not None:
+            self.flag.uninstall()
+        # The run's last step (max_steps, or a stop): saved unless the run stopped mid-accumulation, where the
+        # partial step would not be resumable; the previous checkpoint stands then.
+        if self._at_boundary and trainer.global_step != self._saved_step and not self.preempted:
+            self.save(trainer, trainer.global_step, in_flight=0)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
+        if self._in_flight:
+            as_saved_at_previous_batch_end(checkpoint["loops"]["fit_loop"])
+        checkpoint[META_KEY] = {"step": trainer.global_step, "world_size": trainer.world_size,
+                                "metrics_rows": self._metrics_rows, **self.run_meta}
+
+    def save(self, trainer, step: int, in_flight: int) -> None:
+        for logger in trainer.loggers:
+            logger.save()  # metrics up to here on disk before the checkpoint that a resume continues them from
+        # Rank 0's count is the one written (Lightning saves rank 0's checkpoint dict).
+        self._metrics_rows = sum(data_rows(lg.metrics_path()) for lg in trainer.loggers
+                                 if isinstance(lg, ResumableCSVLogger) and trainer.is_global_zero)
+        loader = getattr(trainer.datamodule, "train_loader", None) if trainer.datamodule is not None else None
+        if loader is not None:
+            loader.in_flight = in_flight
+        self._in_flight = in_flight
+        try:
+            path = self.folder / store.step_file(step)
+            trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint, said explicitly
+        finally:
+            self._in_flight = 0
+            if loader is not None:
+                loader.in_flight = 0
+        self._saved_step = step
+        if trainer.is_global_zero:
+            store.publish(self.folder, path)
+            store.retain(self.folder, self.keep_last)
+        trainer.strategy.barrier("step_checkpoint")
+
+
+def as_saved_at_previous_batch_end(fit_loop: Dict) -> None:
+    """Rewrite Lightning's loop counters, taken at the start of batch j (ready = j + 1, completed = j), to those of a
+    checkpoint taken at the end of batch j - 1 (ready = started = processed = j, completed = j - 1, one fewer
+    batch that stepped), the point Lightning's restart logic is written for (ModelCheckpoint saves there): it then
+    completes batch j - 1, counts the step once, and does not run again a validation that already ran.
+    Needs j >= 1 within the epoch, hence no checkpoint at an epoch's first batch."""
+    progress = fit_loop["epoch_loop.batch_progress"]
+    for part in ("total", "current"):
+        counts = progress[part]
+        done = counts["completed"]
+        counts.update(ready=done, started=done, processed=done, completed=done - 1)
+    fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1

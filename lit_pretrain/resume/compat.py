@@ -1,0 +1,79 @@
+"""What a checkpoint records about its run, and whether a resume may continue it under the current config.
+
+A resume continues one experiment. Keys that only say how it is run (devices, strategy, threads, logging and
+checkpoint intervals, workers) may change freely, as long as the global batch (tokens per optimizer step) is the
+same. Keys that change the experiment (optimizer, schedule, seed, data, max_steps which shapes the schedule) are
+refused unless listed in `run.resume_allow_changes`; keys that change the model's shape are refused always, since
+the checkpoint's weights fit only their own shape. The tokenizer and the shard manifest are compared by hash.
+"""
+
+import hashlib
+import json
+from typing import Any, Dict, Iterable, List
+
+from lit_pretrain.errors import ConfigError, DataError
+
+# Keys that say how a run is executed, not what it computes.
+FREE_PREFIXES = ("strategy.", "callbacks.extra")
+FREE_KEYS = {
+    "run.resume", "run.resume_allow_changes", "run.overwrite", "run.keep_last_checkpoints", "run.root_dir",
+    "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size", "trainer.num_threads", "trainer.accelerator",
+    "trainer.progress_bar", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "data.num_workers",
+    "run.name", "data.prepared_dir", "model.activation_checkpointing", "model.activation_checkpointing_k",
+}
+
+
+def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(tree, dict):
+        out: Dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def manifest_sha256(manifest: Dict) -> str:
+    """A hash of what the shards are: every shard's name, token count and sha256, and the tokenizer's."""
+    parts = {"tokenizer": manifest["tokenizer"]["sha256"],
+             "splits": {s: [(x["file"], x["tokens"], x["sha256"]) for x in info["shards"]]
+                        for s, info in sorted(manifest["splits"].items())}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def run_meta(config: Dict, manifest: Dict, tokens_per_step: int) -> Dict:
+    """The run part of a checkpoint's metadata (plain JSON: it also goes into the checksum sidecar)."""
+    return {"config": flatten(config), "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True,
+                                                                                  default=str).encode()).hexdigest(),
+            "tokenizer_sha256": manifest["tokenizer"]["sha256"], "manifest_sha256": manifest_sha256(manifest),
+            "tokens_per_step": tokens_per_step}
+
+
+def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: str, tokenizer_file: str) -> List[str]:
+    """Raise a ConfigError/DataError naming the first refused difference; return the allowed changed keys."""
+    allow = set(allow)
+    before, now = saved["config"], flatten(current["config"])
+    unknown = sorted(k for k in allow if k not in now)
+    if unknown:
+        raise ConfigError(f"run.resume_allow_changes names {unknown[0]!r}, which is not a config key")
+    if saved["tokenizer_sha256"] != current["tokenizer_sha256"]:
+        raise DataError(f"tokenizer {tokenizer_file} differs from the one checkpoint {checkpoint} was trained with "
+                        "(sha256): resume with the run's data.tokenizer_path and data.prepared_dir, or start afresh")
+    if saved["manifest_sha256"] != current["manifest_sha256"]:
+        raise DataError(f"the token shards (data.prepared_dir) differ from those checkpoint {checkpoint} was trained "
+                        "on (manifest hash): resume with the run's data.prepared_dir, or start afresh")
+    if saved["tokens_per_step"] != current["tokens_per_step"] and "trainer.tokens_per_step" not in allow:
+        raise ConfigError(f"trainer.tokens_per_step: the checkpoint trained with {saved['tokens_per_step']} tokens "
+                          f"per optimizer step, this config gives {current['tokens_per_step']} (micro_batch_size × "
+                          "seq_len × devices × accumulation): set trainer.tokens_per_step to the checkpoint's")
+    changed = []
+    for key in sorted(set(before) | set(now)):
+        if key in FREE_KEYS or key.startswith(FREE_PREFIXES) or before.get(key) == now.get(key):
+            continue
+        if key.startswith("model."):
+            raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
+                              "the model's shape cannot change on resume; set it back, or start a new run")
+        if key not in allow:
+            raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
+                              f"set it back, or allow the change with run.resume_allow_changes=[{key}]")
+        changed.append(key)
+    return changed

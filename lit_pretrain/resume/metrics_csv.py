@@ -1,0 +1,62 @@
+"""A CSV metrics logger that continues a resumed run's metrics.csv, so the file holds each step once.
+
+On resume the rows written after the checkpoint (by the run that was killed) are cut, and the writer starts from the
+file's header; Lightning's own writer deletes an existing file when it starts (and would otherwise rewrite it with
+only the columns it has seen).
+"""
+
+import csv
+from io import StringIO
+from pathlib import Path
+
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_pretrain.resume.atomic import atomic_write_bytes
+
+
+def data_rows(path: Path) -> int:
+    """Rows of a metrics.csv, header excluded (0 when there is none yet)."""
+    if not path.is_file():
+        return 0
+    with open(path, newline="") as f:
+        return sum(1 for _ in csv.DictReader(f))
+
+
+def keep_first_rows(path: Path, rows: int) -> int:
+    """Keep the header and the first `rows` rows of `path` (atomically); return how many rows were cut.
+
+    Rows, not steps, mark the checkpoint: monitors tag rows with different step conventions (the loss of optimizer
+    step k is tagged k - 1, a throughput reading k), so only the count flushed before the checkpoint is exact.
+    """
+    if not path.is_file():
+        return 0
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header, all_rows = reader.fieldnames or [], list(reader)
+    if len(all_rows) <= rows:
+        return 0
+    out = StringIO()
+    writer = csv.DictWriter(out, fieldnames=header)  # csv's \r\n rows, as Lightning writes them
+    writer.writeheader()
+    writer.writerows(all_rows[:rows])
+    atomic_write_bytes(path, out.getvalue().encode())
+    return len(all_rows) - rows
+
+
+class ResumableCSVLogger(CSVLogger):
+    def metrics_path(self) -> Path:
+        return Path(self.log_dir) / "metrics.csv"
+
+    @property
+    def experiment(self):
+        if self._experiment is not None:
+            return self._experiment
+        # Lightning's writer deletes an existing metrics.csv when it is created: keep the rows and put them back.
+        path = Path(self.log_dir) / "metrics.csv"
+        kept = path.read_bytes() if path.is_file() else None
+        writer = super().experiment
+        if kept is not None and hasattr(writer, "metrics_keys"):  # ranks other than 0 get a dummy writer
+            atomic_write_bytes(path, kept)
+            with open(path, newline="") as f:
+                writer.metrics_keys = list(csv.DictReader(f).fieldnames or [])
+        return writer

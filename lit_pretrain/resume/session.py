@@ -1,0 +1,97 @@
+"""The resume side of `train()`: open the run folder (new, or the one being resumed), choose and check the checkpoint,
+and build the callbacks, logger and plugin that make checkpoints complete, atomic and exactly resumable."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from lit_pretrain.errors import DataError, RunFolderError
+from lit_pretrain.resume import compat, store
+from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO, read_sidecar
+from lit_pretrain.resume.checkpointing import StepCheckpoint
+from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, keep_first_rows
+from lit_pretrain.resume.rank_state import RankState
+from lit_pretrain.runs import create_run_dir, is_primary_process
+
+# Rank 0 resolves run.resume once; the ranks Lightning's ddp launcher starts later inherit its answer, so every
+# rank resumes from the same file even if another checkpoint appeared in between.
+RESOLVED_ENV = "LIT_PRETRAIN_RESUME_FROM"
+
+
+@dataclass
+class Plan:
+    run_dir: Path
+    checkpoint: Optional[Path]
+    changed: List[str]
+
+
+def open_run(run) -> Plan:
+    """The run folder and the checkpoint to resume from (None: a fresh run, in a new or emptied folder)."""
+    run_dir = Path(run.root_dir) / run.name
+    if not is_primary_process():
+        resolved = os.environ.get(RESOLVED_ENV)
+        return Plan(run_dir, Path(resolved) if resolved else None, [])
+    os.environ.pop(RESOLVED_ENV, None)
+    checkpoint = store.resolve(run.resume, run_dir)
+    if checkpoint is None:
+        if run.resume == "auto" and run_dir.is_dir() and any(run_dir.iterdir()) and not run.overwrite:
+            raise RunFolderError(f"run.resume=auto: run folder {run_dir} exists but holds no checkpoint to resume "
+                                 "from: set run.overwrite=true to start it again, or choose another run.name")
+        return Plan(create_run_dir(run.root_dir, run.name, run.overwrite), None, [])
+    if run.overwrite:
+        raise RunFolderError(f"run.resume={run.resume} and run.overwrite=true contradict each other (overwrite "
+                             f"deletes {run_dir}): drop one")
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    os.environ[RESOLVED_ENV] = str(checkpoint.resolve())
+    return Plan(run_dir, checkpoint, [])
+
+
+def check(plan: Plan, run_meta: Dict, allow: List[str], tokenizer_file: Path) -> None:
+    """Refuse a resume that changes the experiment; on rank 0, cut metrics logged after the checkpoint."""
+    if plan.checkpoint is None:
+        return
+    saved = (read_sidecar(plan.checkpoint) or {}).get("meta", {})
+    if not all(k in saved for k in ("config", "step", "metrics_rows", "tokenizer_sha256")):
+        raise DataError(f"checkpoint {plan.checkpoint} carries no run metadata (it was not written by "
+                        "`lit-pretrain train`): resume from a run's checkpoints/step*.ckpt")
+    plan.changed = compat.check_resume(saved, run_meta, allow, str(plan.checkpoint), str(tokenizer_file))
+    if is_primary_process():
+        keep_first_rows(plan.run_dir / "metrics.csv", saved["metrics_rows"])
+        print(f"resuming from {store.describe(plan.checkpoint)}"
+              + (f", changed on purpose: {', '.join(plan.changed)}" if plan.changed else ""), flush=True)
+
+
+def callbacks(plan: Plan, every_n_steps: int, keep_last: int, run_meta: Dict, lr_peak: float) -> List[Callback]:
+    out: List[Callback] = [RankState(), StepCheckpoint(plan.run_dir / "checkpoints", every_n_steps, keep_last,
+                                                       run_meta)]
+    if "optim.lr_peak" in plan.changed:
+        out.append(NewLrPeak(lr_peak))
+    return out
+
+
+def csv_logger(run_dir: Path) -> ResumableCSVLogger:
+    # name="" and version="" put metrics.csv directly in the run folder, not in lightning_logs/version_N.
+    return ResumableCSVLogger(save_dir=str(run_dir), name="", version="")
+
+
+def plugins() -> list:
+    return [AtomicCheckpointIO()]
+
+
+class NewLrPeak(Callback):
+    """An allowed optim.lr_peak change: the restored scheduler holds the old peak as its base rate, so set the new
+    one and the rate of the coming step (LambdaLR's rate is base rate × the schedule's factor at its step)."""
+
+    def __init__(self, lr_peak: float):
+        self.lr_peak = lr_peak
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            scheduler.base_lrs = [self.lr_peak] * len(scheduler.base_lrs)
+            for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+                group["initial_lr"] = self.lr_peak
+                group["lr"] = self.lr_peak * factor(scheduler.last_epoch)

@@ -1,0 +1,41 @@
+"""Fault injection for the resume tests, loaded into runs through `callbacks.extra`."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback
+
+
+class Fault(Callback):
+    """At the start of micro-batch `micro_batch` of optimizer step `step` + 1 (global_step == step), send `signal`:
+    KILL to the whole process group (every rank dies at once, as when a node is lost), TERM to this process only."""
+
+    def __init__(self, step: int, micro_batch: int = 0, signal: str = "KILL"):
+        self.step, self.micro_batch, self.signal = step, micro_batch, signal
+        self.seen = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        self.seen += 1
+        if self.seen - 1 == self.micro_batch:
+            if self.signal == "KILL":
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            elif trainer.is_global_zero:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+class RecordIndices(Callback):
+    """Appends {"step" (optimizer steps done before it), "rank", "indices"} of every micro-batch to
+    `out`.rank<r>.jsonl."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        path = Path(f"{self.out}.rank{trainer.global_rank}.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "rank": trainer.global_rank,
+                                "indices": trainer.datamodule.batch_indices}) + "\n")

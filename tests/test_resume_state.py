@@ -1,0 +1,109 @@
+"""Per-rank RNG state, the loader's data position across world sizes, and the preemption signal flag."""
+
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from lit_pretrain.data.datamodule import GlobalOrderSampler
+from lit_pretrain.data.train_loader import TrainLoader
+from lit_pretrain.errors import ConfigError
+from lit_pretrain.resume import rank_state
+from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
+
+
+def draws():
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+
+def test_rng_state_round_trip_and_world_size_policy():
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    saved = rank_state.capture()
+    first = draws()
+    rank_state.apply(saved)
+    assert draws() == first  # all three generators continue exactly
+    states = [saved, rank_state.capture()]
+    assert rank_state.pick(states, 1) is states[1]  # same rank, same stream
+    extra = rank_state.pick(states, 2)  # a rank the checkpoint did not have: deterministic, not rank 0's stream
+    rank_state.apply(extra)
+    new_rank = draws()
+    rank_state.apply(rank_state.pick(states, 2))
+    assert draws() == new_rank and new_rank != first
+
+
+class Windows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor([i])
+
+
+def loader(rank, world, batch):
+    return TrainLoader(Windows(), GlobalOrderSampler(64, batch, rank, world, seed=3), batch)
+
+
+def test_data_position_is_global_across_world_sizes():
+    one = loader(0, 1, 8)
+    order = [b.flatten().tolist() for b in one]  # 8 micro-batches of 8: the global order
+    it = iter(one)
+    for _ in range(3):  # three trained micro-batches, one more prefetched and handed out
+        next(it)
+        one.take_trained_indices()
+    next(it)
+    state = one.state_dict()
+    assert state["trained_samples"] == 24  # 3 × 8; the prefetched batch not yet trained on is not counted
+    # 1 → 2 processes: each rank continues its strided share of the same global positions.
+    ranks = [loader(r, 2, 4) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    rest = [sorted(a.flatten().tolist() + b.flatten().tolist()) for a, b in zip(*ranks)]
+    assert rest == [sorted(x) for x in order[3:]]
+    # A position that is not a whole number of the new global micro-batches is refused, naming the keys.
+    odd = {**state, "trained_samples": 28}
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        ranks[0].load_state_dict(odd)
+
+
+def test_sigterm_and_sigusr1_set_the_flag_and_slurm_requeue(monkeypatch, capsys):
+    flag = PreemptionFlag()
+    before = signal.getsignal(signal.SIGUSR1)
+    flag.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.signum == signal.SIGUSR1
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.signum == signal.SIGTERM
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == before
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert requeue_slurm_job() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol here: the failure is reported, not raised
+    assert requeue_slurm_job() == "scontrol requeue 4242"
+    assert "failed" in capsys.readouterr().out
+
+
+def test_allowed_lr_peak_change_takes_effect_on_the_restored_schedule():
+    from types import SimpleNamespace
+
+    from lit_pretrain.resume.session import NewLrPeak
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 4)
+    # Restored state holds the old peak as base rate; the callback sets the new one and the coming step's rate.
+    trainer = SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+    NewLrPeak(2e-3).on_train_start(trainer, None)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 / 4)
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 / 5)
