@@ -10,6 +10,7 @@ from io import StringIO
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_pretrain.resume.atomic import atomic_write_bytes
 
@@ -51,11 +52,15 @@ class ResumableCSVLogger(CSVLogger):
     def experiment(self):
         if self._experiment is not None:
             return self._experiment
+        if rank_zero_only.rank != 0:
+            # Other ranks get Lightning's dummy writer: they must not read the file rank 0 is putting back (a race
+            # seen under strategy=tensor: rank 1 read metrics.csv while rank 0's writer had deleted it).
+            return super().experiment
         # Lightning's writer deletes an existing metrics.csv when it is created: keep the rows and put them back.
         path = Path(self.log_dir) / "metrics.csv"
         kept = path.read_bytes() if path.is_file() else None
         writer = super().experiment
-        if kept is not None and hasattr(writer, "metrics_keys"):  # ranks other than 0 get a dummy writer
+        if kept is not None:
             atomic_write_bytes(path, kept)
             with open(path, newline="") as f:
                 writer.metrics_keys = list(csv.DictReader(f).fieldnames or [])
