@@ -129,7 +129,8 @@ class PretrainModule(L.LightningModule):
         trainer = self._trainer
         if trainer is None:
             return True
-        return step % trainer.log_every_n_steps == 0 or step >= (trainer.max_steps or self.max_steps)
+        last = trainer.max_steps if trainer.max_steps > 0 else self.max_steps  # Lightning's -1: no limit set
+        return step % trainer.log_every_n_steps == 0 or step >= last
 
     def on_before_optimizer_step(self, optimizer):
         # Read here, not after the step: by then the scheduler has moved on to the next step's rate.
