@@ -26,7 +26,7 @@ _COMPILED = "_lit_pretrain_compiled"
 
 
 def cxx_compiler() -> str | None:
-    """The C++ compiler inductor would call on CPU ($CXX, else c++/g++/clang++ on PATH), or None."""
+    """The C++ compiler inductor would call ($CXX, else c++/g++/clang++ on PATH), or None."""
     candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
     for name in candidates:
         path = shutil.which(name)
