@@ -42,6 +42,10 @@ lint: $(STAMP) ## ruff over the package and tests
 bench: $(STAMP) ## run the benchmark cases and write runs/bench/results.json
 	$(BIN)/python -m lit_pretrain.bench
 
+.PHONY: bench-gpu
+bench-gpu: $(STAMP) ## the training step on one CUDA GPU (~125M, ~1B, bf16, FSDP2, compile): MFU vs its peak
+	$(BIN)/python -m lit_pretrain.bench.gpu
+
 sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
 	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)
 

@@ -173,6 +173,9 @@ class TrainerConfig:
     """Save a checkpoint every this many optimizer steps (0: only the final one)."""
     progress_bar: bool = True
     """Show Lightning's progress bar."""
+    compile: bool = False
+    """Regional compile: torch.compile each block's forward (parallel/compile.py). On CPU it needs a C++ compiler;
+    the first steps pay the compile time (tens of seconds), later ones run faster."""
 
 
 @dataclass

@@ -97,7 +97,8 @@ def train(cfg: DictConfig) -> dict:
         config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
-                            tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy)
+                            tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
+                            compile=c.trainer.compile)
     timer = Timer()
     callbacks = [
         timer,

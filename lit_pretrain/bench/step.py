@@ -14,17 +14,24 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_pretrain.model import GPT
-from lit_pretrain.module import PretrainModule, param_groups
+from lit_pretrain.module import PretrainModule, adamw_kernel, param_groups
 from lit_pretrain.schedule import lr_lambda
 
 
 class _StepClock(L.Callback):
-    """Time from the end of optimizer step `skip` to the end of the last one (compile-free warm-up excluded)."""
+    """Time from the end of optimizer step `skip` to the end of the last one (warm-up and compile excluded).
+
+    On a GPU the clock waits for the device at those two steps only, so the steps between run asynchronously.
+    """
 
     def __init__(self, skip: int):
         self.skip, self.start, self.end = skip, None, None
 
-    def on_train_batch_end(self, trainer, *args):
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step not in (self.skip, trainer.max_steps):
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
         if trainer.global_step == self.skip:
             self.start = time.perf_counter()
         self.end = time.perf_counter()
@@ -42,7 +49,7 @@ def raw_loop(c, steps: int, skip: int) -> float:
     torch.manual_seed(c.run.seed)
     model = GPT(c.model)
     opt = torch.optim.AdamW(param_groups(model, c.optim.weight_decay), lr=c.optim.lr_peak,
-                            betas=(c.optim.beta1, c.optim.beta2), eps=c.optim.eps, foreach=True)
+                            betas=(c.optim.beta1, c.optim.beta2), eps=c.optim.eps, **adamw_kernel(c.strategy))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(c.schedule, c.optim.lr_peak, steps))
     start = None
     for step, (x, y) in enumerate(_data(c, steps)):
@@ -57,14 +64,17 @@ def raw_loop(c, steps: int, skip: int) -> float:
     return (steps - skip) * c.trainer.micro_batch_size * c.model.seq_len / (time.perf_counter() - start)
 
 
-def trainer_loop(c, steps: int, skip: int) -> float:
-    """Tokens/s of PretrainModule under L.Trainer, logging as `lit-pretrain train` does (CSV, every n steps)."""
+def trainer_loop(c, steps: int, skip: int, compile: bool = False, precision: str = "32-true",
+                 accelerator: str = "cpu", strategy="auto", devices: int = 1) -> float:
+    """Tokens/s (this rank's) of PretrainModule under L.Trainer, logging as `lit-pretrain train` does (CSV, every
+    n steps). With `compile`, the first steps (left out by `skip`) pay the compile time."""
     tokens_per_step = c.trainer.micro_batch_size * c.model.seq_len
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=steps, tokens_per_step=tokens_per_step,
-                            seed=c.run.seed)
+                            seed=c.run.seed, strategy=c.strategy, compile=compile)
     clock = _StepClock(skip)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0,
+        trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps,
+                            limit_val_batches=0, precision=precision,
                             logger=L.pytorch.loggers.CSVLogger(tmp, name="", version=""),
                             log_every_n_steps=c.trainer.log_every_n_steps, callbacks=[clock],
                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)

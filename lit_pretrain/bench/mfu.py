@@ -1,0 +1,45 @@
+"""Case: model FLOPs utilization (MFU) of the training step, against a matmul peak measured in the same run.
+
+MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / peak FLOPs per second, where model FLOPs
+are the training FLOPs per token of the architecture (`GPT.flops_per_token`: 6·N + 12·L·H·Q·T) times tokens per
+second: work the model needs, not work the hardware happened to do (activation checkpointing's recomputation does
+not count). On a CPU there is no datasheet peak we could trust for this core count and clock, so the reference is
+the best of a few large fp32 matmuls on the same threads, measured at the start of the run.
+"""
+
+from typing import Dict, List
+
+from lit_pretrain.callbacks.throughput import measured_cpu_peak_flops
+
+# 2048² fp32 matmuls (2·2048³ = 17.2 GFLOP each, ~0.1 s here) are large enough for the BLAS to reach its peak;
+# 1024² ran ~10% lower in measurements on this machine (shared/CPU-DISTRIBUTED.md reports 216-246 GFLOP/s at 2048²).
+PEAK_MATMUL_N = 2048
+
+
+def model_flops_per_s(tokens_per_s: float, flops_per_token: float) -> float:
+    return tokens_per_s * flops_per_token
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_s: float) -> float:
+    """Model FLOPs utilization: the fraction of the peak the model's own FLOPs use (PaLM appendix B)."""
+    if peak_flops_per_s <= 0:
+        raise ValueError(f"peak FLOP/s must be positive, got {peak_flops_per_s}")
+    return model_flops_per_s(tokens_per_s, flops_per_token) / peak_flops_per_s
+
+
+def cpu_matmul_peak(repeats: int = 5) -> float:
+    """Best fp32 FLOP/s of `repeats` PEAK_MATMUL_N² matmuls on this process's threads."""
+    import torch
+
+    return measured_cpu_peak_flops(torch.float32, PEAK_MATMUL_N, repeats)
+
+
+def cases(tokens_per_s: Dict[str, float], flops_per_token: int, peak_flops_per_s: float,
+          goals: Dict[str, str]) -> List[Dict]:
+    """One case per measured step (e.g. {"eager": ..., "compiled": ...}): model GFLOP/s over the peak's."""
+    return [{"case": f"mfu_{name}", "value": model_flops_per_s(tps, flops_per_token) / 1e9,
+             "reference": peak_flops_per_s / 1e9, "ratio": mfu(tps, flops_per_token, peak_flops_per_s),
+             "goal": goals.get(name, "-"), "unit": "GFLOP/s",
+             "detail": {"tokens_per_s": tps, "flops_per_token": flops_per_token,
+                        "peak": f"best of fp32 {PEAK_MATMUL_N}x{PEAK_MATMUL_N} matmuls"}}
+            for name, tps in tokens_per_s.items()]

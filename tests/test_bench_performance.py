@@ -1,0 +1,52 @@
+"""The performance benchmark's pure parts: MFU (PaLM appendix B), the GPU models' sizes, the GPU bench's error
+without CUDA, and the table's cases built from measured figures."""
+
+import pytest
+import torch
+
+from lit_pretrain.bench import gpu, mfu
+from lit_pretrain.model import GPT, flops_per_token_formula
+
+# PaLM (Chowdhery et al. 2022), §4 and appendix B: PaLM 540B (N = 540.35e9, L = 118, H = 48, Q = 256,
+# T = 2048) trained at 238.3K tokens/s on 6144 TPU v4 chips of 275 TFLOP/s bf16 peak each: 46.2% MFU (Table 3).
+# Its FLOPs per token are 6N + 12LHQT = 3.242e12 + 3.56e10 (attention is ~1% at this width).
+PALM_540B_FLOPS_PER_TOKEN = flops_per_token_formula(540_350_000_000, 118, 48, 256, 2048)
+
+
+@pytest.mark.parametrize("tokens_per_s, flops_per_token, peak, expected, tol", [
+    (238.3e3, PALM_540B_FLOPS_PER_TOKEN, 6144 * 275e12, 0.462, 5e-4),  # PaLM Table 3 (rounded to 0.1%)
+    (1000.0, 6e6, 12e9, 0.5, 1e-12),  # exact: 1000 tokens/s × 6 MFLOP = 6 GFLOP/s on a 12 GFLOP/s peak
+    (0.0, 6e6, 12e9, 0.0, 0.0),
+])
+def test_mfu_palm_appendix_b(tokens_per_s, flops_per_token, peak, expected, tol):
+    assert mfu.mfu(tokens_per_s, flops_per_token, peak) == pytest.approx(expected, abs=tol)
+
+
+def test_mfu_refuses_a_non_positive_peak():
+    with pytest.raises(ValueError, match="peak"):
+        mfu.mfu(1.0, 1.0, 0.0)
+
+
+def test_mfu_cases_carry_ratio_and_goal():
+    cases = mfu.cases({"eager": 1000.0, "compiled": 1200.0}, 6_000_000, 12e9, {"compiled": ">= 0.7"})
+    assert [c["case"] for c in cases] == ["mfu_eager", "mfu_compiled"]
+    assert [c["ratio"] for c in cases] == pytest.approx([0.5, 0.6])
+    assert [c["value"] for c in cases] == pytest.approx([6.0, 7.2])  # GFLOP/s
+    assert [c["goal"] for c in cases] == ["-", ">= 0.7"]
+
+
+@pytest.mark.parametrize("name, low, high", [("125m", 100e6, 150e6), ("1b", 0.9e9, 1.1e9)])
+def test_gpu_models_have_their_nominal_sizes(name, low, high):
+    cfg, micro_batch_size = gpu.model_config(name)
+    with torch.device("meta"):  # sizes only: no memory for a billion parameters
+        model = GPT(cfg)
+    assert low <= model.num_params(non_embedding=False) <= high
+    assert micro_batch_size >= 1
+
+
+def test_gpu_bench_without_cuda_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="make bench-gpu needs a CUDA GPU.*make bench"):
+        gpu.require_cuda()
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        gpu.main([])
