@@ -152,3 +152,19 @@ def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):
     back, _ = train("ddp-to-single", f"run.resume={ref / 'checkpoints' / store.step_file(4)}", record=True)
     assert_same_windows(single_ref, back, (4, 5))
     assert_close_losses(single_ref, back, (4, 5))
+
+
+def test_tensor_parallel_resume_from_single_process_and_sigkill(train, single_ref):
+    """A single-process checkpoint resumed under tensor parallelism (2 ranks, one data-parallel replica), SIGKILL of
+    both ranks mid-accumulation, resumed again: bitwise the uninterrupted tensor-parallel run from the same
+    checkpoint, and the same windows as one process (every rank of the replica reads the replica's batch)."""
+    tensor = ["strategy=tensor", "trainer.devices=2"]
+    step2 = single_ref / "checkpoints" / store.step_file(2)
+    ref, _ = train("tensor-ref", *tensor, f"run.resume={step2}", record=True)
+    assert_same_windows(single_ref, ref, range(2, STEPS))
+    assert_close_losses(single_ref, ref, range(2, STEPS))  # row-parallel partial sums: another summation order
+    run, _ = train("tensor", *tensor, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}],
+                   rc=-signal.SIGKILL)
+    assert latest(run) == "step0000004.ckpt"
+    train("tensor", *tensor, "run.resume=auto")
+    assert_same_run(ref, run, first_step=2)

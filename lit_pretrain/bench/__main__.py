@@ -15,12 +15,9 @@ import lightning
 import torch
 
 from lit_pretrain import config as config_lib
-from lit_pretrain.bench import checkpoint, deduplication, pipeline, stability, step, strategies
+from lit_pretrain.bench import (checkpoint, compile, datamodule, deduplication, mfu, pipeline, precision, stability,
+                                step, strategies, tokenize)
 from lit_pretrain.train import resolve_vocab, setup_process
-
-# isort: split
-# The performance cases' import on a line of its own, so other cases' one-line additions above merge cleanly.
-from lit_pretrain.bench import compile, datamodule, mfu, precision, tokenize
 
 
 def main(argv=None) -> None:
