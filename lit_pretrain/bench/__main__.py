@@ -15,8 +15,19 @@ import lightning
 import torch
 
 from lit_pretrain import config as config_lib
-from lit_pretrain.bench import (checkpoint, compile, datamodule, deduplication, mfu, pipeline, precision, stability,
-                                step, strategies, tokenize)
+from lit_pretrain.bench import (
+    checkpoint,
+    compile,
+    datamodule,
+    deduplication,
+    mfu,
+    pipeline,
+    precision,
+    stability,
+    step,
+    strategies,
+    tokenize,
+)
 from lit_pretrain.train import resolve_vocab, setup_process
 
 
