@@ -1,5 +1,9 @@
 """Shared fixtures: one small prepared corpus for the whole session (tokenizer training is the slow part)."""
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,7 +11,8 @@ import torch
 
 from lit_pretrain import config
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
 
 # Denormals slowed CPU steps 5x in measurements here (shared/CPU-DISTRIBUTED.md, pitfall 1).
 torch.set_flush_denormal(True)
@@ -26,3 +31,35 @@ def tiny_data_dir(tmp_path_factory) -> Path:
 
 def tiny_data_overrides(folder: Path) -> list:
     return [f"data.prepared_dir={folder}", "data.max_documents=400", "data.vocab_size=512"]
+
+
+def free_port() -> int:
+    """A free port on loopback (every test server and process group listens there only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_env() -> dict:
+    """This environment for a fresh multi-process launch: a free loopback port and no rank variables inherited from
+    an enclosing launcher, so Lightning starts and numbers the ranks itself."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    return env
+
+
+def train_args(data_dir: Path, root: Path, name: str) -> list:
+    """`python -m` arguments of `lit-pretrain train` on the tiny experiment and corpus, into root/name."""
+    return ["lit_pretrain.cli", "train", str(EXPERIMENTS / "runs" / "tiny.yaml"), *tiny_data_overrides(data_dir),
+            f"run.root_dir={root}", f"run.name={name}"]
+
+
+def run_module(*args, rc: int = 0, timeout: int = 240, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m ARGS` in a subprocess (Lightning's launcher re-runs the command for the other ranks, which inside
+    pytest would re-launch pytest: shared/CPU-DISTRIBUTED.md, pitfall 2); asserts its exit code, showing the output's
+    tail when it differs."""
+    out = subprocess.run([sys.executable, "-m", *args], env=launcher_env(), capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT, **kwargs)
+    assert out.returncode == rc, out.stdout[-3000:] + out.stderr[-3000:]
+    return out

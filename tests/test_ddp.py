@@ -4,35 +4,18 @@ Run as `python -m lit_pretrain.cli train` in a subprocess: Lightning's `ddp` lau
 rank 1, which inside pytest would re-launch pytest itself (shared/CPU-DISTRIBUTED.md, pitfall 2).
 """
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 
 from lit_pretrain.runs import read_metrics, series
-from tests.conftest import EXPERIMENTS, tiny_data_overrides
+from tests.conftest import run_module, train_args
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cli(tmp_path, data_dir, name, *overrides):
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "lit_pretrain.cli", "train", str(EXPERIMENTS / "runs" / "tiny.yaml"),
-           *tiny_data_overrides(data_dir), f"run.root_dir={tmp_path}", f"run.name={name}",
-           "trainer.progress_bar=false", "trainer.max_steps=8", "trainer.val_every_n_steps=8",
-           "trainer.log_every_n_steps=1", "schedule.warmup_steps=2", "strategy.timeout_seconds=120", *overrides]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_module(*train_args(data_dir, tmp_path, name), "trainer.progress_bar=false", "trainer.max_steps=8",
+               "trainer.val_every_n_steps=8", "trainer.log_every_n_steps=1", "schedule.warmup_steps=2",
+               "strategy.timeout_seconds=120", *overrides, timeout=300)
     return read_metrics(tmp_path / name / "metrics.csv")
 
 

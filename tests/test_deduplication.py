@@ -4,7 +4,6 @@ manifest, bad input, and an index in a real Redis server."""
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import unicodedata
@@ -24,7 +23,7 @@ from lit_pretrain.data.prepare import prepare
 from lit_pretrain.data.tokenizer import encode_texts, load_tokenizer
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
-from tests.conftest import EXPERIMENTS
+from tests.conftest import EXPERIMENTS, free_port
 from tests.planted import jaccard, planted_corpus
 
 IN_PROCESS = DeduplicationConfig(processes=1)
@@ -273,12 +272,6 @@ def test_bands_times_rows_above_num_perm_is_refused():
         config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["data.deduplication.bands=20", "data.deduplication.rows=7"])
     with pytest.raises(ConfigError, match=r"threshold=1\.5 is outside \(0, 1\)"):
         DeduplicationConfig(threshold=1.5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_unreachable_redis_is_a_clear_error(planted):

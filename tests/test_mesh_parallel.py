@@ -5,12 +5,12 @@ final weights and AdamW moments gathered to single-process names, and a single-p
 One spawn per world size (2, then 4 processes) runs all its layouts in turn: process start-up is the cost.
 """
 
-import socket
 
 import pytest
 import torch.multiprocessing as mp
 
 from lit_pretrain.parallel.layout import Layout
+from tests.conftest import free_port
 from tests.mesh_workers import strategy_cfg, worker
 
 pytestmark = pytest.mark.slow
@@ -26,12 +26,6 @@ CASES_4 = [
     ("dp2_pp2", Layout(2, 1, 2), strategy_cfg("1f1b", micro_batches=2)),
     ("tp2_pp2", Layout(1, 2, 2), strategy_cfg("gpipe")),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(world, cases):

@@ -4,17 +4,12 @@ norms with gradient accumulation and active clipping, and the one-file checkpoin
 and AdamW. The per-layout parity of every gradient is in tests/test_mesh_parallel.py; this is the wiring.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.runs import read_metrics, series
-from tests.conftest import EXPERIMENTS, tiny_data_overrides
-from tests.test_strategies_parity import free_port
+from tests.conftest import run_module, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -35,13 +30,7 @@ RUNS = {
 def runs(tmp_path_factory, tiny_data_dir):
     root = tmp_path_factory.mktemp("mesh_runs")
     for name, overrides in RUNS.items():
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-            env.pop(var, None)
-        cmd = [sys.executable, "-m", "lit_pretrain.cli", "train", str(EXPERIMENTS / "runs" / "tiny.yaml"),
-               *tiny_data_overrides(tiny_data_dir), f"run.root_dir={root}", f"run.name={name}", *COMMON, *overrides]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        run_module(*train_args(tiny_data_dir, root, name), *COMMON, *overrides)
     return root
 
 
@@ -85,13 +74,8 @@ def test_checkpoint_resumes_in_another_layout(tmp_path):
     """3 steps in one process against 2 steps under TP 2 resumed for the third under PP 2: the TP checkpoint (weights
     and AdamW state) is sliced into the pipeline layout on load."""
     def run(out, devices, name, t, p, steps, ckpt=None):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-            env.pop(var, None)
-        cmd = [sys.executable, "-m", "tests.mesh_resume", str(out), str(devices), name, str(t), str(p), str(steps)]
-        done = subprocess.run(cmd + ([str(ckpt)] if ckpt else []), env=env, capture_output=True, text=True,
-                              timeout=240)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        run_module("tests.mesh_resume", str(out), str(devices), name, str(t), str(p), str(steps),
+                   *([str(ckpt)] if ckpt else []))
         return torch.load(out, map_location="cpu", weights_only=True)
 
     single = run(tmp_path / "single.ckpt", 1, "single", 1, 1, 3)

@@ -10,10 +10,7 @@ compared exactly and the losses within a justified float tolerance.
 """
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +18,7 @@ import torch
 
 from lit_pretrain.resume import store
 from lit_pretrain.runs import read_metrics, series
-from tests.conftest import EXPERIMENTS, tiny_data_overrides
-from tests.test_strategies_parity import free_port
+from tests.conftest import run_module, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -47,16 +43,9 @@ def train(tmp_path_factory, tiny_data_dir):
         specs = [("Fault", f) for f in faults]
         if record:
             specs.append(("RecordIndices", {"out": str(root / f"{name}.indices")}))
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-            env.pop(var, None)
-        cmd = [sys.executable, "-m", "lit_pretrain.cli", "train", str(EXPERIMENTS / "runs" / "tiny.yaml"),
-               *tiny_data_overrides(tiny_data_dir), f"run.root_dir={root}", f"run.name={name}", *COMMON, *overrides,
-               *([extra(*specs)] if specs else [])]
         # A new session: the injected SIGKILL takes down the run's process group (every rank), not pytest.
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, start_new_session=True,
-                             cwd=Path(__file__).resolve().parents[1])
-        assert out.returncode == rc, out.stdout[-3000:] + out.stderr[-3000:]
+        out = run_module(*train_args(tiny_data_dir, root, name), *COMMON, *overrides,
+                         *([extra(*specs)] if specs else []), rc=rc, start_new_session=True)
         return root / name, out
 
     return run

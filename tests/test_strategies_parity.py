@@ -16,10 +16,6 @@ Settings that make the runs probe what they must:
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,7 +25,7 @@ from lit_pretrain.model import GPT
 from lit_pretrain.module import param_groups
 from lit_pretrain.parallel.zero import zero_partition
 from lit_pretrain.runs import read_metrics, series
-from tests.conftest import EXPERIMENTS, tiny_data_overrides
+from tests.conftest import run_module, train_args
 from tests.strategies_logits import probe_input
 
 pytestmark = pytest.mark.slow
@@ -49,12 +45,6 @@ STRATEGIES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_data_dir):
     """Run folders by name, each run started on first use and kept for the module."""
@@ -70,14 +60,7 @@ def runs(tmp_path_factory, tiny_data_dir):
             logits = root / f"{name}.logits.pt"
             callback = ["callbacks.extra=[{class_path: 'tests.strategies_logits:SaveLogits', "
                         f"init_args: {{out: '{logits}'}}}}]"]
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-            for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-                env.pop(var, None)
-            cmd = [sys.executable, "-m", "lit_pretrain.cli", "train", str(EXPERIMENTS / "runs" / "tiny.yaml"),
-                   *tiny_data_overrides(tiny_data_dir), f"run.root_dir={root}", f"run.name={name}", *COMMON,
-                   *overrides, *callback]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            run_module(*train_args(tiny_data_dir, root, name), *COMMON, *overrides, *callback)
             done[name] = root / name
         return done[name]
 
