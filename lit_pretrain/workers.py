@@ -110,8 +110,10 @@ class _Worker:
         self._stderr.join(timeout=2)
         lines = [line for line in self._tail if line.strip()]
         if rc < 0:
-            name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else f"signal {-rc}"
-            how = f"was killed by {name}"
+            try:
+                how = f"was killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"was killed by signal {-rc}"
             last = lines[-1] if lines else "no error line, so killed from outside (out of memory?)"
         else:
             how = f"exited with code {rc}"
