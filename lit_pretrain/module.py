@@ -10,6 +10,7 @@ from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
 from lit_pretrain.callbacks import step_state
+from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.parallel import parallelize
@@ -89,6 +90,19 @@ class PretrainModule(L.LightningModule):
         # from outside.
         mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
         parallelize(self.model, self.model_cfg, self.strategy_cfg, mesh, compile=self.compile_blocks)
+
+    def setup(self, stage: str) -> None:
+        # Refused rather than honoured: this module clips by the global norm of the whole (under FSDP, sharded)
+        # gradient in configure_gradient_clipping, and the gradient-norm monitor reports clipping against
+        # optim.grad_clip_norm. Honouring Lightning's argument as well would give one threshold two sources that
+        # can disagree, and its gradient_clip_algorithm="value" clamps each value, which this module never does.
+        clip = self._trainer.gradient_clip_val if self._trainer is not None else None
+        if stage == "fit" and clip is not None:
+            raise ConfigError(
+                f"lightning.Trainer(gradient_clip_val={clip}) is not used by PretrainModule, which clips by the "
+                f"global gradient norm in optim.grad_clip_norm (now {self.optim_cfg.grad_clip_norm}): set "
+                f"optim.grad_clip_norm={clip} (0 turns clipping off) and leave gradient_clip_val unset"
+            )
 
     def loss(self, batch) -> torch.Tensor:
         if getattr(self, "pipeline", None) is not None:

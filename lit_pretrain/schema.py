@@ -108,6 +108,11 @@ class DataConfig:
     """Seed of the document-level train/validation split."""
     max_documents: Optional[int] = field(default=None, metadata={"ge": 1})
     """Use only the first N documents of the corpus (for quick experiments and tests)."""
+    max_invalid_fraction: float = field(default=0.01, metadata={"ge": 0.0, "le": 1.0})
+    """Prepare refuses a corpus when more than this fraction of its characters is invalid: U+FFFD that replaced
+    bytes which are not UTF-8, or control characters (Unicode category Cc other than tab, line feed and carriage
+    return), counted over the documents kept (data/quality.py). 1.0 accepts anything. A gate, not content: changing
+    it does not change a prepared folder."""
     shard_tokens: int = field(default=1 << 25, metadata={"ge": 1024})
     """Tokens per shard file (a new shard starts at the next document after this many tokens)."""
     num_workers: int = field(default=0, metadata={"ge": 0})

@@ -6,6 +6,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
@@ -137,7 +138,11 @@ def train(cfg: DictConfig) -> dict:
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     tokens_seen = trainer.global_step * tokens_per_step
+    # On resume Lightning's Timer restores the training time of earlier sessions: time_elapsed counts all of them,
+    # start/end times this session's alone (none when a finished run is resumed and no step runs).
     train_seconds = timer.time_elapsed("train")
+    session_start, session_end = timer.start_time("train"), timer.end_time("train")
+    session_train_seconds = session_end - session_start if None not in (session_start, session_end) else 0.0
     entropy = manifest.get("unigram_entropy_nats")
     # Under tensor/pipeline parallelism each rank holds a part: count the whole model's shape instead.
     gpt = full_gpt_on_meta(c.model) if uses_mesh(c.strategy) else module.model
@@ -157,8 +162,9 @@ def train(cfg: DictConfig) -> dict:
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
         "unigram_entropy_nats": entropy,
-        "wall_seconds": time.perf_counter() - started,
-        "train_seconds": train_seconds,
+        "wall_seconds": time.perf_counter() - started,  # this invocation, start to end
+        "train_seconds": train_seconds,  # all sessions of the run; tokens_per_second divides tokens_seen by it
+        "session_train_seconds": session_train_seconds,  # this invocation's training alone
         "tokens_per_second": tokens_seen / train_seconds if train_seconds > 0 else None,
         **dataset_summary(manifest, params, tokens_seen),
     }
@@ -171,17 +177,38 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
+def timing_line(steps: int, train_seconds: float, tokens_per_second: Optional[float], session_train_seconds: float,
+                wall_seconds: float) -> str:
+    """The run's time, labelled by scope: training time over all sessions (Lightning's Timer carries it across a
+    resume) against this invocation's own training and wall time, so a resumed run never reads as more training
+    than time spent."""
+    rate = f" ({tokens_per_second:,.0f} tokens/s)" if tokens_per_second else ""
+    return (f"{steps} steps, {train_seconds:.1f} s of training in all sessions{rate}; this session "
+            f"{session_train_seconds:.1f} s of training, {wall_seconds:.1f} s wall time")
+
+
+def loss_against_entropy(val_loss: float, entropy: float) -> str:
+    """Where the validation loss lies relative to the corpus's unigram entropy, in words that follow the sign.
+
+    Below the entropy (val_loss < entropy) the model uses context beyond token frequencies; above it, it has not yet
+    learned even the frequencies. Both are nats/token; equal to 3 decimals reads "level with".
+    """
+    gap = round(val_loss - entropy, 3)
+    where = "level with" if gap == 0 else f"{abs(gap):.3f} nats/token {'above' if gap > 0 else 'below'}"
+    return f"the model is {where} it"
+
+
 def report(summary: dict, run_dir: Path) -> None:
     val, entropy = summary["final_val_loss"], summary["unigram_entropy_nats"]
     print(f"\nrun folder: {run_dir}")
     print(f"params {summary['params']:,} ({summary['non_embedding_params']:,} non-embedding), "
           f"{summary['tokens_seen']:,} tokens seen, tokens_per_param {summary['tokens_per_param']:.2f}")
-    print(f"{summary['steps']} steps in {summary['train_seconds']:.1f} s of training "
-          f"({summary['tokens_per_second']:,.0f} tokens/s), {summary['wall_seconds']:.1f} s in all")
+    print(timing_line(summary["steps"], summary["train_seconds"], summary["tokens_per_second"],
+                      summary["session_train_seconds"], summary["wall_seconds"]))
     if summary.get("deduplication"):
         print(summary_line(summary["deduplication"]))
     print(f"dataset: {summary['dataset_train_tokens']:,} train tokens after deduplication, dataset_tokens_per_param "
           f"{summary['dataset_tokens_per_param']:.2f}, {summary['epochs']:.2f} epochs of it seen")
     if val is not None and entropy is not None:
         print(f"validation loss {val:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}); unigram entropy "
-              f"of the corpus {entropy:.3f} nats/token; the model is {entropy - val:.3f} nats/token below it")
+              f"of the corpus {entropy:.3f} nats/token; {loss_against_entropy(val, entropy)}")

@@ -18,7 +18,14 @@ import numpy as np
 
 from lit_pretrain.data.corpus import CorpusStats, Document, corpus_fingerprint, corpus_roots, iter_documents
 from lit_pretrain.data.deduplicate import deduplicate
-from lit_pretrain.data.deduplication_report import format_report, manifest_entry, summary_line, write_report
+from lit_pretrain.data.deduplication_report import (
+    format_report,
+    manifest_entry,
+    summary_line,
+    write_removed,
+    write_report,
+)
+from lit_pretrain.data.quality import check_quality
 from lit_pretrain.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
@@ -60,6 +67,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     with _timed(seconds, "read"):
         docs = list(iter_documents(cfg, stats))
         fingerprint = corpus_fingerprint(docs)
+    # Before anything is written: a corpus that is mostly not text is refused, naming its worst files.
+    quality = check_quality(stats.sources, cfg.max_invalid_fraction, f"data.paths={corpus_roots(cfg)}")
     with _timed(seconds, "deduplicate"):
         deduplicated = deduplicate(docs, cfg.deduplication)
     kept, dedup_report = deduplicated.kept, deduplicated.report
@@ -93,6 +102,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
                 "invalid_utf8_documents": stats.invalid_utf8_documents,
                 "invalid_utf8_sequences": stats.invalid_utf8_sequences,
                 "dropped_empty": stats.empty,
+                "invalid_characters": quality.invalid,
+                "invalid_fraction": quality.fraction,
             },
             "deduplication": manifest_entry(dedup_report, tokens_after + tokens_removed, tokens_after),
             "tokenizer": tok_info,
@@ -102,6 +113,7 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
         }
         write_report(tmp, dedup_report)
+        write_removed(tmp, deduplicated.removals)
         write_manifest(tmp, manifest)
         try:
             # rename(2) replaces an empty folder atomically and fails on a non-empty one: another process may have
