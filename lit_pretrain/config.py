@@ -23,6 +23,7 @@ there only the run file's root is searched, and a name not found there says so. 
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
@@ -35,6 +36,9 @@ from lit_pretrain.schema import Config
 
 GROUPS = ("model", "data", "strategy", "optim", "schedule", "trainer", "callbacks", "run")
 COMMAND_LINE = "the command line"
+# A group choice or base name is one file name in a search-path folder, never a path: `strategy=../../x` must not
+# read YAML from outside the search path.
+CONFIG_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 
 def experiments_root(run_file: Path) -> Path:
@@ -67,6 +71,12 @@ def _where(roots: Sequence[Path]) -> str:
         looked += " (the project's experiments/ folder is not installed with the package: copy the files you need " \
                   "next to your run file)"
     return looked
+
+
+def _check_name(name: str, what: str, source: str) -> None:
+    if not CONFIG_NAME.fullmatch(name):
+        raise ConfigError(f"{what}={name!r} in {source}: a config name is one file name of letters, digits, '.', '_' "
+                          "and '-' (not a path); give a run file's path as the first argument instead")
 
 
 def _find(roots: Sequence[Path], relative: str) -> Optional[Path]:
@@ -158,6 +168,7 @@ def _defaults(data: dict, path: Path) -> List[Tuple[Optional[str], str]]:
 
 
 def _group_file(roots: Sequence[Path], group: str, name: str, source: str) -> Path:
+    _check_name(name, group, source)
     path = _find(roots, f"{group}/{name}.yaml")
     if path is None:
         options = sorted({p.stem for root in roots for p in (root / group).glob("*.yaml")})
@@ -167,6 +178,7 @@ def _group_file(roots: Sequence[Path], group: str, name: str, source: str) -> Pa
 
 
 def _base_file(roots: Sequence[Path], name: str, source: Path) -> Path:
+    _check_name(name, "defaults entry", str(source))
     path = _find(roots, f"{name}.yaml")
     if path is None:
         raise ConfigError(f"'{name}' in the defaults of {source}: no file {name}.yaml in {_where(roots)}")

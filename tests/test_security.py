@@ -105,3 +105,16 @@ def test_servers_listen_on_loopback_only():
                  for i, line in enumerate(p.read_text().splitlines(), 1) if wildcard.search(line)]
     assert offenders == []
     assert "--bind\", \"127.0.0.1\"" in (ROOT / "tests" / "test_deduplication.py").read_text()
+
+
+@pytest.mark.parametrize("override", ["strategy=../../etc/x", "model=/tmp/x", "strategy=a/b", "model=.hidden/x"])
+def test_group_choice_is_a_name_not_a_path(override):
+    with pytest.raises(ConfigError, match="a config name is one file name"):
+        config.load(EXPERIMENTS / "runs" / "tiny.yaml", [override])
+
+
+def test_defaults_entry_is_a_name_not_a_path(tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text("defaults:\n  - ../../base\n")
+    with pytest.raises(ConfigError, match="defaults entry='../../base'"):
+        config.load(run)
