@@ -15,6 +15,7 @@ Command-line overrides come last: `strategy=ddp` picks another group file (repla
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
@@ -207,6 +208,8 @@ def _check_section(node: Any, schema: type, prefix: str) -> None:
             continue
         if "choices" in meta and value not in meta["choices"]:
             raise ConfigError(f"config key '{key}' = {value!r}: expected one of {meta['choices']}")
+        if "pattern" in meta and not (isinstance(value, str) and re.fullmatch(meta["pattern"], value)):
+            raise ConfigError(f"config key '{key}' = {value!r}: expected {meta['rule']}")
         for op, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
                              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
             if op in meta and not ok(value, meta[op]):
