@@ -35,9 +35,14 @@ def run_dir_path(root_dir: str, name: str) -> Path:
     return confined(root_dir, Path(root_dir) / name, "run folder")
 
 
+def has_marker(run_dir: Path) -> bool:
+    marker = run_dir / MARKER
+    return marker.is_file() and not marker.is_symlink()
+
+
 def made_by_this_project(run_dir: Path) -> bool:
     """The run folder holds our marker, or (made by a version before the marker) a config.yaml naming this run."""
-    if (run_dir / MARKER).is_file() and not (run_dir / MARKER).is_symlink():
+    if has_marker(run_dir):
         return True
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -60,7 +65,7 @@ def holds_results(run_dir: Path) -> bool:
 
 def is_reusable(run_dir: Path) -> bool:
     """Left by a start that failed before training: ours (marker), no checkpoint, no metrics row."""
-    return (run_dir / MARKER).is_file() and not holds_results(run_dir)
+    return has_marker(run_dir) and not holds_results(run_dir)
 
 
 def is_empty(run_dir: Path) -> bool:
@@ -115,10 +120,14 @@ def remove_run_dir(root_dir: str, run_dir: Path) -> None:
 
 def remove_failed_start(root_dir: str, run_dir: Path) -> bool:
     """After a start that failed: delete the run folder this process made if it holds no checkpoint and no metrics
-    row (a retry would otherwise be refused with "already exists"). Returns whether it was deleted."""
-    if not is_primary_process() or not run_dir.is_dir() or not is_reusable(run_dir):
+    row (a retry would otherwise be refused with "already exists"). Returns whether it was deleted; it never raises,
+    so the error that stopped the start is the one reported."""
+    if not is_primary_process() or run_dir.is_symlink() or not run_dir.is_dir() or not is_reusable(run_dir):
         return False
-    remove_run_dir(root_dir, run_dir)
+    try:
+        remove_run_dir(root_dir, run_dir)
+    except OSError:  # RunFolderError included: the folder stays, which is always safe
+        return False
     return True
 
 
