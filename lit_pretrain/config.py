@@ -264,6 +264,8 @@ def _check_section(node: Any, schema: type, prefix: str) -> None:
             continue
         if "choices" in meta and value not in meta["choices"]:
             raise ConfigError(f"config key '{key}' = {value!r}: expected one of {meta['choices']}")
+        if "pattern" in meta and not (isinstance(value, str) and re.fullmatch(meta["pattern"], value)):
+            raise ConfigError(f"config key '{key}' = {value!r}: expected {meta['rule']}")
         for op, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
                              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
             if op in meta and not ok(value, meta[op]):

@@ -1,7 +1,8 @@
 """Typed config schemas: one dataclass per concern, each field documented where it is declared.
 
 YAML may set only the fields that exist here (OmegaConf struct mode). Field metadata gives the range the
-loader enforces: `ge`/`gt`/`le`/`lt` for numbers, `choices` for strings.
+loader enforces: `ge`/`gt`/`le`/`lt` for numbers, `choices` for strings, `pattern` (a regular expression the whole
+string must match, with `rule` saying it in words) for names.
 """
 
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.paths import SAFE_NAME, SAFE_NAME_RULE
 
 ModelConfig = GPTConfig
 
@@ -317,14 +319,15 @@ class CallbacksConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "default"
-    """Run name: the run folder is root_dir/name."""
+    name: str = field(default="default", metadata={"pattern": SAFE_NAME, "rule": SAFE_NAME_RULE})
+    """Run name: the run folder is root_dir/name. One folder name, never a path (lit_pretrain/paths.py)."""
     root_dir: str = "runs"
     """Folder that holds run folders."""
     seed: int = 1337
     """Seed of model initialization and of the training data order."""
     overwrite: bool = False
-    """Allow writing into an existing run folder (its previous contents are deleted first)."""
+    """Allow starting again in an existing run folder: its previous contents are deleted first, but only when the
+    project made it (it holds the `.lit-pretrain-run` marker, or a config.yaml of an older version's run)."""
     resume: Optional[str] = None
     """null: start afresh; auto: continue from the newest valid checkpoint of this run (afresh if it has none);
     or the path of a checkpoint file. See lit_pretrain/resume/."""

@@ -27,7 +27,7 @@ from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume.compat import run_meta as resume_meta
-from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, write_summary
+from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
 from lit_pretrain.schema import Config, TrainerConfig
 
 
@@ -81,7 +81,10 @@ def train(cfg: DictConfig) -> dict:
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
     strategy = build_strategy(c.strategy, c.trainer)
-    plan = resume_session.open_run(c.run)  # a new run folder, or the one being resumed (lit_pretrain/resume/)
+    # Everything that can be checked is checked before the run folder is made, so a refused start leaves nothing
+    # behind that would block its retry: the run name and folder, the checkpoint to resume from, the data (prepared
+    # or verified), the batch against the data, the experiment a resume continues, the model and the callbacks.
+    plan = resume_session.open_run(c.run)
     run_dir = plan.run_dir
 
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
@@ -90,12 +93,11 @@ def train(cfg: DictConfig) -> dict:
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
     manifest = datamodule.manifest
+    datamodule.windows(manifest, check_layout(c, world_size(c.trainer)).data_parallel)
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
     cfg.model.vocab_size = c.model.vocab_size
     run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
     resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)
-    if is_primary_process():
-        config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
@@ -124,13 +126,25 @@ def train(cfg: DictConfig) -> dict:
         enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
         enable_checkpointing=False,  # resume.checkpointing.StepCheckpoint writes the checkpoints
         # Our sampler defines one global order for any number of ranks; Lightning's would replace it.
-        use_distributed_sampler=False, default_root_dir=str(run_dir), plugins=resume_session.plugins(),
+        use_distributed_sampler=False, default_root_dir=str(run_dir), plugins=resume_session.plugins(run_dir),
     )
-    with warnings.catch_warnings():
-        # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
-        # already refused to reuse a folder from another run.
-        warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=plan.checkpoint)
+
+    resume_session.make_run_dir(plan, c.run)  # on rank 0: new (with its marker), or the resumed one as it is
+    try:
+        resume_session.continue_metrics(plan)
+        if is_primary_process():
+            config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
+        with warnings.catch_warnings():
+            # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
+            # already refused to reuse a folder from another run.
+            warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
+            trainer.fit(module, datamodule=datamodule, ckpt_path=plan.checkpoint)
+    except BaseException:
+        # A start that failed before any checkpoint or metric was written: remove the folder it made (rank 0 only,
+        # confined to run.root_dir, marker checked), so the retry after fixing the cause is not refused.
+        if plan.created and remove_failed_start(c.run.root_dir, run_dir):
+            print(f"removed {run_dir} again: the run failed before writing a checkpoint or a metric", flush=True)
+        raise
     # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if c.trainer.max_steps % c.trainer.val_every_n_steps:

@@ -72,6 +72,7 @@ def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_da
     precious.write_bytes(b"weeks of training")
     stale = run_dir / "notes-from-the-old-run.txt"
     stale.write_text("left by the previous run")
+    (run_dir / "config.yaml").write_text("run:\n  name: tiny\n")  # a run of ours (overwrite deletes only those)
     with pytest.raises(RunFolderError, match=r"run folder .*tiny already exists.*run\.overwrite=true"):
         train(tiny_cfg(tmp_path, tiny_data_dir))
     assert precious.read_bytes() == b"weeks of training"

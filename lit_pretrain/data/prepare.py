@@ -49,6 +49,7 @@ from lit_pretrain.data.tokenizer import (
     train_tokenizer,
 )
 from lit_pretrain.errors import DataError
+from lit_pretrain.paths import safe_rmtree
 
 # encode_batch parallelizes across the texts of one call; ~4 MB a call keeps both cores busy while holding only
 # that chunk's ids in memory.
@@ -77,7 +78,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     with _timed(seconds, "split"):
         split_docs = split_documents(kept, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp_prefix = f".{out.name}.tmp-"
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=out.parent))
     try:
         with _timed(seconds, "tokenizer"):
             tokenizer, tok_info = _tokenizer_stage(cfg, split_docs["train"], tmp)
@@ -126,7 +128,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
             return existing
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp)
+            # Only the temporary folder mkdtemp made above: beside `out`, our prefix, not a link.
+            safe_rmtree(tmp, out.parent, lambda folder: folder.name.startswith(tmp_prefix), "temporary folder")
     log(format_report(dedup_report))
     log(summary(manifest, out))
     return manifest

@@ -8,6 +8,8 @@ checking a checkpoint to resume from reads a few hundred bytes, not the checkpoi
 """
 
 import json
+import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -15,9 +17,12 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lit_pretrain.errors import DataError
+from lit_pretrain.paths import safe_unlink
 from lit_pretrain.resume.atomic import HashingWriter, atomic_open, atomic_write_bytes, file_sha256
 
 META_KEY = "lit_pretrain"  # our metadata inside a checkpoint (written by resume.checkpointing.StepCheckpoint)
+CHECKPOINT_FILE = re.compile(r"[^/]+\.ckpt")
+CHECKPOINT_SIDECAR = re.compile(r"[^/]+\.ckpt\.json")
 
 
 def sidecar_path(path: str | Path) -> Path:
@@ -76,6 +81,11 @@ def load_verified(path: str | Path) -> Dict[str, Any]:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    def __init__(self, root: Optional[str | Path] = None):
+        super().__init__()
+        self.root = root
+        """The run folder: remove_checkpoint deletes only inside it (None: only beside the file, by name)."""
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO takes no storage_options, got {storage_options!r}")
@@ -85,5 +95,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return load_verified(path)
 
     def remove_checkpoint(self, path) -> None:
-        Path(path).unlink(missing_ok=True)
-        sidecar_path(path).unlink(missing_ok=True)
+        # Lightning's ModelCheckpoint (a user's, with save_top_k) calls this: a `.ckpt` file and its sidecar, inside
+        # the run folder only. Anything else is kept with a warning rather than stopping the run.
+        root = self.root if self.root is not None else Path(path).parent
+        if not safe_unlink(path, root, CHECKPOINT_FILE):
+            warnings.warn(f"kept {path}: lit-pretrain deletes only *.ckpt files inside the run folder {root}",
+                          stacklevel=2)
+            return
+        safe_unlink(sidecar_path(path), root, CHECKPOINT_SIDECAR)

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import List, Optional
 
 from lit_pretrain.errors import ConfigError, DataError
+from lit_pretrain.paths import safe_unlink
 from lit_pretrain.resume.atomic import atomic_link, atomic_write_bytes
 from lit_pretrain.resume.checkpoint_io import read_sidecar, sidecar_path, verify
 
 LATEST = "latest"
 LAST = "last.ckpt"
 STEP_FILE = re.compile(r"^step(\d{7,})\.ckpt$")
+STEP_SIDECAR = re.compile(r"^step\d{7,}\.ckpt\.json$")
 
 
 def step_file(step: int) -> str:
@@ -59,9 +61,10 @@ def retain(folder: Path, keep_last: int) -> List[Path]:
         if kept < keep_last:
             kept += is_valid(path, check_sha256=False)
             continue
-        path.unlink(missing_ok=True)
-        sidecar_path(path).unlink(missing_ok=True)
-        deleted.append(path)
+        # Only names of STEP_FILE's pattern (and their sidecars) directly in this checkpoints folder.
+        if safe_unlink(path, folder, STEP_FILE):
+            safe_unlink(sidecar_path(path), folder, STEP_SIDECAR)
+            deleted.append(path)
     return deleted
 
 
