@@ -211,8 +211,10 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = ()) -
     if key_overrides:
         try:
             dot = OmegaConf.from_dotlist(key_overrides)
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"cannot parse overrides on the command line: {_first_line(err)}") from None
+        except (OmegaConfBaseException, yaml.YAMLError) as err:
+            # OmegaConf parses each value as YAML: `run.name=...` raises yaml's ParserError, not its own error.
+            raise ConfigError(f"cannot parse overrides on the command line ({', '.join(key_overrides)}): "
+                              f"{_first_line(err)}; quote a value that YAML reads as syntax") from None
         cfg = _merge(cfg, OmegaConf.to_container(dot), COMMAND_LINE)
     OmegaConf.set_struct(cfg, True)
     check_ranges(cfg)

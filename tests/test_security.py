@@ -118,3 +118,8 @@ def test_defaults_entry_is_a_name_not_a_path(tmp_path):
     run.write_text("defaults:\n  - ../../base\n")
     with pytest.raises(ConfigError, match="defaults entry='../../base'"):
         config.load(run)
+
+
+def test_an_override_yaml_cannot_parse_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"cannot parse overrides on the command line \(run.name=\.\.\.\)"):
+        config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["run.name=..."])
