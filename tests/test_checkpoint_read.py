@@ -17,12 +17,12 @@ from lit_pretrain import config
 from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.errors import DataError
 from lit_pretrain.module import PretrainModule
+from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.resume import store
-from lit_pretrain.resume.verified import load_verified, sidecar_path
+from lit_pretrain.resume.verified import load_verified, save_atomic, sidecar_path
+from lit_pretrain.schema import StrategyConfig, TrainerConfig
 from lit_pretrain.train import train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
-
-pytestmark = pytest.mark.slow  # one tiny training run for the module, one resumed run
 
 OVERRIDES = ["trainer.progress_bar=false", "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=1",
              "trainer.val_every_n_steps=2", "trainer.val_batches=1", "schedule.warmup_steps=1"]
@@ -59,12 +59,13 @@ def assert_same_weights(a, b):
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.slow  # the module's tiny training run
 def test_a_byte_flipped_anywhere_is_refused_by_every_reader(run_dir):
     path = run_dir / "checkpoints" / "last.ckpt"
     reference = load_gpt(run_dir)
     size = path.stat().st_size
-    # 11 offsets from the first byte to the last: the zip header, pickled structure and tensor bytes. Without the
-    # checksum, 4 of 11 such flips loaded changed weights with no error (issue 15).
+    # 11 offsets from the first byte to the last: the zip header, pickled structure, weights and optimizer state.
+    # Before load_gpt checked the sidecar, 10 of these 11 flips loaded with no error, 3 with changed weights.
     offsets = [round(i * (size - 1) / 10) for i in range(11)]
     readers = {"load_gpt": lambda: load_gpt(run_dir), "load_optimizer_state": lambda: load_optimizer_state(run_dir),
                "load_from_checkpoint": lambda: PretrainModule.load_from_checkpoint(path)}
@@ -78,6 +79,7 @@ def test_a_byte_flipped_anywhere_is_refused_by_every_reader(run_dir):
     assert_same_weights(load_gpt(run_dir), reference)
 
 
+@pytest.mark.slow  # the module's tiny training run
 def test_a_checkpoint_reads_back_outside_its_run_folder(run_dir, tmp_path):
     """last.ckpt and its sidecar copied into a folder with no config.yaml: the configs come from the checkpoint."""
     elsewhere = tmp_path / "elsewhere"
@@ -101,6 +103,7 @@ def test_a_checkpoint_reads_back_outside_its_run_folder(run_dir, tmp_path):
     assert saved["model_cfg"]["vocab_size"] == 512 and saved["strategy"]["name"] == "single"
 
 
+@pytest.mark.slow  # the module's tiny training run
 def test_a_checkpoint_without_its_sidecar_is_refused(run_dir, tmp_path):
     alone = tmp_path / "alone" / "last.ckpt"
     alone.parent.mkdir()
@@ -115,6 +118,7 @@ def test_a_checkpoint_without_its_sidecar_is_refused(run_dir, tmp_path):
         load_gpt(run_dir, "step0000001.ckpt")
 
 
+@pytest.mark.slow  # the module's tiny training run, and one resumed run
 def test_resume_auto_sets_a_corrupted_newest_checkpoint_aside(run_dir, tiny_data_dir, capsys):
     folder = run_dir / "checkpoints"
     newest = folder / "step0000002.ckpt"
@@ -136,3 +140,15 @@ def test_resume_auto_sets_a_corrupted_newest_checkpoint_aside(run_dir, tiny_data
     assert (folder / store.LATEST).read_text().strip() == newest.name
     for key in before:
         assert torch.equal(before[key], after[key]), key
+
+
+def test_zero_stage_2_and_3_resume_checks_the_checkpoint_first(tmp_path):
+    """Lightning's ModelParallelStrategy (ZeRO stages 2 and 3) loads a one-file checkpoint with its own torch.load,
+    not through checkpoint_io: the strategy checks the sidecar itself, on every rank, before that load."""
+    path = tmp_path / "step0000002.ckpt"
+    save_atomic({"state_dict": {"model.w": torch.zeros(64)}}, path)
+    flip_byte(path, path.stat().st_size // 2)
+    for stage in (2, 3):
+        strategy = build_strategy(StrategyConfig(name="zero", zero_stage=stage), TrainerConfig(devices=2))
+        with pytest.raises(DataError, match=f"checkpoint {re.escape(str(path))} is corrupted"):
+            strategy.load_checkpoint(path)
