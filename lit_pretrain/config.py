@@ -32,13 +32,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.paths import is_safe_name
 from lit_pretrain.schema import Config
 
 GROUPS = ("model", "data", "strategy", "optim", "schedule", "trainer", "callbacks", "run")
 COMMAND_LINE = "the command line"
-# A group choice or base name is one file name in a search-path folder, never a path: `strategy=../../x` must not
-# read YAML from outside the search path.
-CONFIG_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 
 def experiments_root(run_file: Path) -> Path:
@@ -74,7 +72,9 @@ def _where(roots: Sequence[Path]) -> str:
 
 
 def _check_name(name: str, what: str, source: str) -> None:
-    if not CONFIG_NAME.fullmatch(name):
+    # A group choice or base name is one file name in a search-path folder, never a path: `strategy=../../x` must
+    # not read YAML from outside the search path. The rule is the run name's (paths.SAFE_NAME).
+    if not is_safe_name(name):
         raise ConfigError(f"{what}={name!r} in {source}: a config name is one file name of letters, digits, '.', '_' "
                           "and '-' (not a path); give a run file's path as the first argument instead")
 

@@ -17,7 +17,7 @@ from lit_pretrain.callbacks import user_callbacks
 from lit_pretrain.data.corpus import iter_documents
 from lit_pretrain.data.shards import load_manifest, verify_shards
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.resume.checkpoint_io import load_verified, save_atomic
+from lit_pretrain.resume.verified import load_verified, save_atomic
 from lit_pretrain.schema import CallbacksConfig, CallbackSpec, DataConfig, DeduplicationConfig
 from tests.conftest import EXPERIMENTS, ROOT, launcher_env
 

@@ -61,7 +61,7 @@ def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir):
     assert losses / tokens == pytest.approx(summary["final_val_loss"], abs=1e-5)
     last = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
     (run_dir / "checkpoints" / "cut.ckpt").write_bytes(last[: len(last) // 2])
-    with pytest.raises(DataError, match=r"checkpoint .*cut\.ckpt cannot be read"):
+    with pytest.raises(DataError, match=r"checkpoint .*cut\.ckpt has no checksum file cut\.ckpt\.json"):
         load_gpt(run_dir, "cut.ckpt")
 
 

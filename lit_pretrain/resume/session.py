@@ -11,10 +11,11 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.errors import DataError, RunFolderError
 from lit_pretrain.resume import compat, store
-from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO, read_sidecar
+from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, keep_first_rows
 from lit_pretrain.resume.rank_state import RankState
+from lit_pretrain.resume.verified import read_sidecar
 from lit_pretrain.runs import (
     check_run_dir,
     create_run_dir,
