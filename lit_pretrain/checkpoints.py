@@ -1,4 +1,4 @@
-"""Read a run's checkpoint back into a plain GPT (and its AdamW state), whatever strategy wrote it.
+"""Read a checkpoint back into a plain GPT (and its AdamW state), whatever strategy wrote it, wherever it lies.
 
 Every strategy writes the same one-file checkpoint: single and ddp as Lightning always does; ZeRO stage 1
 consolidates ZeroRedundancyOptimizer's shards on rank 0 first; ZeRO stages 2 and 3 (Lightning's
@@ -6,23 +6,54 @@ ModelParallelStrategy with `save_distributed_checkpoint=False`) gather the full 
 rank 0 through torch.distributed.checkpoint.state_dict, which works on CPU, unlike the FSDP1 full-state-dict path.
 So a checkpoint written under any strategy reads into one process for evaluation, or to continue under another.
 
-Checkpoints are read with `torch.load(weights_only=True)`: a checkpoint is data, and unpickling arbitrary objects
-would run code from the file.
+Checkpoints are opened by `resume.checkpoint_io.load_verified`: checked against their sha256 sidecar, then
+`torch.load(weights_only=True)`: a checkpoint is data, and unpickling arbitrary objects would run code from the file.
+A checkpoint carries its own configs (PretrainModule's hyperparameters, and the run's flattened config in its
+`lit_pretrain` metadata), so a file copied out of its run folder, with its sidecar, reads back on its own.
 """
 
+import dataclasses
+import typing
 from pathlib import Path
+from typing import Any, Dict
 
 import torch
 
 from lit_pretrain import config as config_lib
 from lit_pretrain.errors import DataError
 from lit_pretrain.model import GPT
+from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.resume.verified import META_KEY, load_verified
+from lit_pretrain.schema import OptimConfig
 
 MODULE_PREFIX = "model."  # PretrainModule holds the GPT as `self.model`
+HPARAMS_KEY = "hyper_parameters"  # where Lightning stores what save_hyperparameters saved
+# PretrainModule's hyperparameter names of the model and optimizer configs (module.py's __init__ arguments).
+SECTIONS = {"model": "model_cfg", "optim": "optim"}
 
 
-def read_checkpoint(run_dir: str | Path, checkpoint: str = "last.ckpt") -> dict:
-    path = Path(run_dir) / "checkpoints" / checkpoint
+def from_plain(cls: type, data: Any) -> Any:
+    """A config dataclass from the plain dict `dataclasses.asdict` made of it (nested sections too); an instance
+    passes through. A key the dataclass lacks (a checkpoint from another version) is a DataError naming it."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise DataError(f"{cls.__name__} from a checkpoint: expected a dict of its fields, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise DataError(f"{cls.__name__} from a checkpoint has unknown fields {unknown}: it was written by another "
+                        "version of lit_pretrain")
+    return cls(**{k: from_plain(hints[k], v) if dataclasses.is_dataclass(hints[k]) else v for k, v in data.items()})
+
+
+def checkpoint_path(source: str | Path, checkpoint: str = "last.ckpt") -> Path:
+    """`source` itself when it is a checkpoint file, else `source/checkpoints/<checkpoint>` of a run folder."""
+    source = Path(source)
+    if source.is_file():
+        return source
+    path = source / "checkpoints" / checkpoint
     if path.is_dir():
         raise DataError(
             f"checkpoint {path} is a folder (a sharded distributed checkpoint); this project writes one-file "
@@ -30,29 +61,51 @@ def read_checkpoint(run_dir: str | Path, checkpoint: str = "last.ckpt") -> dict:
             "dcp_to_torch_save, or choose another checkpoint"
         )
     if not path.is_file():
+        if not source.is_dir():
+            raise DataError(f"{source} is neither a checkpoint file nor a run folder: give runs/<name> or a .ckpt")
         choices = sorted(p.name for p in path.parent.glob("*.ckpt"))
         raise DataError(f"checkpoint {path} does not exist: choose one of {choices}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated or foreign file: say which one
-        raise DataError(f"checkpoint {path} cannot be read as a weights-only checkpoint ({err})") from None
+    return path
 
 
-def load_gpt(run_dir: str | Path, checkpoint: str = "last.ckpt") -> GPT:
-    """The GPT of `run_dir/checkpoints/<checkpoint>`, shaped by the run's own config.yaml."""
-    run_dir = Path(run_dir)
-    model_cfg = config_lib.to_object(config_lib.load(run_dir / "config.yaml")).model
-    state = read_checkpoint(run_dir, checkpoint)
+def read_checkpoint(source: str | Path, checkpoint: str = "last.ckpt") -> dict:
+    """The checkpoint's contents, verified against its sidecar (see checkpoint_path for `source`)."""
+    return load_verified(checkpoint_path(source, checkpoint))
+
+
+def _section(state: dict, path: Path, name: str, cls: type) -> Any:
+    """A config section of the run that wrote the checkpoint: from its hyperparameters, else from its run metadata,
+    else from the config.yaml of the run folder it lies in."""
+    hparams = state.get(HPARAMS_KEY) or {}
+    if SECTIONS[name] in hparams:
+        return from_plain(cls, hparams[SECTIONS[name]])
+    flat = (state.get(META_KEY) or {}).get("config")
+    if isinstance(flat, dict) and any(k.startswith(f"{name}.") for k in flat):
+        return from_plain(cls, {k[len(name) + 1:]: v for k, v in flat.items() if k.startswith(f"{name}.")})
+    run_config = path.parent.parent / "config.yaml"
+    if path.parent.name == "checkpoints" and run_config.is_file():
+        return getattr(config_lib.to_object(config_lib.load(run_config)), name)
+    raise DataError(f"checkpoint {path} carries no {name} config (no hyperparameters, no run metadata) and lies "
+                    "outside a run folder: read it from its run's checkpoints/ folder, beside the run's config.yaml")
+
+
+def _gpt(state: dict, path: Path) -> GPT:
     if "state_dict" not in state:
-        raise DataError(f"checkpoint {run_dir / 'checkpoints' / checkpoint} has no state_dict: not a training "
-                        "checkpoint of this project")
+        raise DataError(f"checkpoint {path} has no state_dict: not a training checkpoint of this project")
     weights = {k[len(MODULE_PREFIX):]: v for k, v in state["state_dict"].items() if k.startswith(MODULE_PREFIX)}
-    model = GPT(model_cfg)
+    model = GPT(_section(state, path, "model", GPTConfig))
     model.load_state_dict(weights, strict=True)
     return model.eval()
 
 
-def load_optimizer_state(run_dir: str | Path, checkpoint: str = "last.ckpt",
+def load_gpt(source: str | Path, checkpoint: str = "last.ckpt") -> GPT:
+    """The GPT of a checkpoint file, or of `source/checkpoints/<checkpoint>` of a run folder, shaped by the config
+    the checkpoint carries."""
+    path = checkpoint_path(source, checkpoint)
+    return _gpt(load_verified(path), path)
+
+
+def load_optimizer_state(source: str | Path, checkpoint: str = "last.ckpt",
                          model: GPT | None = None) -> torch.optim.Optimizer:
     """A single-process AdamW over `model` (default: the checkpoint's GPT) holding the checkpoint's optimizer state.
 
@@ -61,14 +114,14 @@ def load_optimizer_state(run_dir: str | Path, checkpoint: str = "last.ckpt",
     """
     from lit_pretrain.module import param_groups  # imports Lightning: only when optimizer state is wanted
 
-    run_dir = Path(run_dir)
-    c = config_lib.to_object(config_lib.load(run_dir / "config.yaml"))
-    model = model if model is not None else load_gpt(run_dir, checkpoint)
-    states = read_checkpoint(run_dir, checkpoint).get("optimizer_states") or []
+    path = checkpoint_path(source, checkpoint)
+    state: Dict = load_verified(path)
+    model = model if model is not None else _gpt(state, path)
+    states = state.get("optimizer_states") or []
     if len(states) != 1:
-        raise DataError(f"checkpoint {run_dir / 'checkpoints' / checkpoint} holds {len(states)} optimizer states, "
-                        "expected 1: it was saved without optimizer state (save_weights_only) or by another program")
-    o = c.optim
+        raise DataError(f"checkpoint {path} holds {len(states)} optimizer states, expected 1: it was saved without "
+                        "optimizer state (save_weights_only) or by another program")
+    o = _section(state, path, "optim", OptimConfig)
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr_peak, betas=(o.beta1, o.beta2),
                                   eps=o.eps)
     optimizer.load_state_dict(states[0])

@@ -1,22 +1,49 @@
 """`lit-pretrain prepare | train RUN_FILE [key=value ...]`: parse, load the config, call one function."""
 
 import argparse
+import dataclasses
 import sys
+import textwrap
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
 
 USAGE_ERRORS = (ConfigError, DataError, RunFolderError)
 
 
+def _sections(schema: type, prefix: str = "") -> list:
+    """Every config section under `schema`, dotted (data, data.deduplication, ...), read off the typed schema so the
+    help cannot drift from it."""
+    out = []
+    for f in dataclasses.fields(schema):
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            out += [f"{prefix}{f.name}", *_sections(sub, f"{prefix}{f.name}.")]
+    return out
+
+
+def _keys_help(command: str) -> str:
+    from lit_pretrain.schema import Config
+
+    every = _sections(Config)
+    used = [s for s in every if s == "data" or s.startswith("data.")] if command == "prepare" else every
+    text = (f"config sections whose keys `{command}` uses (set any key as section.key=value; each key is "
+            f"documented in lit_pretrain/schema.py): {', '.join(used)}.")
+    if command == "prepare":
+        text += " The other sections are loaded and checked but not used."
+    return textwrap.fill(text, width=100)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lit-pretrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
-        ("prepare", "read the corpus, train the tokenizer and write token shards into data.prepared_dir"),
+        ("prepare", "read the corpus, check its quality, deduplicate it (exact, then near duplicates), train the "
+                    "tokenizer and write token shards into data.prepared_dir"),
         ("train", "pretrain a model as the experiment says, into runs/<run.name>/"),
         ("show", "print the composed, checked config without running anything"),
     ):
-        cmd = sub.add_parser(name, help=text, description=text)
+        cmd = sub.add_parser(name, help=text, description=textwrap.fill(text, width=100), epilog=_keys_help(name),
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_argument("run_file", help="experiment file, e.g. experiments/runs/default.yaml")
         cmd.add_argument("overrides", nargs="*", help="key=value (optim.lr_peak=1e-3) or group=name (strategy=ddp)")
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help

@@ -11,10 +11,19 @@ An experiment is a run file under `experiments/runs/` whose `defaults:` list nam
 
 Command-line overrides come last: `strategy=ddp` picks another group file (replacing the run file's choice) and
 `optim.lr_peak=1e-3` sets one key. Errors name the key, the file (or "command line") and the closest valid key.
+
+Where `defaults` names are found (the search path, first match wins):
+  1. the run file's own experiments root: the nearest folder above the run file that holds a `base.yaml`, or else
+     the run file's own folder (so `~/work/zl.yaml` may ship its own `~/work/model/mine.yaml`);
+  2. the project's shipped `experiments/` folder, next to the `lit_pretrain` package in a source checkout.
+So a run file anywhere can write `defaults: [base, {model: tiny}]` and get the shipped base and tiny model, while a
+file of the same name in its own root overrides the shipped one. An installed wheel carries no `experiments/`:
+there only the run file's root is searched, and a name not found there says so. Errors list every folder searched.
 """
 
 import dataclasses
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
@@ -23,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.paths import is_safe_name
 from lit_pretrain.schema import Config
 
 GROUPS = ("model", "data", "strategy", "optim", "schedule", "trainer", "callbacks", "run")
@@ -35,6 +45,42 @@ def experiments_root(run_file: Path) -> Path:
         if (parent / "base.yaml").is_file():
             return parent
     return run_file.resolve().parent
+
+
+def shipped_experiments() -> Optional[Path]:
+    """The project's own `experiments/` folder (a source checkout: beside the package), or None where it is absent
+    (an installed wheel packages `lit_pretrain` only)."""
+    folder = Path(__file__).resolve().parents[1] / "experiments"
+    return folder if (folder / "base.yaml").is_file() else None
+
+
+def search_path(run_file: Path) -> List[Path]:
+    """Folders that `defaults` names are looked up in, first match wins (see the module docstring)."""
+    roots = [experiments_root(run_file)]
+    shipped = shipped_experiments()
+    if shipped is not None and shipped not in roots:
+        roots.append(shipped)
+    return roots
+
+
+def _where(roots: Sequence[Path]) -> str:
+    looked = ", ".join(str(r) for r in roots)
+    if shipped_experiments() is None:
+        looked += " (the project's experiments/ folder is not installed with the package: copy the files you need " \
+                  "next to your run file)"
+    return looked
+
+
+def _check_name(name: str, what: str, source: str) -> None:
+    # A group choice or base name is one file name in a search-path folder, never a path: `strategy=../../x` must
+    # not read YAML from outside the search path. The rule is the run name's (paths.SAFE_NAME).
+    if not is_safe_name(name):
+        raise ConfigError(f"{what}={name!r} in {source}: a config name is one file name of letters, digits, '.', '_' "
+                          "and '-' (not a path); give a run file's path as the first argument instead")
+
+
+def _find(roots: Sequence[Path], relative: str) -> Optional[Path]:
+    return next((root / relative for root in roots if (root / relative).is_file()), None)
 
 
 def _read_yaml(path: Path) -> dict:
@@ -121,11 +167,21 @@ def _defaults(data: dict, path: Path) -> List[Tuple[Optional[str], str]]:
     return parsed
 
 
-def _group_file(root: Path, group: str, name: str, source: str) -> Path:
-    path = root / group / f"{name}.yaml"
-    if not path.is_file():
-        options = sorted(p.stem for p in (root / group).glob("*.yaml"))
-        raise ConfigError(f"{group}={name} in {source}: no file {path}; choose one of: {', '.join(options) or 'none'}")
+def _group_file(roots: Sequence[Path], group: str, name: str, source: str) -> Path:
+    _check_name(name, group, source)
+    path = _find(roots, f"{group}/{name}.yaml")
+    if path is None:
+        options = sorted({p.stem for root in roots for p in (root / group).glob("*.yaml")})
+        raise ConfigError(f"{group}={name} in {source}: no file {group}/{name}.yaml in {_where(roots)}; "
+                          f"choose one of: {', '.join(options) or 'none'}")
+    return path
+
+
+def _base_file(roots: Sequence[Path], name: str, source: Path) -> Path:
+    _check_name(name, "defaults entry", str(source))
+    path = _find(roots, f"{name}.yaml")
+    if path is None:
+        raise ConfigError(f"'{name}' in the defaults of {source}: no file {name}.yaml in {_where(roots)}")
     return path
 
 
@@ -135,18 +191,19 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = ()) -
     groups, key_overrides = _parse_overrides(list(overrides))
     if run_file is not None:
         run_path = Path(run_file)
-        root = experiments_root(run_path)
+        roots = search_path(run_path)
         data = _read_yaml(run_path)
         chosen = dict(groups)
         for group, name in _defaults(data, run_path):
             if group is None:
-                cfg = _merge(cfg, _defaults_free(root / f"{name}.yaml"), str(root / f"{name}.yaml"))
+                path = _base_file(roots, name, run_path)
+                cfg = _merge(cfg, _defaults_free(path), str(path))
                 continue
             source = COMMAND_LINE if group in chosen else str(run_path)
-            path = _group_file(root, group, chosen.pop(group, name), source)
+            path = _group_file(roots, group, chosen.pop(group, name), source)
             cfg = _merge(cfg, {group: _read_yaml(path)}, str(path))
         for group, name in chosen.items():
-            path = _group_file(root, group, name, COMMAND_LINE)
+            path = _group_file(roots, group, name, COMMAND_LINE)
             cfg = _merge(cfg, {group: _read_yaml(path)}, str(path))
         cfg = _merge(cfg, data, str(run_path))
     elif groups:
@@ -154,8 +211,10 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = ()) -
     if key_overrides:
         try:
             dot = OmegaConf.from_dotlist(key_overrides)
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"cannot parse overrides on the command line: {_first_line(err)}") from None
+        except (OmegaConfBaseException, yaml.YAMLError) as err:
+            # OmegaConf parses each value as YAML: `run.name=...` raises yaml's ParserError, not its own error.
+            raise ConfigError(f"cannot parse overrides on the command line ({', '.join(key_overrides)}): "
+                              f"{_first_line(err)}; quote a value that YAML reads as syntax") from None
         cfg = _merge(cfg, OmegaConf.to_container(dot), COMMAND_LINE)
     OmegaConf.set_struct(cfg, True)
     check_ranges(cfg)
@@ -207,6 +266,8 @@ def _check_section(node: Any, schema: type, prefix: str) -> None:
             continue
         if "choices" in meta and value not in meta["choices"]:
             raise ConfigError(f"config key '{key}' = {value!r}: expected one of {meta['choices']}")
+        if "pattern" in meta and not (isinstance(value, str) and re.fullmatch(meta["pattern"], value)):
+            raise ConfigError(f"config key '{key}' = {value!r}: expected {meta['rule']}")
         for op, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
                              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
             if op in meta and not ok(value, meta[op]):

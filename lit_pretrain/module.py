@@ -1,6 +1,8 @@
 """PretrainModule: the GPT, its loss, AdamW with a warmup schedule, and gradient clipping by global norm."""
 
 import math
+from dataclasses import asdict
+from pathlib import Path
 from typing import Iterable, List, Optional
 
 import lightning as L
@@ -10,11 +12,14 @@ from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
 from lit_pretrain.callbacks import step_state
+from lit_pretrain.checkpoints import from_plain
+from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.parallel import parallelize
 from lit_pretrain.parallel.strategies import zero_stage
 from lit_pretrain.parallel.zero import build_adamw
+from lit_pretrain.resume.verified import sidecar_path, verify
 from lit_pretrain.schedule import lr_lambda
 from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
 
@@ -67,28 +72,69 @@ def adamw_kernel(strategy: StrategyConfig) -> dict:
 
 
 class PretrainModule(L.LightningModule):
-    """Next-token prediction on token windows. `tokens_per_step` is the global count per optimizer step."""
+    """Next-token prediction on token windows. `tokens_per_step` is the global count per optimizer step.
 
-    def __init__(self, model_cfg: GPTConfig, optim: OptimConfig, schedule: ScheduleConfig, max_steps: int,
-                 tokens_per_step: int, seed: Optional[int] = None, strategy: Optional[StrategyConfig] = None,
-                 compile: bool = False):
+    The configs may be given as dataclasses or as their plain dicts: the hyperparameters saved in a checkpoint are
+    plain data (dataclasses.asdict), which `torch.load(weights_only=True)` reads and `load_from_checkpoint` passes
+    back here.
+    """
+
+    def __init__(self, model_cfg: GPTConfig | dict, optim: OptimConfig | dict, schedule: ScheduleConfig | dict,
+                 max_steps: int, tokens_per_step: int, seed: Optional[int] = None,
+                 strategy: Optional[StrategyConfig | dict] = None, compile: bool = False):
         super().__init__()
+        model_cfg, optim = from_plain(GPTConfig, model_cfg), from_plain(OptimConfig, optim)
+        schedule, strategy = from_plain(ScheduleConfig, schedule), from_plain(StrategyConfig, strategy or {})
+        # logger=False: the run's config.yaml already records them; loggers would get a second, partial copy.
+        self.save_hyperparameters({
+            "model_cfg": asdict(model_cfg), "optim": asdict(optim), "schedule": asdict(schedule),
+            "max_steps": max_steps, "tokens_per_step": tokens_per_step, "seed": seed, "strategy": asdict(strategy),
+            "compile": compile}, logger=False)
         self.model_cfg, self.optim_cfg, self.schedule_cfg = model_cfg, optim, schedule
-        self.strategy_cfg = strategy or StrategyConfig()
+        self.strategy_cfg = strategy
         self.max_steps, self.tokens_per_step, self.compile_blocks = max_steps, tokens_per_step, compile
         if seed is not None:
             torch.manual_seed(seed)  # the initial weights depend on the run seed alone, not on what ran before
         self.model = GPT(model_cfg)
         self.val_loss = MeanMetric()
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None,
+                             weights_only=None, **kwargs):
+        """Lightning's load, weights-only always, after the file is checked against its sha256 sidecar when it has
+        one (a plain Lightning Trainer writes none: pass `plugins=[AtomicCheckpointIO()]` to it for one). The
+        module comes back unwrapped, on one process, whatever strategy wrote the checkpoint."""
+        if weights_only is False:
+            raise ValueError("PretrainModule.load_from_checkpoint reads checkpoints weights-only (they hold plain "
+                             "data); drop weights_only=False")
+        if isinstance(checkpoint_path, (str, Path)) and sidecar_path(checkpoint_path).exists():
+            verify(checkpoint_path)
+        return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
+                                            strict=strict, weights_only=True, **kwargs)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
     def configure_model(self):
+        if self._trainer is None:
+            return  # load_from_checkpoint calls this hook with no Trainer (no mesh): the plain GPT holds every weight
         # Activation checkpointing, compile, then FSDP (ZeRO 2/3) over the data-parallel mesh; all wrap the GPT
         # from outside.
         mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
         parallelize(self.model, self.model_cfg, self.strategy_cfg, mesh, compile=self.compile_blocks)
+
+    def setup(self, stage: str) -> None:
+        # Refused rather than honoured: this module clips by the global norm of the whole (under FSDP, sharded)
+        # gradient in configure_gradient_clipping, and the gradient-norm monitor reports clipping against
+        # optim.grad_clip_norm. Honouring Lightning's argument as well would give one threshold two sources that
+        # can disagree, and its gradient_clip_algorithm="value" clamps each value, which this module never does.
+        clip = self._trainer.gradient_clip_val if self._trainer is not None else None
+        if stage == "fit" and clip is not None:
+            raise ConfigError(
+                f"lightning.Trainer(gradient_clip_val={clip}) is not used by PretrainModule, which clips by the "
+                f"global gradient norm in optim.grad_clip_norm (now {self.optim_cfg.grad_clip_norm}): set "
+                f"optim.grad_clip_norm={clip} (0 turns clipping off) and leave gradient_clip_val unset"
+            )
 
     def loss(self, batch) -> torch.Tensor:
         if getattr(self, "pipeline", None) is not None:

@@ -4,11 +4,18 @@ import csv
 import json
 import math
 import os
-import shutil
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import yaml
+
 from lit_pretrain.errors import RunFolderError
+from lit_pretrain.paths import SAFE_NAME_RULE, confined, is_safe_name, safe_rmtree
+
+# Written into every run folder when it is made: `run.overwrite` and the clean-up after a failed start delete only
+# folders holding it (or, from versions before it, a config.yaml naming the run).
+MARKER = ".lit-pretrain-run"
 
 
 def is_primary_process() -> bool:
@@ -20,19 +27,108 @@ def is_primary_process() -> bool:
     return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
-def create_run_dir(root_dir: str, name: str, overwrite: bool) -> Path:
-    run_dir = Path(root_dir) / name
-    if not is_primary_process():
-        return run_dir
-    if run_dir.exists() and any(run_dir.iterdir()):
+def run_dir_path(root_dir: str, name: str) -> Path:
+    """root_dir/name, refused unless `name` is one safe folder name (the config loader checks it too) and the folder
+    is not a symlink and resolves strictly inside root_dir."""
+    if not is_safe_name(name):
+        raise RunFolderError(f"run.name={name!r}: expected {SAFE_NAME_RULE}")
+    return confined(root_dir, Path(root_dir) / name, "run folder")
+
+
+def has_marker(run_dir: Path) -> bool:
+    marker = run_dir / MARKER
+    return marker.is_file() and not marker.is_symlink()
+
+
+def made_by_this_project(run_dir: Path) -> bool:
+    """The run folder holds our marker, or (made by a version before the marker) a config.yaml naming this run."""
+    if has_marker(run_dir):
+        return True
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and isinstance(saved.get("run"), dict) and saved["run"].get("name") == run_dir.name
+
+
+def holds_results(run_dir: Path) -> bool:
+    """Anything a run would lose: a file under checkpoints/, or a metrics row."""
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return True
+    metrics = run_dir / "metrics.csv"
+    if not metrics.is_file():
+        return False
+    with open(metrics, newline="") as f:
+        return any(True for _ in csv.DictReader(f))
+
+
+def is_reusable(run_dir: Path) -> bool:
+    """Left by a start that failed before training: ours (marker), no checkpoint, no metrics row."""
+    return has_marker(run_dir) and not holds_results(run_dir)
+
+
+def is_empty(run_dir: Path) -> bool:
+    """Nothing in it, or only an empty checkpoints/ folder (what a failed start of a version before the marker left)."""
+    entries = list(run_dir.iterdir())
+    if not entries:
+        return True
+    only = entries[0]
+    return (len(entries) == 1 and only.name == "checkpoints" and only.is_dir() and not only.is_symlink()
+            and not any(only.iterdir()))
+
+
+def check_run_dir(root_dir: str, name: str, overwrite: bool) -> Path:
+    """root_dir/name when a new run may start there (absent, empty, left by a failed start, or to be overwritten and
+    made by the project); a RunFolderError otherwise. Writes nothing, so train() asks before preparing data."""
+    run_dir = run_dir_path(root_dir, name)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunFolderError(f"run folder {run_dir} is a file: choose another run.name")
+    if run_dir.is_dir() and not is_empty(run_dir) and not is_reusable(run_dir):
         if not overwrite:
             raise RunFolderError(
                 f"run folder {run_dir} already exists: choose another run.name, or set run.overwrite=true to "
                 "delete it and start again"
             )
-        shutil.rmtree(run_dir)
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        if not made_by_this_project(run_dir):
+            raise RunFolderError(
+                f"run folder {run_dir} was not made by lit-pretrain (no {MARKER} marker, no config.yaml naming the "
+                "run): run.overwrite deletes only run folders the project made; move it away or choose another run.name"
+            )
     return run_dir
+
+
+def create_run_dir(root_dir: str, name: str, overwrite: bool) -> Path:
+    """Make root_dir/name with its checkpoints/ folder and our marker (on rank 0; other ranks get the path). An
+    existing folder is refused unless check_run_dir allows it; a non-empty allowed one is deleted first."""
+    run_dir = run_dir_path(root_dir, name)
+    if not is_primary_process():
+        return run_dir
+    check_run_dir(root_dir, name, overwrite)
+    if run_dir.is_dir() and not is_empty(run_dir):
+        remove_run_dir(root_dir, run_dir)
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    marker = {"lit_pretrain": "run folder", "name": name, "created_unix": round(time.time(), 3)}
+    (run_dir / MARKER).write_text(json.dumps(marker) + "\n")
+    return run_dir
+
+
+def remove_run_dir(root_dir: str, run_dir: Path) -> None:
+    """Delete a run folder: only inside root_dir, never through a link, only one the project made."""
+    safe_rmtree(run_dir, root_dir, made_by_this_project, "run folder")
+
+
+def remove_failed_start(root_dir: str, run_dir: Path) -> bool:
+    """After a start that failed: delete the run folder this process made if it holds no checkpoint and no metrics
+    row (a retry would otherwise be refused with "already exists"). Returns whether it was deleted; it never raises,
+    so the error that stopped the start is the one reported."""
+    if not is_primary_process() or run_dir.is_symlink() or not run_dir.is_dir() or not is_reusable(run_dir):
+        return False
+    try:
+        remove_run_dir(root_dir, run_dir)
+    except OSError:  # RunFolderError included: the folder stays, which is always safe
+        return False
+    return True
 
 
 def read_metrics(path: Path) -> List[Dict[str, float]]:

@@ -1,7 +1,8 @@
 """Typed config schemas: one dataclass per concern, each field documented where it is declared.
 
 YAML may set only the fields that exist here (OmegaConf struct mode). Field metadata gives the range the
-loader enforces: `ge`/`gt`/`le`/`lt` for numbers, `choices` for strings.
+loader enforces: `ge`/`gt`/`le`/`lt` for numbers, `choices` for strings, `pattern` (a regular expression the whole
+string must match, with `rule` saying it in words) for names.
 """
 
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.paths import SAFE_NAME, SAFE_NAME_RULE
 
 ModelConfig = GPTConfig
 
@@ -109,6 +111,11 @@ class DataConfig:
     """Seed of the document-level train/validation split."""
     max_documents: Optional[int] = field(default=None, metadata={"ge": 1})
     """Use only the first N documents of the corpus (for quick experiments and tests)."""
+    max_invalid_fraction: float = field(default=0.01, metadata={"ge": 0.0, "le": 1.0})
+    """Prepare refuses a corpus when more than this fraction of its characters is invalid: U+FFFD that replaced
+    bytes which are not UTF-8, or control characters (Unicode category Cc other than tab, line feed and carriage
+    return), counted over the documents kept (data/quality.py). 1.0 accepts anything. A gate, not content: changing
+    it does not change a prepared folder."""
     shard_tokens: int = field(default=1 << 25, metadata={"ge": 1024})
     """Tokens per shard file (a new shard starts at the next document after this many tokens)."""
     num_workers: int = field(default=0, metadata={"ge": 0})
@@ -313,14 +320,15 @@ class CallbacksConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "default"
-    """Run name: the run folder is root_dir/name."""
+    name: str = field(default="default", metadata={"pattern": SAFE_NAME, "rule": SAFE_NAME_RULE})
+    """Run name: the run folder is root_dir/name. One folder name, never a path (lit_pretrain/paths.py)."""
     root_dir: str = "runs"
     """Folder that holds run folders."""
     seed: int = 1337
     """Seed of model initialization and of the training data order."""
     overwrite: bool = False
-    """Allow writing into an existing run folder (its previous contents are deleted first)."""
+    """Allow starting again in an existing run folder: its previous contents are deleted first, but only when the
+    project made it (it holds the `.lit-pretrain-run` marker, or a config.yaml of an older version's run)."""
     resume: Optional[str] = None
     """null: start afresh; auto: continue from the newest valid checkpoint of this run (afresh if it has none);
     or the path of a checkpoint file. See lit_pretrain/resume/."""

@@ -6,6 +6,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
@@ -26,7 +27,7 @@ from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume.compat import run_meta as resume_meta
-from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, write_summary
+from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
 from lit_pretrain.schema import Config, TrainerConfig
 
 
@@ -80,7 +81,10 @@ def train(cfg: DictConfig) -> dict:
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
     strategy = build_strategy(c.strategy, c.trainer)
-    plan = resume_session.open_run(c.run)  # a new run folder, or the one being resumed (lit_pretrain/resume/)
+    # Everything that can be checked is checked before the run folder is made, so a refused start leaves nothing
+    # behind that would block its retry: the run name and folder, the checkpoint to resume from, the data (prepared
+    # or verified), the batch against the data, the experiment a resume continues, the model and the callbacks.
+    plan = resume_session.open_run(c.run)
     run_dir = plan.run_dir
 
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
@@ -89,12 +93,11 @@ def train(cfg: DictConfig) -> dict:
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
     manifest = datamodule.manifest
+    datamodule.windows(manifest, check_layout(c, world_size(c.trainer)).data_parallel)
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
     cfg.model.vocab_size = c.model.vocab_size
     run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
     resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)
-    if is_primary_process():
-        config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
@@ -123,13 +126,25 @@ def train(cfg: DictConfig) -> dict:
         enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
         enable_checkpointing=False,  # resume.checkpointing.StepCheckpoint writes the checkpoints
         # Our sampler defines one global order for any number of ranks; Lightning's would replace it.
-        use_distributed_sampler=False, default_root_dir=str(run_dir), plugins=resume_session.plugins(),
+        use_distributed_sampler=False, default_root_dir=str(run_dir), plugins=resume_session.plugins(run_dir),
     )
-    with warnings.catch_warnings():
-        # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
-        # already refused to reuse a folder from another run.
-        warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=plan.checkpoint)
+
+    resume_session.make_run_dir(plan, c.run)  # on rank 0: new (with its marker), or the resumed one as it is
+    try:
+        resume_session.continue_metrics(plan)
+        if is_primary_process():
+            config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
+        with warnings.catch_warnings():
+            # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
+            # already refused to reuse a folder from another run.
+            warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
+            trainer.fit(module, datamodule=datamodule, ckpt_path=plan.checkpoint)
+    except BaseException:
+        # A start that failed before any checkpoint or metric was written: remove the folder it made (rank 0 only,
+        # confined to run.root_dir, marker checked), so the retry after fixing the cause is not refused.
+        if plan.created and remove_failed_start(c.run.root_dir, run_dir):
+            print(f"removed {run_dir} again: the run failed before writing a checkpoint or a metric", flush=True)
+        raise
     # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if c.trainer.max_steps % c.trainer.val_every_n_steps:
@@ -137,7 +152,11 @@ def train(cfg: DictConfig) -> dict:
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     tokens_seen = trainer.global_step * tokens_per_step
+    # On resume Lightning's Timer restores the training time of earlier sessions: time_elapsed counts all of them,
+    # start/end times this session's alone (none when a finished run is resumed and no step runs).
     train_seconds = timer.time_elapsed("train")
+    session_start, session_end = timer.start_time("train"), timer.end_time("train")
+    session_train_seconds = session_end - session_start if None not in (session_start, session_end) else 0.0
     entropy = manifest.get("unigram_entropy_nats")
     # Under tensor/pipeline parallelism each rank holds a part: count the whole model's shape instead.
     gpt = full_gpt_on_meta(c.model) if uses_mesh(c.strategy) else module.model
@@ -157,8 +176,9 @@ def train(cfg: DictConfig) -> dict:
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
         "unigram_entropy_nats": entropy,
-        "wall_seconds": time.perf_counter() - started,
-        "train_seconds": train_seconds,
+        "wall_seconds": time.perf_counter() - started,  # this invocation, start to end
+        "train_seconds": train_seconds,  # all sessions of the run; tokens_per_second divides tokens_seen by it
+        "session_train_seconds": session_train_seconds,  # this invocation's training alone
         "tokens_per_second": tokens_seen / train_seconds if train_seconds > 0 else None,
         **dataset_summary(manifest, params, tokens_seen),
     }
@@ -171,17 +191,38 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
+def timing_line(steps: int, train_seconds: float, tokens_per_second: Optional[float], session_train_seconds: float,
+                wall_seconds: float) -> str:
+    """The run's time, labelled by scope: training time over all sessions (Lightning's Timer carries it across a
+    resume) against this invocation's own training and wall time, so a resumed run never reads as more training
+    than time spent."""
+    rate = f" ({tokens_per_second:,.0f} tokens/s)" if tokens_per_second else ""
+    return (f"{steps} steps, {train_seconds:.1f} s of training in all sessions{rate}; this session "
+            f"{session_train_seconds:.1f} s of training, {wall_seconds:.1f} s wall time")
+
+
+def loss_against_entropy(val_loss: float, entropy: float) -> str:
+    """Where the validation loss lies relative to the corpus's unigram entropy, in words that follow the sign.
+
+    Below the entropy (val_loss < entropy) the model uses context beyond token frequencies; above it, it has not yet
+    learned even the frequencies. Both are nats/token; equal to 3 decimals reads "level with".
+    """
+    gap = round(val_loss - entropy, 3)
+    where = "level with" if gap == 0 else f"{abs(gap):.3f} nats/token {'above' if gap > 0 else 'below'}"
+    return f"the model is {where} it"
+
+
 def report(summary: dict, run_dir: Path) -> None:
     val, entropy = summary["final_val_loss"], summary["unigram_entropy_nats"]
     print(f"\nrun folder: {run_dir}")
     print(f"params {summary['params']:,} ({summary['non_embedding_params']:,} non-embedding), "
           f"{summary['tokens_seen']:,} tokens seen, tokens_per_param {summary['tokens_per_param']:.2f}")
-    print(f"{summary['steps']} steps in {summary['train_seconds']:.1f} s of training "
-          f"({summary['tokens_per_second']:,.0f} tokens/s), {summary['wall_seconds']:.1f} s in all")
+    print(timing_line(summary["steps"], summary["train_seconds"], summary["tokens_per_second"],
+                      summary["session_train_seconds"], summary["wall_seconds"]))
     if summary.get("deduplication"):
         print(summary_line(summary["deduplication"]))
     print(f"dataset: {summary['dataset_train_tokens']:,} train tokens after deduplication, dataset_tokens_per_param "
           f"{summary['dataset_tokens_per_param']:.2f}, {summary['epochs']:.2f} epochs of it seen")
     if val is not None and entropy is not None:
         print(f"validation loss {val:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}); unigram entropy "
-              f"of the corpus {entropy:.3f} nats/token; the model is {entropy - val:.3f} nats/token below it")
+              f"of the corpus {entropy:.3f} nats/token; {loss_against_entropy(val, entropy)}")

@@ -116,3 +116,21 @@ def test_save_round_trips(tmp_path):
     config.save(cfg, tmp_path / "config.yaml")
     again = config.load(tmp_path / "config.yaml")
     assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
+
+
+@pytest.mark.parametrize("command, named, not_named", [
+    ("prepare", ["data,", "data.deduplication"], ["optim", "trainer"]),
+    ("train", ["run,", "model,", "data.deduplication", "optim,", "strategy.pipeline", "callbacks.loss_spike"], []),
+    ("show", ["run,", "data.deduplication", "trainer,", "callbacks.stability_report"], []),
+])
+def test_each_subcommand_help_names_the_sections_its_keys_come_from(command, named, not_named, capsys):
+    from lit_pretrain import cli
+
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for section in named:
+        assert section in text, section
+    sections = text.split("lit_pretrain/schema.py):", 1)[1]
+    for section in not_named:
+        assert section not in sections, section

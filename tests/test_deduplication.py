@@ -17,7 +17,7 @@ from lit_pretrain import config
 from lit_pretrain.data import minhash
 from lit_pretrain.data.corpus import Document, read_documents
 from lit_pretrain.data.deduplicate import deduplicate
-from lit_pretrain.data.deduplication_report import REPORT_FILE, dataset_summary, format_report
+from lit_pretrain.data.deduplication_report import REPORT_FILE, dataset_summary, format_report, read_removed
 from lit_pretrain.data.lsh import bands_rows, candidate_probability, clusters
 from lit_pretrain.data.prepare import prepare
 from lit_pretrain.data.tokenizer import encode_texts, load_tokenizer
@@ -61,6 +61,34 @@ def test_planted_pairs_recall_and_false_removals_against_brute_force_jaccard(pla
     near = result.report["near"]
     assert near["removed_documents"] == len(gone) and result.report["exact"]["removed_documents"] == 0
     assert near["verified_pairs"] + near["false_positive_pairs"] == near["candidate_pairs"]
+
+
+def test_removal_records_pair_each_planted_copy_with_its_original(planted):
+    docs, pairs, result = planted
+    by_copy = {docs[p.copy].id: p for p in pairs}
+    rows = result.removals
+    assert [r["id"] for r in rows] == [d.id for d in result.removed]  # every removed document, in corpus order
+    for row in rows:
+        pair = by_copy[row["id"]]  # only planted copies are removed (asserted above), each paired with its original
+        assert row["kind"] == "near" and row["duplicates"] == docs[pair.base].id == row["linked_to"]
+        # 128 permutations: the estimate's standard deviation is sqrt(J(1 - J) / 128) <= 0.045; 4 of them, and the
+        # estimate to the kept document is the one the pair was verified with.
+        assert abs(row["jaccard"] - pair.jaccard) <= 4 * (pair.jaccard * (1 - pair.jaccard) / 128) ** 0.5 + 1e-9
+        assert row["jaccard"] == row["link_jaccard"] >= IN_PROCESS.threshold
+
+
+def test_removal_records_of_exact_duplicates_and_of_a_chain(planted):
+    docs, pairs, _ = planted
+    pair = max(pairs, key=lambda p: p.jaccard if p.jaccard < 1 else 0)  # a near, not exact, planted copy
+    base, copy = docs[pair.base], docs[pair.copy]
+    chain = [base, copy, Document("again", copy.text), Document("twice", base.text), Document("blank", "  ")]
+    rows = {r["id"]: r for r in deduplicate(chain, IN_PROCESS, progress=False).removals}
+    assert rows["twice"] == {"id": "twice", "kind": "exact", "duplicates": base.id, "jaccard": 1.0}
+    assert rows["blank"] == {"id": "blank", "kind": "empty", "duplicates": None, "jaccard": None}
+    assert rows[copy.id]["kind"] == "near" and rows[copy.id]["duplicates"] == base.id
+    # "again" repeats the copy, which went as a near duplicate of the base: it stands for the base, like the copy.
+    assert rows["again"] == {"id": "again", "kind": "exact", "duplicates": base.id,
+                             "jaccard": rows[copy.id]["jaccard"], "same_text_as": copy.id}
 
 
 def test_verification_drops_lsh_false_positives(planted):
@@ -238,6 +266,13 @@ def test_prepare_writes_the_report_and_tokens_before_and_after(tmp_path):
     assert entry["tokens_before"] == sum(len(ids) + 1 for ids in encode_texts(tok, texts))
     assert entry["tokens_after"] == manifest["splits"]["train"]["tokens"] + manifest["splits"]["val"]["tokens"]
     report = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
+    # removed.jsonl beside it: the exact repeat of d003 and the near copy of d005, each with the document it repeats.
+    removed = {r["id"]: r for r in read_removed(tmp_path / "out")}
+    assert set(removed) == {str(corpus / "d060.txt"), str(corpus / "d062.txt")}
+    assert removed[str(corpus / "d060.txt")] == {"id": str(corpus / "d060.txt"), "kind": "exact",
+                                                 "duplicates": str(corpus / "d003.txt"), "jaccard": 1.0}
+    near = removed[str(corpus / "d062.txt")]
+    assert near["kind"] == "near" and near["duplicates"] == str(corpus / "d005.txt") and near["jaccard"] > 0.9
     assert report["tokens_after"] == entry["tokens_after"] and report["near"]["candidate_probability"]
     assert "deduplication" in "\n".join(lines) and "near duplicates" in format_report(report)
 

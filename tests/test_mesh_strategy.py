@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
+from lit_pretrain.module import PretrainModule
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
 
@@ -58,6 +59,11 @@ def test_tensor_and_pipeline_train_from_config_like_one_process(runs):
             assert torch.allclose(p, q, rtol=0, atol=1e-5), f"{name}: {key} differs by {(p - q).abs().max():.2e}"
         with torch.no_grad():
             assert (model(probe) - ref_logits).abs().max() < 1e-4, name
+        # Lightning's own load of the same file: the module from its saved hyperparameters, the same weights.
+        module = PretrainModule.load_from_checkpoint(runs / name / "checkpoints" / "last.ckpt")
+        assert module.strategy_cfg.name == name and module.model_cfg == model.cfg
+        for key, p in model.state_dict().items():
+            assert torch.equal(module.model.state_dict()[key], p), f"{name}: {key}"
         ref_params = [p for g in ref_opt.param_groups for p in g["params"]]
         got_params = [p for g in opt.param_groups for p in g["params"]]
         assert len(opt.state) == len(ref_opt.state) == len(ref_params)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lit_pretrain.resume import store
+from lit_pretrain.resume.verified import load_verified
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
 
@@ -56,7 +57,7 @@ def losses(run_dir: Path):
 
 
 def weights(run_dir: Path):
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    return load_verified(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
 
 
 def assert_same_run(ref: Path, run: Path, first_step: int = 0):

@@ -22,7 +22,7 @@ import torch
 
 from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.model import GPT
-from lit_pretrain.module import param_groups
+from lit_pretrain.module import PretrainModule, param_groups
 from lit_pretrain.parallel.zero import zero_partition
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
@@ -112,6 +112,23 @@ def test_optimizer_state_is_consolidated_into_the_checkpoint(runs, name):
         # or one rank's share only, would be off by about the moments' own size.
         assert torch.allclose(s_got["exp_avg"], s_ref["exp_avg"], rtol=0, atol=1e-8)
         assert torch.allclose(s_got["exp_avg_sq"], s_ref["exp_avg_sq"], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["single", *STRATEGIES])
+def test_load_from_checkpoint_under_every_strategy(runs, name):
+    """Lightning's PretrainModule.load_from_checkpoint on each run's last.ckpt: the module comes back from the
+    checkpoint's own hyperparameters (plain data, read weights-only), unwrapped, with the weights load_gpt reads."""
+    run_dir = runs(name)
+    module = PretrainModule.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert module.model_cfg == model_cfg(run_dir) and module.max_steps == STEPS
+    expected = ("zero", int(name[-1])) if name.startswith("zero") else (name, None)
+    strategy = module.strategy_cfg
+    assert (strategy.name, strategy.zero_stage if strategy.name == "zero" else None) == expected
+    reference = load_gpt(run_dir).state_dict()
+    got = module.model.state_dict()
+    assert list(got) == list(reference)
+    for key in reference:
+        assert torch.equal(got[key], reference[key]), f"{name}: {key}"
 
 
 def test_zero3_checkpoint_gives_the_logits_of_the_sharded_model(runs):

@@ -61,7 +61,7 @@ def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir):
     assert losses / tokens == pytest.approx(summary["final_val_loss"], abs=1e-5)
     last = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
     (run_dir / "checkpoints" / "cut.ckpt").write_bytes(last[: len(last) // 2])
-    with pytest.raises(DataError, match=r"checkpoint .*cut\.ckpt cannot be read"):
+    with pytest.raises(DataError, match=r"checkpoint .*cut\.ckpt has no checksum file cut\.ckpt\.json"):
         load_gpt(run_dir, "cut.ckpt")
 
 
@@ -72,6 +72,7 @@ def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_da
     precious.write_bytes(b"weeks of training")
     stale = run_dir / "notes-from-the-old-run.txt"
     stale.write_text("left by the previous run")
+    (run_dir / "config.yaml").write_text("run:\n  name: tiny\n")  # a run of ours (overwrite deletes only those)
     with pytest.raises(RunFolderError, match=r"run folder .*tiny already exists.*run\.overwrite=true"):
         train(tiny_cfg(tmp_path, tiny_data_dir))
     assert precious.read_bytes() == b"weeks of training"

@@ -14,7 +14,7 @@ import torch
 
 from lit_pretrain.bench.step import paired_case
 from lit_pretrain.model import GPT
-from lit_pretrain.resume.checkpoint_io import load_verified, save_atomic
+from lit_pretrain.resume.verified import load_verified, save_atomic
 
 
 def _checkpoint(c) -> dict:
@@ -43,6 +43,8 @@ def run(c, repeats: int) -> dict:
                            "MB/s", ("torch_save", "atomic"), {})
         case["detail"]["bytes"] = atomic.stat().st_size
         start = time.perf_counter()
+        # The reference: a plain weights-only load of the file this case has just written (what the project's
+        # readers do after the checksum); the project itself opens checkpoints only through load_verified.
         torch.load(plain, map_location="cpu", weights_only=True)
         middle = time.perf_counter()
         load_verified(atomic)

@@ -71,22 +71,46 @@ def _import(module_name: str, key: str):
         raise ConfigError(f"{key}: cannot import module '{module_name}' ({err})") from None
     except ImportError as err:
         raise ConfigError(f"{key}: cannot import module '{module_name}' ({err})") from None
+    except SyntaxError as err:  # its message names the file and line, which is all a traceback would add
+        raise ConfigError(f"{key}: cannot import module '{module_name}': SyntaxError: {err}") from None
 
 
 def user_callbacks(cfg: CallbacksConfig) -> list[Callback]:
-    """Instantiate `callbacks.extra`: the one place a config names code, as an explicit `module:Class`."""
+    """Instantiate `callbacks.extra`: the one place a config names code, as an explicit `module:Class`.
+
+    Every way a spec can fail becomes one ConfigError line naming `callbacks.extra[i]` and the class path: a module
+    that cannot be imported, a missing name, a name that is not a Lightning Callback class, init_args that do not
+    fit the signature, and any exception the constructor raises (the README asks callbacks to check their
+    arguments in `__init__` and raise, so that is a bad setting, not a crash). Of the exceptions raised while
+    *importing* the module only ImportError and SyntaxError become one line: any other means the module's own code
+    failed as it ran, a bug in it whose traceback is the useful report.
+    """
     out = []
     for i, spec in enumerate(cfg.extra):
         key = f"callbacks.extra[{i}].class_path"
         module_name, _, class_name = spec.class_path.partition(":")
         module = _import(module_name, f"{key}='{spec.class_path}'")
         cls = getattr(module, class_name, None)
+        if cls is None:
+            raise ConfigError(f"{key}='{spec.class_path}': module {module_name} has no '{class_name}'; "
+                              "check the spelling of the class name")
         if not (inspect.isclass(cls) and issubclass(cls, Callback)):
             raise ConfigError(
                 f"{key}='{spec.class_path}': '{class_name}' is not a Lightning Callback class in {module_name}"
             )
+        args = dict(spec.init_args)
         try:
-            out.append(cls(**dict(spec.init_args)))
+            # Bind first, so a keyword that does not exist is told apart from a TypeError the constructor raises.
+            inspect.signature(cls).bind(**args)
         except TypeError as err:
             raise ConfigError(f"callbacks.extra[{i}].init_args do not fit {spec.class_path}: {err}") from None
+        except ValueError:  # no signature to inspect (a C-implemented class): let the call itself decide
+            pass
+        try:
+            out.append(cls(**args))
+        except Exception as err:  # noqa: BLE001 - user code; each failure is reported as a bad setting (see above)
+            message = " ".join(str(err).split()) or "(no message)"  # one line, whatever the exception held
+            raise ConfigError(
+                f"callbacks.extra[{i}] ({spec.class_path}): {type(err).__name__}: {message}"
+            ) from None
     return out

@@ -9,7 +9,8 @@ Corpora (`data.corpus`):
 Order: `data.paths` in the order given; inside a directory or glob match, sorted by path. Empty or whitespace-only
 documents are dropped; `data.max_documents` keeps the first N documents left. Bytes that are not UTF-8 are decoded
 with replacement (U+FFFD) and counted, never skipped silently: the count reaches the manifest and the
-deduplication report.
+deduplication report. Per source file, the characters kept, control characters and replacements are counted too,
+for prepare's quality gate (data/quality.py).
 """
 
 import glob
@@ -17,10 +18,11 @@ import hashlib
 import json
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
+from lit_pretrain.data.quality import SourceQuality, count_control
 from lit_pretrain.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
@@ -48,6 +50,11 @@ class CorpusStats:
     """Invalid byte sequences replaced by U+FFFD, over all documents."""
     empty: int = 0
     """Empty or whitespace-only documents dropped."""
+    sources: Dict[str, SourceQuality] = field(default_factory=dict)
+    """Per source file: characters of its kept documents, control characters, U+FFFD replacements."""
+
+    def source(self, name: str) -> SourceQuality:
+        return self.sources.setdefault(name, SourceQuality())
 
 
 def stdlib_root() -> Path:
@@ -77,12 +84,15 @@ def iter_documents(cfg, stats: Optional[CorpusStats] = None) -> Iterator[Documen
             source = _jsonl_documents(files, cfg.text_field, stats)
     else:
         raise DataError(f"data.corpus={cfg.corpus!r} is not a corpus kind: use 'stdlib', 'text' or 'jsonl'")
-    for doc in source:
+    for origin, doc in source:
         if not doc.text.strip():
             stats.empty += 1
             continue
         stats.documents += 1
         stats.bytes += len(doc.text.encode("utf-8"))
+        quality = stats.source(origin)
+        quality.characters += len(doc.text)
+        quality.control += count_control(doc.text)
         yield doc
         if cfg.max_documents is not None and stats.documents >= cfg.max_documents:
             break
@@ -109,7 +119,8 @@ def corpus_fingerprint(docs) -> str:
     return h.hexdigest()
 
 
-def _stdlib_documents(stats: CorpusStats) -> Iterator[Document]:
+# The source generators yield (source file, document): the file is what the quality gate names.
+def _stdlib_documents(stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
     root = stdlib_root()
     rel_paths = []
     # os.walk with pruning, not rglob: site-packages can hold hundreds of MB that we would otherwise list (30x slower).
@@ -119,7 +130,7 @@ def _stdlib_documents(stats: CorpusStats) -> Iterator[Document]:
         rel_paths += [(rel / f).as_posix() for f in files if f.endswith(".py")]
     for rel in sorted(rel_paths):
         # A few test files are deliberately in other encodings: kept, with their odd bytes replaced and counted.
-        yield Document(id=rel, text=decode_utf8((root / rel).read_bytes(), stats))
+        yield rel, Document(id=rel, text=decode_utf8((root / rel).read_bytes(), stats, rel))
 
 
 def _resolve_paths(paths, kind: str) -> List[Path]:
@@ -156,29 +167,33 @@ def _files_under(folder: Path, suffixes) -> List[Path]:
 _REPLACEMENT_UTF8 = "\ufffd".encode("utf-8")
 
 
-def decode_utf8(data: bytes, stats: CorpusStats) -> str:
-    """UTF-8 text of `data`, each invalid byte sequence replaced by U+FFFD and counted in `stats`."""
+def decode_utf8(data: bytes, stats: CorpusStats, source: Optional[str] = None) -> str:
+    """UTF-8 text of `data`, each invalid byte sequence replaced by U+FFFD and counted in `stats` (and against
+    `source`, the file it came from)."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         text = data.decode("utf-8", errors="replace")
         # A U+FFFD already present in the input (validly encoded) is text, not a replacement: leave it out.
-        stats.invalid_utf8_sequences += text.count("\ufffd") - data.count(_REPLACEMENT_UTF8)
+        replaced = text.count("\ufffd") - data.count(_REPLACEMENT_UTF8)
+        stats.invalid_utf8_sequences += replaced
         stats.invalid_utf8_documents += 1
+        if source is not None:
+            stats.source(source).replaced += replaced
         return text
 
 
-def _text_documents(files: List[Path], stats: CorpusStats) -> Iterator[Document]:
+def _text_documents(files: List[Path], stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
     for path in files:
-        yield Document(id=str(path), text=decode_utf8(path.read_bytes(), stats))
+        yield str(path), Document(id=str(path), text=decode_utf8(path.read_bytes(), stats, str(path)))
 
 
-def _jsonl_documents(files: List[Path], text_field: str, stats: CorpusStats) -> Iterator[Document]:
+def _jsonl_documents(files: List[Path], text_field: str, stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
     for path in files:
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 where = f"{path}:{line_no}"
-                line = decode_utf8(raw, stats)
+                line = decode_utf8(raw, stats, str(path))
                 if not line.strip():
                     continue
                 try:
@@ -193,4 +208,4 @@ def _jsonl_documents(files: List[Path], text_field: str, stats: CorpusStats) -> 
                         f"{where} has no string field data.text_field={text_field!r}: set data.text_field to the "
                         "key that holds the text, or fix the line"
                     )
-                yield Document(id=where, text=record[text_field])
+                yield str(path), Document(id=where, text=record[text_field])

@@ -163,9 +163,14 @@ class TokenShardDataModule(L.LightningDataModule):
         check_config(manifest, self.data, self.prepared_dir)
         verify_shards(self.prepared_dir, manifest)
         self._manifest = manifest
+        _, world_size = self.rank_and_world_size()
+        self.train_dataset, self.val_dataset = self.windows(manifest, world_size)
+
+    def windows(self, manifest: Dict, world_size: int) -> Tuple[ShardWindows, ShardWindows]:
+        """The train and validation windows; a DataError when they hold less than one global batch. train() calls
+        it before the run folder is made, with the data-parallel size, so such a start leaves nothing behind."""
         train = ShardWindows(self.prepared_dir, manifest["splits"]["train"]["shards"], manifest["dtype"], self.seq_len)
         val = ShardWindows(self.prepared_dir, manifest["splits"]["val"]["shards"], manifest["dtype"], self.seq_len)
-        _, world_size = self.rank_and_world_size()
         if len(train) < world_size * self.micro_batch_size:
             raise DataError(
                 f"the train split has {len(train)} windows of model.seq_len+1={self.seq_len + 1} tokens, fewer than "
@@ -177,7 +182,7 @@ class TokenShardDataModule(L.LightningDataModule):
                 f"the validation split has {len(val)} windows of model.seq_len+1={self.seq_len + 1} tokens, fewer "
                 f"than the {world_size} ranks: lower model.seq_len or raise data.val_fraction"
             )
-        self.train_dataset, self.val_dataset = train, val
+        return train, val
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self.rank_and_world_size()

@@ -10,6 +10,20 @@ Makes Language Models Better"), so removal comes before the split and the tokeni
    (lit_pretrain/data/lsh.py); the first document of each cluster in corpus order is kept.
 
 Every decision depends only on the texts, their order and the config, never on the number of processes.
+
+What was removed is listed document by document (`DeduplicationResult.removals`, written as `removed.jsonl` beside
+`deduplication.json`), so the recall of the stage can be audited:
+  id            the removed document
+  kind          the stage that removed it: "exact", "near" or "empty"
+  duplicates    the id of the kept document it stands for (null for "empty"). Exact: the first document with the
+                same normalized text; near: the first document of its cluster in corpus order. When an exact
+                duplicate's first copy was itself removed as a near duplicate, it is that copy's kept document, and
+                `same_text_as` names the copy
+  jaccard       estimated Jaccard similarity to `duplicates`: 1.0 for an exact duplicate (same normalized text, same
+                shingles); for a near one, the agreement of the two MinHash signatures with the kept document itself,
+                not with the member it was linked to, which can be lower than the threshold in a chained cluster
+  linked_to, link_jaccard   (near only) the accepted LSH pair that tied it into its cluster with the highest
+                estimate: the other document and that estimate
 """
 
 import hashlib
@@ -45,6 +59,8 @@ class DeduplicationResult:
     """Documents removed (exact and near duplicates, and empty ones), in corpus order."""
     report: Dict = field(default_factory=dict)
     """What `deduplication.json` holds (see `deduplicate`)."""
+    removals: List[Dict] = field(default_factory=list)
+    """One record per removed document, in corpus order: what `removed.jsonl` holds (see the module docstring)."""
 
 
 def deduplicate(docs: List[Document], cfg: Optional[DeduplicationConfig] = None, progress: bool = True
@@ -77,7 +93,7 @@ def deduplicate(docs: List[Document], cfg: Optional[DeduplicationConfig] = None,
         candidates = survivors
     seconds["exact"] = time.perf_counter() - start
 
-    near_removed: Dict[int, int] = {}
+    near_removed: Dict[int, Dict] = {}  # removed index -> {"kept": index, "jaccard", "linked_to": index, ...}
     near_report: Dict = {"enabled": cfg.near}
     if cfg.near and len(candidates) > 1:
         near_removed, near_report = _near(docs, normalized, candidates, cfg, basename, seconds, progress)
@@ -107,12 +123,32 @@ def deduplicate(docs: List[Document], cfg: Optional[DeduplicationConfig] = None,
         "config": {name: getattr(cfg, name) for name in DEDUPLICATION_CONTENT_FIELDS},
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
     }
-    return DeduplicationResult(kept=kept, removed=removed, report=report)
+    removals = _removals(docs, set(empty), exact_removed, near_removed)
+    return DeduplicationResult(kept=kept, removed=removed, report=report, removals=removals)
+
+
+def _removals(docs: List[Document], empty: set, exact: Dict[int, int], near: Dict[int, Dict]) -> List[Dict]:
+    out = []
+    for i in sorted(empty | set(exact) | set(near)):
+        if i in empty:
+            out.append({"id": docs[i].id, "kind": "empty", "duplicates": None, "jaccard": None})
+        elif i in exact:
+            first = exact[i]
+            row = {"id": docs[i].id, "kind": "exact", "duplicates": docs[first].id, "jaccard": 1.0}
+            if first in near:  # its first copy went as a near duplicate: name the document that stands for both
+                row.update(duplicates=docs[near[first]["kept"]].id, jaccard=near[first]["jaccard"],
+                           same_text_as=docs[first].id)
+            out.append(row)
+        else:
+            n = near[i]
+            out.append({"id": docs[i].id, "kind": "near", "duplicates": docs[n["kept"]].id, "jaccard": n["jaccard"],
+                        "linked_to": docs[n["linked_to"]].id, "link_jaccard": n["link_jaccard"]})
+    return out
 
 
 def _near(docs, normalized, candidates: List[int], cfg: DeduplicationConfig, basename: bytes, seconds: Dict,
           progress: bool):
-    """MinHash → LSH candidates → (verified) edges → clusters. Returns {removed index: kept index} and a report."""
+    """MinHash → LSH candidates → (verified) edges → clusters. Returns {removed index: its record} and a report."""
     start = time.perf_counter()
     texts = [normalized[i] for i in candidates]
     signatures, processes = compute_signatures(texts, cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed,
@@ -128,7 +164,7 @@ def _near(docs, normalized, candidates: List[int], cfg: DeduplicationConfig, bas
     estimates = estimated_jaccard(signatures, left, right)
     accepted = estimates >= cfg.threshold if cfg.verify else np.ones(len(left), dtype=bool)
     groups = clusters(len(candidates), left[accepted], right[accepted])
-    removed = {candidates[m]: candidates[root] for root, members in groups.items() for m in members[1:]}
+    removed = _near_records(signatures, candidates, groups, left[accepted], right[accepted], estimates[accepted])
     seconds["clusters"] = time.perf_counter() - start
 
     largest = sorted(groups.values(), key=lambda g: (-len(g), g[0]))[:_LARGEST_CLUSTERS]
@@ -150,6 +186,25 @@ def _near(docs, normalized, candidates: List[int], cfg: DeduplicationConfig, bas
         ],
     }
     return removed, report
+
+
+def _near_records(signatures: np.ndarray, candidates: List[int], groups: Dict[int, List[int]], left: np.ndarray,
+                  right: np.ndarray, estimates: np.ndarray) -> Dict[int, Dict]:
+    """{removed document index: kept index, estimated Jaccard to it, and its strongest accepted pair}."""
+    strongest: Dict[int, tuple] = {}  # candidate position -> (estimate, other position) of its best accepted pair
+    for a, b, e in zip(left.tolist(), right.tolist(), estimates.tolist()):
+        for one, other in ((a, b), (b, a)):
+            # Ties go to the earlier document, so the record does not depend on the order LSH returned pairs in.
+            if one not in strongest or (e, -other) > (strongest[one][0], -strongest[one][1]):
+                strongest[one] = (e, other)
+    members = [(root, m) for root, group in groups.items() for m in group[1:]]
+    if not members:
+        return {}
+    roots, removed = np.array([r for r, _ in members]), np.array([m for _, m in members])
+    to_kept = estimated_jaccard(signatures, removed, roots)
+    return {candidates[m]: {"kept": candidates[r], "jaccard": float(j), "linked_to": candidates[strongest[m][1]],
+                            "link_jaccard": strongest[m][0]}
+            for (r, m), j in zip(members, to_kept.tolist())}
 
 
 def _shape_report(cfg: DeduplicationConfig, bands: Optional[int] = None, rows: Optional[int] = None) -> Dict:

@@ -1,5 +1,6 @@
-"""The deduplication report: `deduplication.json` in the prepared folder, a printed table, and the one-line summary
-that `train` shows (also when a prepared folder is reused)."""
+"""The deduplication report: `deduplication.json` in the prepared folder, `removed.jsonl` beside it (one line per
+removed document, fields in lit_pretrain/data/deduplicate.py), a printed table, and the one-line summary that `train`
+shows (also when a prepared folder is reused)."""
 
 import json
 import os
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Dict, List
 
 REPORT_FILE = "deduplication.json"
+REMOVED_FILE = "removed.jsonl"
 
 
 def write_report(folder: Path, report: Dict) -> None:
@@ -14,6 +16,20 @@ def write_report(folder: Path, report: Dict) -> None:
         json.dump(report, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_removed(folder: Path, removals: List[Dict]) -> None:
+    """`removed.jsonl`: every removed document, one JSON object a line, in corpus order (empty file: none)."""
+    with open(Path(folder) / REMOVED_FILE, "w") as f:
+        for row in removals:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_removed(folder: Path) -> List[Dict]:
+    with open(Path(folder) / REMOVED_FILE) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def manifest_entry(report: Dict, tokens_before: int, tokens_after: int) -> Dict:
@@ -30,6 +46,7 @@ def manifest_entry(report: Dict, tokens_before: int, tokens_after: int) -> Dict:
         "tokens_before": tokens_before,
         "tokens_after": tokens_after,
         "report": REPORT_FILE,
+        "removed_list": REMOVED_FILE,
     }
 
 

@@ -18,7 +18,14 @@ import numpy as np
 
 from lit_pretrain.data.corpus import CorpusStats, Document, corpus_fingerprint, corpus_roots, iter_documents
 from lit_pretrain.data.deduplicate import deduplicate
-from lit_pretrain.data.deduplication_report import format_report, manifest_entry, summary_line, write_report
+from lit_pretrain.data.deduplication_report import (
+    format_report,
+    manifest_entry,
+    summary_line,
+    write_removed,
+    write_report,
+)
+from lit_pretrain.data.quality import check_quality
 from lit_pretrain.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
@@ -42,6 +49,7 @@ from lit_pretrain.data.tokenizer import (
     train_tokenizer,
 )
 from lit_pretrain.errors import DataError
+from lit_pretrain.paths import safe_rmtree
 
 # encode_batch parallelizes across the texts of one call; ~4 MB a call keeps both cores busy while holding only
 # that chunk's ids in memory.
@@ -60,6 +68,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     with _timed(seconds, "read"):
         docs = list(iter_documents(cfg, stats))
         fingerprint = corpus_fingerprint(docs)
+    # Before anything is written: a corpus that is mostly not text is refused, naming its worst files.
+    quality = check_quality(stats.sources, cfg.max_invalid_fraction, f"data.paths={corpus_roots(cfg)}")
     with _timed(seconds, "deduplicate"):
         deduplicated = deduplicate(docs, cfg.deduplication)
     kept, dedup_report = deduplicated.kept, deduplicated.report
@@ -68,7 +78,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     with _timed(seconds, "split"):
         split_docs = split_documents(kept, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp_prefix = f".{out.name}.tmp-"
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=out.parent))
     try:
         with _timed(seconds, "tokenizer"):
             tokenizer, tok_info = _tokenizer_stage(cfg, split_docs["train"], tmp)
@@ -93,6 +104,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
                 "invalid_utf8_documents": stats.invalid_utf8_documents,
                 "invalid_utf8_sequences": stats.invalid_utf8_sequences,
                 "dropped_empty": stats.empty,
+                "invalid_characters": quality.invalid,
+                "invalid_fraction": quality.fraction,
             },
             "deduplication": manifest_entry(dedup_report, tokens_after + tokens_removed, tokens_after),
             "tokenizer": tok_info,
@@ -102,6 +115,7 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
         }
         write_report(tmp, dedup_report)
+        write_removed(tmp, deduplicated.removals)
         write_manifest(tmp, manifest)
         try:
             # rename(2) replaces an empty folder atomically and fails on a non-empty one: another process may have
@@ -114,7 +128,8 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
             return existing
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp)
+            # Only the temporary folder mkdtemp made above: beside `out`, our prefix, not a link.
+            safe_rmtree(tmp, out.parent, lambda folder: folder.name.startswith(tmp_prefix), "temporary folder")
     log(format_report(dedup_report))
     log(summary(manifest, out))
     return manifest

@@ -86,7 +86,7 @@ class ShardWriter:
     def _open_next(self) -> None:
         self._close_current()
         name = f"{self.split}_{len(self.shards):05d}.bin"
-        self._file = open(self.folder / name, "wb")
+        self._file = open(self.folder / name, "xb")  # "x": never overwrite a shard (a fresh folder holds none)
         self._name, self._tokens, self._hash = name, 0, hashlib.sha256()
 
     def _close_current(self) -> None:
@@ -107,7 +107,7 @@ def unigram_entropy_nats(counts: np.ndarray) -> float:
 
 
 def write_manifest(folder: Path, manifest: Dict) -> None:
-    with open(folder / MANIFEST, "w") as f:
+    with open(folder / MANIFEST, "x") as f:  # "x": a prepared folder is written once, never overwritten
         json.dump(manifest, f, indent=2)
         f.flush()
         os.fsync(f.fileno())

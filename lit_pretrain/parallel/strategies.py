@@ -8,7 +8,7 @@ The same config runs on CPU (gloo) and on GPUs (nccl): the backend is chosen fro
 | single | "auto" (one device) | |
 | ddp | DDPStrategy | |
 | zero, zero_stage=1 | DDPStrategy | ZeroRedundancyOptimizer (`parallel.zero.build_adamw`) |
-| zero, zero_stage=2, 3 | ModelParallelStrategy (all ranks data parallel) | FSDP2 in `configure_model` |
+| zero, zero_stage=2, 3 | ModelParallelStrategy (all ranks data parallel; verified loads) | FSDP2 in `configure_model` |
 | tensor, pipeline | MeshStrategy (parallel/mesh_strategy.py) | tensor/pipeline wrappers, data-parallel all-reduce |
 
 Lightning's own FSDPStrategy refuses CPUs and refuses norm-based gradient clipping; ModelParallelStrategy runs
@@ -20,6 +20,7 @@ from datetime import timedelta
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 # Precisions Lightning's ModelParallelStrategy accepts (lightning/pytorch/trainer/connectors/accelerator_connector.py).
@@ -37,6 +38,16 @@ def zero_stage(strategy: StrategyConfig) -> int | None:
 
 def uses_fsdp(strategy: StrategyConfig) -> bool:
     return zero_stage(strategy) in (2, 3)
+
+
+class VerifiedModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy loads a one-file checkpoint with its own torch.load, not through
+    checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only."""
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        path = self.broadcast(checkpoint_path)
+        verify(path)
+        return super().load_checkpoint(path, weights_only=True)
 
 
 def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig) -> Strategy | str:
@@ -61,7 +72,7 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig) -> Strategy
         # Every rank in one data-parallel group (no tensor parallelism). A consolidated checkpoint (one file,
         # written by rank 0) reads back like any other strategy's: the full state dict is gathered without the
         # FSDP1 full-state-dict path that crashes on CPU (shared/CPU-DISTRIBUTED.md).
-        return ModelParallelStrategy(
+        return VerifiedModelParallelStrategy(
             data_parallel_size=world_size(trainer), tensor_parallel_size=1, save_distributed_checkpoint=False,
             process_group_backend=strategy.process_group_backend, timeout=timeout,
         )

@@ -7,11 +7,15 @@ itself survives a power loss (the ext4/XFS rule; see PostgreSQL's and SQLite's n
 
 import hashlib
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from lit_pretrain.paths import safe_unlink
+
 TMP_SUFFIX = ".tmp"
+TMP_FILE = re.compile(r"\..+\.\d+\.tmp")  # temp_path's names: hidden, the writer's pid, .tmp
 
 
 def fsync_dir(folder: Path) -> None:
@@ -40,7 +44,7 @@ def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        safe_unlink(tmp, path.parent, TMP_FILE)
         raise
     fsync_dir(path.parent)
 
@@ -54,7 +58,7 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
     """Make `target` another name of `source` (a hard link: no copy), replacing `target` atomically."""
     source, target = Path(source), Path(target)
     tmp = temp_path(target)
-    tmp.unlink(missing_ok=True)
+    safe_unlink(tmp, target.parent, TMP_FILE)  # a stale one of this pid's, from a crash between link and replace
     os.link(source, tmp)
     os.replace(tmp, target)
     fsync_dir(target.parent)

@@ -14,9 +14,9 @@ from typing import Dict, Optional
 from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.resume import store
-from lit_pretrain.resume.checkpoint_io import META_KEY
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, data_rows
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
+from lit_pretrain.resume.verified import META_KEY
 
 
 class StepCheckpoint(Callback):

@@ -1,5 +1,6 @@
-"""The resume side of `train()`: open the run folder (new, or the one being resumed), choose and check the checkpoint,
-and build the callbacks, logger and plugin that make checkpoints complete, atomic and exactly resumable."""
+"""The resume side of `train()`: choose and check the run folder (new, or the one being resumed) and the checkpoint,
+make the folder once every check has passed, and build the callbacks, logger and plugin that make checkpoints
+complete, atomic and exactly resumable."""
 
 import os
 from dataclasses import dataclass
@@ -10,11 +11,20 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.errors import DataError, RunFolderError
 from lit_pretrain.resume import compat, store
-from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO, read_sidecar
+from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, keep_first_rows
 from lit_pretrain.resume.rank_state import RankState
-from lit_pretrain.runs import create_run_dir, is_primary_process
+from lit_pretrain.resume.verified import read_sidecar
+from lit_pretrain.runs import (
+    check_run_dir,
+    create_run_dir,
+    holds_results,
+    is_empty,
+    is_primary_process,
+    is_reusable,
+    run_dir_path,
+)
 
 # Rank 0 resolves run.resume once; the ranks Lightning's ddp launcher starts later inherit its answer, so every
 # rank resumes from the same file even if another checkpoint appeared in between.
@@ -26,31 +36,49 @@ class Plan:
     run_dir: Path
     checkpoint: Optional[Path]
     changed: List[str]
+    created: bool = False
+    """This process made run_dir (so a failed start may remove it again: runs.remove_failed_start)."""
 
 
 def open_run(run) -> Plan:
-    """The run folder and the checkpoint to resume from (None: a fresh run, in a new or emptied folder)."""
-    run_dir = Path(run.root_dir) / run.name
+    """The run folder and the checkpoint to resume from (None: a fresh run), checked but not yet made: train() makes
+    the folder (make_run_dir) only after everything that can be checked without it has passed."""
+    run_dir = run_dir_path(run.root_dir, run.name)
     if not is_primary_process():
         resolved = os.environ.get(RESOLVED_ENV)
         return Plan(run_dir, Path(resolved) if resolved else None, [])
     os.environ.pop(RESOLVED_ENV, None)
     checkpoint = store.resolve(run.resume, run_dir)
     if checkpoint is None:
-        if run.resume == "auto" and run_dir.is_dir() and any(run_dir.iterdir()) and not run.overwrite:
+        if run.resume == "auto" and run_dir.is_dir() and not is_empty(run_dir) and not is_reusable(run_dir) \
+                and not run.overwrite:
             raise RunFolderError(f"run.resume=auto: run folder {run_dir} exists but holds no checkpoint to resume "
                                  "from: set run.overwrite=true to start it again, or choose another run.name")
-        return Plan(create_run_dir(run.root_dir, run.name, run.overwrite), None, [])
+        check_run_dir(run.root_dir, run.name, run.overwrite)  # refused now, before any data is prepared
+        return Plan(run_dir, None, [])
     if run.overwrite:
         raise RunFolderError(f"run.resume={run.resume} and run.overwrite=true contradict each other (overwrite "
                              f"deletes {run_dir}): drop one")
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if not (run_dir.is_dir() and holds_results(run_dir)):
+        check_run_dir(run.root_dir, run.name, overwrite=False)  # a resume into a new run folder (make_run_dir)
     os.environ[RESOLVED_ENV] = str(checkpoint.resolve())
     return Plan(run_dir, checkpoint, [])
 
 
+def make_run_dir(plan: Plan, run) -> None:
+    """On rank 0: a new run folder (runs.create_run_dir), or the resumed one as it is. A resume from a file into a
+    run folder holding no results yet (a new run.name) makes it like a new run's."""
+    if not is_primary_process():
+        return
+    if plan.checkpoint is None or not (plan.run_dir.is_dir() and holds_results(plan.run_dir)):
+        create_run_dir(run.root_dir, run.name, run.overwrite and plan.checkpoint is None)
+        plan.created = True
+    else:
+        (plan.run_dir / "checkpoints").mkdir(exist_ok=True)
+
+
 def check(plan: Plan, run_meta: Dict, allow: List[str], tokenizer_file: Path) -> None:
-    """Refuse a resume that changes the experiment; on rank 0, cut metrics logged after the checkpoint."""
+    """Refuse a resume that changes the experiment (before the run folder is made or touched)."""
     if plan.checkpoint is None:
         return
     saved = (read_sidecar(plan.checkpoint) or {}).get("meta", {})
@@ -58,10 +86,16 @@ def check(plan: Plan, run_meta: Dict, allow: List[str], tokenizer_file: Path) ->
         raise DataError(f"checkpoint {plan.checkpoint} carries no run metadata (it was not written by "
                         "`lit-pretrain train`): resume from a run's checkpoints/step*.ckpt")
     plan.changed = compat.check_resume(saved, run_meta, allow, str(plan.checkpoint), str(tokenizer_file))
-    if is_primary_process():
-        keep_first_rows(plan.run_dir / "metrics.csv", saved["metrics_rows"])
-        print(f"resuming from {store.describe(plan.checkpoint)}"
-              + (f", changed on purpose: {', '.join(plan.changed)}" if plan.changed else ""), flush=True)
+
+
+def continue_metrics(plan: Plan) -> None:
+    """On rank 0 of a resume, once the run folder is there: cut metrics logged after the checkpoint."""
+    if plan.checkpoint is None or not is_primary_process():
+        return
+    saved = (read_sidecar(plan.checkpoint) or {}).get("meta", {})
+    keep_first_rows(plan.run_dir / "metrics.csv", saved["metrics_rows"])
+    print(f"resuming from {store.describe(plan.checkpoint)}"
+          + (f", changed on purpose: {', '.join(plan.changed)}" if plan.changed else ""), flush=True)
 
 
 def callbacks(plan: Plan, every_n_steps: int, keep_last: int, run_meta: Dict, lr_peak: float) -> List[Callback]:
@@ -77,8 +111,8 @@ def csv_logger(run_dir: Path) -> ResumableCSVLogger:
     return ResumableCSVLogger(save_dir=str(run_dir), name="", version="")
 
 
-def plugins() -> list:
-    return [AtomicCheckpointIO()]
+def plugins(run_dir: Path) -> list:
+    return [AtomicCheckpointIO(root=run_dir)]
 
 
 class NewLrPeak(Callback):

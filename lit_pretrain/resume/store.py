@@ -7,17 +7,23 @@ complete, verified checkpoint. Retention deletes only step files older than the 
 deletes the only (or the newest) valid checkpoint.
 """
 
+import itertools
+import os
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.resume.atomic import atomic_link, atomic_write_bytes
-from lit_pretrain.resume.checkpoint_io import read_sidecar, sidecar_path, verify
+from lit_pretrain.paths import safe_unlink
+from lit_pretrain.resume.atomic import atomic_link, atomic_write_bytes, fsync_dir
+from lit_pretrain.resume.verified import read_sidecar, sidecar_path, verify
+from lit_pretrain.runs import is_primary_process
 
 LATEST = "latest"
 LAST = "last.ckpt"
 STEP_FILE = re.compile(r"^step(\d{7,})\.ckpt$")
+STEP_SIDECAR = re.compile(r"^step\d{7,}\.ckpt\.json$")
+CORRUPT = ".corrupt"  # suffix of a checkpoint set aside after failing its checksum (never read, never retained)
 
 
 def step_file(step: int) -> str:
@@ -59,37 +65,89 @@ def retain(folder: Path, keep_last: int) -> List[Path]:
         if kept < keep_last:
             kept += is_valid(path, check_sha256=False)
             continue
-        path.unlink(missing_ok=True)
-        sidecar_path(path).unlink(missing_ok=True)
-        deleted.append(path)
+        # Only names of STEP_FILE's pattern (and their sidecars) directly in this checkpoints folder.
+        if safe_unlink(path, folder, STEP_FILE):
+            safe_unlink(sidecar_path(path), folder, STEP_SIDECAR)
+            deleted.append(path)
     return deleted
 
 
-def newest_valid(folder: Path) -> Optional[Path]:
-    """The checkpoint `latest` names if it verifies, else the newest step file that verifies, else None."""
+def step_of(path: Path) -> int:
+    m = STEP_FILE.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def scan(folder: Path) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """The checkpoint to resume from (the one `latest` names if it verifies, else the newest step file that
+    verifies, else None) and the step files newer than it that fail verification, each with the reason."""
+    found, skipped = None, []
     pointer = folder / LATEST
     if pointer.is_file():
         named = folder / pointer.read_text().strip()
         if named.parent == folder and is_valid(named):
-            return named
+            found = named
     for path in reversed(step_files(folder)):
-        if is_valid(path):
-            return path
-    return None
+        if found is not None and step_of(path) <= step_of(found):
+            break
+        try:
+            verify(path)
+        except DataError as err:
+            skipped.append((path, getattr(err, "reason", str(err))))
+            continue
+        if found is None:
+            found = path
+            break
+        # A valid step file newer than `latest` (a crash before publishing it): the resumed run rewrites it.
+    return found, skipped
+
+
+def newest_valid(folder: Path) -> Optional[Path]:
+    """The checkpoint `latest` names if it verifies, else the newest step file that verifies, else None."""
+    return scan(folder)[0]
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint that failed verification (and its sidecar) to `<name>.corrupt`, or `<name>.<n>.corrupt`
+    when that is taken, in its own folder, so that a later save of the same step cannot overwrite it and it stays
+    for inspection. A hard link then an unlink: the new name is never an existing file."""
+    for n in itertools.count():
+        aside = path.with_name(f"{path.name}{'' if n == 0 else f'.{n}'}{CORRUPT}")
+        if aside.exists() or sidecar_path(aside).exists():
+            continue
+        try:
+            os.link(path, aside)
+        except FileExistsError:
+            continue
+        if sidecar_path(path).exists():
+            os.link(sidecar_path(path), sidecar_path(aside))
+            safe_unlink(sidecar_path(path), path.parent, STEP_SIDECAR)
+        safe_unlink(path, path.parent, STEP_FILE)  # a step file of this folder: scan() found it by that pattern
+        fsync_dir(path.parent)
+        return aside
 
 
 def resolve(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     """The checkpoint to resume from: None (start afresh), `auto` (the newest valid one of this run, or afresh when
-    the run has none) or a path (which must verify)."""
+    the run has none) or a path (which must verify).
+
+    `auto` says which newer step files it skipped and why, sets them aside (set_aside) and points `last.ckpt` and
+    `latest` at the checkpoint it resumes from. Runs in the primary process only (resume.session.open_run).
+    """
     if resume is None:
         return None
     folder = run_dir / "checkpoints"
     if resume == "auto":
-        found = newest_valid(folder) if folder.is_dir() else None
+        found, skipped = scan(folder) if folder.is_dir() else (None, [])
         if found is None and folder.is_dir() and step_files(folder):
             raise DataError(f"run.resume=auto: no checkpoint in {folder} passes its checksum "
                             f"({', '.join(p.name for p in step_files(folder))}): resume from a given file with "
                             "run.resume=PATH, or start afresh with run.overwrite=true")
+        if skipped and is_primary_process():
+            for path, why in skipped:
+                aside = set_aside(path)
+                print(f"run.resume=auto: skipped {folder.name}/{path.name} ({why}); kept aside as {aside.name}",
+                      flush=True)
+            publish(folder, found)
         return found
     path = Path(resume)
     if not path.is_file():

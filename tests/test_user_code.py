@@ -1,0 +1,134 @@
+"""A researcher's own code meets no traps: own callbacks, run files outside experiments/, a plain lightning.Trainer."""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_pretrain import cli, config
+from lit_pretrain.callbacks import user_callbacks
+from lit_pretrain.errors import ConfigError
+from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.module import PretrainModule
+from lit_pretrain.schema import CallbacksConfig, CallbackSpec, OptimConfig, ScheduleConfig
+from tests.conftest import EXPERIMENTS, tiny_data_overrides
+
+
+class ChecksItsArguments(L.Callback):
+    """The README's pattern: check constructor arguments in __init__ and say which one is wrong."""
+
+    def __init__(self, every_n_steps: int = 1):
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+
+
+class FailsOnTwoLines(L.Callback):
+    def __init__(self):
+        raise RuntimeError("first line\n  second line")
+
+
+class RaisesTypeErrorInside(L.Callback):
+    def __init__(self, n: int = 1):
+        raise TypeError("n must be an int, not str")
+
+
+class NotACallback:
+    pass
+
+
+def build(class_path, **init_args):
+    return user_callbacks(CallbacksConfig(extra=[CallbackSpec(class_path=class_path, init_args=init_args)]))
+
+
+@pytest.mark.parametrize("class_path, args, message", [
+    ("tests.test_user_code:ChecksItsArguments", {"every_n_steps": 0},
+     r"^callbacks\.extra\[0\] \(tests\.test_user_code:ChecksItsArguments\): ValueError: every_n_steps must be >= 1, "
+     r"got 0$"),
+    ("tests.test_user_code:FailsOnTwoLines", {}, r"RuntimeError: first line second line$"),
+    # A TypeError raised by the constructor's own check is the constructor's message, not "init_args do not fit".
+    ("tests.test_user_code:RaisesTypeErrorInside", {"n": "x"},
+     r"\(tests\.test_user_code:RaisesTypeErrorInside\): TypeError: n must be an int, not str$"),
+    ("tests.test_user_code:ChecksItsArguments", {"every_n_step": 3},
+     r"^callbacks\.extra\[0\]\.init_args do not fit tests\.test_user_code:ChecksItsArguments: .*every_n_step"),
+    ("no_such_module_xyz:Thing", {}, r"^callbacks\.extra\[0\]\.class_path='no_such_module_xyz:Thing': cannot import"),
+    ("tests.test_user_code:Missing", {}, r"module tests\.test_user_code has no 'Missing'"),
+    ("tests.test_user_code:NotACallback", {}, r"'NotACallback' is not a Lightning Callback class"),
+])
+def test_every_bad_callback_spec_is_one_config_error_line(class_path, args, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        build(class_path, **args)
+    assert "\n" not in str(err.value)
+
+
+def test_a_module_with_a_syntax_error_is_one_line_naming_file_and_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_cb.py").write_text("import lightning\n\nclass Cb(lightning.Callback:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^callbacks\.extra\[0\]\.class_path='broken_cb:Cb': cannot import module "
+                                          r"'broken_cb': SyntaxError: .*broken_cb\.py, line 3\)$"):
+        build("broken_cb:Cb")
+
+
+def test_a_callback_refusing_its_arguments_exits_2_with_one_line(tmp_path, tiny_data_dir, capsys):
+    spec = "{class_path: 'tests.test_user_code:ChecksItsArguments', init_args: {every_n_steps: 0}}"
+    rc = cli.main(["train", str(EXPERIMENTS / "runs" / "tiny.yaml"), *tiny_data_overrides(tiny_data_dir),
+                   f"run.root_dir={tmp_path}", "trainer.progress_bar=false", f"callbacks.extra=[{spec}]"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err == ("lit-pretrain train: error: callbacks.extra[0] (tests.test_user_code:ChecksItsArguments): "
+                   "ValueError: every_n_steps must be >= 1, got 0")
+
+
+# --- run files outside experiments/ -------------------------------------------------------------------------------
+
+def test_a_run_file_anywhere_composes_the_shipped_groups(tmp_path):
+    run = tmp_path / "x" / "zl.yaml"
+    run.parent.mkdir()
+    run.write_text("defaults: [base, {model: tiny}, {strategy: single}]\ntrainer: {max_steps: 700}\n")
+    cfg = config.load(run, ["data=stdlib"])
+    shipped = config.load(EXPERIMENTS / "runs" / "tiny.yaml")
+    assert cfg.model == shipped.model and cfg.trainer.max_steps == 700
+
+
+def test_the_run_files_own_root_comes_first(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tiny.yaml").write_text("d_model: 48\nn_heads: 4\nn_layers: 1\nseq_len: 32\n")
+    (tmp_path / "model" / "mine.yaml").write_text("d_model: 16\nn_heads: 2\nn_layers: 1\nseq_len: 32\n")
+    run = tmp_path / "zl.yaml"
+    run.write_text("defaults: [base, {model: tiny}]\n")
+    assert config.load(run).model.d_model == 48  # its own tiny.yaml, not the shipped one
+    assert config.load(run, ["model=mine"]).model.d_model == 16  # a choice the project does not ship
+    assert config.load(run, ["model=small"]).model.d_model == config.load(
+        EXPERIMENTS / "runs" / "tiny.yaml", ["model=small"]).model.d_model  # the rest from the shipped folder
+
+
+def test_a_missing_name_says_where_it_looked(tmp_path, monkeypatch):
+    run = tmp_path / "zl.yaml"
+    run.write_text("defaults: [base, {model: huge}]\n")
+    with pytest.raises(ConfigError, match=rf"model=huge .*no file model/huge\.yaml in {tmp_path}, {EXPERIMENTS}; "
+                                          r"choose one of: .*tiny"):
+        config.load(run)
+    # An installed wheel has no experiments/: the error says so instead of naming a folder that is not there.
+    monkeypatch.setattr(config, "shipped_experiments", lambda: None)
+    run.write_text("defaults: [base]\n")
+    with pytest.raises(ConfigError, match=rf"'base' in the defaults of {run}: no file base\.yaml in {tmp_path} "
+                                          r"\(the project's experiments/ folder is not installed"):
+        config.load(run)
+
+
+# --- a plain lightning.Trainer -------------------------------------------------------------------------------------
+
+def test_trainer_gradient_clip_val_is_refused_naming_optim_grad_clip_norm(tmp_path):
+    torch.manual_seed(0)
+    module = PretrainModule(GPTConfig(vocab_size=97, n_layers=1, d_model=32, n_heads=4, seq_len=16),
+                            OptimConfig(grad_clip_norm=1.0), ScheduleConfig(warmup_steps=0), max_steps=2,
+                            tokens_per_step=64)
+    data = torch.randint(0, 97, (8, 17))
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, gradient_clip_val=0.5, logger=False,
+                        default_root_dir=tmp_path, limit_val_batches=0, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)
+    with pytest.raises(ConfigError, match=r"gradient_clip_val=0\.5\).*optim\.grad_clip_norm \(now 1\.0\).*"
+                                          r"set optim\.grad_clip_norm=0\.5"):
+        trainer.fit(module, loader)
+    assert trainer.global_step == 0  # refused before any step ran
