@@ -11,3 +11,7 @@ class DataError(ValueError):
 
 class RunFolderError(FileExistsError):
     """A run folder already exists and the run was not told to overwrite it."""
+
+
+class WorkerError(DataError):
+    """A worker process of a data stage could not start, died twice on the same chunk, raised, or went silent."""

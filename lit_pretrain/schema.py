@@ -49,8 +49,9 @@ class DeduplicationConfig:
     seed: int = 1
     """Seed of the MinHash permutations: the same corpus and seed give the same kept set."""
     processes: Optional[int] = field(default=None, metadata={"ge": 1})
-    """Processes that compute signatures, this one included (the others spawned). null: one per CPU core; 1: only
-    this one. The kept set does not depend on it."""
+    """Processes that compute signatures, this one included (the others are workers started for the stage, which
+    never import the caller's main module: lit_pretrain/workers.py). null: one per CPU core; 1: only this one. The
+    kept set does not depend on it."""
     storage: str = field(default="memory", metadata={"choices": ["memory", "redis"]})
     """Where the LSH index lives: in this process, or in a Redis server (datasketch's redis storage) for corpora
     past one process's memory or an index shared by several processes or machines."""

@@ -4,13 +4,12 @@ documents.
 Throughput runs on the default corpus (the standard library's source, normalized as the stage does). The
 reference is datasketch's own `MinHash.bulk` over the same shingle sets with the same num_perm and seed, shingling
 included on both sides, so the ratio measures what our chunking, pool plumbing and numpy packing cost.
-Memory is the peak resident-set growth of a fresh spawned process that runs the near-duplicate stage (signatures,
+Memory is the peak resident-set growth of a fresh worker process that runs the near-duplicate stage (signatures,
 in-memory LSH index, candidate pairs, clusters) on synthetic 1 kB documents, against a process that does the same
 with datasketch's objects as its own examples show (a list of `MinHash.bulk` results inserted into `MinHashLSH`).
 """
 
 import json
-import multiprocessing
 import random
 import resource
 import string
@@ -25,10 +24,14 @@ from datasketch import MinHash, MinHashLSH
 
 from lit_pretrain.data.corpus import read_documents
 from lit_pretrain.data.lsh import bands_rows, candidate_pairs, clusters, index_basename
-from lit_pretrain.data.minhash import chunk_signatures, compute_signatures, estimated_jaccard, normalize, shingles
+from lit_pretrain.data.minhash import compute_signatures, estimated_jaccard, normalize, shingles
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
+from lit_pretrain.workers import WorkerPool
 
 _MEMORY_DOCS = 20_000
+# The bench's own processes run in the stage's worker pool (lit_pretrain/workers.py): one that cannot start or dies
+# stops the bench with one line instead of leaving it waiting.
+_FIX = "check that `lit-pretrain prepare` with data.deduplication.processes=2 runs on this machine"
 
 
 def _texts(cfg: DeduplicationConfig) -> List[str]:
@@ -43,10 +46,11 @@ def _ours(texts, cfg, processes: int) -> float:
 
 
 def _worker_start(cfg) -> float:
-    """Seconds to spawn one worker and have it import the signature code (an empty chunk)."""
+    """Seconds to start one signature worker and have it import the signature code (an empty chunk)."""
     start = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        pool.apply(chunk_signatures, (([], cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed),))
+    with WorkerPool("lit_pretrain.data.minhash:chunk_signatures", 1, "bench signature", _FIX) as pool:
+        pool.submit(0, ([], cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed), "(an empty chunk)")
+        list(pool.drain())
     return time.perf_counter() - start
 
 
@@ -62,11 +66,13 @@ def _machine_speedup(n: int = 10_000_000) -> float:
     """What 2 processes gain over 1 on this machine right now, for a pure CPU loop with no start-up or data: the
     ceiling for any 2-process speed-up measured alongside it (on a shared machine it can be far below 2)."""
     serial = _spin(n) + _spin(n)
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        pool.map(_spin, [1, 1], chunksize=1)  # workers started before the clock
-        start = time.perf_counter()
-        pool.map(_spin, [n, n], chunksize=1)
-        parallel = time.perf_counter() - start
+    with WorkerPool("lit_pretrain.bench.deduplication:_spin", 2, "bench CPU loop", _FIX) as pool:
+        for loops in (1, n):  # the first round starts the workers before the clock
+            start = time.perf_counter()
+            for worker in range(2):  # one task each: submit picks the least loaded worker
+                pool.submit(worker, loops, f"(a loop of {loops})")
+            list(pool.drain())
+            parallel = time.perf_counter() - start
     return serial / parallel
 
 
@@ -90,7 +96,7 @@ def _rss_mb() -> float:
 
 def _peak_rss_mb() -> float:
     # VmHWM, this address space's high-water mark: unlike getrusage's ru_maxrss it is not carried over from the
-    # parent across the spawn's fork + exec, which would report the parent's size instead of the child's.
+    # parent across the fork + exec that starts a worker, which would report the parent's size instead of the child's.
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -98,7 +104,8 @@ def _peak_rss_mb() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status: the memory case needs Linux")
 
 
-def _memory_child(kind: str, n: int, cfg: DeduplicationConfig, out) -> None:
+def _memory_child(task) -> float:
+    kind, n, cfg = task
     texts = _synthetic(n)
     before = _rss_mb()
     bands, rows = bands_rows(cfg)
@@ -115,23 +122,21 @@ def _memory_child(kind: str, n: int, cfg: DeduplicationConfig, out) -> None:
             lsh.insert(i, m)
         pairs = {(i, j) for i, m in enumerate(sketches) for j in lsh.query(m) if j > i}
         [sketches[i].jaccard(sketches[j]) >= cfg.threshold for i, j in pairs]
-    out.put(max(0.0, _peak_rss_mb() - before))
+    return max(0.0, _peak_rss_mb() - before)
 
 
 def _peak_mb(kind: str, n: int, cfg: DeduplicationConfig) -> float:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_memory_child, args=(kind, n, cfg, queue))
-    proc.start()
-    value = queue.get(timeout=600)
-    proc.join(timeout=60)
+    """_memory_child's figure, measured in a fresh worker process (one pool per measurement)."""
+    with WorkerPool("lit_pretrain.bench.deduplication:_memory_child", 1, "bench memory", _FIX) as pool:
+        pool.submit(kind, (kind, n, cfg), f"(the {kind} memory case)")
+        ((_, value),) = pool.drain()
     return value
 
 
 def run(cfg: DeduplicationConfig, repeats: int = 2) -> List[Dict]:
-    """The cases, measured in a fresh `python -m lit_pretrain.bench.deduplication` process: a spawned worker
-    re-imports its parent's main module, and `python -m lit_pretrain.bench`'s imports torch and Lightning, seconds
-    of start-up that `lit-pretrain prepare` (a light main module) never pays."""
+    """The cases, measured in a fresh `python -m lit_pretrain.bench.deduplication` process, away from the torch and
+    Lightning that `python -m lit_pretrain.bench` has imported (memory and timings as `lit-pretrain prepare` sees
+    them)."""
     args = [sys.executable, "-m", "lit_pretrain.bench.deduplication", json.dumps(asdict(cfg)), str(repeats)]
     done = subprocess.run(args, capture_output=True, text=True, timeout=3600)
     if done.returncode:
@@ -155,7 +160,7 @@ def measure(cfg: DeduplicationConfig, repeats: int) -> List[Dict]:
     detail = {"documents": n, "MB": round(mb, 2), "num_perm": cfg.num_perm,
               "shingles": f"{cfg.shingle_size}-{cfg.shingle}", "seconds_bare": bare, "seconds_1_process": one,
               "seconds_2_processes": two,
-              # What a spawned worker spends importing datasketch (and scipy with it) before its first chunk; this
+              # What a worker spends importing datasketch (and scipy with it) before its first chunk; this
               # process computes chunks meanwhile, so the cost is overlapped, not added.
               "seconds_worker_start": pool}
     cases = [

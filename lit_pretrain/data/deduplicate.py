@@ -152,7 +152,7 @@ def _near(docs, normalized, candidates: List[int], cfg: DeduplicationConfig, bas
     start = time.perf_counter()
     texts = [normalized[i] for i in candidates]
     signatures, processes = compute_signatures(texts, cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed,
-                                               cfg.processes, progress)
+                                               cfg.processes, progress, ids=[docs[i].id for i in candidates])
     seconds["signatures"] = time.perf_counter() - start
 
     start = time.perf_counter()

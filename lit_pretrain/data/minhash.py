@@ -1,4 +1,4 @@
-"""Normalization, shingles and MinHash signatures (datasketch), computed in a spawned process pool.
+"""Normalization, shingles and MinHash signatures (datasketch), computed in a pool of worker processes.
 
 A signature is one row of a `(documents, num_perm)` numpy array in the dtype of datasketch's permutation scheme
 (uint32 for its default "affine32" since datasketch 2.0: 512 bytes a document at num_perm 128), never one Python
@@ -6,20 +6,18 @@ object per document. Each row depends only on its document's text, num_perm and 
 for any pool size and chunking. Shingles are hashed with datasketch's default (SHA-1, first 4 bytes), so these
 signatures agree with any other datasketch MinHash built with the same seed and num_perm.
 
-This module imports neither torch nor Lightning: it is what each spawned worker loads.
+This module imports neither torch nor Lightning: it is what each worker (lit_pretrain/workers.py) loads.
 """
 
-import multiprocessing
 import os
 import sys
 import unicodedata
-from collections import deque
 from typing import Iterator, Optional, Sequence, Set, Tuple
 
 import numpy as np
 from datasketch import MinHash
 
-from lit_pretrain.errors import DataError
+from lit_pretrain.workers import WorkerPool
 
 # One update_batch call builds a (shingles, num_perm) array: 16k shingles × 128 × 4 bytes = 8 MB at most, however
 # long the document.
@@ -29,6 +27,8 @@ _UPDATE_BATCH = 1 << 14
 _CHUNK_CHARS = 1 << 20
 # A 1 MB chunk takes well under a second; a worker silent for this long is gone.
 _CHUNK_TIMEOUT_S = 600
+_FIX = ("set data.deduplication.processes=1 to compute in this process, or lower it if workers run out of "
+        "memory")
 
 
 def normalize(text: str, lowercase: bool, fold_whitespace: bool) -> str:
@@ -104,9 +104,10 @@ def pool_size(processes: Optional[int], n_chunks: int) -> int:
 
 
 def compute_signatures(texts: Sequence[str], kind: str, size: int, num_perm: int, seed: int,
-                       processes: Optional[int] = None, progress: bool = True) -> Tuple[np.ndarray, int]:
+                       processes: Optional[int] = None, progress: bool = True,
+                       ids: Optional[Sequence[str]] = None) -> Tuple[np.ndarray, int]:
     """Signatures of normalized texts (rows in input order) and the number of processes that computed them
-    (this one included)."""
+    (this one included). `ids` name the texts in error messages (default: their index)."""
     ranges = list(chunks(texts, _CHUNK_CHARS))
     processes = pool_size(processes, len(ranges))
     out = np.empty((len(texts), num_perm), dtype=signature_dtype(num_perm, seed))
@@ -117,47 +118,37 @@ def compute_signatures(texts: Sequence[str], kind: str, size: int, num_perm: int
                 out[a:b] = chunk_signatures((texts[a:b], kind, size, num_perm, seed))
                 bar.update(b - a)
         else:
-            _share_work(texts, ranges, out, bar, processes - 1, (kind, size, num_perm, seed))
+            label = (lambda i: repr(ids[i])) if ids is not None else (lambda i: f"#{i}")
+            _share_work(texts, ranges, out, bar, processes - 1, (kind, size, num_perm, seed), label)
     finally:
         bar.close()
     return out, processes
 
 
-def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple) -> None:
-    """Chunks go to `workers` spawned processes, up to 2 queued per worker, and this process computes the others:
+def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple, label) -> None:
+    """Chunks go to `workers` worker processes, up to 2 queued per worker, and this process computes the others:
     so each worker's start-up (importing datasketch, and scipy with it: about a second) overlaps useful work.
 
-    Spawn, not fork: a forked child that runs OpenMP code after the parent did can deadlock
-    (shared/CPU-DISTRIBUTED.md, pitfall 6). A spawned worker imports this module and re-imports the caller's main
-    module (Python's rule): a script that prepares data needs an `if __name__ == "__main__":` guard, and whatever
-    that script imports at the top each worker imports too (`lit-pretrain`'s own entry point imports nothing heavy).
+    Separate processes, not forked ones: a forked child that runs OpenMP code after the parent did can deadlock
+    (shared/CPU-DISTRIBUTED.md, pitfall 6). The workers never import the caller's main module, so a script that
+    calls `deduplicate` needs no main guard and may even be piped to Python; a worker that cannot start, or dies
+    twice on one chunk, stops the stage with one WorkerError line (lit_pretrain/workers.py).
     """
-    in_flight: deque = deque()  # (a, b, AsyncResult) in submission order
-
-    def collect() -> None:
-        a, b, result = in_flight.popleft()
-        try:
-            # A pool whose worker died (e.g. killed for memory) never answers for its chunk.
-            out[a:b] = result.get(timeout=_CHUNK_TIMEOUT_S)
-        except multiprocessing.TimeoutError:
-            raise DataError(
-                f"a MinHash signature process gave no result for documents {a}..{b - 1} in {_CHUNK_TIMEOUT_S} s "
-                "(killed for memory?): lower data.deduplication.processes"
-            ) from None
-        bar.update(b - a)
-
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+    with WorkerPool("lit_pretrain.data.minhash:chunk_signatures", workers, "MinHash signature", _FIX,
+                    timeout_s=_CHUNK_TIMEOUT_S) as pool:
         for a, b in ranges:
             task = (list(texts[a:b]), *params)
-            if len(in_flight) < 2 * workers:
-                in_flight.append((a, b, pool.apply_async(chunk_signatures, (task,))))
+            if pool.pending < 2 * workers:
+                pool.submit((a, b), task, label(a))
             else:
                 out[a:b] = chunk_signatures(task)
                 bar.update(b - a)
-            while in_flight and in_flight[0][2].ready():
-                collect()
-        while in_flight:
-            collect()
+            for (ra, rb), value in pool.ready():
+                out[ra:rb] = value
+                bar.update(rb - ra)
+        for (ra, rb), value in pool.drain():
+            out[ra:rb] = value
+            bar.update(rb - ra)
 
 
 def estimated_jaccard(signatures: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
