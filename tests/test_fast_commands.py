@@ -57,6 +57,7 @@ def test_fast_commands_import_neither_torch_nor_lightning():
     ran = [argv for argv, *_ in report]
     for argv, code, heavy, tail in report:
         assert heavy == [], f"lit-pretrain {' '.join(argv)} imported {heavy}"
-        expected = 2 if argv[-1] == "trainer.max_stepz=3" else 0
-        assert code == expected, f"lit-pretrain {' '.join(argv)} exited {code}: {tail}"
+        # `runs` may find no run under experiments/ and say so (exit 2): only its imports matter here.
+        expected = {2} if argv[-1] == "trainer.max_stepz=3" else {0, 2} if argv[0] == "runs" else {0}
+        assert code in expected, f"lit-pretrain {' '.join(argv)} exited {code}: {tail}"
     assert ["plan", "--help"] in ran and ["generate", "--help"] in ran and ["train", "--help"] in ran
