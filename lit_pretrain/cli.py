@@ -46,6 +46,18 @@ def _parser() -> argparse.ArgumentParser:
                              formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_argument("run_file", help="experiment file, e.g. experiments/runs/default.yaml")
         cmd.add_argument("overrides", nargs="*", help="key=value (optim.lr_peak=1e-3) or group=name (strategy=ddp)")
+    gen = sub.add_parser("generate", help="sample text from a trained run (KV-cache decoding)",
+                         description="Continue each --prompt with the run's model; stops at the end-of-document "
+                                     "token; prints the samples, then tokens/s on stderr.")
+    gen.add_argument("source", metavar="RUN_OR_CKPT", help="a run folder (its checkpoints/last.ckpt) or a checkpoint")
+    gen.add_argument("--prompt", action="append", help="text to continue (repeat for several; default: empty)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="at most this many (default 128; fewer where "
+                                                                     "model.seq_len ends)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens")
+    gen.add_argument("--top-p", type=float, default=None, help="sample among the most probable tokens of mass p")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    gen.add_argument("--batch", type=int, default=1, help="samples of each prompt, decoded together (default 1)")
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
     return parser
@@ -59,6 +71,11 @@ def main(argv=None) -> int:
         return scaling_main(argv)
     args = _parser().parse_args(argv)
     try:
+        if args.command == "generate":  # imports torch: only here, so the other commands stay fast
+            from lit_pretrain.generate import main as generate_main
+
+            generate_main(args)
+            return 0
         from lit_pretrain import config
 
         cfg = config.load(args.run_file, args.overrides)

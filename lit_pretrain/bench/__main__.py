@@ -20,6 +20,7 @@ from lit_pretrain.bench import (
     compile,
     datamodule,
     deduplication,
+    generation,
     mfu,
     pipeline,
     precision,
@@ -58,6 +59,7 @@ def main(argv=None) -> None:
     cases += pipeline.run(c)
     cases.append(stability.run(c, args.steps, args.skip, args.repeats))
     cases.append(checkpoint.run(c, args.repeats))
+    cases.append(generation.run(c, args.repeats))
 
     print(f"\n{'case':<32} {'value':>14} {'reference':>14} {'ratio':>7}  goal")
     for case in cases:
