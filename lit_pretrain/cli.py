@@ -1,4 +1,5 @@
-"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`: parse, load the config, call one function."""
+"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`: parse, load the config, call one
+function."""
 
 import argparse
 import dataclasses
@@ -58,9 +59,48 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None, help="sample among the most probable tokens of mass p")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     gen.add_argument("--batch", type=int, default=1, help="samples of each prompt, decoded together (default 1)")
+    _hf_commands(sub)
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
     return parser
+
+
+def _hf_commands(sub) -> None:
+    """export / import: the Hugging Face transformers format (lit_pretrain/hf.py)."""
+    text = "write a checkpoint as a transformers folder (LlamaForCausalLM, safetensors, tokenizer)"
+    cmd = sub.add_parser("export", help=text, description=text)
+    cmd.add_argument("source", metavar="RUN_OR_CKPT", help="a run folder (its last.ckpt) or a checkpoint file in one")
+    cmd.add_argument("--to", choices=["hf"], required=True, help="the format: hf (Hugging Face transformers)")
+    cmd.add_argument("out", metavar="OUT", help="the folder to write; it must not exist or be empty")
+    text = "start a run from a transformers Llama folder's weights (continued pretraining)"
+    cmd = sub.add_parser("import", help=text, description=text)
+    cmd.add_argument("hf_folder", metavar="HF_FOLDER", help="config.json (LlamaForCausalLM) and model.safetensors")
+    cmd.add_argument("run_file", nargs="?", help="experiment to train; its model.* keys come from config.json")
+    cmd.add_argument("overrides", nargs="*", help="key=value or group=name, as for train")
+    cmd.add_argument("--out", metavar="FILE", help="instead of training, write the weights under our names to FILE "
+                                                    "(a new .safetensors) for run.init_from=FILE")
+
+
+def _run_hf(args) -> None:
+    from lit_pretrain import hf
+
+    if args.command == "export":
+        print(f"wrote {hf.export_run(args.source, args.out)}")
+    elif args.out is not None:
+        if args.run_file is not None:
+            raise ConfigError("import: give RUN_FILE to train from the weights, or --out FILE to write them, not both")
+        out = hf.write_weights(args.hf_folder, args.out)
+        model_keys = " ".join(o for o in hf.import_overrides(args.hf_folder) if o.startswith("model."))
+        print(f"wrote {out}; start a run from it: lit-pretrain train RUN_FILE run.init_from={out} {model_keys}")
+    elif args.run_file is None:
+        raise ConfigError("import: give RUN_FILE (the experiment to train from the weights) or --out FILE")
+    else:
+        from lit_pretrain import config
+
+        cfg = config.load(args.run_file, [*hf.import_overrides(args.hf_folder), *args.overrides])
+        from lit_pretrain.train import train  # Lightning: only once the folder and config are known to be good
+
+        train(cfg)
 
 
 def main(argv=None) -> int:
@@ -75,6 +115,9 @@ def main(argv=None) -> int:
             from lit_pretrain.generate import main as generate_main
 
             generate_main(args)
+            return 0
+        if args.command in ("export", "import"):
+            _run_hf(args)
             return 0
         from lit_pretrain import config
 

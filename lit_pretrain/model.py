@@ -22,7 +22,9 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device 
     its neighbour as in the paper's interleaved form; both are the same rotation up to a fixed channel permutation
     of wq and wk. fp32 because the angles reach seq_len radians: near 1000 rad bf16's spacing is 4 rad.
     """
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (Q/2,)
+    # 1 / theta^(2i/Q) as transformers' Llama writes it, not theta^(-2i/Q), which rounds differently in the last bit:
+    # the same tables to the bit, so an exported model (lit_pretrain/llama.py) gives transformers' logits exactly.
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (Q/2,)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)  # (T,)
     angles = torch.outer(positions, inv_freq)  # (T, Q/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, Q): both halves of a pair turn by the same angle

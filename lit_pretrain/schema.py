@@ -336,6 +336,12 @@ class RunConfig:
     """Config keys a resume may change on purpose (e.g. [optim.lr_peak]); any other change is refused."""
     keep_last_checkpoints: int = field(default=0, metadata={"ge": 0})
     """Keep the newest k step checkpoints (0: keep all); the newest valid one is never deleted."""
+    init_from: Optional[str] = None
+    """null: random initialization. Or start from these weights (continued pretraining): a transformers Llama folder
+    (config.json, model.safetensors; `lit-pretrain export --to hf` writes one) or a .safetensors file under this GPT's
+    own weight names (`lit-pretrain import --out`). Loaded after the model is built, before the first step; the
+    model.* keys must be the weights' (`lit-pretrain import` sets them), and a tokenizer.json beside the weights must
+    be the data's. Unused when resuming: the checkpoint holds the weights. See lit_pretrain/hf.py."""
 
 
 @dataclass
