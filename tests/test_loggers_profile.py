@@ -60,6 +60,9 @@ def test_missing_packages(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_tensorboard_wandb_and_profile_in_one_tiny_run(tmp_path, tiny_data_dir, monkeypatch):
     """One 3-step run with every logger and steps 1 of 0..2 profiled."""
+    # The logging extra (lit-pretrain[logging], pulled by [dev]): installed by `make install` and CI.
+    pytest.importorskip("tensorboard")
+    wandb = pytest.importorskip("wandb")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wb"),
@@ -71,8 +74,6 @@ def test_tensorboard_wandb_and_profile_in_one_tiny_run(tmp_path, tiny_data_dir, 
         "trainer.log_every_n_steps=1", "schedule.warmup_steps=1", "callbacks.throughput.peak_flops_per_s=1e11",
         "trainer.loggers=[csv,tensorboard,wandb]", "trainer.profile={start_step: 1, steps: 1}",
     ])
-    import wandb
-
     try:
         train.train(cfg)
     finally:
