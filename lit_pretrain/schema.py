@@ -152,6 +152,24 @@ class ScheduleConfig:
     """wsd only: fraction of trainer.max_steps spent in the final linear decay (Hu et al. 2024, MiniCPM)."""
 
 
+LOGGERS = ("csv", "tensorboard", "wandb")
+
+
+@dataclass
+class ProfileConfig:
+    start_step: int = field(default=5, metadata={"ge": 0})
+    """The first optimizer step profiled, counted from 0 (trainer.global_step when it starts): the first steps are
+    atypical (allocations, lazy initialization), so the default skips five."""
+    steps: int = field(default=3, metadata={"ge": 1})
+    """Optimizer steps profiled (all their micro-batches, and any validation that falls inside)."""
+
+    def __post_init__(self):
+        # trainer.profile is optional, and config.py's range check does not descend into an optional section.
+        if self.start_step < 0 or self.steps < 1:
+            raise ConfigError(f"trainer.profile={{start_step: {self.start_step}, steps: {self.steps}}}: expected "
+                              "start_step >= 0 and steps >= 1")
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = field(default=1000, metadata={"ge": 1})
@@ -184,6 +202,27 @@ class TrainerConfig:
     compile: bool = False
     """Regional compile: torch.compile each block's forward (parallel/compile.py). On CPU it needs a C++ compiler;
     the first steps pay the compile time (tens of seconds), later ones run faster."""
+    loggers: List[str] = field(default_factory=lambda: ["csv", "tensorboard"])
+    """Where metrics go: csv (runs/<name>/metrics.csv, required: resume and the summary read it), tensorboard
+    (runs/<name>/tensorboard/; skipped with a notice when tensorboard is not installed), wandb (Weights & Biases,
+    files under runs/<name>/wandb/; WANDB_MODE=offline keeps it off the network). Extras: lit-pretrain[logging]."""
+    profile: Optional[ProfileConfig] = None
+    """Record a PyTorch profiler trace of a few optimizer steps into runs/<name>/profile/ (callbacks/profile.py),
+    e.g. {start_step: 5, steps: 3}. null: no profiling."""
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"trainer.loggers={list(self.loggers)}: unknown logger {unknown[0]!r}; choose from "
+                              f"{', '.join(LOGGERS)}")
+        if "csv" not in self.loggers:
+            raise ConfigError(f"trainer.loggers={list(self.loggers)} lacks csv: resume and the run summary read "
+                              "metrics.csv; add csv to the list")
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"trainer.loggers={list(self.loggers)} names a logger twice: name each once")
 
 
 @dataclass
