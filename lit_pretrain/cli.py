@@ -19,6 +19,15 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("run_file", help="experiment file, e.g. experiments/runs/default.yaml")
         cmd.add_argument("overrides", nargs="*", help="key=value (optim.lr_peak=1e-3) or group=name (strategy=ddp)")
+    text = "run lm-evaluation-harness tasks on a checkpoint; scores into the run folder's eval.json"
+    ev = sub.add_parser("evaluate", help=text, description=text)  # lit_pretrain/evaluation/command.py
+    ev.add_argument("run", help="a run folder (its checkpoints/last.ckpt) or a checkpoint file in one")
+    ev.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy")
+    ev.add_argument("--limit", help="examples per task (below 1: a fraction of each task); default all")
+    ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
+    ev.add_argument("--include-path", action="append", default=[], help="folder of your own task YAML files")
+    ev.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
+    ev.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
     return parser
@@ -31,6 +40,8 @@ def main(argv=None) -> int:
 
         return scaling_main(argv)
     args = _parser().parse_args(argv)
+    if args.command == "evaluate":
+        return _evaluate(args)
     try:
         from lit_pretrain import config
 
@@ -50,6 +61,21 @@ def main(argv=None) -> int:
     except USAGE_ERRORS as err:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _evaluate(args) -> int:
+    try:
+        from lit_pretrain.evaluation.command import evaluate, format_scores, parse_limit
+
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        report = evaluate(args.run, tasks, limit=parse_limit(args.limit), batch_size=args.batch_size,
+                          include_path=args.include_path, num_fewshot=args.num_fewshot, device=args.device)
+    except USAGE_ERRORS as err:
+        print(f"lit-pretrain evaluate: error: {err}", file=sys.stderr)
+        return 2
+    print(format_scores(report))
+    print(f"wrote {report['checkpoint'].rsplit('/checkpoints/', 1)[0]}/eval.json")
     return 0
 
 
