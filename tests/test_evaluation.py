@@ -245,7 +245,8 @@ def test_downstream_eval_runs_at_validation_off_the_throughput_clock(tmp_path, t
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, val_check_interval=2, limit_val_batches=1,
                         num_sanity_val_steps=0, use_distributed_sampler=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
-                        logger=CSVLogger(tmp_path / "logs", name="", version=""), callbacks=[timer, throughput, evaluation])
+                        logger=CSVLogger(tmp_path / "logs", name="", version=""),
+                        callbacks=[timer, throughput, evaluation])
     trainer.fit(module, datamodule=data)
     assert steps == [2, 4]  # every validation (every_n_steps null), the last step included
     # The throughput clock stops from validation's start to its end, and the evaluation runs inside: at least the
@@ -275,7 +276,8 @@ def test_training_with_downstream_eval_logs_the_offline_score_and_bits_per_byte(
 
     cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
         *tiny_data_overrides(tiny_data_dir), f"run.root_dir={tmp_path}", "trainer.progress_bar=false",
-        "trainer.max_steps=6", "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=0", "schedule.warmup_steps=2",
+        "trainer.max_steps=6", "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=0",
+        "schedule.warmup_steps=2",
         "callbacks.downstream_eval.enabled=true", "callbacks.downstream_eval.tasks=[tiny_mc]",
         f"callbacks.downstream_eval.include_path=[{tasks}]", "callbacks.downstream_eval.every_n_steps=4",
         f"callbacks.downstream_eval.max_tokens={budget}"])

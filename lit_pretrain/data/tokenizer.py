@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Iterable, List, Optional
 
 import numpy as np
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lit_pretrain.errors import DataError
