@@ -34,15 +34,33 @@ QUESTIONS = [
 ]
 
 
-def write_task(folder, name="tiny_mc"):
-    """A multiple-choice task YAML and its JSON Lines data in `folder` (lm-eval's `dataset_path: json`)."""
-    data = folder / f"{name}.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
-    (folder / f"{name}.yaml").write_text(
-        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+# Documents for a perplexity task (lm-eval's loglikelihood_rolling): some longer than the tiny model's 64 tokens, so
+# they take several windows; its bits_per_byte is a continuous score, unlike an accuracy over 8 questions.
+DOCUMENTS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    args = sys.argv[1:] if argv is None else argv\n"
+    "    for name in args:\n        if os.path.exists(name):\n            print(name, os.path.getsize(name))\n"
+    "    return 0\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "    def __repr__(self):\n        return f'Point({self.x!r}, {self.y!r})'\n",
+]
+
+
+def write_task(folder):
+    """Two local tasks in `folder`, each a YAML file and JSON Lines data (lm-eval's `dataset_path: json`):
+    tiny_mc (multiple choice, acc) and tiny_ppl (rolling log-likelihood: word/byte perplexity, bits per byte)."""
+    mc, ppl = folder / "tiny_mc.jsonl", folder / "tiny_ppl.jsonl"
+    mc.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
+    ppl.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCUMENTS))
+    (folder / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {mc}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
         "doc_to_target: '{{answer}}'\ndoc_to_choice: '{{choices}}'\n"
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    (folder / "tiny_ppl.yaml").write_text(
+        f"task: tiny_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {ppl}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
     return folder
 
 
@@ -259,40 +277,96 @@ def test_downstream_eval_runs_at_validation_off_the_throughput_clock(tmp_path, t
     assert all(r["val/bits_per_byte"] > 0 for r in rows if "val/loss" in r)
 
 
+def budgeted(tokenizer):
+    """The token budget by hand: the model's input tokens per document (a question's 3 requests are question + " " +
+    choice less its last token; a perplexity document is its own tokens, the first after the prefix token), and a
+    budget whose equal share per task takes the first 3 questions and the perplexity documents that fit in it."""
+    mc = [sum(len(tokenizer.encode(f"{q} {c}").ids) - 1 for c in choices) for q, choices, _ in QUESTIONS]
+    ppl = [len(tokenizer.encode(t).ids) for t in DOCUMENTS]
+    share = sum(mc[:3])
+    n_ppl = max(1, max(k for k in range(len(ppl) + 1) if sum(ppl[:k]) <= share))
+    return 2 * share + 1, 3, n_ppl, sum(mc[:3]) + sum(ppl[:n_ppl])
+
+
+def check_run(run_dir, tasks, n_mc, n_ppl, tokens, eval_steps):
+    """The scores logged during training are those `lit-pretrain evaluate` gives offline on the last checkpoint."""
+    from lit_pretrain.evaluation.command import evaluate
+    from lit_pretrain.runs import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.csv")
+    scored = {int(r["step"]): r for r in rows if "eval/tiny_mc/acc" in r}
+    assert sorted(scored) == eval_steps
+    last = scored[eval_steps[-1]]
+    assert last["eval/tokens"] == tokens and last["eval/seconds"] > 0
+    mc = evaluate(run_dir, ["tiny_mc"], limit=n_mc, include_path=[str(tasks)])["tasks"]["tiny_mc"]
+    ppl = evaluate(run_dir, ["tiny_ppl"], limit=n_ppl, include_path=[str(tasks)])["tasks"]["tiny_ppl"]
+    assert last["eval/tiny_mc/acc"] == pytest.approx(mc["acc"], abs=1e-12)
+    # Continuous: other weights would not give it. fp32 both times; batches differ, so sums in another order.
+    assert last["eval/tiny_ppl/bits_per_byte"] == pytest.approx(ppl["bits_per_byte"], rel=1e-5)
+    return rows
+
+
 @pytest.mark.slow
 def test_training_with_downstream_eval_logs_the_offline_score_and_bits_per_byte(tmp_path, tiny_data_dir, eval_run):
-    from lit_pretrain.evaluation.command import evaluate
     from lit_pretrain.evaluation.harness import samples_within_budget
-    from lit_pretrain.runs import read_metrics
     from lit_pretrain.train import train
 
-    tasks = eval_run[3]
-    tokenizer = eval_run[2]
-    # The token budget by hand: the input tokens of each question's 3 requests (question + " " + choice, less the
-    # last token); the budget takes the first questions whose sum fits.
+    _, _, tokenizer, tasks = eval_run
+    budget, n_mc, n_ppl, tokens = budgeted(tokenizer)
     per_doc = [sum(len(tokenizer.encode(f"{q} {c}").ids) - 1 for c in choices) for q, choices, _ in QUESTIONS]
-    budget = sum(per_doc[:3]) + 1
-    assert samples_within_budget({"tiny_mc": dict(enumerate(per_doc))}, budget) == {"tiny_mc": [0, 1, 2]}
-
+    assert samples_within_budget({"tiny_mc": dict(enumerate(per_doc))}, sum(per_doc[:3])) == {"tiny_mc": [0, 1, 2]}
     cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
         *tiny_data_overrides(tiny_data_dir), f"run.root_dir={tmp_path}", "trainer.progress_bar=false",
         "trainer.max_steps=6", "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=0",
-        "schedule.warmup_steps=2",
-        "callbacks.downstream_eval.enabled=true", "callbacks.downstream_eval.tasks=[tiny_mc]",
-        f"callbacks.downstream_eval.include_path=[{tasks}]", "callbacks.downstream_eval.every_n_steps=4",
-        f"callbacks.downstream_eval.max_tokens={budget}"])
+        "schedule.warmup_steps=2", "callbacks.downstream_eval.enabled=true",
+        "callbacks.downstream_eval.tasks=[tiny_mc,tiny_ppl]", f"callbacks.downstream_eval.include_path=[{tasks}]",
+        "callbacks.downstream_eval.every_n_steps=4", f"callbacks.downstream_eval.max_tokens={budget}"])
     summary = train(cfg)
     run_dir = tmp_path / "tiny"
-    rows = read_metrics(run_dir / "metrics.csv")
-    scored = {int(r["step"]): r for r in rows if "eval/tiny_mc/acc" in r}
-    assert sorted(scored) == [4, 6]  # every 4 steps, and the last step
-    assert scored[6]["eval/tokens"] == sum(per_doc[:3])
-    # The same weights and the same 3 questions offline give the score logged during training.
-    offline = evaluate(run_dir, ["tiny_mc"], limit=3, include_path=[str(tasks)])
-    assert scored[6]["eval/tiny_mc/acc"] == pytest.approx(offline["tasks"]["tiny_mc"]["acc"], abs=1e-12)
+    rows = check_run(run_dir, tasks, n_mc, n_ppl, tokens, eval_steps=[4, 6])  # every 4 steps, and the last step
     on_disk = json.loads((run_dir / "summary.json").read_text())
     val = [r for r in rows if "val/bits_per_byte" in r]
     assert len(val) == 3 and on_disk["val_bits_per_byte"] == pytest.approx(val[-1]["val/bits_per_byte"])
     assert summary["val_bits_per_byte"] == on_disk["val_bits_per_byte"] > 0
     spent = sum(r.get("eval/seconds", 0) + r.get("val/seconds", 0) for r in rows)
     assert on_disk["evaluation_seconds"] == pytest.approx(spent) and 0 < spent < on_disk["wall_seconds"]
+
+
+@pytest.mark.slow
+def test_downstream_eval_under_zero_stage_3_gathers_the_weights_to_rank_0(tmp_path, tiny_data_dir, eval_run):
+    from tests.conftest import run_module, train_args
+
+    _, _, tokenizer, tasks = eval_run
+    budget, n_mc, n_ppl, tokens = budgeted(tokenizer)
+    # 2 processes, each holding half of every parameter: rank 0 evaluates a gathered copy, rank 1 waits.
+    run_module(*train_args(tiny_data_dir, tmp_path, "z3"), "strategy=zero", "strategy.zero_stage=3",
+               "trainer.devices=2", "trainer.max_steps=4", "trainer.val_every_n_steps=2", "schedule.warmup_steps=1",
+               "trainer.progress_bar=false", "strategy.timeout_seconds=120", "callbacks.downstream_eval.enabled=true",
+               "callbacks.downstream_eval.tasks=[tiny_mc,tiny_ppl]",
+               f"callbacks.downstream_eval.include_path=[{tasks}]",
+               f"callbacks.downstream_eval.max_tokens={budget}", timeout=300)  # offline: os.environ, set above
+    check_run(tmp_path / "z3", tasks, n_mc, n_ppl, tokens, eval_steps=[2, 4])
+
+
+def test_without_lm_eval_evaluate_and_the_callback_say_how_to_install_it(eval_run, capsys, monkeypatch):
+    import importlib.util
+
+    from lit_pretrain.callbacks.downstream_eval import DownstreamEval
+    from lit_pretrain.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    assert cli.main(["evaluate", str(eval_run[0]), "--tasks", "tiny_mc"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'lit-pretrain[eval]'" in err
+    with pytest.raises(ConfigError, match=r"callbacks.downstream_eval.enabled=true needs lm-evaluation-harness"):
+        DownstreamEval(["tiny_mc"], val_every_n_steps=2)
+
+
+@pytest.mark.parametrize("max_steps, every, runs", [(200, 50, 4), (210, 50, 5), (49, 50, 1), (6, 2, 3)])
+def test_evaluation_count_and_wall_share(max_steps, every, runs):
+    from lit_pretrain.bench.evaluation import evaluations, wall_share
+
+    assert evaluations(max_steps, every) == runs  # every `every` steps, and the last step when not a multiple
+    # 200 steps of 1 s and 4 evaluations of 5 s: 20 s of 220.
+    assert wall_share(200, 1.0, 4, 5.0) == pytest.approx(20 / 220)

@@ -58,6 +58,9 @@ class LitPretrainLM(TemplateLM):
         self.tokens_scored += sum(len(r) for r in rows)
         return self.model(x.to(self.device)).float()
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> List[Tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=True)  # a progress bar per evaluation floods train logs
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> List[Tuple[float, bool]]:
         """requests: ((context, continuation), context ids, continuation ids) → (sum of log-probs, is greedy)."""
         inputs, targets = [], []
@@ -73,10 +76,11 @@ class LitPretrainLM(TemplateLM):
         order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))
         for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
-            logprobs = F.log_softmax(self._logits([inputs[i] for i in batch]), dim=-1)  # (B, T, V)
+            logits = self._logits([inputs[i] for i in batch])  # (B, T, V)
             for row, i in enumerate(batch):
                 n, end = len(targets[i]), len(inputs[i])
-                span = logprobs[row, end - n : end]  # (n, V): the positions that predict the continuation
+                # (n, V): only the positions that predict the continuation need a log-softmax over the vocabulary.
+                span = F.log_softmax(logits[row, end - n : end], dim=-1)
                 want = torch.tensor(targets[i], device=span.device)
                 out[i] = (float(span.gather(-1, want[:, None]).sum()), bool((span.argmax(-1) == want).all()))
         return out
