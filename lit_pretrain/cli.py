@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
 def _evaluate(args) -> int:
     try:
-        from lit_pretrain.evaluation.command import evaluate, format_scores, parse_limit
+        from lit_pretrain.evaluation.command import EVAL_FILE, evaluate, format_scores, parse_limit, resolve_run
 
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
         report = evaluate(args.run, tasks, limit=parse_limit(args.limit), batch_size=args.batch_size,
@@ -75,7 +75,7 @@ def _evaluate(args) -> int:
         print(f"lit-pretrain evaluate: error: {err}", file=sys.stderr)
         return 2
     print(format_scores(report))
-    print(f"wrote {report['checkpoint'].rsplit('/checkpoints/', 1)[0]}/eval.json")
+    print(f"wrote {resolve_run(args.run)[0] / EVAL_FILE}")
     return 0
 
 

@@ -5,8 +5,9 @@ trainer.val_every_n_steps; null: every validation) and at the last step. Running
 the training step's timing: the throughput monitor pauses from validation's start to its end. Its own cost is logged
 as eval/seconds and eval/tokens (tokens through the model).
 
-Who: rank 0 runs lm-eval on one whole copy of the weights; the other ranks wait at a barrier, so an evaluation must
-end within strategy.timeout_seconds. Under single, ddp and ZeRO 1 every rank holds the whole GPT and rank 0 uses its
+Who: rank 0 runs lm-eval on one whole copy of the weights; the other ranks wait for its outcome (a broadcast), so an
+evaluation must end within strategy.timeout_seconds. An evaluation that fails is skipped with a warning on every
+rank together, and training goes on. Under single, ddp and ZeRO 1 every rank holds the whole GPT and rank 0 uses its
 own, no copy. Under ZeRO 2/3, tensor or pipeline parallelism (and with regional compile, whose compiled blocks would
 recompile for every new input length) the strategy gathers the full state dict, as a checkpoint does (every rank
 takes part), and rank 0 loads it into a plain GPT for the evaluation.
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_pretrain.errors import ConfigError
 
@@ -93,11 +95,18 @@ class DownstreamEval(Callback):
         self._last_step = step
         started = time.perf_counter()
         model = whole_model(trainer, pl_module)  # a collective under sharded strategies: every rank calls it
-        metrics = None
+        metrics, error = None, None
         if trainer.is_global_zero:
-            with preserved_rng():
-                metrics = self.evaluate(model, trainer)
-        trainer.strategy.barrier("downstream_eval")  # the other ranks wait for rank 0 here
+            try:
+                with preserved_rng():
+                    metrics = self.evaluate(model, trainer)
+            except Exception as err:  # reported below: the other ranks must not wait for a rank 0 that died
+                error = f"{type(err).__name__}: {err}"
+        # The other ranks wait for rank 0 here.
+        if trainer.strategy.broadcast(error, src=0) is not None:
+            # A failed evaluation costs its scores, not the run: training goes on, and the warning says why.
+            rank_zero_warn(f"{KEY}: the evaluation at step {step} failed and was skipped ({error})")
+            return
         if metrics is not None:
             metrics["eval/seconds"] = time.perf_counter() - started
             self.last = metrics
