@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy")
     ev.add_argument("--limit", help="examples per task (below 1: a fraction of each task); default all")
     ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
-    ev.add_argument("--include-path", action="append", default=[], help="folder of your own task YAML files")
+    ev.add_argument("--include-path", action="append", default=[], help="folder of task YAML files (repeatable)")
     ev.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
     ev.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help

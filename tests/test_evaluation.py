@@ -20,17 +20,17 @@ pytest.importorskip("lm_eval")  # the `eval` extra: installed by `make install` 
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_var] = "1"
 
-# Multiple choice over the default corpus (Python's standard library); the answers differ between questions, so no
-# fixed choice position scores 1.
+# Multiple choice over the default corpus (Python's standard library): the answer is the continuation a model of
+# Python should prefer, at a different position from question to question.
 QUESTIONS = [
-    ("import", ["os", "the", "))"], 0),
-    ("def __init__(self", ["):", "import", "= ="], 0),
+    ("import", ["the", "os", "))"], 1),
+    ("def __init__(self", ["= =", "import", "):"], 2),
     ("for i in", ["range(n):", "else", "None None"], 0),
-    ("return", ["None", "def class", "(("], 1),
-    ("if x is", ["None:", "import os", "]]"], 2),
-    ("class Foo(", ["object):", "return", "for"], 1),
-    ("raise", ["ValueError(", "while", "in in"], 0),
-    ("    def", ["__repr__(self):", "import", "else:"], 2),
+    ("return", ["((", "None", "def class"], 1),
+    ("if x is", ["]]", "import os", "None:"], 2),
+    ("class Foo(", ["object):", "return", "for"], 0),
+    ("raise", ["in in", "ValueError(", "while"], 1),
+    ("    def", ["else:", "import", "__repr__(self):"], 2),
 ]
 
 
@@ -56,7 +56,7 @@ def write_task(folder):
         f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {mc}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
         "doc_to_target: '{{answer}}'\ndoc_to_choice: '{{choices}}'\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
     (folder / "tiny_ppl.yaml").write_text(
         f"task: tiny_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {ppl}\n"
         "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
@@ -94,6 +94,17 @@ def summed_logprob(model, tokenizer, context: str, continuation: str) -> float:
     return sum(logprobs[i - 1, whole[i]].item() for i in range(len(context_ids), len(whole)))
 
 
+def hand_accuracy(model, tokenizer):
+    """(acc, acc_norm) by hand: lm-eval joins question and choice with its default target delimiter, one space;
+    acc takes the choice of highest summed log-probability, acc_norm of highest log-probability per character."""
+    acc = acc_norm = 0
+    for question, choices, answer in QUESTIONS:
+        logprobs = [summed_logprob(model, tokenizer, question, " " + c) for c in choices]
+        acc += max(range(len(choices)), key=lambda k: logprobs[k]) == answer
+        acc_norm += max(range(len(choices)), key=lambda k: logprobs[k] / len(choices[k])) == answer
+    return acc / len(QUESTIONS), acc_norm / len(QUESTIONS)
+
+
 def instances(requests, request_type="loglikelihood"):
     from lm_eval.api.instance import Instance
 
@@ -107,11 +118,10 @@ def test_evaluate_writes_eval_json_with_the_hand_computed_accuracy(eval_run, cap
     rc = cli.main(["evaluate", str(run_dir), "--tasks", "tiny_mc", "--include-path", str(tasks), "--batch-size", "3"])
     assert rc == 0, capsys.readouterr().err
     report = json.loads((run_dir / "eval.json").read_text())
-    # By hand: lm-eval joins question and choice with its default target delimiter, one space.
-    picks = [max(range(len(c)), key=lambda k: summed_logprob(model, tokenizer, q, " " + c[k])) for q, c, _ in QUESTIONS]
-    hand = sum(p == a for p, (_, _, a) in zip(picks, QUESTIONS)) / len(QUESTIONS)
-    print(f"local task accuracy: lm-eval {report['tasks']['tiny_mc']['acc']}, by hand {hand}")
-    assert report["tasks"]["tiny_mc"]["acc"] == pytest.approx(hand, abs=1e-12)
+    acc, acc_norm = hand_accuracy(model, tokenizer)
+    print(f"local task accuracy: lm-eval {report['tasks']['tiny_mc']}, by hand acc {acc}, acc_norm {acc_norm}")
+    assert report["tasks"]["tiny_mc"]["acc"] == pytest.approx(acc, abs=1e-12)
+    assert report["tasks"]["tiny_mc"]["acc_norm"] == pytest.approx(acc_norm, abs=1e-12)
     assert report["step"] == 7 and report["samples_per_task"] == {"tiny_mc": len(QUESTIONS)}
     assert report["tokens_scored"] > 0 and report["checkpoint"].endswith("last.ckpt")
     assert other.read_text() == "not ours"  # nothing but eval.json is written
