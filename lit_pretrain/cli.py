@@ -60,6 +60,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     gen.add_argument("--batch", type=int, default=1, help="samples of each prompt, decoded together (default 1)")
     _hf_commands(sub)
+    text = "run lm-evaluation-harness tasks on a checkpoint; scores into the run folder's eval.json"
+    ev = sub.add_parser("evaluate", help=text, description=text)  # lit_pretrain/evaluation/command.py
+    ev.add_argument("run", help="a run folder (its checkpoints/last.ckpt) or a checkpoint file in one")
+    ev.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy")
+    ev.add_argument("--limit", help="examples per task (below 1: a fraction of each task); default all")
+    ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
+    ev.add_argument("--include-path", action="append", default=[], help="folder of task YAML files (repeatable)")
+    ev.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
+    ev.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
     _add_run_views(sub)
@@ -144,6 +153,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("compare", "runs"):
         return _run_views(args)
+    if args.command == "evaluate":
+        return _evaluate(args)
     try:
         if args.command == "generate":  # imports torch: only here, so the other commands stay fast
             from lit_pretrain.generate import main as generate_main
@@ -171,6 +182,21 @@ def main(argv=None) -> int:
     except USAGE_ERRORS as err:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _evaluate(args) -> int:
+    try:
+        from lit_pretrain.evaluation.command import EVAL_FILE, evaluate, format_scores, parse_limit, resolve_run
+
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        report = evaluate(args.run, tasks, limit=parse_limit(args.limit), batch_size=args.batch_size,
+                          include_path=args.include_path, num_fewshot=args.num_fewshot, device=args.device)
+    except USAGE_ERRORS as err:
+        print(f"lit-pretrain evaluate: error: {err}", file=sys.stderr)
+        return 2
+    print(format_scores(report))
+    print(f"wrote {resolve_run(args.run)[0] / EVAL_FILE}")
     return 0
 
 

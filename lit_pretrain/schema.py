@@ -342,6 +342,32 @@ class StabilityReportConfig:
 
 
 @dataclass
+class DownstreamEvalConfig:
+    enabled: bool = False
+    """Run lm-evaluation-harness tasks during training (callbacks/downstream_eval.py; needs the `eval` extra) and log
+    each task's scores as eval/<task>/<metric>, with their cost as eval/seconds and eval/tokens. Rank 0 evaluates,
+    the other ranks wait (within strategy.timeout_seconds)."""
+    tasks: List[str] = field(default_factory=list)
+    """lm-eval task, group or tag names (or task YAML paths), e.g. [hellaswag, arc_easy]. An unknown name stops the
+    run before its first step."""
+    every_n_steps: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Run the tasks every this many optimizer steps, at that step's validation, and at the last step; a multiple of
+    trainer.val_every_n_steps. null: at every validation."""
+    limit: Optional[float] = field(default=None, metadata={"gt": 0.0})
+    """Examples per task, the first ones (lm-eval's --limit); below 1, a fraction of each task. null: all."""
+    max_tokens: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Token budget of one evaluation, shared equally by the tasks: each runs its first examples whose tokens through
+    the model (context + continuation of every request; for generation, every recomputed window) fit in its share,
+    at least one. Counted once, by tokenizing the requests before the first evaluation. null: no budget."""
+    include_path: List[str] = field(default_factory=list)
+    """Folders of your own task YAML files (lm-eval's --include_path); looked up before lm-eval's own tasks."""
+    batch_size: int = field(default=8, metadata={"ge": 1})
+    """Requests per forward pass."""
+    num_fewshot: Optional[int] = field(default=None, metadata={"ge": 0})
+    """Few-shot examples per prompt. null: each task's own default."""
+
+
+@dataclass
 class CallbacksConfig:
     extra: List[CallbackSpec] = field(default_factory=list)
     """User callbacks added to the Trainer, each `{class_path: "module:Class", init_args: {...}}`."""
@@ -355,6 +381,8 @@ class CallbacksConfig:
     """Throughput and MFU monitor."""
     stability_report: StabilityReportConfig = field(default_factory=StabilityReportConfig)
     """End-of-run stability report."""
+    downstream_eval: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
+    """lm-evaluation-harness tasks during training."""
 
 
 @dataclass

@@ -197,6 +197,7 @@ def train(cfg: DictConfig) -> dict:
         "final_train_loss": metrics.get("train/loss"),
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
+        "val_bits_per_byte": metrics.get("val/bits_per_byte"),
         "unigram_entropy_nats": entropy,
         "wall_seconds": time.perf_counter() - started,  # this invocation, start to end
         "train_seconds": train_seconds,  # all sessions of the run; tokens_per_second divides tokens_seen by it
@@ -205,8 +206,12 @@ def train(cfg: DictConfig) -> dict:
         **dataset_summary(manifest, params, tokens_seen),
     }
     if trainer.is_global_zero:
+        rows = read_metrics(run_dir / "metrics.csv")
+        # Validation and downstream evaluation, summed over the whole run (resumed sessions included): the
+        # in-training evaluation's cost, which the throughput figures leave out.
+        summary["evaluation_seconds"] = sum(r.get("val/seconds", 0.0) + r.get("eval/seconds", 0.0) for r in rows)
         write_summary(run_dir, summary)
-        plot_loss_curve(read_metrics(run_dir / "metrics.csv"), run_dir / "loss_curve.png", entropy)
+        plot_loss_curve(rows, run_dir / "loss_curve.png", entropy)
         report(summary, run_dir)
         for cb in (cb for cb in callbacks if isinstance(cb, StabilityReport) and cb.report is not None):
             print(format_report(cb.report))

@@ -20,6 +20,7 @@ from lit_pretrain.bench import (
     compile,
     datamodule,
     deduplication,
+    evaluation,
     generation,
     mfu,
     pipeline,
@@ -54,6 +55,7 @@ def main(argv=None) -> None:
         sample = datamodule.prepare_sample(c.data, Path(tmp) / "prepared")
         cases.append(datamodule.run(c, sample, consumed_tokens_per_s=cases[0]["value"]))
         cases.append(tokenize.run(sample, args.repeats))
+        cases.append(evaluation.run(c, sample, cases[0]["value"], args.repeats))
     cases += deduplication.run(c.data.deduplication, args.repeats)
     cases += strategies.run(c, args.run_file, args.overrides)
     cases += pipeline.run(c)
