@@ -215,6 +215,9 @@ def train(cfg: DictConfig) -> dict:
         report(summary, run_dir)
         for cb in (cb for cb in callbacks if isinstance(cb, StabilityReport) and cb.report is not None):
             print(format_report(cb.report))
+        for logger in trainer.loggers:
+            if type(logger).__name__ == "WandbLogger":
+                logger.experiment.finish()  # else a second train() in this process would log into this run
     return summary
 
 

@@ -67,7 +67,7 @@ def write_task(folder):
 @pytest.fixture(scope="module")
 def eval_run(tmp_path_factory, tiny_data_dir):
     """A run folder as training leaves it (config.yaml, checkpoints/last.ckpt with its sidecar), random weights."""
-    from lit_pretrain.resume.checkpoint_io import META_KEY, save_atomic
+    from lit_pretrain.resume.verified import META_KEY, save_atomic
 
     root = tmp_path_factory.mktemp("eval-run")
     cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", [*tiny_data_overrides(tiny_data_dir), "model.vocab_size=512",

@@ -76,6 +76,7 @@ def test_tensorboard_wandb_and_profile_in_one_tiny_run(tmp_path, tiny_data_dir, 
     ])
     try:
         train.train(cfg)
+        assert wandb.run is None  # train() finished its run: a later train() in this process starts its own
     finally:
         wandb.finish()  # a process-wide run: the next WandbLogger in this process would reuse it
     run_dir = tmp_path / "runs" / "logged"
