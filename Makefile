@@ -15,12 +15,13 @@ help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: RUN=<experiment yaml> ARGS='key=value ...' PYTEST_ARGS='...'"
 
-install: $(STAMP) ## create .venv: torch 2.13.0 (CPU build on disk) first, then the project with its dev extra
+install: $(STAMP) ## create .venv: torch 2.13.0 (CPU build on disk) first, then the project with its dev extra (+ hf, eval, logging)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned resolve would fetch a CUDA build of several GB.
 	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
+	# dev pulls the optional extras the tests exercise (hf, eval, logging); torch, already there, satisfies theirs.
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -1,4 +1,5 @@
-"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`: parse, load the config, call one function."""
+"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`: parse, load the config, call one
+function."""
 
 import argparse
 import dataclasses
@@ -46,9 +47,101 @@ def _parser() -> argparse.ArgumentParser:
                              formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_argument("run_file", help="experiment file, e.g. experiments/runs/default.yaml")
         cmd.add_argument("overrides", nargs="*", help="key=value (optim.lr_peak=1e-3) or group=name (strategy=ddp)")
+    gen = sub.add_parser("generate", help="sample text from a trained run (KV-cache decoding)",
+                         description="Continue each --prompt with the run's model; stops at the end-of-document "
+                                     "token; prints the samples, then tokens/s on stderr.")
+    gen.add_argument("source", metavar="RUN_OR_CKPT", help="a run folder (its checkpoints/last.ckpt) or a checkpoint")
+    gen.add_argument("--prompt", action="append", help="text to continue (repeat for several; default: empty)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="at most this many (default 128; fewer where "
+                                                                     "model.seq_len ends)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens")
+    gen.add_argument("--top-p", type=float, default=None, help="sample among the most probable tokens of mass p")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    gen.add_argument("--batch", type=int, default=1, help="samples of each prompt, decoded together (default 1)")
+    _hf_commands(sub)
+    text = "run lm-evaluation-harness tasks on a checkpoint; scores into the run folder's eval.json"
+    ev = sub.add_parser("evaluate", help=text, description=text)  # lit_pretrain/evaluation/command.py
+    ev.add_argument("run", help="a run folder (its checkpoints/last.ckpt) or a checkpoint file in one")
+    ev.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy")
+    ev.add_argument("--limit", help="examples per task (below 1: a fraction of each task); default all")
+    ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
+    ev.add_argument("--include-path", action="append", default=[], help="folder of task YAML files (repeatable)")
+    ev.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: each task's own)")
+    ev.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
+    _add_run_views(sub)
     return parser
+
+
+def _hf_commands(sub) -> None:
+    """export / import: the Hugging Face transformers format (lit_pretrain/hf.py)."""
+    text = "write a checkpoint as a transformers folder (LlamaForCausalLM, safetensors, tokenizer)"
+    cmd = sub.add_parser("export", help=text, description=text)
+    cmd.add_argument("source", metavar="RUN_OR_CKPT", help="a run folder (its last.ckpt) or a checkpoint file in one")
+    cmd.add_argument("--to", choices=["hf"], required=True, help="the format: hf (Hugging Face transformers)")
+    cmd.add_argument("out", metavar="OUT", help="the folder to write; it must not exist or be empty")
+    text = "start a run from a transformers Llama folder's weights (continued pretraining)"
+    cmd = sub.add_parser("import", help=text, description=text)
+    cmd.add_argument("hf_folder", metavar="HF_FOLDER", help="config.json (LlamaForCausalLM) and model.safetensors")
+    cmd.add_argument("run_file", nargs="?", help="experiment to train; its model.* keys come from config.json")
+    cmd.add_argument("overrides", nargs="*", help="key=value or group=name, as for train")
+    cmd.add_argument("--out", metavar="FILE", help="instead of training, write the weights under our names to FILE "
+                                                    "(a new .safetensors) for run.init_from=FILE")
+
+
+def _run_hf(args) -> None:
+    from lit_pretrain import hf
+
+    if args.command == "export":
+        print(f"wrote {hf.export_run(args.source, args.out)}")
+    elif args.out is not None:
+        if args.run_file is not None:
+            raise ConfigError("import: give RUN_FILE to train from the weights, or --out FILE to write them, not both")
+        out = hf.write_weights(args.hf_folder, args.out)
+        model_keys = " ".join(o for o in hf.import_overrides(args.hf_folder) if o.startswith("model."))
+        print(f"wrote {out}; start a run from it: lit-pretrain train RUN_FILE run.init_from={out} {model_keys}")
+    elif args.run_file is None:
+        raise ConfigError("import: give RUN_FILE (the experiment to train from the weights) or --out FILE")
+    else:
+        from lit_pretrain import config
+
+        cfg = config.load(args.run_file, [*hf.import_overrides(args.hf_folder), *args.overrides])
+        from lit_pretrain.train import train  # Lightning: only once the folder and config are known to be good
+
+        train(cfg)
+
+
+def _add_run_views(sub) -> None:
+    """`compare` and `runs`: runs at a glance (lit_pretrain/compare.py, lit_pretrain/run_table.py; no torch)."""
+    text = "plot runs together: loss against tokens and FLOPs, learning rate, gradient norm, throughput"
+    cmd = sub.add_parser("compare", help=text, description=text)
+    cmd.add_argument("run_dirs", nargs="+", metavar="RUN", help="run folders, e.g. runs/default runs/tiny")
+    cmd.add_argument("--out", default="compare.png", help="the figure to write (the only file written)")
+    text = "a table of the runs under ROOT: steps, tokens, final losses, bits per byte, tokens/s, status"
+    cmd = sub.add_parser("runs", help=text, description=text)
+    cmd.add_argument("root", nargs="?", default="runs", help="folder holding run folders (default: runs)")
+    cmd.add_argument("--active-minutes", type=float, default=None,
+                     help="a run without summary.json that changed this recently is 'running' (default: 15)")
+
+
+def _run_views(args) -> int:
+    try:
+        if args.command == "compare":
+            from lit_pretrain.compare import compare
+
+            for note in compare(args.run_dirs, args.out):
+                print(f"note: {note}")
+            print(f"wrote {args.out}")
+        else:
+            from lit_pretrain.run_table import table
+
+            print(table(args.root, **({} if args.active_minutes is None else {"active_minutes": args.active_minutes})))
+    except USAGE_ERRORS as err:
+        print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv=None) -> int:
@@ -58,7 +151,19 @@ def main(argv=None) -> int:
 
         return scaling_main(argv)
     args = _parser().parse_args(argv)
+    if args.command in ("compare", "runs"):
+        return _run_views(args)
+    if args.command == "evaluate":
+        return _evaluate(args)
     try:
+        if args.command == "generate":  # imports torch: only here, so the other commands stay fast
+            from lit_pretrain.generate import main as generate_main
+
+            generate_main(args)
+            return 0
+        if args.command in ("export", "import"):
+            _run_hf(args)
+            return 0
         from lit_pretrain import config
 
         cfg = config.load(args.run_file, args.overrides)
@@ -77,6 +182,21 @@ def main(argv=None) -> int:
     except USAGE_ERRORS as err:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _evaluate(args) -> int:
+    try:
+        from lit_pretrain.evaluation.command import EVAL_FILE, evaluate, format_scores, parse_limit, resolve_run
+
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        report = evaluate(args.run, tasks, limit=parse_limit(args.limit), batch_size=args.batch_size,
+                          include_path=args.include_path, num_fewshot=args.num_fewshot, device=args.device)
+    except USAGE_ERRORS as err:
+        print(f"lit-pretrain evaluate: error: {err}", file=sys.stderr)
+        return 2
+    print(format_scores(report))
+    print(f"wrote {resolve_run(args.run)[0] / EVAL_FILE}")
     return 0
 
 

@@ -11,18 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_pretrain.model_config import GPTConfig
-
-
-def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward): 6·N + 12·L·H·Q·T, PaLM appendix B (Chowdhery et al. 2022).
-
-    6·N: each of the N matmul parameters costs one multiply-add (2 FLOPs) per token forward and twice that
-    backward (gradient w.r.t. the input and w.r.t. the weight). 12·L·H·Q·T: the attention scores QKᵀ and the
-    weighted sum over V, each 2·H·Q·T FLOPs per token per layer forward, times 3 for forward + backward.
-    The full T×T score matrix is counted, as PaLM does, although causal attention needs only half of it.
-    """
-    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * seq_len
+# flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
+from lit_pretrain.model_config import GPTConfig, flops_per_token_formula  # noqa: F401
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None):
@@ -32,7 +22,9 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device 
     its neighbour as in the paper's interleaved form; both are the same rotation up to a fixed channel permutation
     of wq and wk. fp32 because the angles reach seq_len radians: near 1000 rad bf16's spacing is 4 rad.
     """
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (Q/2,)
+    # 1 / theta^(2i/Q) as transformers' Llama writes it, not theta^(-2i/Q), which rounds differently in the last bit:
+    # the same tables to the bit, so an exported model (lit_pretrain/llama.py) gives transformers' logits exactly.
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (Q/2,)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)  # (T,)
     angles = torch.outer(positions, inv_freq)  # (T, Q/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, Q): both halves of a pair turn by the same angle
@@ -73,6 +65,22 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
         return self.wo(y)
 
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "KVCache",
+                       layer: int) -> torch.Tensor:
+        """`forward` for tokens at positions [cache.length, cache.length + T): their keys and values join the
+        cache's, and their queries attend to every cached position before them. Decoding only; training never
+        calls it, so `forward` stays one fused causal kernel with nothing to check."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, n_heads, T, head_dim)
+        k, v = cache.append(layer, k, v)  # (B, n_heads, S, head_dim), S = cache.length + T
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask(T))  # (B, n_heads, T, head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
+        return self.wo(y)
+
 
 class SwiGLU(nn.Module):
     """Gated MLP w_down(silu(w_gate(x)) * w_up(x)) (Shazeer 2020, "GLU Variants Improve Transformer")."""
@@ -100,6 +108,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, d_model)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, d_model)
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "KVCache",
+                       layer: int) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.attn_norm(x), cos, sin, cache, layer)  # (B, T, d_model)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, d_model)
 
 
@@ -167,6 +180,33 @@ class GPT(nn.Module):
             x = block(x, cos, sin)  # (B, T, d_model)
         return self.lm_head(self.norm(x))  # (B, T, vocab_size)
 
+    def forward_cached(self, idx: torch.Tensor, cache: "KVCache") -> torch.Tensor:
+        """Logits of the last token of idx (B, T), which continues the cache's sequence at position cache.length;
+        the cache then holds cache.length + T positions. Only the new tokens are computed: a decoding step costs
+        one token's forward instead of the whole prefix's (Pope et al. 2022, "Efficiently Scaling Transformer
+        Inference", §2). Returns (B, vocab_size)."""
+        B, T = idx.shape
+        start = cache.length
+        if start + T > cache.max_len:
+            raise ValueError(f"{start} cached + {T} new tokens exceed the cache's {cache.max_len} positions "
+                             f"(at most model.seq_len={self.cfg.seq_len})")
+        # Positions start..start+T-1: RoPE turns each key by its absolute position, as `forward` does.
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, head_dim)
+        x = self.tok_embeddings(idx)  # (B, T, d_model)
+        for layer, block in enumerate(self.blocks):
+            x = block.forward_cached(x, cos, sin, cache, layer)  # (B, T, d_model)
+        cache.length = start + T
+        return self.lm_head(self.norm(x[:, -1]))  # (B, vocab_size): only the last position is sampled from
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> "KVCache":
+        """An empty KVCache for this model, of max_len positions (default model.seq_len), on its device and in
+        its dtype."""
+        cfg, weight = self.cfg, self.tok_embeddings.weight
+        max_len = cfg.seq_len if max_len is None else max_len
+        if not 1 <= max_len <= cfg.seq_len:
+            raise ValueError(f"a cache of {max_len} positions: choose 1..model.seq_len={cfg.seq_len}")
+        return KVCache(cfg.n_layers, batch_size, cfg.n_heads, max_len, cfg.head_dim, weight.device, weight.dtype)
+
     def num_params(self, non_embedding: bool = True) -> int:
         """Number of unique parameters (a tied embedding/head Parameter is counted once).
 
@@ -190,3 +230,34 @@ class GPT(nn.Module):
         n_matmul_params = self.num_params(non_embedding=True) + cfg.vocab_size * cfg.d_model
         seq_len = cfg.seq_len if seq_len is None else seq_len
         return flops_per_token_formula(n_matmul_params, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
+
+
+class KVCache:
+    """Keys and values of every layer for the positions decoded so far, in tensors allocated once for max_len
+    positions (no concatenation per step). Positions [0, length) are filled; `GPT.forward_cached` fills the next."""
+
+    def __init__(self, n_layers: int, batch_size: int, n_heads: int, max_len: int, head_dim: int,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        shape = (n_layers, batch_size, n_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, n_heads, max_len, head_dim)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, n_heads, max_len, head_dim)
+        self.max_len, self.length = max_len, 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v (B, n_heads, T, head_dim) at positions [length, length + T) of `layer`; return that layer's
+        keys and values of positions [0, length + T). `length` itself moves once all layers have appended."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, n_heads, end, head_dim) each
+
+    def mask(self, new_tokens: int) -> torch.Tensor | None:
+        """Attention mask of `new_tokens` queries at positions [length, length + new_tokens) over keys
+        [0, length + new_tokens): True where a query may look (its own position and before). None for one query,
+        which may look at every cached key. sdpa's `is_causal` aligns the triangle to the top-left corner, wrong
+        as soon as there are more keys than queries, so the offset triangle is written out."""
+        if new_tokens == 1:
+            return None
+        queries = torch.arange(self.length, self.length + new_tokens, device=self.k.device)  # (T,)
+        keys = torch.arange(self.length + new_tokens, device=self.k.device)  # (S,)
+        return keys[None, :] <= queries[:, None]  # (T, S)

@@ -1,6 +1,7 @@
 """The GPT's shape as plain data: read by `model.py` and by the config loader alike.
 
-Kept apart from `model.py` so that loading and checking a config never imports torch.
+Kept apart from `model.py` so that loading and checking a config, and the FLOPs arithmetic the planner shares
+with the model, never import torch.
 Field metadata (`ge`, `gt`, `le`, `choices`) is the range the config loader enforces.
 """
 
@@ -59,3 +60,14 @@ class GPTConfig:
                 f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "
                 "channels, so the head dimension must be even"
             )
+
+
+def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): 6·N + 12·L·H·Q·T, PaLM appendix B (Chowdhery et al. 2022).
+
+    6·N: each of the N matmul parameters costs one multiply-add (2 FLOPs) per token forward and twice that
+    backward (gradient w.r.t. the input and w.r.t. the weight). 12·L·H·Q·T: the attention scores QKᵀ and the
+    weighted sum over V, each 2·H·Q·T FLOPs per token per layer forward, times 3 for forward + backward.
+    The full T×T score matrix is counted, as PaLM does, although causal attention needs only half of it.
+    """
+    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * seq_len

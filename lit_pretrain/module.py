@@ -1,6 +1,7 @@
 """PretrainModule: the GPT, its loss, AdamW with a warmup schedule, and gradient clipping by global norm."""
 
 import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, List, Optional
@@ -186,13 +187,34 @@ class PretrainModule(L.LightningModule):
         self._lr_used = optimizer.param_groups[0]["lr"]
 
     def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self._val_started = time.perf_counter()
         self.val_loss.update(self.loss(batch), weight=batch[0].numel())
+        table = token_bytes_table(self)
+        if table is not None:
+            # Bytes of the predicted tokens, summed on the device and read once, at the epoch's end; tokens from the
+            # shape, on the host.
+            y = batch[1]
+            tokens, n_bytes = getattr(self, "_val_counts", None) or (0, 0)
+            self._val_counts = (tokens + y.numel(), n_bytes + table[y].sum())
 
     def on_validation_epoch_end(self):
         val_loss = self.val_loss.compute()  # torchmetrics reduces across ranks
         self.val_loss.reset()
         self.log("val/loss", val_loss, prog_bar=True)
         self.log("val/perplexity", torch.exp(val_loss))
+        counts, self._val_counts = getattr(self, "_val_counts", None), None
+        if counts is not None:
+            # Summed over every rank: tensor/pipeline ranks of one replica count its batch t·p times, in tokens and
+            # bytes alike, so the ratio is unchanged.
+            counts = torch.stack([torch.as_tensor(counts[0], device=counts[1].device), counts[1]])
+            tokens, n_bytes = (int(v) for v in self.trainer.strategy.reduce(counts, reduce_op="sum").tolist())
+            if n_bytes > 0:
+                # val_loss is the mean over tokens, so val_loss × tokens is the total nats.
+                self.log("val/bits_per_byte", bits_per_byte(float(val_loss) * tokens, n_bytes))
+        started, self._val_started = getattr(self, "_val_started", None), None
+        if started is not None:  # validation's own time, kept apart from the training step's (throughput monitor)
+            self.log("val/seconds", time.perf_counter() - started)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if all(p.grad is None for p in self.parameters()):
@@ -216,6 +238,25 @@ class PretrainModule(L.LightningModule):
         schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def bits_per_byte(nats: float, n_bytes: int) -> float:
+    """Total nats over the UTF-8 bytes of the same text, in bits: a tokenizer-independent loss (The Pile, Gao et al.
+    2020, section 5.1: bits per UTF-8 encoded byte). The end-of-document token's nats count, its bytes are 0."""
+    return nats / n_bytes / math.log(2)
+
+
+def token_bytes_table(module: L.LightningModule) -> Optional[torch.Tensor]:
+    """The datamodule's UTF-8 bytes per token id (data/tokenizer.py token_byte_lengths) on the module's device,
+    copied there once; None without a datamodule that has it (then no bits per byte are logged)."""
+    table = getattr(module, "_token_bytes", None)
+    if table is None:
+        trainer = module._trainer
+        host = getattr(getattr(trainer, "datamodule", None), "token_bytes", None) if trainer is not None else None
+        if host is None:
+            return None
+        table = module._token_bytes = torch.as_tensor(host, device=module.device)
+    return table
 
 
 def perplexity(loss: float) -> float:

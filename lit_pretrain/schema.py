@@ -152,6 +152,24 @@ class ScheduleConfig:
     """wsd only: fraction of trainer.max_steps spent in the final linear decay (Hu et al. 2024, MiniCPM)."""
 
 
+LOGGERS = ("csv", "tensorboard", "wandb")
+
+
+@dataclass
+class ProfileConfig:
+    start_step: int = field(default=5, metadata={"ge": 0})
+    """The first optimizer step profiled, counted from 0 (trainer.global_step when it starts): the first steps are
+    atypical (allocations, lazy initialization), so the default skips five."""
+    steps: int = field(default=3, metadata={"ge": 1})
+    """Optimizer steps profiled (all their micro-batches, and any validation that falls inside)."""
+
+    def __post_init__(self):
+        # trainer.profile is optional, and config.py's range check does not descend into an optional section.
+        if self.start_step < 0 or self.steps < 1:
+            raise ConfigError(f"trainer.profile={{start_step: {self.start_step}, steps: {self.steps}}}: expected "
+                              "start_step >= 0 and steps >= 1")
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = field(default=1000, metadata={"ge": 1})
@@ -184,6 +202,27 @@ class TrainerConfig:
     compile: bool = False
     """Regional compile: torch.compile each block's forward (parallel/compile.py). On CPU it needs a C++ compiler;
     the first steps pay the compile time (tens of seconds), later ones run faster."""
+    loggers: List[str] = field(default_factory=lambda: ["csv", "tensorboard"])
+    """Where metrics go: csv (runs/<name>/metrics.csv, required: resume and the summary read it), tensorboard
+    (runs/<name>/tensorboard/; skipped with a notice when tensorboard is not installed), wandb (Weights & Biases,
+    files under runs/<name>/wandb/; WANDB_MODE=offline keeps it off the network). Extras: lit-pretrain[logging]."""
+    profile: Optional[ProfileConfig] = None
+    """Record a PyTorch profiler trace of a few optimizer steps into runs/<name>/profile/ (callbacks/profile.py),
+    e.g. {start_step: 5, steps: 3}. null: no profiling."""
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"trainer.loggers={list(self.loggers)}: unknown logger {unknown[0]!r}; choose from "
+                              f"{', '.join(LOGGERS)}")
+        if "csv" not in self.loggers:
+            raise ConfigError(f"trainer.loggers={list(self.loggers)} lacks csv: resume and the run summary read "
+                              "metrics.csv; add csv to the list")
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"trainer.loggers={list(self.loggers)} names a logger twice: name each once")
 
 
 @dataclass
@@ -303,6 +342,32 @@ class StabilityReportConfig:
 
 
 @dataclass
+class DownstreamEvalConfig:
+    enabled: bool = False
+    """Run lm-evaluation-harness tasks during training (callbacks/downstream_eval.py; needs the `eval` extra) and log
+    each task's scores as eval/<task>/<metric>, with their cost as eval/seconds and eval/tokens. Rank 0 evaluates,
+    the other ranks wait (within strategy.timeout_seconds)."""
+    tasks: List[str] = field(default_factory=list)
+    """lm-eval task, group or tag names (or task YAML paths), e.g. [hellaswag, arc_easy]. An unknown name stops the
+    run before its first step."""
+    every_n_steps: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Run the tasks every this many optimizer steps, at that step's validation, and at the last step; a multiple of
+    trainer.val_every_n_steps. null: at every validation."""
+    limit: Optional[float] = field(default=None, metadata={"gt": 0.0})
+    """Examples per task, the first ones (lm-eval's --limit); below 1, a fraction of each task. null: all."""
+    max_tokens: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Token budget of one evaluation, shared equally by the tasks: each runs its first examples whose tokens through
+    the model (context + continuation of every request; for generation, every recomputed window) fit in its share,
+    at least one. Counted once, by tokenizing the requests before the first evaluation. null: no budget."""
+    include_path: List[str] = field(default_factory=list)
+    """Folders of your own task YAML files (lm-eval's --include_path); looked up before lm-eval's own tasks."""
+    batch_size: int = field(default=8, metadata={"ge": 1})
+    """Requests per forward pass."""
+    num_fewshot: Optional[int] = field(default=None, metadata={"ge": 0})
+    """Few-shot examples per prompt. null: each task's own default."""
+
+
+@dataclass
 class CallbacksConfig:
     extra: List[CallbackSpec] = field(default_factory=list)
     """User callbacks added to the Trainer, each `{class_path: "module:Class", init_args: {...}}`."""
@@ -316,6 +381,8 @@ class CallbacksConfig:
     """Throughput and MFU monitor."""
     stability_report: StabilityReportConfig = field(default_factory=StabilityReportConfig)
     """End-of-run stability report."""
+    downstream_eval: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
+    """lm-evaluation-harness tasks during training."""
 
 
 @dataclass
@@ -336,6 +403,12 @@ class RunConfig:
     """Config keys a resume may change on purpose (e.g. [optim.lr_peak]); any other change is refused."""
     keep_last_checkpoints: int = field(default=0, metadata={"ge": 0})
     """Keep the newest k step checkpoints (0: keep all); the newest valid one is never deleted."""
+    init_from: Optional[str] = None
+    """null: random initialization. Or start from these weights (continued pretraining): a transformers Llama folder
+    (config.json, model.safetensors; `lit-pretrain export --to hf` writes one) or a .safetensors file under this GPT's
+    own weight names (`lit-pretrain import --out`). Loaded after the model is built, before the first step; the
+    model.* keys must be the weights' (`lit-pretrain import` sets them), and a tokenizer.json beside the weights must
+    be the data's. Unused when resuming: the checkpoint holds the weights. See lit_pretrain/hf.py."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config as config_lib
 from lit_pretrain.callbacks import build_callbacks
+from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
@@ -66,11 +67,27 @@ def resolve_vocab(c: Config, tokenizer_vocab: int) -> Config:
     return c
 
 
-def loggers(run_dir: Path) -> list:
-    # name="" and version="" put metrics.csv directly in the run folder, not in lightning_logs/version_N.
+def loggers(run_dir: Path, c: Config) -> list:
+    """trainer.loggers: csv always (first, and resume reads it), then TensorBoard and Weights & Biases if listed."""
     out = [resume_session.csv_logger(run_dir)]
-    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
-        out.append(TensorBoardLogger(save_dir=str(run_dir), name="", version="tensorboard", default_hp_metric=False))
+    names = c.trainer.loggers
+    if "tensorboard" in names:
+        if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+            out.append(TensorBoardLogger(save_dir=str(run_dir), name="", version="tensorboard",
+                                         default_hp_metric=False))
+        elif is_primary_process():
+            # Listed by default: a plain install has no tensorboard, and `make train` must run without the extras.
+            print("trainer.loggers: tensorboard is not installed, so only metrics.csv is written "
+                  "(pip install 'lit-pretrain[logging]')", flush=True)
+    if "wandb" in names:
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("trainer.loggers lists wandb, which is not installed: pip install "
+                              "'lit-pretrain[logging]', or drop wandb from trainer.loggers")
+        from lightning.pytorch.loggers import WandbLogger
+
+        # Files under the run folder (wandb/); WANDB_MODE=offline keeps them there, uploaded later by `wandb sync`.
+        out.append(WandbLogger(save_dir=str(run_dir), name=c.run.name,
+                               project=os.environ.get("WANDB_PROJECT", "lit-pretrain")))
     return out
 
 
@@ -102,6 +119,10 @@ def train(cfg: DictConfig) -> dict:
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
                             compile=c.trainer.compile)
+    if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
+        from lit_pretrain.hf import load_init  # needs safetensors (the hf extra): only when asked for
+
+        load_init(module.model, c.run.init_from, datamodule.tokenizer_path)
     timer = Timer()
     callbacks = [
         timer,
@@ -112,6 +133,7 @@ def train(cfg: DictConfig) -> dict:
                                    "activation_checkpointing": c.model.activation_checkpointing,
                                    "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
         *build_callbacks(c),
+        *([ProfileSteps(run_dir, c.trainer.profile.start_step, c.trainer.profile.steps)] if c.trainer.profile else []),
     ]
     if c.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=max(1, accumulate)))
@@ -122,7 +144,7 @@ def train(cfg: DictConfig) -> dict:
         # Lightning counts validation intervals in micro-batches; ours are optimizer steps.
         val_check_interval=c.trainer.val_every_n_steps * accumulate, check_val_every_n_epoch=None,
         limit_val_batches=c.trainer.val_batches, num_sanity_val_steps=0,
-        log_every_n_steps=c.trainer.log_every_n_steps, logger=loggers(run_dir), callbacks=callbacks,
+        log_every_n_steps=c.trainer.log_every_n_steps, logger=loggers(run_dir, c), callbacks=callbacks,
         enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
         enable_checkpointing=False,  # resume.checkpointing.StepCheckpoint writes the checkpoints
         # Our sampler defines one global order for any number of ranks; Lightning's would replace it.
@@ -175,6 +197,7 @@ def train(cfg: DictConfig) -> dict:
         "final_train_loss": metrics.get("train/loss"),
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
+        "val_bits_per_byte": metrics.get("val/bits_per_byte"),
         "unigram_entropy_nats": entropy,
         "wall_seconds": time.perf_counter() - started,  # this invocation, start to end
         "train_seconds": train_seconds,  # all sessions of the run; tokens_per_second divides tokens_seen by it
@@ -183,11 +206,18 @@ def train(cfg: DictConfig) -> dict:
         **dataset_summary(manifest, params, tokens_seen),
     }
     if trainer.is_global_zero:
+        rows = read_metrics(run_dir / "metrics.csv")
+        # Validation and downstream evaluation, summed over the whole run (resumed sessions included): the
+        # in-training evaluation's cost, which the throughput figures leave out.
+        summary["evaluation_seconds"] = sum(r.get("val/seconds", 0.0) + r.get("eval/seconds", 0.0) for r in rows)
         write_summary(run_dir, summary)
-        plot_loss_curve(read_metrics(run_dir / "metrics.csv"), run_dir / "loss_curve.png", entropy)
+        plot_loss_curve(rows, run_dir / "loss_curve.png", entropy)
         report(summary, run_dir)
         for cb in (cb for cb in callbacks if isinstance(cb, StabilityReport) and cb.report is not None):
             print(format_report(cb.report))
+        for logger in trainer.loggers:
+            if type(logger).__name__ == "WandbLogger":
+                logger.experiment.finish()  # else a second train() in this process would log into this run
     return summary
 
 

@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from lit_pretrain import cli, config
 from lit_pretrain.data.shards import load_manifest
 from lit_pretrain.resume import store
-from lit_pretrain.resume.checkpoint_io import save_atomic
 from lit_pretrain.resume.compat import run_meta
+from lit_pretrain.resume.verified import save_atomic
 from lit_pretrain.schema import Config
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 

@@ -11,7 +11,8 @@ from lit_pretrain.data.shards import load_manifest, verify_shards
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.resume import compat, store
 from lit_pretrain.resume.atomic import atomic_open
-from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO, load_verified, save_atomic, sidecar_path
+from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
+from lit_pretrain.resume.verified import load_verified, save_atomic, sidecar_path
 
 
 def write_steps(folder, steps):

@@ -20,6 +20,8 @@ from lit_pretrain.bench import (
     compile,
     datamodule,
     deduplication,
+    evaluation,
+    generation,
     mfu,
     pipeline,
     precision,
@@ -53,11 +55,13 @@ def main(argv=None) -> None:
         sample = datamodule.prepare_sample(c.data, Path(tmp) / "prepared")
         cases.append(datamodule.run(c, sample, consumed_tokens_per_s=cases[0]["value"]))
         cases.append(tokenize.run(sample, args.repeats))
+        cases.append(evaluation.run(c, sample, cases[0]["value"], args.repeats))
     cases += deduplication.run(c.data.deduplication, args.repeats)
     cases += strategies.run(c, args.run_file, args.overrides)
     cases += pipeline.run(c)
     cases.append(stability.run(c, args.steps, args.skip, args.repeats))
     cases.append(checkpoint.run(c, args.repeats))
+    cases.append(generation.run(c, args.repeats))
 
     print(f"\n{'case':<32} {'value':>14} {'reference':>14} {'ratio':>7}  goal")
     for case in cases:

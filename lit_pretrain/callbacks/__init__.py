@@ -18,7 +18,18 @@ from lit_pretrain.schema import CallbacksConfig, Config
 
 def build_callbacks(c: Config) -> list[Callback]:
     """Every callback the config asks for: the stability ones (in the order their hooks must run), then the user's."""
-    return stability_callbacks(c) + user_callbacks(c.callbacks)
+    return stability_callbacks(c) + evaluation_callbacks(c) + user_callbacks(c.callbacks)
+
+
+def evaluation_callbacks(c: Config) -> list[Callback]:
+    d = c.callbacks.downstream_eval
+    if not d.enabled:
+        return []
+    from lit_pretrain.callbacks.downstream_eval import DownstreamEval  # imports lm-eval: only when enabled
+
+    return [DownstreamEval(d.tasks, c.trainer.val_every_n_steps, every_n_steps=d.every_n_steps, limit=d.limit,
+                           max_tokens=d.max_tokens, include_path=d.include_path, batch_size=d.batch_size,
+                           num_fewshot=d.num_fewshot)]
 
 
 def stability_callbacks(c: Config) -> list[Callback]:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from lit_pretrain.data.prepare import prepare
 from lit_pretrain.data.shards import check_config, load_manifest, open_shard, verify_shards
+from lit_pretrain.data.tokenizer import load_tokenizer, token_byte_lengths
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import DataError
 
@@ -151,6 +152,14 @@ class TokenShardDataModule(L.LightningDataModule):
     @property
     def tokenizer_path(self) -> Path:
         return self.prepared_dir / self.manifest["tokenizer"]["file"]
+
+    @property
+    def token_bytes(self) -> Optional[np.ndarray]:
+        """UTF-8 bytes each token id stands for (tokenizer.token_byte_lengths), read by validation for bits per
+        byte; None when the tokenizer is not byte-level. Built once from the vocabulary: no decoding per batch."""
+        if not hasattr(self, "_token_bytes"):
+            self._token_bytes = token_byte_lengths(load_tokenizer(self.tokenizer_path))
+        return self._token_bytes
 
     def prepare_data(self) -> None:
         if self._manifest is None:  # once per process: train() prepares before Lightning calls this again

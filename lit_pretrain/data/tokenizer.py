@@ -6,8 +6,9 @@ The one special token, EOD, separates documents in the token shards.
 
 import hashlib
 from pathlib import Path
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lit_pretrain.errors import DataError
@@ -64,6 +65,29 @@ def eod_id(tokenizer: Tokenizer) -> int:
 def encode_texts(tokenizer: Tokenizer, texts: List[str]) -> List[List[int]]:
     """Ids of each text, no special tokens added; the batch is encoded on all cores (Rust threads)."""
     return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> Optional[np.ndarray]:
+    """UTF-8 bytes of text each token id stands for, indexed by id (int64); None for a tokenizer that is not byte-level.
+
+    In a byte-level BPE every vocabulary entry is a string over GPT-2's 256-character byte alphabet, one character per
+    byte, so a token's byte count is its length, and the bytes of any id sequence are the sum over its ids. This is
+    exact where decoding is not: a window cut inside a multi-byte character decodes to U+FFFD (3 bytes). Special
+    tokens (EOD) stand for no text: 0 bytes. Another kind of tokenizer (data.tokenizer_path) gives None.
+    """
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    added = tokenizer.get_added_tokens_decoder()  # id -> AddedToken, written as plain text, not byte characters
+    out = np.zeros(tokenizer.get_vocab_size(with_added_tokens=True), dtype=np.int64)
+    for token, index in tokenizer.get_vocab(with_added_tokens=True).items():
+        if index in added:
+            out[index] = 0 if added[index].special else len(added[index].content.encode("utf-8"))
+        elif alphabet.issuperset(token):
+            out[index] = len(token)
+        else:
+            return None
+    return out
 
 
 def _treat_special_tokens_as_text(tokenizer: Tokenizer) -> None:

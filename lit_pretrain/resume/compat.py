@@ -14,12 +14,13 @@ from typing import Any, Dict, Iterable, List
 from lit_pretrain.errors import ConfigError, DataError
 
 # Keys that say how a run is executed, not what it computes.
-FREE_PREFIXES = ("strategy.", "callbacks.extra")
+FREE_PREFIXES = ("strategy.", "callbacks.extra", "trainer.profile.")
 FREE_KEYS = {
     "run.resume", "run.resume_allow_changes", "run.overwrite", "run.keep_last_checkpoints", "run.root_dir",
     "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size", "trainer.num_threads", "trainer.accelerator",
     "trainer.progress_bar", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "data.num_workers",
     "run.name", "data.prepared_dir", "model.activation_checkpointing", "model.activation_checkpointing_k",
+    "trainer.loggers", "trainer.profile",
 }
 
 

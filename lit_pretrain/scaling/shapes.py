@@ -11,10 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
-import numpy as np
-
-from lit_pretrain.model import flops_per_token_formula
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model_config import GPTConfig, flops_per_token_formula
 
 
 def block_params(cfg: GPTConfig) -> int:
@@ -84,6 +81,8 @@ def shape_near(target_params: float, vocab_size: int, seq_len: int, head_dim: in
         raise ValueError(f"target parameter count must be positive, got {target_params}")
     if count not in ("params", "non_embedding_params"):
         raise ValueError(f"count must be 'params' or 'non_embedding_params', got {count!r}")
+    import numpy as np  # imported here: the --help of plan and memory need no numpy (~0.1 s of a fast command)
+
     # every (n_layers, n_heads) whose width is within the aspect window, as arrays (the same counts as `params`)
     layers = np.arange(1, max_layers + 1)
     lo = np.maximum(1, np.ceil(layers * aspect_ratio / 2 / head_dim)).astype(int)

@@ -1,0 +1,183 @@
+"""Our GPT in Hugging Face Llama's terms, and back: the config fields and the weight names, as plain data.
+
+No file I/O and no transformers here (lit_pretrain/hf.py reads and writes the folders), so the mapping is one place
+to read. The two models compute the same function, which tests/test_hf.py checks against transformers'
+`LlamaForCausalLM` itself; what makes them the same, line by line of transformers' modeling_llama.py:
+- RMSNorm: x * rsqrt(mean(x²) + eps) * weight in both (`LlamaRMSNorm` computes in fp32 and casts back; our
+  nn.RMSNorm runs in the activation dtype, so in fp32 they agree). model.norm_eps <-> rms_norm_eps.
+- RoPE: both use the rotate-half layout (channel i paired with i + head_dim/2, `rotate_half`) with inverse
+  frequencies theta^(-2i/head_dim) over the whole head, so wq and wk need no permutation (Meta's original
+  interleaved checkpoints do; transformers' convert_llama_weights_to_hf.py permutes them once into this layout).
+  model.rope_theta <-> rope_theta (rope_parameters.rope_theta in transformers 5), rope type "default", no scaling.
+- Attention: softmax(q·kᵀ / sqrt(head_dim)) causal, no bias: scaled_dot_product_attention's default scale is
+  head_dim**-0.5, as `LlamaAttention.scaling`. Every head has its own k and v: num_key_value_heads = n_heads.
+- MLP: down(silu(gate(x)) * up(x)), hidden_act "silu", no bias; d_ff (model.hidden_dim) <-> intermediate_size.
+- Embeddings: tied or not (model.tie_embeddings <-> tie_word_embeddings); a tied head is stored once, as
+  transformers does.
+What Llama cannot express (a bias, grouped-query attention, scaled RoPE, another activation) is refused, naming it.
+"""
+
+import re
+from typing import Any, Dict, Mapping, Tuple
+
+from lit_pretrain.errors import DataError
+from lit_pretrain.model_config import GPTConfig
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+# Our names (model.py) -> Llama's (transformers' LlamaForCausalLM). {i} is the block index.
+GLOBAL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w_gate.weight": "mlp.gate_proj.weight",
+    "mlp.w_up.weight": "mlp.up_proj.weight",
+    "mlp.w_down.weight": "mlp.down_proj.weight",
+}
+_OURS_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
+_LLAMA_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LLAMA_OF_BLOCK = {v: k for k, v in BLOCK_NAMES.items()}
+_OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
+
+# The GPTConfig fields that decide what function a set of weights computes (seq_len does not: it is only how many
+# positions the RoPE tables cover; init_std and activation checkpointing do not either).
+FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps")
+
+# transformers' LlamaConfig defaults, for a config.json that leaves a field out (transformers writes them all).
+LLAMA_DEFAULTS = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                  "tie_word_embeddings": False, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
+                  "rope_scaling": None, "max_position_embeddings": 2048}
+
+
+def function_fields(cfg: GPTConfig) -> Dict[str, Any]:
+    """The fields of `cfg` that the weights' function depends on; d_ff resolved (null means 8/3 · d_model)."""
+    return {name: cfg.hidden_dim if name == "d_ff" else getattr(cfg, name) for name in FUNCTION_FIELDS}
+
+
+def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
+    """config.json of a LlamaForCausalLM computing what `cfg`'s GPT computes (read by transformers 4.45 to 5.x)."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,  # multi-head attention: every head its own k, v
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers 4.x reads rope_theta and rope_scaling; 5.x reads rope_parameters (and folds rope_theta in).
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": cfg.init_std,
+        # Our documents are separated by one end-of-document token and nothing else: it ends a text and, as in
+        # GPT-2, is the only candidate for a beginning-of-text token. Llama's defaults (1, 2) would be wrong ids.
+        "bos_token_id": eod_id,
+        "eos_token_id": eod_id,
+        "pad_token_id": None,
+        "dtype": dtype,  # transformers 5; 4.x reads torch_dtype
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+
+
+def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
+    """GPTConfig field values (and seq_len) of a Llama config.json; a DataError names a field we can't express."""
+    arch = hf.get("architectures")
+    if (list(arch) != [ARCHITECTURE]) if arch else hf.get("model_type") != "llama":
+        found = f"architectures {list(arch)}" if arch else f"model_type {hf.get('model_type')!r}"
+        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}]: import reads Llama-shaped models only (our GPT "
+                        "is a Llama without grouped-query attention)")
+    get = {**LLAMA_DEFAULTS, **hf}.get
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
+            raise DataError(f"{source}: {key} is missing or not an integer")
+    d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+
+    def refuse(key: str, value: Any, why: str) -> DataError:
+        return DataError(f"{source}: {key}={value!r} cannot be expressed by lit_pretrain's GPT ({why})")
+
+    if get("num_key_value_heads") not in (None, n_heads):
+        raise refuse("num_key_value_heads", get("num_key_value_heads"), f"grouped-query attention; we need {n_heads}")
+    if d_model % n_heads or get("head_dim") not in (None, d_model // n_heads):
+        raise refuse("head_dim", get("head_dim"), f"we need hidden_size / num_attention_heads = {d_model / n_heads}")
+    if get("hidden_act") not in ("silu", "swish"):
+        raise refuse("hidden_act", get("hidden_act"), "our MLP is SwiGLU: silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if get(key):
+            raise refuse(key, get(key), "our linear layers have no bias")
+    if get("rope_scaling"):
+        raise refuse("rope_scaling", get("rope_scaling"), "our RoPE is unscaled")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise refuse("rope_parameters.rope_type", rope.get("rope_type"), "our RoPE is the default, unscaled one")
+    return {
+        "vocab_size": hf["vocab_size"],
+        "n_layers": hf["num_hidden_layers"],
+        "d_model": d_model,
+        "n_heads": n_heads,
+        "d_ff": hf["intermediate_size"],
+        "tie_embeddings": bool(get("tie_word_embeddings")),
+        "rope_theta": float(rope.get("rope_theta", get("rope_theta"))),
+        "norm_eps": float(get("rms_norm_eps")),
+        "seq_len": get("max_position_embeddings"),
+    }
+
+
+def to_llama_names(state: Mapping[str, Any], tied: bool) -> Dict[str, Any]:
+    """Our GPT's state dict under Llama's names; a tied head is left out (transformers ties it on load).
+
+    A key with no Llama counterpart (a bias, another norm's parameter) is a DataError naming it: exporting without
+    it would silently compute another function.
+    """
+    out = {}
+    for name, tensor in state.items():
+        if tied and name == "lm_head.weight":
+            continue
+        block = _OURS_BLOCK.fullmatch(name)
+        if name in GLOBAL_NAMES:
+            out[GLOBAL_NAMES[name]] = tensor
+        elif block and block.group(2) in BLOCK_NAMES:
+            out[f"model.layers.{block.group(1)}.{BLOCK_NAMES[block.group(2)]}"] = tensor
+        else:
+            raise DataError(f"weight {name!r} has no counterpart in transformers' Llama (which has no biases and only "
+                            "RMSNorm weights): this model cannot be exported as LlamaForCausalLM")
+    return out
+
+
+def from_llama_names(state: Mapping[str, Any], tied: bool, source: str) -> Tuple[Dict[str, Any], list]:
+    """(our state dict, Llama names we skipped) of Llama weights; an unknown weight is a DataError naming it.
+
+    Skipped: a stored lm_head when the embeddings are tied (transformers uses the embedding there too) and the
+    RoPE inverse frequencies old transformers versions saved (we derive them from rope_theta).
+    """
+    out, skipped = {}, []
+    for name, tensor in state.items():
+        block = _LLAMA_BLOCK.fullmatch(name)
+        if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+            skipped.append(name)
+        elif name in _OURS_OF_GLOBAL:
+            out[_OURS_OF_GLOBAL[name]] = tensor
+        elif block and block.group(2) in _LLAMA_OF_BLOCK:
+            out[f"blocks.{block.group(1)}.{_LLAMA_OF_BLOCK[block.group(2)]}"] = tensor
+        else:
+            raise DataError(f"{source}: weight {name!r} has no counterpart in lit_pretrain's GPT (no biases, "
+                            "RMSNorm only): this model cannot be imported")
+    return out, skipped

@@ -1,0 +1,220 @@
+"""Export to and import from Hugging Face transformers: the same logits and greedy tokens as transformers'
+LlamaForCausalLM, a bitwise round trip, a tokenizer transformers loads, and one-line refusals of what Llama or our
+GPT cannot express. Nothing downloads: every model and tokenizer comes from a local folder."""
+
+import json
+
+import pytest
+import torch
+
+from lit_pretrain import cli, config
+from lit_pretrain.checkpoints import load_gpt
+from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, save_tokenizer, train_tokenizer
+from lit_pretrain.errors import ConfigError, DataError
+from lit_pretrain.hf import export_gpt, export_run, load_init, read_hf_config, write_weights
+from lit_pretrain.llama import function_fields
+from lit_pretrain.model import GPT
+from lit_pretrain.model_config import GPTConfig
+from tests.conftest import EXPERIMENTS, tiny_data_overrides
+
+pytest.importorskip("transformers")  # the hf extra: installed by `make install` and CI
+pytest.importorskip("safetensors")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Matrices of 64 columns: more threads only add synchronization, which on a loaded 2-core machine made greedy
+    # generation 20x slower (0.7 s with one thread, 14 s with two).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    save_tokenizer(train_tokenizer(["def export(model): return model.to_hf()\n" * 3] * 20, 300), path)
+    return path
+
+
+def tiny_gpt(tied: bool, seed: int = 0) -> GPT:
+    """Every setting away from Llama's defaults (rms_norm_eps 1e-6, rope_theta 1e4, 8/3 MLP, untied), so a field the
+    export forgets shows; a vocabulary larger than the tokenizer's, as a padded one would be. init_std 0.2 and norm
+    weights in [0.5, 1.5] give logits of a few units, as a trained model's, so 1e-5 is a test at ~1e-6 relative,
+    and a swapped norm (attn_norm for mlp_norm) changes them."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=320, n_layers=2, d_model=64, n_heads=4, d_ff=96, seq_len=32, tie_embeddings=tied,
+                          rope_theta=500.0, norm_eps=1e-5, init_std=0.2))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def hf_model(folder, **kwargs):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder, **kwargs).eval()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_logits_match_transformers_llama(tmp_path, tokenizer_file, tied):
+    model = tiny_gpt(tied)
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    idx = torch.randint(0, 320, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+    assert ours.abs().max() > 2  # the logits are of a trained model's size (see tiny_gpt)
+    # sdpa is transformers' default attention; eager is its reference (explicit softmax(q kᵀ * head_dim**-0.5)).
+    for attention in ("sdpa", "eager"):
+        theirs = hf_model(tmp_path / "hf", attn_implementation=attention)
+        assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == tied
+        with torch.no_grad():
+            diff = (theirs(idx).logits - ours).abs().max().item()
+        print(f"max |logit difference| ({'tied' if tied else 'untied'}, {attention}): {diff:.3g}")
+        # Same operations in the same order up to the attention kernel's summation order: fp32 rounding only.
+        assert diff <= 1e-5, attention
+
+
+def greedy(model: GPT, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding by recomputing the whole prefix at every step (no cache): the plainest reference."""
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            idx = torch.cat([idx, model(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)  # (B, T + 1)
+    return idx
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_greedy_generation_matches_transformers(tmp_path, tokenizer_file, tied):
+    model = tiny_gpt(tied, seed=2)
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    prompt = torch.randint(0, 320, (2, 6), generator=torch.Generator().manual_seed(3))
+    ours = greedy(model, prompt, 26)  # to model.seq_len = 32
+    # transformers decodes with its KV cache; eos_token_id=None: all 26 tokens even past an end-of-document.
+    theirs = hf_model(tmp_path / "hf").generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=26,
+                                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert len(set(ours[:, 6:].flatten().tolist())) > 10  # a real sequence, not one token repeated
+    assert torch.equal(theirs, ours)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_export_then_import_round_trips_bitwise(tmp_path, tokenizer_file, tied):
+    model = tiny_gpt(tied)
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert files == ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+                     "tokenizer.json", "tokenizer_config.json"]
+    assert read_hf_config(tmp_path / "hf") == {**function_fields(model.cfg), "seq_len": 32}
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        assert ("lm_head.weight" in f.keys()) != tied  # a tied matrix is stored once, as transformers does
+
+    weights = write_weights(tmp_path / "hf", tmp_path / "init.safetensors")  # `import --out`
+    for source in (tmp_path / "hf", weights):  # run.init_from: the folder itself, or the file under our names
+        fresh = load_init(tiny_gpt(tied, seed=7), source, tokenizer_file)
+        assert fresh.state_dict().keys() == model.state_dict().keys()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[name], tensor), (source, name)
+        assert (fresh.lm_head.weight is fresh.tok_embeddings.weight) == tied
+
+
+def test_export_refuses_a_weight_llama_cannot_express(tmp_path, tokenizer_file):
+    model = tiny_gpt(tied=True)
+    model.blocks[1].attn.wq = torch.nn.Linear(64, 64, bias=True)  # a variant with a q bias
+    with pytest.raises(DataError, match=r"'blocks\.1\.attn\.wq\.bias'.*cannot be exported"):
+        export_gpt(model, tokenizer_file, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []  # no folder, no staging left behind
+
+
+@pytest.mark.parametrize("key,value", [("num_key_value_heads", 2), ("attention_bias", True), ("mlp_bias", True),
+                                       ("hidden_act", "gelu"), ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+                                       ("head_dim", 32)])
+def test_import_refuses_a_llama_our_gpt_cannot_express(tmp_path, tokenizer_file, key, value):
+    export_gpt(tiny_gpt(tied=True), tokenizer_file, tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(DataError, match=rf"{key}=.*cannot be expressed"):
+        read_hf_config(tmp_path / "hf")
+
+
+def test_import_of_another_architecture_is_one_line_exit_2(tmp_path, capsys):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                                                    "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300}))
+    for args in ([str(EXPERIMENTS / "runs" / "tiny.yaml")], ["--out", str(tmp_path / "w.safetensors")]):
+        assert cli.main(["import", str(folder), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err, err
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_export_never_writes_into_a_folder_that_holds_something(tmp_path, tokenizer_file):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(DataError, match="not empty"):
+        export_gpt(tiny_gpt(tied=True), tokenizer_file, tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    (tmp_path / "empty").mkdir()  # an empty folder is fine: it is replaced by the finished one
+    export_gpt(tiny_gpt(tied=True), tokenizer_file, tmp_path / "empty")
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine"]  # no staging folder left
+
+
+def test_init_from_must_compute_with_the_models_settings_and_tokenizer(tmp_path, tokenizer_file):
+    export_gpt(tiny_gpt(tied=True), tokenizer_file, tmp_path / "hf")
+    other = GPT(GPTConfig(**{**function_fields(tiny_gpt(tied=True).cfg), "seq_len": 32, "rope_theta": 10000.0}))
+    with pytest.raises(ConfigError, match=r"model\.rope_theta=10000\.0 but run\.init_from .* has 500\.0"):
+        load_init(other, tmp_path / "hf", tokenizer_file)
+    another = tmp_path / "another.json"
+    save_tokenizer(train_tokenizer(["some other text entirely\n"] * 20, 290), another)
+    with pytest.raises(DataError, match="tokenizer of run.init_from .* differs"):
+        load_init(tiny_gpt(tied=True), tmp_path / "hf", another)
+    with pytest.raises(DataError, match="transformers' weight names: give its folder"):
+        load_init(tiny_gpt(tied=True), tmp_path / "hf" / "model.safetensors", tokenizer_file)
+
+
+@pytest.mark.slow
+def test_trained_run_exports_loads_in_transformers_and_continues_training(tmp_path, tiny_data_dir):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from lit_pretrain.train import train
+
+    run_file = EXPERIMENTS / "runs" / "tiny.yaml"
+    common = [*tiny_data_overrides(tiny_data_dir), f"run.root_dir={tmp_path / 'runs'}", "trainer.progress_bar=false"]
+    train(config.load(run_file, [*common, "trainer.max_steps=2", "schedule.warmup_steps=1"]))
+    run_dir = tmp_path / "runs" / "tiny"
+    assert cli.main(["export", str(run_dir / "checkpoints" / "last.ckpt"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    with pytest.raises(DataError, match="not empty"):  # a second export never overwrites the first
+        export_run(run_dir, tmp_path / "hf")
+
+    ours = load_tokenizer(tiny_data_dir / "tokenizer.json")
+    text = "def f(x):\n    return x + 1\n"
+    for tokenizer in (AutoTokenizer.from_pretrained(tmp_path / "hf"),
+                      PreTrainedTokenizerFast.from_pretrained(tmp_path / "hf")):
+        assert tokenizer.eos_token == EOD and tokenizer.eos_token_id == eod_id(ours)
+        assert tokenizer(text).input_ids == ours.encode(text).ids
+        assert tokenizer.decode(ours.encode(text).ids) == text
+    model = load_gpt(run_dir)
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf_model(tmp_path / "hf")(idx).logits - model(idx)).abs().max() <= 1e-5
+
+    # Continued pretraining: one step at a rate far below fp32's resolution at these weights' size (|w| ~ 1e-2,
+    # spacing ~1e-9) leaves them as imported, so the checkpoint shows exactly what the run started from.
+    assert cli.main(["import", str(tmp_path / "hf"), str(run_file), *common, "run.name=continued",
+                     "trainer.max_steps=1", "schedule.warmup_steps=0", "optim.lr_peak=1e-30", "schedule.lr_min=0",
+                     "optim.weight_decay=0"]) == 0
+    continued = tmp_path / "runs" / "continued"
+    assert config.load(continued / "config.yaml").run.init_from == str((tmp_path / "hf").resolve())
+    for name, tensor in load_gpt(continued).state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
