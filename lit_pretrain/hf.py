@@ -36,6 +36,7 @@ from lit_pretrain.llama import (
 )
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.paths import safe_rmtree
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
 # Metadata of a weights file under our names (`import --out`): the model fields and the tokenizer it was trained with.
@@ -138,10 +139,9 @@ def _write_json(path: Path, data: Dict[str, Any]) -> None:
 
 
 def _remove_staging(staging: Path, parent: Path) -> None:
-    # Only the folder this export made: mkdtemp's name, directly inside OUT's parent, not a link.
-    if staging.exists() and not staging.is_symlink() and staging.name.startswith(STAGING_PREFIX) \
-            and staging.resolve().parent == parent.resolve():
-        shutil.rmtree(staging)
+    # Only the folder this export made (mkdtemp's prefix, inside OUT's parent, no link); gone already once renamed.
+    if staging.exists():
+        safe_rmtree(staging, parent, lambda folder: folder.name.startswith(STAGING_PREFIX), "export staging folder")
 
 
 # ---------------------------------------------------------------------------------------------------------- import
