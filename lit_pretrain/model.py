@@ -53,14 +53,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries, keys and values of x (B, T, d_model), RoPE on q and k; each (B, n_heads, T, head_dim)."""
         B, T, _ = x.shape
         # -1 heads, not cfg.n_heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, n_heads, T, head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n_heads, T, head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)  # (B, n_heads, T, head_dim)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n_heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
         return self.wo(y)
@@ -71,11 +76,7 @@ class Attention(nn.Module):
         cache's, and their queries attend to every cached position before them. Decoding only; training never
         calls it, so `forward` stays one fused causal kernel with nothing to check."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, n_heads, T, head_dim)
+        q, k, v = self.qkv(x, cos, sin)  # (B, n_heads, T, head_dim)
         k, v = cache.append(layer, k, v)  # (B, n_heads, S, head_dim), S = cache.length + T
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask(T))  # (B, n_heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
