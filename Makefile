@@ -40,12 +40,14 @@ test-fast: $(STAMP) ## run the tests that take no extra processes or end-to-end 
 lint: $(STAMP) ## ruff over the package and tests
 	$(BIN)/ruff check lit_pretrain tests
 
-bench: $(STAMP) ## run the benchmark cases and write runs/bench/results.json
-	$(BIN)/python -m lit_pretrain.bench
+CASES ?=
+bench: $(STAMP) ## benchmark cases (CASES=step,compile for a subset): results.json, runs/bench/history.jsonl
+	$(BIN)/python -m lit_pretrain.bench $(if $(CASES),--cases $(CASES),)
 
 .PHONY: bench-gpu
-bench-gpu: $(STAMP) ## the training step on one CUDA GPU (~125M, ~1B, bf16, FSDP2, compile): MFU vs its peak
-	$(BIN)/python -m lit_pretrain.bench.gpu
+DRY_RUN ?=
+bench-gpu: $(STAMP) ## the step on one CUDA GPU (~125M, ~1B, bf16, FSDP2, compile): MFU; DRY_RUN=1: tiny, on CPU
+	$(BIN)/python -m lit_pretrain.bench.gpu $(if $(DRY_RUN),--dry-run,)
 
 sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
 	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)

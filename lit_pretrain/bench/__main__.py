@@ -1,4 +1,5 @@
-"""`python -m lit_pretrain.bench [RUN_FILE] [key=value ...]`: run every case, print one table, write results.json.
+"""`python -m lit_pretrain.bench [RUN_FILE] [key=value ...] [--cases step,compile]`: run every case (or the chosen
+groups), print one table, write results.json and append one line per case to runs/bench/history.jsonl.
 
 The model, batch and seed come from the experiment (default: experiments/runs/default.yaml), so the benchmark
 measures the step that `make train` runs.
@@ -6,31 +7,117 @@ measures the step that `make train` runs.
 
 import argparse
 import json
-import os
-import platform
+import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Dict, List, Optional
 
-import lightning
-import torch
+from lit_pretrain.bench import history
 
-from lit_pretrain import config as config_lib
-from lit_pretrain.bench import (
-    checkpoint,
-    compile,
-    datamodule,
-    deduplication,
-    evaluation,
-    generation,
-    mfu,
-    pipeline,
-    precision,
-    stability,
-    step,
-    strategies,
-    tokenize,
-)
-from lit_pretrain.train import resolve_vocab, setup_process
+# The case modules (and torch, Lightning) are imported inside the functions below, so an unknown --cases name is
+# reported in a fraction of a second and a subset imports only what it runs.
+
+
+class _Run:
+    """What the case groups share: the config, the arguments, and what is measured or prepared once on demand."""
+
+    def __init__(self, c, args, tmp: Path, peak: Optional[float]):
+        self.c, self.args, self.tmp, self.peak = c, args, tmp, peak
+        self.step_cases: Optional[List[Dict]] = None
+        self._sample = None
+
+    @property
+    def sample(self):
+        # The prepared sample shared by the datamodule, tokenize and evaluation cases; made only if one is chosen.
+        if self._sample is None:
+            from lit_pretrain.bench import datamodule
+
+            self._sample = datamodule.prepare_sample(self.c.data, self.tmp / "prepared")
+        return self._sample
+
+    def step_tokens_per_s(self) -> float:
+        return self.step_cases[0]["value"]
+
+
+def _step(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import step
+
+    r.step_cases = [step.run(r.c, r.args.steps, r.args.skip, r.args.repeats)]
+    return r.step_cases
+
+
+def _compile(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import compile
+
+    return compile.run(r.c, r.args.steps, r.args.skip, r.args.repeats, r.peak)
+
+
+def _precision(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import precision
+
+    return [precision.run(r.c)]
+
+
+def _datamodule(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import datamodule
+
+    return [datamodule.run(r.c, r.sample, consumed_tokens_per_s=r.step_tokens_per_s())]
+
+
+def _tokenize(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import tokenize
+
+    return [tokenize.run(r.sample, r.args.repeats)]
+
+
+def _evaluation(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import evaluation
+
+    return [evaluation.run(r.c, r.sample, r.step_tokens_per_s(), r.args.repeats)]
+
+
+def _deduplication(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import deduplication
+
+    return deduplication.run(r.c.data.deduplication, r.args.repeats)
+
+
+def _strategies(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import strategies
+
+    return strategies.run(r.c, r.args.run_file, r.args.overrides)
+
+
+def _pipeline(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import pipeline
+
+    return pipeline.run(r.c)
+
+
+def _stability(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import stability
+
+    return [stability.run(r.c, r.args.steps, r.args.skip, r.args.repeats)]
+
+
+def _checkpoint(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import checkpoint
+
+    return [checkpoint.run(r.c, r.args.repeats)]
+
+
+def _generation(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import generation
+
+    return [generation.run(r.c, r.args.repeats)]
+
+
+CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
+    "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
+    "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
+    "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
+}
+assert tuple(CASES) == history.CASE_GROUPS
 
 
 def main(argv=None) -> None:
@@ -41,27 +128,37 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps per timed run")
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the timing")
     parser.add_argument("--repeats", type=int, default=2, help="alternations of reference and candidate")
+    parser.add_argument("--cases", default="", help=f"comma-separated case groups (default all): {', '.join(CASES)}")
     parser.add_argument("--out", default="runs/bench/results.json")
+    parser.add_argument("--history", default="runs/bench/history.jsonl",
+                        help="one JSON line per case is appended here (empty: no history)")
     args = parser.parse_args(argv)
+    try:  # before anything is loaded or measured
+        chosen = history.parse_cases(args.cases)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    import lightning
+    import torch
+
+    from lit_pretrain import config as config_lib
+    from lit_pretrain.bench import mfu
+    from lit_pretrain.train import resolve_vocab, setup_process
 
     c = config_lib.to_object(config_lib.load(args.run_file, args.overrides))
     setup_process(c.trainer)
     c = resolve_vocab(c, c.data.vocab_size)  # the step's cost depends on the vocabulary size, not its contents
-    peak = mfu.cpu_matmul_peak()  # before any case, on the threads training uses
-    cases = [step.run(c, args.steps, args.skip, args.repeats)]
-    cases += compile.run(c, args.steps, args.skip, args.repeats, peak)
-    cases.append(precision.run(c))
+    if {"datamodule", "evaluation"} & set(chosen) and "step" not in chosen:
+        # Both compare against the tokens/s the Trainer's step consumes, so they run the step case first (it is
+        # reported and recorded like a chosen one).
+        chosen = ["step", *chosen]
+    # The matmul peak (compile's MFU reference) only when compile is chosen, before any case, on the training threads.
+    peak = mfu.cpu_matmul_peak() if "compile" in chosen else None
     with tempfile.TemporaryDirectory() as tmp:
-        sample = datamodule.prepare_sample(c.data, Path(tmp) / "prepared")
-        cases.append(datamodule.run(c, sample, consumed_tokens_per_s=cases[0]["value"]))
-        cases.append(tokenize.run(sample, args.repeats))
-        cases.append(evaluation.run(c, sample, cases[0]["value"], args.repeats))
-    cases += deduplication.run(c.data.deduplication, args.repeats)
-    cases += strategies.run(c, args.run_file, args.overrides)
-    cases += pipeline.run(c)
-    cases.append(stability.run(c, args.steps, args.skip, args.repeats))
-    cases.append(checkpoint.run(c, args.repeats))
-    cases.append(generation.run(c, args.repeats))
+        r = _Run(c, args, Path(tmp), peak)
+        results = {name: CASES[name](r) for name in chosen}  # chosen is in CASES' order: step comes first
+    cases = [case for group in results.values() for case in group]
 
     print(f"\n{'case':<32} {'value':>14} {'reference':>14} {'ratio':>7}  goal")
     for case in cases:
@@ -69,11 +166,15 @@ def main(argv=None) -> None:
               f"{case['goal']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-               "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-               "torch": torch.__version__, "lightning": lightning.__version__, "matmul_peak_flops_per_s": peak}
-    out.write_text(json.dumps({"machine": machine, "experiment": args.run_file, "cases": cases}, indent=2) + "\n")
+    fields = history.machine_fields(torch.get_num_threads(), torch.__version__)
+    machine = {**fields, "lightning": lightning.__version__, "matmul_peak_flops_per_s": peak,
+               "fingerprint": history.fingerprint(fields)}
+    out.write_text(json.dumps({"machine": machine, "experiment": args.run_file, "cases_run": list(results),
+                               "cases": cases}, indent=2) + "\n")
     print(f"wrote {out}")
+    if args.history:
+        print()
+        history.record_and_compare(Path(args.history), cases, history.git_commit(), history.fingerprint(fields))
 
 
 if __name__ == "__main__":

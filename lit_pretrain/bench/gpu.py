@@ -30,6 +30,9 @@ MODELS = {
 }
 VOCAB_SIZE = 32768
 GOALS = {"125m": "-", "1b": ">= 0.45"}
+# `--dry-run`: the same code path on the CPU with a tiny model and a few steps, so the script is exercised (by a test)
+# on machines without a GPU. Its figures mean nothing.
+DRY_RUN_MODEL = dict(n_layers=1, d_model=32, n_heads=2, seq_len=16, micro_batch_size=2)
 
 
 def require_cuda() -> None:
@@ -41,37 +44,41 @@ def require_cuda() -> None:
         )
 
 
-def model_config(name: str) -> tuple[GPTConfig, int]:
-    """(model config, micro-batch size) of a named benchmark model."""
-    shape = dict(MODELS[name])
+def model_config(name: str, dry_run: bool = False) -> tuple[GPTConfig, int]:
+    """(model config, micro-batch size) of a named benchmark model (the tiny one under `dry_run`)."""
+    shape = dict(DRY_RUN_MODEL if dry_run else MODELS[name])
     micro_batch_size = shape.pop("micro_batch_size")
     return GPTConfig(vocab_size=VOCAB_SIZE, tie_embeddings=False, **shape), micro_batch_size
 
 
-def experiment(c, name: str, devices: int):
-    """The experiment's config with the benchmark model, its micro-batch and FSDP2 (ZeRO stage 3) on `devices`."""
+def experiment(c, name: str, devices: int, dry_run: bool = False):
+    """The experiment's config with the benchmark model, its micro-batch and FSDP2 (ZeRO stage 3) on `devices`
+    (under `dry_run`: the tiny model on the CPU, over gloo)."""
     from lit_pretrain.schema import StrategyConfig
 
-    model, micro_batch_size = model_config(name)
+    model, micro_batch_size = model_config(name, dry_run)
     trainer = dataclasses.replace(c.trainer, micro_batch_size=micro_batch_size, devices=devices,
-                                  precision="bf16-mixed", accelerator="cuda")
-    return dataclasses.replace(c, model=model, trainer=trainer, strategy=StrategyConfig(name="zero", zero_stage=3))
+                                  precision="bf16-mixed", accelerator="cpu" if dry_run else "cuda")
+    strategy = StrategyConfig(name="zero", zero_stage=3, **({"process_group_backend": "gloo"} if dry_run else {}))
+    return dataclasses.replace(c, model=model, trainer=trainer, strategy=strategy)
 
 
-def run_model(c, name: str, steps: int, skip: int, devices: int) -> List[Dict]:
+def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool = False) -> List[Dict]:
     from lit_pretrain.bench import mfu
     from lit_pretrain.bench.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
     from lit_pretrain.model import GPT
     from lit_pretrain.parallel.strategies import build_strategy
 
-    c = experiment(c, name, devices)
+    c = experiment(c, name, devices, dry_run)
 
     def tokens_per_s(compile: bool) -> float:
         # Every rank times its own share; the node's rate is that times the ranks (they step in lockstep).
+        # The dry run stays eager on both sides: compiling needs a C++ compiler and tens of seconds on a CPU.
         strategy = build_strategy(c.strategy, c.trainer)
-        return devices * trainer_loop(c, steps, skip, compile=compile, precision=c.trainer.precision,
-                                      accelerator="cuda", strategy=strategy, devices=devices)
+        return devices * trainer_loop(c, steps, skip, compile=compile and not dry_run,
+                                      precision=c.trainer.precision, accelerator=c.trainer.accelerator,
+                                      strategy=strategy, devices=devices)
 
     case = paired_case(f"gpu_{name}_compiled_step_tokens_per_s", lambda: tokens_per_s(False),
                        lambda: tokens_per_s(True), 1, ">= 1.0", "tokens/s", ("eager", "compiled"),
@@ -80,7 +87,8 @@ def run_model(c, name: str, steps: int, skip: int, devices: int) -> List[Dict]:
     with torch.device("meta"):
         model = GPT(c.model)
     case["detail"]["params"] = model.num_params(non_embedding=False)
-    peak = devices * gpu_peak_flops(torch.cuda.get_device_name(), c.trainer.precision)
+    # The dry run divides by a nominal 1 TFLOP/s: no CPU datasheet peak exists, and its MFU means nothing anyway.
+    peak = 1e12 if dry_run else devices * gpu_peak_flops(torch.cuda.get_device_name(), c.trainer.precision)
     best = {f"gpu_{name}_eager": case["reference"], f"gpu_{name}_compiled": case["value"]}
     return [case, *mfu.cases(best, model.flops_per_token(), peak, {f"gpu_{name}_compiled": GOALS[name]})]
 
@@ -92,11 +100,17 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=10, help="first steps left out (compile, allocator warm-up)")
     parser.add_argument("--out", default="runs/bench/results-gpu.json")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the same code path on the CPU with a tiny model and a few steps (no CUDA needed); "
+                             "prints the table, writes no file; the figures mean nothing")
     args = parser.parse_args(argv)
-    try:
-        require_cuda()
-    except RuntimeError as e:
-        raise SystemExit(f"error: {e}") from None
+    if args.dry_run:
+        args.steps, args.skip = min(args.steps, 3), min(args.skip, 1)
+    else:
+        try:
+            require_cuda()
+        except RuntimeError as e:
+            raise SystemExit(f"error: {e}") from None
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         raise SystemExit(f"error: --models {','.join(unknown)}: expected a comma-separated list of {', '.join(MODELS)}")
@@ -108,13 +122,17 @@ def main(argv=None) -> None:
     c = config_lib.to_object(config_lib.load(args.run_file, []))
     # One process drives one GPU; under `torchrun --nproc-per-node N` each of the N processes drives its own.
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cases = [case for name in args.models.split(",") for case in run_model(c, name, args.steps, args.skip, devices)]
+    cases = [case for name in args.models.split(",")
+             for case in run_model(c, name, args.steps, args.skip, devices, args.dry_run)]
     if int(os.environ.get("RANK", "0")) != 0:
         return  # one table, one file
     print(f"\n{'case':<36} {'value':>16} {'reference':>16} {'ratio':>7}  goal")
     for case in cases:
         print(f"{case['case']:<36} {case['value']:>16,.1f} {case['reference']:>16,.1f} {case['ratio']:>7.3f}  "
               f"{case['goal']}")
+    if args.dry_run:
+        print("dry run (CPU, tiny model): the code path ran; no file written")
+        return
     machine = {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(), "gpus": devices,
                "cuda": torch.version.cuda, "torch": torch.__version__, "lightning": lightning_version,
                "python": platform.python_version()}
