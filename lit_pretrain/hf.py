@@ -276,7 +276,10 @@ def write_weights(folder: str | Path, out: str | Path) -> Path:
     meta = {"format": "pt", META_MODEL: json.dumps(fields),
             META_TOKENIZER: tokenizer_sha256(tokenizer) if tokenizer.is_file() else ""}
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    # A staging name mkstemp made for this call (never a file of the user's), linked to OUT, then removed.
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    staging = Path(name)
     try:
         st.save_file(tensors, staging, metadata=meta)
         os.link(staging, out)  # fails if OUT appeared meanwhile: never overwrite
