@@ -123,8 +123,8 @@ class SourceConfig:
 @dataclass
 class MixturePhase:
     step: int = 0
-    """The optimizer step from which these weights apply (counted in global batches of the data order: batches a
-    loss-spike rewind skipped count too)."""
+    """These weights apply once this many optimizer steps are done (from trainer.global_step == step on), counted
+    in global batches of the data order: batches a loss-spike rewind skipped count too."""
     weights: Dict[str, float] = field(default_factory=dict)
     """New weights by source name; a source not named keeps its weight from before."""
 
