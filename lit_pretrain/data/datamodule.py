@@ -183,12 +183,7 @@ class TokenShardDataModule(L.LightningDataModule):
             if not self.data.sources:
                 self._manifest = prepare(self.data)
                 return
-            manifests = []
-            for i, cfg in enumerate(source_configs(self.data)):
-                if manifests:
-                    check_tokenizer(cfg.prepared_dir, manifests[0], i)  # before prepare() calls it a changed file
-                manifests.append(prepare(cfg))
-            self._use_sources(manifests)
+            self._use_sources(prepare_sources(self.data))
 
     def _use_sources(self, manifests: List[Dict]) -> None:
         for i, cfg in enumerate(source_configs(self.data)[1:], start=1):
@@ -355,6 +350,16 @@ def source_configs(data) -> List:
             changes["tokenizer_path"] = str(Path(out[0].prepared_dir) / TOKENIZER_FILE)
         out.append(dataclasses.replace(data, **changes))
     return out
+
+
+def prepare_sources(data) -> List[Dict]:
+    """Prepare (or reuse) every source's folder, the first first (the others may take its tokenizer)."""
+    manifests = []
+    for i, cfg in enumerate(source_configs(data)):
+        if manifests:
+            check_tokenizer(cfg.prepared_dir, manifests[0], i)  # before prepare() calls it a changed file
+        manifests.append(prepare(cfg))
+    return manifests
 
 
 def check_tokenizer(prepared_dir, first: Dict, index: int) -> None:
