@@ -75,7 +75,8 @@ class MixtureOrder:
         self._perms: Dict[Tuple[int, int], np.ndarray] = {}
 
     def _phase_spans(self, start: int, stop: int):
-        """(phase, its first slot, the part of [start, stop) inside it) for each phase that [start, stop) meets."""
+        """(first slot, slots per period, one period's sources, lo, hi) of each phase that [start, stop) meets, with
+        [lo, hi) the part of [start, stop) inside it."""
         for p, (first, counts, pattern) in enumerate(self.phases):
             end = self.phases[p + 1][0] if p + 1 < len(self.phases) else None
             lo, hi = max(start, first), stop if end is None else min(stop, end)
