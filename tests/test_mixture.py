@@ -221,3 +221,14 @@ def test_bits_per_byte_per_source_against_a_hand_count(tmp_path):
         assert logged[f"val/{name}/loss"] == pytest.approx(nats[name] / tokens[name], rel=1e-5)
         assert logged[f"val/{name}/bits_per_byte"] == pytest.approx(nats[name] / n_bytes / math.log(2), rel=1e-5)
     assert logged["val/bits_per_byte"] == pytest.approx(sum(nats.values()) / 51 / math.log(2), rel=1e-5)
+
+
+def test_train_refuses_max_steps_that_pass_a_source_max_epochs(mixture):
+    data, _ = mixture
+    limited = replace(data, sources=[data.sources[0], replace(data.sources[1], max_epochs=1.0)])
+    dm = make_dm(limited)
+    size_b = len(dm.train_dataset.parts[1])
+    # b draws 6 of each step's 8 windows before the step-4 switch and 2 after: size_b steps pass over it twice.
+    with pytest.raises(ConfigError, match=r"data.sources\[1\].max_epochs=1.0: "):
+        dm.check_mixture(dm.train_dataset, max_steps=size_b, samples_per_step=8)
+    dm.check_mixture(dm.train_dataset, max_steps=4, samples_per_step=8)  # 24 of its windows: within one pass
