@@ -172,9 +172,14 @@ def main(argv=None) -> int:
 
             print(OmegaConf.to_yaml(cfg), end="")
         elif args.command == "prepare":
+            from lit_pretrain.data.datamodule import prepare_sources
             from lit_pretrain.data.prepare import prepare
 
-            prepare(config.to_object(cfg).data)
+            data = config.to_object(cfg).data
+            if data.sources:  # a mixture: each source's own folder
+                prepare_sources(data)
+            else:
+                prepare(data)
         else:
             from lit_pretrain.train import train
 

@@ -189,14 +189,29 @@ class PretrainModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         if batch_idx == 0:
             self._val_started = time.perf_counter()
-        self.val_loss.update(self.loss(batch), weight=batch[0].numel())
+        loss = self.loss(batch)
+        self.val_loss.update(loss, weight=batch[0].numel())
         table = token_bytes_table(self)
+        batch_bytes = None
         if table is not None:
             # Bytes of the predicted tokens, summed on the device and read once, at the epoch's end; tokens from the
             # shape, on the host.
             y = batch[1]
             tokens, n_bytes = getattr(self, "_val_counts", None) or (0, 0)
-            self._val_counts = (tokens + y.numel(), n_bytes + table[y].sum())
+            batch_bytes = table[y].sum()
+            self._val_counts = (tokens + y.numel(), n_bytes + batch_bytes)
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        sources = getattr(datamodule, "val_batch_sources", None)
+        if sources:
+            # A mixture: every validation batch holds one source's windows (data/mixture.py val_batches); total
+            # nats, tokens and bytes per source, in float64 on the device (token counts stay exact).
+            if getattr(self, "_val_by_source", None) is None:
+                self._val_by_source = torch.zeros(len(datamodule.source_names), 3, dtype=torch.float64,
+                                                  device=loss.device)
+            totals, n = self._val_by_source[sources[batch_idx]], float(batch[1].numel())
+            totals[0] += loss.detach().double() * n
+            totals[1] += n
+            totals[2] += batch_bytes.double() if batch_bytes is not None else -1.0  # -1: no byte count
 
     def on_validation_epoch_end(self):
         val_loss = self.val_loss.compute()  # torchmetrics reduces across ranks
@@ -212,6 +227,15 @@ class PretrainModule(L.LightningModule):
             if n_bytes > 0:
                 # val_loss is the mean over tokens, so val_loss × tokens is the total nats.
                 self.log("val/bits_per_byte", bits_per_byte(float(val_loss) * tokens, n_bytes))
+        by_source, self._val_by_source = getattr(self, "_val_by_source", None), None
+        if by_source is not None:
+            # Summed over ranks like the counts above (tensor/pipeline ranks repeat a replica's totals alike).
+            by_source = self.trainer.strategy.reduce(by_source, reduce_op="sum").tolist()
+            for name, (nats, tokens, n_bytes) in zip(self.trainer.datamodule.source_names, by_source):
+                if tokens > 0:
+                    self.log(f"val/{name}/loss", nats / tokens)
+                if n_bytes > 0:  # negative without a byte-level tokenizer: no bits per byte
+                    self.log(f"val/{name}/bits_per_byte", bits_per_byte(nats, n_bytes))
         started, self._val_started = getattr(self, "_val_started", None), None
         if started is not None:  # validation's own time, kept apart from the training step's (throughput monitor)
             self.log("val/seconds", time.perf_counter() - started)

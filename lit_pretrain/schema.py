@@ -5,12 +5,12 @@ loader enforces: `ge`/`gt`/`le`/`lt` for numbers, `choices` for strings, `patter
 string must match, with `rule` saying it in words) for names.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.paths import SAFE_NAME, SAFE_NAME_RULE
+from lit_pretrain.paths import SAFE_NAME, SAFE_NAME_RULE, is_safe_name
 
 ModelConfig = GPTConfig
 
@@ -88,6 +88,48 @@ class DeduplicationConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a mixture (data.sources). Its corpus fields left null take the data.<same key> value; the
+    tokenizer (data.tokenizer_path, vocab_size, tokenizer_train_bytes), shard_tokens and num_workers are shared."""
+
+    name: str = ""
+    """The source's name: metrics data/<name>/..., val/<name>/..., and its default prepared folder."""
+    weight: float = 1.0
+    """Relative share of the training windows drawn from this source (normalized over the sources; 0: none until a
+    data.mixture_schedule entry raises it)."""
+    max_epochs: Optional[float] = None
+    """Passes over this source's train windows the run may make; a run that would go past it stops with an error
+    before its first step. null: no limit (a small source repeats as often as its weight asks)."""
+    prepared_dir: Optional[str] = None
+    """This source's prepared folder. null: data.prepared_dir/<name>."""
+    corpus: Optional[str] = None
+    """As data.corpus (null: data.corpus)."""
+    paths: Optional[List[str]] = None
+    """As data.paths (null: data.paths)."""
+    text_field: Optional[str] = None
+    """As data.text_field (null: data.text_field)."""
+    max_documents: Optional[int] = None
+    """As data.max_documents (null: data.max_documents)."""
+    val_fraction: Optional[float] = None
+    """As data.val_fraction (null: data.val_fraction)."""
+    split_seed: Optional[int] = None
+    """As data.split_seed (null: data.split_seed)."""
+    max_invalid_fraction: Optional[float] = None
+    """As data.max_invalid_fraction (null: data.max_invalid_fraction)."""
+    deduplication: Optional[DeduplicationConfig] = None
+    """As data.deduplication (null: data.deduplication); deduplication runs within each source, not across them."""
+
+
+@dataclass
+class MixturePhase:
+    step: int = 0
+    """These weights apply once this many optimizer steps are done (from trainer.global_step == step on), counted
+    in global batches of the data order: batches a loss-spike rewind skipped count too."""
+    weights: Dict[str, float] = field(default_factory=dict)
+    """New weights by source name; a source not named keeps its weight from before."""
+
+
+@dataclass
 class DataConfig:
     corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl"]})
     """Where documents come from. stdlib: the Python standard library's own .py files (on every machine,
@@ -122,6 +164,52 @@ class DataConfig:
     """DataLoader worker processes per rank (0: load in the training process)."""
     deduplication: DeduplicationConfig = field(default_factory=DeduplicationConfig)
     """Exact and MinHash near-duplicate removal before the split and the tokenizer (data/deduplicate.py)."""
+    sources: List[SourceConfig] = field(default_factory=list)
+    """A weighted mixture of sources, each with its own corpus and prepared folder (data/mixture.py), all tokenized
+    by one tokenizer: data.tokenizer_path, or else the one trained on the first source. Empty: the single corpus
+    described by the fields above."""
+    mixture_schedule: List[MixturePhase] = field(default_factory=list)
+    """Weight changes during the run, e.g. [{step: 800, weights: {web: 0.2, books: 0.8}}] for a decay-phase mix;
+    entries in increasing step order."""
+
+    def __post_init__(self):
+        self.check_mixture()
+
+    def check_mixture(self) -> None:
+        """The mixture's own rules, at config load (ranges of list items are not reached by config.check_ranges)."""
+        names = []
+        for i, src in enumerate(self.sources):
+            key = f"data.sources[{i}]"
+            if not is_safe_name(src.name):
+                raise ConfigError(f"{key}.name={src.name!r}: expected {SAFE_NAME_RULE}")
+            if src.name in names:
+                raise ConfigError(f"{key}.name={src.name!r} names a source twice: give each source its own name")
+            names.append(src.name)
+            _check_weight(f"{key}.weight", src.weight)
+            for name in ("corpus", "max_documents", "val_fraction", "max_invalid_fraction"):
+                # The ranges and choices of the data.<name> field it stands in for.
+                _check_meta(DataConfig, name, getattr(src, name), f"{key}.{name}")
+            if src.max_epochs is not None and src.max_epochs <= 0:
+                raise ConfigError(f"{key}.max_epochs={src.max_epochs}: expected a value > 0, or null for no limit")
+        if self.mixture_schedule and not self.sources:
+            raise ConfigError("data.mixture_schedule is set but data.sources is empty: list the sources it weighs")
+        weights = {src.name: src.weight for src in self.sources}
+        if self.sources and not any(weights.values()):
+            raise ConfigError("data.sources: every weight is 0: give at least one source a weight > 0")
+        last = 0
+        for i, phase in enumerate(self.mixture_schedule):
+            key = f"data.mixture_schedule[{i}]"
+            if phase.step <= last:
+                raise ConfigError(f"{key}.step={phase.step}: steps must be > 0 and increase from entry to entry")
+            last = phase.step
+            for name, weight in phase.weights.items():
+                if name not in weights:
+                    raise ConfigError(f"{key}.weights names {name!r}, which is not a source: use one of "
+                                      f"{', '.join(weights)}")
+                _check_weight(f"{key}.weights.{name}", weight)
+            weights.update(phase.weights)
+            if not any(weights.values()):
+                raise ConfigError(f"{key}: every weight is 0 from step {phase.step} on: keep one source above 0")
 
 
 @dataclass
@@ -421,3 +509,21 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+
+
+def _check_weight(key: str, weight: float) -> None:
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 <= weight < float("inf"):
+        raise ConfigError(f"{key}={weight!r}: a weight is a finite number >= 0 (shares are weights over their sum)")
+
+
+def _check_meta(schema, name: str, value, key: str) -> None:
+    """A field's `choices`/`ge`/`gt`/`le`/`lt` metadata, for list items (config.check_ranges covers sections)."""
+    meta = next(f.metadata for f in fields(schema) if f.name == name)
+    if value is None:
+        return
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{key}={value!r}: expected one of {[c for c in meta['choices'] if c is not None]}")
+    for op, word, ok in (("ge", ">=", lambda b: value >= b), ("gt", ">", lambda b: value > b),
+                         ("le", "<=", lambda b: value <= b), ("lt", "<", lambda b: value < b)):
+        if op in meta and not ok(meta[op]):
+            raise ConfigError(f"{key}={value!r}: expected a value {word} {meta[op]}")

@@ -20,6 +20,7 @@ from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
+from lit_pretrain.data.mixture import MixtureMetrics
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.layout import check_layout, uses_mesh
@@ -110,7 +111,8 @@ def train(cfg: DictConfig) -> dict:
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
     manifest = datamodule.manifest
-    datamodule.windows(manifest, check_layout(c, world_size(c.trainer)).data_parallel)
+    train_windows, _ = datamodule.windows(manifest, check_layout(c, world_size(c.trainer)).data_parallel)
+    datamodule.check_mixture(train_windows, c.trainer.max_steps, tokens_per_step // c.model.seq_len)
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
     cfg.model.vocab_size = c.model.vocab_size
     run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
@@ -134,6 +136,7 @@ def train(cfg: DictConfig) -> dict:
                                    "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
         *build_callbacks(c),
         *([ProfileSteps(run_dir, c.trainer.profile.start_step, c.trainer.profile.steps)] if c.trainer.profile else []),
+        *([MixtureMetrics()] if c.data.sources else []),  # data/<source>/tokens_seen and epochs
     ]
     if c.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=max(1, accumulate)))
@@ -143,7 +146,8 @@ def train(cfg: DictConfig) -> dict:
         accumulate_grad_batches=accumulate,
         # Lightning counts validation intervals in micro-batches; ours are optimizer steps.
         val_check_interval=c.trainer.val_every_n_steps * accumulate, check_val_every_n_epoch=None,
-        limit_val_batches=c.trainer.val_batches, num_sanity_val_steps=0,
+        # A mixture validates val_batches of each source (data/mixture.py val_batches).
+        limit_val_batches=c.trainer.val_batches * max(1, len(c.data.sources)), num_sanity_val_steps=0,
         log_every_n_steps=c.trainer.log_every_n_steps, logger=loggers(run_dir, c), callbacks=callbacks,
         enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
         enable_checkpointing=False,  # resume.checkpointing.StepCheckpoint writes the checkpoints
@@ -205,6 +209,8 @@ def train(cfg: DictConfig) -> dict:
         "tokens_per_second": tokens_seen / train_seconds if train_seconds > 0 else None,
         **dataset_summary(manifest, params, tokens_seen),
     }
+    if c.data.sources:
+        summary["sources"] = mixture_summary(c, datamodule, metrics)
     if trainer.is_global_zero:
         rows = read_metrics(run_dir / "metrics.csv")
         # Validation and downstream evaluation, summed over the whole run (resumed sessions included): the
@@ -219,6 +225,18 @@ def train(cfg: DictConfig) -> dict:
             if type(logger).__name__ == "WandbLogger":
                 logger.experiment.finish()  # else a second train() in this process would log into this run
     return summary
+
+
+def mixture_summary(c: Config, datamodule: TokenShardDataModule, metrics: dict) -> dict:
+    """Per source: its weights, what training was handed of it, and its validation loss and bits per byte."""
+    progress = datamodule.source_progress()
+    return {src.name: {"weight": src.weight,
+                       "schedule": {p.step: p.weights[src.name] for p in c.data.mixture_schedule
+                                    if src.name in p.weights},
+                       **progress[src.name],
+                       "val_loss": metrics.get(f"val/{src.name}/loss"),
+                       "val_bits_per_byte": metrics.get(f"val/{src.name}/bits_per_byte")}
+            for src in c.data.sources}
 
 
 def timing_line(steps: int, train_seconds: float, tokens_per_second: Optional[float], session_train_seconds: float,

@@ -7,6 +7,11 @@ checkpoint follows (start of step 6); SIGTERM during step 4 (the checkpoint come
 Equality is bitwise (torch.equal, exact floats in metrics.csv): same process count, same data, same RNG, same
 kernels, so any difference is a resume bug, not rounding. Across process counts the windows of each step are
 compared exactly and the losses within a justified float tolerance.
+
+Every run trains on a two-source mixture (data.sources: the tiny corpus at weight 1 and a second source at weight 3,
+switched to 3:1 from step 3 by data.mixture_schedule), so the kills land before and after the switch and the
+mixture's per-source positions are resumed across 1, 2 and tensor-parallel processes; the single-corpus order is
+the same TrainLoader machinery, covered in-process by tests/test_data.py and tests/test_resume_state.py.
 """
 
 import json
@@ -30,6 +35,14 @@ COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every_n_steps=3", "trainer.
 DDP = ["strategy=ddp", "trainer.devices=2", "trainer.micro_batch_size=4"]
 
 
+def mixture(tiny_data_dir: Path) -> list:
+    """Two sources sharing the tiny corpus's tokenizer; the second (100 documents) is prepared by the first run."""
+    second = tiny_data_dir.parent / f"{tiny_data_dir.name}-b"
+    return [f"data.sources=[{{name: tiny, prepared_dir: '{tiny_data_dir}'}}, {{name: second, prepared_dir: "
+            f"'{second}', max_documents: 100, split_seed: 7, val_fraction: 0.05, weight: 3}}]",
+            "data.mixture_schedule=[{step: 3, weights: {tiny: 3, second: 1}}]", "data.deduplication.processes=1"]
+
+
 def extra(*specs) -> str:
     items = ", ".join(f"{{class_path: 'tests.resume_helpers:{cls}', init_args: {json.dumps(args)}}}"
                       for cls, args in specs)
@@ -45,7 +58,7 @@ def train(tmp_path_factory, tiny_data_dir):
         if record:
             specs.append(("RecordIndices", {"out": str(root / f"{name}.indices")}))
         # A new session: the injected SIGKILL takes down the run's process group (every rank), not pytest.
-        out = run_module(*train_args(tiny_data_dir, root, name), *COMMON, *overrides,
+        out = run_module(*train_args(tiny_data_dir, root, name), *COMMON, *mixture(tiny_data_dir), *overrides,
                          *([extra(*specs)] if specs else []), rc=rc, start_new_session=True)
         return root / name, out
 

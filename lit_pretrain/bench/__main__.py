@@ -112,10 +112,16 @@ def _generation(r: _Run) -> List[Dict]:
     return [generation.run(r.c, r.args.repeats)]
 
 
+def _mixture(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import mixture
+
+    return [mixture.run(r.c, r.step_tokens_per_s())]
+
+
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
-    "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
+    "stability": _stability, "checkpoint": _checkpoint, "generation": _generation, "mixture": _mixture,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 
@@ -149,8 +155,8 @@ def main(argv=None) -> None:
     c = config_lib.to_object(config_lib.load(args.run_file, args.overrides))
     setup_process(c.trainer)
     c = resolve_vocab(c, c.data.vocab_size)  # the step's cost depends on the vocabulary size, not its contents
-    if {"datamodule", "evaluation"} & set(chosen) and "step" not in chosen:
-        # Both compare against the tokens/s the Trainer's step consumes, so they run the step case first (it is
+    if {"datamodule", "evaluation", "mixture"} & set(chosen) and "step" not in chosen:
+        # They compare against the tokens/s the Trainer's step consumes, so they run the step case first (it is
         # reported and recorded like a chosen one).
         chosen = ["step", *chosen]
     # The matmul peak (compile's MFU reference) only when compile is chosen, before any case, on the training threads.

@@ -12,6 +12,7 @@ optimizer step does not depend on W, and a position in the run is one number, th
 """
 
 import bisect
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -21,8 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from lit_pretrain.data.mixture import MixtureOrder, MixtureSampler, MixtureWindows, val_batches
 from lit_pretrain.data.prepare import prepare
-from lit_pretrain.data.shards import check_config, load_manifest, open_shard, verify_shards
+from lit_pretrain.data.shards import SPLITS, TOKENIZER_FILE, check_config, load_manifest, open_shard, verify_shards
 from lit_pretrain.data.tokenizer import load_tokenizer, token_byte_lengths
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import DataError
@@ -104,6 +106,7 @@ class TokenShardDataModule(L.LightningDataModule):
         val_batches: int,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        accumulate_grad_batches: int = 1,
     ):
         super().__init__()
         for key, value in (("model.seq_len", seq_len), ("trainer.micro_batch_size", micro_batch_size),
@@ -113,6 +116,11 @@ class TokenShardDataModule(L.LightningDataModule):
         self.data, self.seq_len, self.micro_batch_size = data, seq_len, micro_batch_size
         self.seed, self.val_batches = seed, val_batches
         self._rank, self._world_size = rank, world_size
+        self._accumulate = accumulate_grad_batches  # without a Trainer; with one, the Trainer's
+        self.source_manifests: Optional[List[Dict]] = None
+        """A mixture's manifests, one per data.sources entry (None for a single corpus)."""
+        self.val_batch_sources: Optional[List[int]] = None
+        """A mixture: the source index of each of this rank's validation batches (module.validation_step)."""
         self._manifest: Optional[Dict] = None
         self.train_dataset: Optional[ShardWindows] = None
         self.val_dataset: Optional[ShardWindows] = None
@@ -137,8 +145,12 @@ class TokenShardDataModule(L.LightningDataModule):
 
     @property
     def manifest(self) -> Dict:
+        """The prepared folder's manifest; for a mixture, combined_manifest of the sources'."""
         if self._manifest is None:
-            self._manifest = load_manifest(self.prepared_dir)
+            if self.data.sources:
+                self._use_sources([load_manifest(cfg.prepared_dir) for cfg in source_configs(self.data)])
+            else:
+                self._manifest = load_manifest(self.prepared_dir)
         return self._manifest
 
     @property
@@ -151,7 +163,8 @@ class TokenShardDataModule(L.LightningDataModule):
 
     @property
     def tokenizer_path(self) -> Path:
-        return self.prepared_dir / self.manifest["tokenizer"]["file"]
+        folder = Path(source_configs(self.data)[0].prepared_dir) if self.data.sources else self.prepared_dir
+        return folder / self.manifest["tokenizer"]["file"]
 
     @property
     def token_bytes(self) -> Optional[np.ndarray]:
@@ -161,12 +174,35 @@ class TokenShardDataModule(L.LightningDataModule):
             self._token_bytes = token_byte_lengths(load_tokenizer(self.tokenizer_path))
         return self._token_bytes
 
+    @property
+    def source_names(self) -> List[str]:
+        return [src.name for src in self.data.sources]
+
     def prepare_data(self) -> None:
         if self._manifest is None:  # once per process: train() prepares before Lightning calls this again
-            self._manifest = prepare(self.data)
+            if not self.data.sources:
+                self._manifest = prepare(self.data)
+                return
+            self._use_sources(prepare_sources(self.data))
+
+    def _use_sources(self, manifests: List[Dict]) -> None:
+        for i, cfg in enumerate(source_configs(self.data)[1:], start=1):
+            check_tokenizer(cfg.prepared_dir, manifests[0], i)
+        self.source_manifests = manifests
+        self._manifest = combined_manifest(self.source_names, manifests)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:  # fit then validate calls setup twice
+            return
+        if self.data.sources:
+            manifests = []
+            for cfg in source_configs(self.data):
+                manifests.append(load_manifest(cfg.prepared_dir))
+                check_config(manifests[-1], cfg, cfg.prepared_dir)
+                verify_shards(cfg.prepared_dir, manifests[-1])
+            self._use_sources(manifests)
+            _, world_size = self.rank_and_world_size()
+            self.train_dataset, self.val_dataset = self.windows(self._manifest, world_size)
             return
         manifest = load_manifest(self.prepared_dir)
         check_config(manifest, self.data, self.prepared_dir)
@@ -178,6 +214,8 @@ class TokenShardDataModule(L.LightningDataModule):
     def windows(self, manifest: Dict, world_size: int) -> Tuple[ShardWindows, ShardWindows]:
         """The train and validation windows; a DataError when they hold less than one global batch. train() calls
         it before the run folder is made, with the data-parallel size, so such a start leaves nothing behind."""
+        if self.data.sources:
+            return self._mixture_windows(world_size)
         train = ShardWindows(self.prepared_dir, manifest["splits"]["train"]["shards"], manifest["dtype"], self.seq_len)
         val = ShardWindows(self.prepared_dir, manifest["splits"]["val"]["shards"], manifest["dtype"], self.seq_len)
         if len(train) < world_size * self.micro_batch_size:
@@ -193,10 +231,61 @@ class TokenShardDataModule(L.LightningDataModule):
             )
         return train, val
 
+    def _mixture_windows(self, world_size: int) -> Tuple[MixtureWindows, MixtureWindows]:
+        parts = {split: [] for split in SPLITS}
+        for i, (cfg, m) in enumerate(zip(source_configs(self.data), self.source_manifests)):
+            for split in SPLITS:
+                parts[split].append(ShardWindows(cfg.prepared_dir, m["splits"][split]["shards"], m["dtype"],
+                                                 self.seq_len))
+            if len(parts["train"][-1]) < 1 or len(parts["val"][-1]) < world_size:
+                raise DataError(
+                    f"data.sources[{i}] ({cfg.prepared_dir}) has {len(parts['train'][-1])} train and "
+                    f"{len(parts['val'][-1])} validation windows of model.seq_len+1={self.seq_len + 1} tokens; it "
+                    f"needs at least 1 and {world_size} (the ranks): give it more documents or lower model.seq_len")
+        keys = [f"data.sources[{i}]" for i in range(len(self.data.sources))]
+        limits = [src.max_epochs for src in self.data.sources]
+        train = MixtureWindows(parts["train"], keys, limits)
+        if len(train) < world_size * self.micro_batch_size:
+            raise DataError(
+                f"the sources hold {len(train)} train windows of model.seq_len+1={self.seq_len + 1} tokens, fewer than "
+                f"one global batch ({world_size} ranks x trainer.micro_batch_size={self.micro_batch_size}): lower "
+                "model.seq_len or trainer.micro_batch_size, or use larger sources")
+        return train, MixtureWindows(parts["val"], keys)
+
+    def mixture_order(self, samples_per_step: int, train: Optional[MixtureWindows] = None) -> MixtureOrder:
+        """The mixture's slot sequence (data/mixture.py) for `samples_per_step` global windows per optimizer step,
+        over `train` (default: the train windows of setup)."""
+        train = train if train is not None else self.train_dataset
+        weights = {src.name: src.weight for src in self.data.sources}
+        phases = [(0, list(weights.values()))]
+        for phase in self.data.mixture_schedule:
+            weights.update(phase.weights)
+            phases.append((phase.step, list(weights.values())))
+        return MixtureOrder(self.source_names, [len(part) for part in train.parts], phases, samples_per_step,
+                            self.seed, [src.max_epochs for src in self.data.sources], train.keys)
+
+    def check_mixture(self, train: Dataset, max_steps: int, samples_per_step: int) -> None:
+        """Before the run folder is made (train: the windows() train set): a ConfigError when max_steps would take
+        a source past its max_epochs."""
+        if self.data.sources:
+            self.mixture_order(samples_per_step, train).check_max_epochs(max_steps * samples_per_step)
+
+    def source_progress(self) -> Dict[str, Dict[str, float]]:
+        """Per source: tokens and epochs the data order has handed to training (trained batches, and skipped ones)."""
+        epoch, samples = self.train_loader.position()
+        state = self.train_sampler.source_state(epoch, samples)
+        return {name: {"tokens_seen": s["draws"] * self.seq_len, "epochs": s["draws"] / len(part)}
+                for (name, s), part in zip(state.items(), self.train_dataset.parts)}
+
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self.rank_and_world_size()
-        self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank, world_size,
-                                                self.seed)
+        if self.data.sources:
+            accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else self._accumulate
+            order = self.mixture_order(self.micro_batch_size * world_size * accumulate)
+            self.train_sampler = MixtureSampler(order, self.micro_batch_size, rank, world_size)
+        else:
+            self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank, world_size,
+                                                    self.seed)
         kwargs = self._loader_kwargs()
         self.train_loader = TrainLoader(self.train_dataset, self.train_sampler, kwargs.pop("batch_size"), **kwargs)
         return self.train_loader
@@ -215,6 +304,15 @@ class TokenShardDataModule(L.LightningDataModule):
         self.train_loader.drop(micro_batches)
 
     def val_dataloader(self) -> DataLoader:
+        if self.data.sources:
+            # Batches of one source each, so the module can total the loss and bytes per source.
+            rank, world_size = self.rank_and_world_size()
+            batches, self.val_batch_sources = val_batches(
+                [len(p) for p in self.val_dataset.parts], self.val_dataset.offsets, self.val_batches,
+                self.micro_batch_size, rank, world_size)
+            kwargs = self._loader_kwargs()
+            kwargs.pop("batch_size")
+            return DataLoader(self.val_dataset, batch_sampler=batches, **kwargs)
         return DataLoader(Subset(self.val_dataset, self.val_indices()), shuffle=False, **self._loader_kwargs())
 
     def val_indices(self) -> List[int]:
@@ -236,3 +334,57 @@ class TokenShardDataModule(L.LightningDataModule):
 
     def _on_cuda(self) -> bool:
         return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+
+
+def source_configs(data) -> List:
+    """Each data.sources entry as a whole data config: data.* with the entry's fields that are set (corpus, paths,
+    ...), its prepared folder (data.prepared_dir/<name> when unset), no sources; and, past the first, the first
+    source's tokenizer unless data.tokenizer_path names one."""
+    out = []
+    for src in data.sources:
+        changes = {f.name: getattr(src, f.name) for f in dataclasses.fields(src)
+                   if hasattr(data, f.name) and getattr(src, f.name) is not None}
+        changes.update(prepared_dir=src.prepared_dir or str(Path(data.prepared_dir) / src.name), sources=[],
+                       mixture_schedule=[])
+        if out and data.tokenizer_path is None:
+            changes["tokenizer_path"] = str(Path(out[0].prepared_dir) / TOKENIZER_FILE)
+        out.append(dataclasses.replace(data, **changes))
+    return out
+
+
+def prepare_sources(data) -> List[Dict]:
+    """Prepare (or reuse) every source's folder, the first first (the others may take its tokenizer)."""
+    manifests = []
+    for i, cfg in enumerate(source_configs(data)):
+        if manifests:
+            check_tokenizer(cfg.prepared_dir, manifests[0], i)  # before prepare() calls it a changed file
+        manifests.append(prepare(cfg))
+    return manifests
+
+
+def check_tokenizer(prepared_dir, first: Dict, index: int) -> None:
+    """A DataError when data.sources[index]'s prepared folder holds shards of another tokenizer than the first
+    source's (compared by the manifests' sha256)."""
+    path = Path(prepared_dir) / "manifest.json"
+    if not path.is_file():
+        return
+    sha = load_manifest(prepared_dir)["tokenizer"]["sha256"]
+    if sha != first["tokenizer"]["sha256"]:
+        raise DataError(
+            f"data.sources[{index}].prepared_dir {str(prepared_dir)!r} was prepared with another tokenizer (sha256 "
+            f"{sha[:12]}, the first source's is {first['tokenizer']['sha256'][:12]}): all sources share one "
+            "tokenizer; give it a new prepared_dir")
+
+
+def combined_manifest(names: List[str], manifests: List[Dict]) -> Dict:
+    """What train() reads of a manifest, for the sources together: the shared tokenizer, every source's shards
+    (named <source>/<file>, so the resume check's manifest hash covers them all) and token counts; no unigram
+    entropy (the mixture's would need the sources' token counts, which manifests do not keep)."""
+    splits = {}
+    for split in SPLITS:
+        parts = [m["splits"][split] for m in manifests]
+        splits[split] = {"documents": sum(p["documents"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
+                         "shards": [{**shard, "file": f"{name}/{shard['file']}"}
+                                    for name, p in zip(names, parts) for shard in p["shards"]]}
+    return {"tokenizer": manifests[0]["tokenizer"], "dtype": manifests[0]["dtype"], "splits": splits,
+            "unigram_entropy_nats": None, "deduplication": None, "sources": dict(zip(names, manifests))}

@@ -7,7 +7,7 @@ the same n micro-batches on every rank therefore drops one contiguous range of t
 """
 
 from collections import deque
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -99,12 +99,22 @@ class TrainLoader(DataLoader):
         trained = self._position - len(self._handed_out) - self.in_flight
         return trained * self.batch_size * self.sampler.world_size
 
+    def position(self) -> Tuple[int, int]:
+        """(epoch, global samples of it trained on so far); before the first batch of a resumed run, the
+        checkpoint's."""
+        if self._base is None and self._resume_samples:
+            return next(iter(self._resume_samples.items()))
+        return self._epoch, self.trained_samples()
+
     def state_dict(self) -> Dict:
         # Lightning saves this with every checkpoint (a stateful loader) and restores it before iterating. Positions
         # are global samples, so a run resumed on another number of ranks continues the same global order.
         per_step = self.batch_size * self.sampler.world_size
-        return {"pending_drop_samples": self._pending_drop * per_step, "dropped": [dict(d) for d in self.dropped],
-                "epoch": self._epoch, "trained_samples": self.trained_samples()}
+        state = {"pending_drop_samples": self._pending_drop * per_step, "dropped": [dict(d) for d in self.dropped],
+                 "epoch": self._epoch, "trained_samples": self.trained_samples()}
+        if hasattr(self.sampler, "source_state"):  # a mixture: each source's draws, epoch and position there
+            state["sources"] = self.sampler.source_state(self._epoch, state["trained_samples"])
+        return state
 
     def load_state_dict(self, state: Dict) -> None:
         per_step = self.batch_size * self.sampler.world_size
@@ -117,3 +127,8 @@ class TrainLoader(DataLoader):
         self._pending_drop = state["pending_drop_samples"] // per_step
         self.dropped = [dict(d) for d in state["dropped"]]
         self._resume_samples = {int(state["epoch"]): int(state["trained_samples"])}
+        if hasattr(self.sampler, "check_source_state"):
+            if "sources" not in state:
+                raise ConfigError("data.sources: the checkpoint was trained on a single corpus, not this mixture: "
+                                  "resume with its data config, or start afresh")
+            self.sampler.check_source_state(int(state["epoch"]), int(state["trained_samples"]), state["sources"])
