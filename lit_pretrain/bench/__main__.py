@@ -112,10 +112,16 @@ def _generation(r: _Run) -> List[Dict]:
     return [generation.run(r.c, r.args.repeats)]
 
 
+def _masking(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import masking
+
+    return [masking.run(r.c, r.args.repeats)]
+
+
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
-    "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
+    "stability": _stability, "checkpoint": _checkpoint, "generation": _generation, "masking": _masking,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 
