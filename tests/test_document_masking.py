@@ -140,3 +140,39 @@ def test_validation_weighs_batches_by_the_targets_it_predicts():
             total, count = total + nats[bx != EOD].sum().item(), count + int((bx != EOD).sum())
     assert count == 93 + 9
     assert m.val_loss.compute().item() == pytest.approx(total / count, rel=1e-6)
+
+
+def test_activation_checkpointing_passes_the_mask_through():
+    from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    x, y = batch()
+    grads = []
+    for checkpointed in (False, True):
+        m = module(eod_id=EOD)
+        if checkpointed:
+            apply_activation_checkpointing(m.model, "full")
+        m.loss((x, y)).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.model.parameters()]))
+    # The recomputation runs the same kernels on the same values: the gradients agree to the last bit here; 1e-6 of
+    # the gradient's scale leaves room for another CPU's kernels while a block recomputed without its mask (or with
+    # positions from 0..T-1) would differ by far more.
+    assert (grads[0] - grads[1]).abs().max() <= 1e-6 * grads[0].abs().max()
+
+
+@pytest.mark.slow
+def test_train_builds_the_module_with_the_eod_id_when_document_masking_is_on(tmp_path, tiny_data_dir, monkeypatch):
+    from lit_pretrain import config
+    from lit_pretrain import train as train_lib
+    from lit_pretrain.data.shards import load_manifest
+    from tests.conftest import EXPERIMENTS, tiny_data_overrides
+
+    built = []  # off (the default), every other training test builds it with eod_id=None
+    real = train_lib.PretrainModule
+    monkeypatch.setattr(train_lib, "PretrainModule", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
+        *tiny_data_overrides(tiny_data_dir), f"run.root_dir={tmp_path}", "trainer.progress_bar=false",
+        "trainer.max_steps=2", "trainer.val_every_n_steps=2", "trainer.val_batches=1", "schedule.warmup_steps=1",
+        "data.document_masking=true"])
+    summary = train_lib.train(cfg)
+    assert summary["final_val_loss"] > 0  # trained and validated with the mask
+    assert [m.eod_id for m in built] == [load_manifest(tiny_data_dir)["tokenizer"]["eod_id"]]
