@@ -129,6 +129,7 @@ def test_loss_skips_the_target_after_each_eod_and_nothing_else():
 
 def test_validation_weighs_batches_by_the_targets_it_predicts():
     m = module(eod_id=EOD).eval()
+    m._token_bytes = torch.arange(CFG["vocab_size"]) % 4  # what token_bytes_table caches: bytes of each id
     x, y = batch()
     batches = [(x, y), (x[:1, 15:25], y[:1, 15:25])]  # 96 - 3 and 10 - 1 predicted targets
     with torch.no_grad():
@@ -140,6 +141,10 @@ def test_validation_weighs_batches_by_the_targets_it_predicts():
             total, count = total + nats[bx != EOD].sum().item(), count + int((bx != EOD).sum())
     assert count == 93 + 9
     assert m.val_loss.compute().item() == pytest.approx(total / count, rel=1e-6)
+    # Bits per byte counts the bytes of the predicted targets only: the nats of the others are not in the loss.
+    kept_bytes = sum(int((by[bx != EOD] % 4).sum()) for bx, by in batches)
+    assert int(m._val_counts[0]) == count and int(m._val_counts[1]) == kept_bytes
+    assert kept_bytes != sum(int((by % 4).sum()) for _, by in batches)
 
 
 def test_activation_checkpointing_passes_the_mask_through():
