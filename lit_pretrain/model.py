@@ -224,6 +224,8 @@ class GPT(nn.Module):
             if document_ids.shape != idx.shape:
                 raise ValueError(f"document_ids {tuple(document_ids.shape)} must have the shape of the input "
                                  f"{tuple(idx.shape)}")
+            # RoPE scores depend on relative positions only, so inside a masked document the restart changes the
+            # scores by rounding alone; it makes them the very angles the document gets when alone in a window.
             positions = document_positions(document_ids)  # (B, T)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim)
             mask = document_mask(document_ids)  # (B, 1, T, T)
