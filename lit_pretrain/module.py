@@ -15,7 +15,7 @@ from torchmetrics.aggregation import MeanMetric
 from lit_pretrain.callbacks import step_state
 from lit_pretrain.checkpoints import from_plain
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model import GPT
+from lit_pretrain.model import GPT, document_ids
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.parallel import parallelize
 from lit_pretrain.parallel.strategies import zero_stage
@@ -82,7 +82,8 @@ class PretrainModule(L.LightningModule):
 
     def __init__(self, model_cfg: GPTConfig | dict, optim: OptimConfig | dict, schedule: ScheduleConfig | dict,
                  max_steps: int, tokens_per_step: int, seed: Optional[int] = None,
-                 strategy: Optional[StrategyConfig | dict] = None, compile: bool = False):
+                 strategy: Optional[StrategyConfig | dict] = None, compile: bool = False,
+                 eod_id: Optional[int] = None):
         super().__init__()
         model_cfg, optim = from_plain(GPTConfig, model_cfg), from_plain(OptimConfig, optim)
         schedule, strategy = from_plain(ScheduleConfig, schedule), from_plain(StrategyConfig, strategy or {})
@@ -90,10 +91,13 @@ class PretrainModule(L.LightningModule):
         self.save_hyperparameters({
             "model_cfg": asdict(model_cfg), "optim": asdict(optim), "schedule": asdict(schedule),
             "max_steps": max_steps, "tokens_per_step": tokens_per_step, "seed": seed, "strategy": asdict(strategy),
-            "compile": compile}, logger=False)
+            "compile": compile, "eod_id": eod_id}, logger=False)
         self.model_cfg, self.optim_cfg, self.schedule_cfg = model_cfg, optim, schedule
         self.strategy_cfg = strategy
         self.max_steps, self.tokens_per_step, self.compile_blocks = max_steps, tokens_per_step, compile
+        # data.document_masking: the end-of-document id the documents of a window are told apart by; None keeps
+        # attention across the whole window (the default, and what checkpoints written before it meant).
+        self.eod_id = eod_id
         if seed is not None:
             torch.manual_seed(seed)  # the initial weights depend on the run seed alone, not on what ran before
         self.model = GPT(model_cfg)
@@ -139,12 +143,19 @@ class PretrainModule(L.LightningModule):
 
     def loss(self, batch) -> torch.Tensor:
         if getattr(self, "pipeline", None) is not None:
+            if self.eod_id is not None:  # the stages call blocks with (x, cos, sin): no mask, positions unrestarted
+                raise ConfigError("data.document_masking is not supported with pipeline parallelism: set "
+                                  "data.document_masking=false or strategy.pipeline_parallel=1")
             # Pipeline parallelism: the schedule runs the model, and its backward when training (parallel/pipeline.py).
             return self.pipeline.loss(batch, training=self.training)
         x, y = batch  # (B, T) inputs and (B, T) next-token targets
-        logits = self.model(x)  # (B, T, V)
+        if self.eod_id is None:
+            logits = self.model(x)  # (B, T, V)
+        else:
+            logits = self.model(x, document_ids=document_ids(x, self.eod_id))  # (B, T, V)
+            y = loss_targets(x, y, self.eod_id)
         # fp32 cross-entropy: under bf16 the log-softmax over a large vocabulary loses most of its precision.
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
 
     def on_train_start(self):
         self._loss_sum = torch.zeros((), device=self.device)
@@ -189,17 +200,23 @@ class PretrainModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         if batch_idx == 0:
             self._val_started = time.perf_counter()
+        x, y = batch
+        if self.eod_id is None:
+            predicted = y.numel()  # from the shape, on the host
+        else:
+            # Under document masking the targets after an EOD are not predicted: neither their nats nor their bytes
+            # count, and the mean over batches weighs each by the targets it predicted (summed on the device).
+            kept = loss_targets(x, y, self.eod_id) != IGNORE_INDEX  # (B, T)
+            predicted, y = kept.sum(), y[kept]
         loss = self.loss(batch)
-        self.val_loss.update(loss, weight=batch[0].numel())
+        self.val_loss.update(loss, weight=predicted)
         table = token_bytes_table(self)
         batch_bytes = None
         if table is not None:
-            # Bytes of the predicted tokens, summed on the device and read once, at the epoch's end; tokens from the
-            # shape, on the host.
-            y = batch[1]
+            # Bytes of the predicted tokens, summed on the device and read once, at the epoch's end.
             tokens, n_bytes = getattr(self, "_val_counts", None) or (0, 0)
             batch_bytes = table[y].sum()
-            self._val_counts = (tokens + y.numel(), n_bytes + batch_bytes)
+            self._val_counts = (tokens + predicted, n_bytes + batch_bytes)
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         sources = getattr(datamodule, "val_batch_sources", None)
         if sources:
@@ -208,7 +225,7 @@ class PretrainModule(L.LightningModule):
             if getattr(self, "_val_by_source", None) is None:
                 self._val_by_source = torch.zeros(len(datamodule.source_names), 3, dtype=torch.float64,
                                                   device=loss.device)
-            totals, n = self._val_by_source[sources[batch_idx]], float(batch[1].numel())
+            totals, n = self._val_by_source[sources[batch_idx]], torch.as_tensor(predicted, dtype=torch.float64)
             totals[0] += loss.detach().double() * n
             totals[1] += n
             totals[2] += batch_bytes.double() if batch_bytes is not None else -1.0  # -1: no byte count
@@ -262,6 +279,20 @@ class PretrainModule(L.LightningModule):
         schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, written out where targets are masked
+
+
+def loss_targets(x: torch.Tensor, y: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """The targets y (B, T) with the one that follows an EOD input set to IGNORE_INDEX: under document masking the
+    EOD's query sees only the document it ends, so its target, the next document's first token, is a prediction
+    across the boundary from unrelated text. Megatron-LM masks it the same way (`eod_mask_loss`: loss_mask is 0
+    where the input is the EOD, with reset_attention_mask/reset_position_ids); torchtitan's block-causal flex
+    attention keeps it in the loss. Dropping it costs one target per document (under 1% of them with documents of
+    hundreds of tokens) and keeps the loss a sum over predictions made inside one document. The EOD itself stays
+    a target: predicting where a document ends is within that document."""
+    return y.masked_fill(x == eod_id, IGNORE_INDEX)
 
 
 def bits_per_byte(nats: float, n_bytes: int) -> float:

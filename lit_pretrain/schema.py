@@ -164,6 +164,11 @@ class DataConfig:
     """DataLoader worker processes per rank (0: load in the training process)."""
     deduplication: DeduplicationConfig = field(default_factory=DeduplicationConfig)
     """Exact and MinHash near-duplicate removal before the split and the tokenizer (data/deduplicate.py)."""
+    document_masking: bool = False
+    """Keep attention inside each document of a window and restart RoPE positions at each document's first token
+    (the token after an end-of-document token), so a window holding two documents computes the second as if it
+    were alone; the loss then skips the target after each end-of-document token (the next document's first token).
+    Training only: it changes no prepared folder. Not supported with pipeline parallelism."""
     sources: List[SourceConfig] = field(default_factory=list)
     """A weighted mixture of sources, each with its own corpus and prepared folder (data/mixture.py), all tokenized
     by one tokenizer: data.tokenizer_path, or else the one trained on the first source. Empty: the single corpus

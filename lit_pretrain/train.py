@@ -120,7 +120,8 @@ def train(cfg: DictConfig) -> dict:
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
-                            compile=c.trainer.compile)
+                            compile=c.trainer.compile,
+                            eod_id=datamodule.eod_id if c.data.document_masking else None)
     if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
         from lit_pretrain.hf import load_init  # needs safetensors (the hf extra): only when asked for
 

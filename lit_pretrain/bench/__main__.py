@@ -118,10 +118,17 @@ def _mixture(r: _Run) -> List[Dict]:
     return [mixture.run(r.c, r.step_tokens_per_s())]
 
 
+def _masking(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import masking
+
+    return [masking.run(r.c, r.args.repeats)]
+
+
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
     "stability": _stability, "checkpoint": _checkpoint, "generation": _generation, "mixture": _mixture,
+    "masking": _masking,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 
