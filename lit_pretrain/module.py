@@ -2,7 +2,7 @@
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterable, List, Optional
 
@@ -17,8 +17,8 @@ from lit_pretrain.checkpoints import from_plain
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.parallel import parallelize
-from lit_pretrain.parallel.strategies import zero_stage
+from lit_pretrain.parallel import apply_plan
+from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.zero import build_adamw
 from lit_pretrain.resume.verified import sidecar_path, verify
 from lit_pretrain.schedule import lr_lambda
@@ -65,11 +65,11 @@ def clip_by_global_norm(parameters: Iterable[torch.Tensor], max_norm: float,
     return norm
 
 
-def adamw_kernel(strategy: StrategyConfig) -> dict:
+def adamw_kernel(zero_stage: int) -> dict:
     """AdamW's implementation: fused (one kernel over all tensors, about 3x faster than foreach on this CPU: 22-27 ms
     -> 7.5-7.9 ms per step of the default model's 5.3M parameters, measured on a loaded 2-core machine) for plain
     tensors; foreach for FSDP2's DTensor shards (ZeRO stages 2 and 3), the path PyTorch's FSDP2 tests cover."""
-    return {"foreach": True} if zero_stage(strategy) in (2, 3) else {"fused": True}
+    return {"foreach": True} if zero_stage in (2, 3) else {"fused": True}
 
 
 class PretrainModule(L.LightningModule):
@@ -82,7 +82,8 @@ class PretrainModule(L.LightningModule):
 
     def __init__(self, model_cfg: GPTConfig | dict, optim: OptimConfig | dict, schedule: ScheduleConfig | dict,
                  max_steps: int, tokens_per_step: int, seed: Optional[int] = None,
-                 strategy: Optional[StrategyConfig | dict] = None, compile: bool = False):
+                 strategy: Optional[StrategyConfig | dict] = None, compile: bool = False,
+                 plan: Optional[ParallelPlan] = None):
         super().__init__()
         model_cfg, optim = from_plain(GPTConfig, model_cfg), from_plain(OptimConfig, optim)
         schedule, strategy = from_plain(ScheduleConfig, schedule), from_plain(StrategyConfig, strategy or {})
@@ -98,6 +99,24 @@ class PretrainModule(L.LightningModule):
             torch.manual_seed(seed)  # the initial weights depend on the run seed alone, not on what ran before
         self.model = GPT(model_cfg)
         self.val_loss = MeanMetric()
+        self._plan = plan  # the config's plan (train.py); else the strategy's, see `plan`
+        self.parallel = None  # the ParallelModel configure_model makes
+
+    @property
+    def plan(self) -> ParallelPlan:
+        """How this module is split: the plan given, else the one its Lightning strategy was built from
+        (strategies.build_strategy), else one process. Activation checkpointing and compile come from this module's
+        own settings (model.activation_checkpointing, trainer.compile), which train.py gives the plan as well."""
+        plan = self._plan
+        if plan is None:
+            strategy = self._trainer.strategy if self._trainer is not None else None
+            plan = getattr(strategy, "plan", None)
+        if plan is None:
+            s = self.strategy_cfg
+            plan = ParallelPlan(zero_stage=s.zero_stage if s.zero_stage is not None else (3 if s.name == "zero" else 0))
+        m = self.model_cfg
+        return replace(plan, activation_checkpointing=m.activation_checkpointing,
+                       activation_checkpointing_k=m.activation_checkpointing_k, compile=self.compile_blocks)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None,
@@ -119,10 +138,15 @@ class PretrainModule(L.LightningModule):
     def configure_model(self):
         if self._trainer is None:
             return  # load_from_checkpoint calls this hook with no Trainer (no mesh): the plain GPT holds every weight
-        # Activation checkpointing, compile, then FSDP (ZeRO 2/3) over the data-parallel mesh; all wrap the GPT
-        # from outside.
-        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
-        parallelize(self.model, self.model_cfg, self.strategy_cfg, mesh, compile=self.compile_blocks)
+        # The one place the plan is applied (parallel.apply_plan: pipeline split, tensor/sequence parallelism,
+        # activation checkpointing, compile, FSDP), on the strategy's mesh: our 4-D one (MeshStrategy) or Lightning's
+        # data-parallel one (plain ZeRO 2/3).
+        plan, mesh = self.plan, self.device_mesh
+        if plan.uses_mesh:
+            self.parallel = apply_plan(self.model, plan, mesh)
+        else:
+            fsdp_mesh = mesh["data_parallel"] if mesh is not None and plan.uses_fsdp else None
+            self.parallel = apply_plan(self.model, plan, fsdp_mesh=fsdp_mesh)
 
     def setup(self, stage: str) -> None:
         # Refused rather than honoured: this module clips by the global norm of the whole (under FSDP, sharded)
@@ -138,9 +162,10 @@ class PretrainModule(L.LightningModule):
             )
 
     def loss(self, batch) -> torch.Tensor:
-        if getattr(self, "pipeline", None) is not None:
+        runner = self.parallel.runner if self.parallel is not None else None
+        if runner is not None:
             # Pipeline parallelism: the schedule runs the model, and its backward when training (parallel/pipeline.py).
-            return self.pipeline.loss(batch, training=self.training)
+            return runner.loss(batch, training=self.training)
         x, y = batch  # (B, T) inputs and (B, T) next-token targets
         logits = self.model(x)  # (B, T, V)
         # fp32 cross-entropy: under bf16 the log-softmax over a large vocabulary loses most of its precision.
@@ -233,8 +258,9 @@ class PretrainModule(L.LightningModule):
     def configure_optimizers(self):
         o = self.optim_cfg
         groups = param_groups(self.model, o.weight_decay)
-        optimizer = build_adamw(groups, zero_stage(self.strategy_cfg), lr=o.lr_peak, betas=(o.beta1, o.beta2),
-                                eps=o.eps, **adamw_kernel(self.strategy_cfg))
+        stage = self.plan.zero_stage
+        optimizer = build_adamw(groups, stage, lr=o.lr_peak, betas=(o.beta1, o.beta2), eps=o.eps,
+                                **adamw_kernel(stage))
         schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

@@ -1,5 +1,5 @@
-"""Spawned workers for tests/test_mesh_parallel.py: each layout against a single-process reference built from the
-same weights, inside one spawn per world size.
+"""Spawned workers for tests/test_mesh_parallel.py: each parallel plan against a single-process reference built from
+the same weights, inside one spawn per world size.
 
 Each case returns, from global rank 0, the largest differences it measured; the test asserts them.
 """
@@ -7,7 +7,6 @@ Each case returns, from global rank 0, the largest differences it measured; the 
 import copy
 import os
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -16,16 +15,12 @@ import torch.nn.functional as F
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.module import param_groups
-from lit_pretrain.parallel.layout import Layout
-from lit_pretrain.parallel.mesh import MeshParallel, build_mesh
+from lit_pretrain.parallel import apply_plan
+from lit_pretrain.parallel.mesh import build_mesh
+from lit_pretrain.parallel.plan import ParallelPlan
 
 CFG = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, seq_len=16, tie_embeddings=True)
 BATCH, STEPS, LR, MAX_NORM = 8, 3, 1e-2, 0.05
-
-
-def strategy_cfg(schedule="1f1b", micro_batches=4, stages_per_rank=1):
-    return SimpleNamespace(pipeline=SimpleNamespace(schedule=schedule, micro_batches=micro_batches,
-                                                    stages_per_rank=stages_per_rank))
 
 
 def data():
@@ -60,13 +55,18 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def run_layout(layout: Layout, scfg, init, xs, ys):
-    mesh = build_mesh(layout)
+def data_parallel_rank(par) -> int:
+    """This rank's data-parallel index (replica-major, as MeshStrategy.distributed_sampler_kwargs)."""
+    return dist.get_rank(par.replicate) * par.plan.data_parallel_shard + dist.get_rank(par.shard_group)
+
+
+def run_layout(plan: ParallelPlan, init, xs, ys):
     model = copy.deepcopy(init)
-    par = MeshParallel(model, mesh, scfg)
+    par = apply_plan(model, plan, build_mesh(plan))
     opt = adamw(model)
-    dp_rank = dist.get_rank(par.dp)
-    per = BATCH // layout.data_parallel
+    d = plan.data_parallel
+    dp_rank = data_parallel_rank(par)
+    per = BATCH // d
     losses, norms, grads0 = [], [], None
     for step, (x, y) in enumerate(zip(xs, ys)):
         x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
@@ -83,8 +83,9 @@ def run_layout(layout: Layout, scfg, init, xs, ys):
         if step == 0:  # every rank gathers (a collective); rank 0 gets the result
             grads0 = par._gather_named({n: p.grad for n, p in model.named_parameters()})
         opt.step()
-        dist.all_reduce(loss, group=par.dp)  # the logged loss: mean over data-parallel replicas
-        losses.append(loss.item() / layout.data_parallel)
+        for group in (par.replicate, par.shard_group):  # the logged loss: mean over data-parallel ranks
+            dist.all_reduce(loss, group=group)
+        losses.append(loss.item() / d)
         norms.append(norm.item())
     return par, model, opt, losses, norms, grads0
 
@@ -96,13 +97,13 @@ def dist_broadcast(obj):
     return box[0]
 
 
-def case(layout: Layout, scfg, out: dict, name: str):
+def case(plan: ParallelPlan, out: dict, name: str):
     torch.manual_seed(0)
     init = GPT(GPTConfig(**CFG))
     xs, ys = data()
     ref_model = copy.deepcopy(init)
     ref_losses, ref_norms, ref_grads, ref_opt = reference(ref_model, xs, ys)
-    par, model, opt, losses, norms, grads0 = run_layout(layout, scfg, init, xs, ys)
+    par, model, opt, losses, norms, grads0 = run_layout(plan, init, xs, ys)
     full = par.full_state()
     full_opt = par.full_optimizer_state(opt)
     # The gathered AdamW state sliced into a fresh optimizer of this layout, and gathered again.
@@ -151,8 +152,8 @@ def worker(rank: int, world: int, port: int, cases: list, results):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
     out = {}
     try:
-        for name, layout, scfg in cases:
-            case(layout, scfg, out, name)
+        for name, plan in cases:
+            case(plan, out, name)
             dist.barrier()
     finally:
         dist.destroy_process_group()

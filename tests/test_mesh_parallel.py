@@ -1,6 +1,7 @@
-"""Tensor and pipeline parallelism (and their products with data parallelism) against one process built from the
-same weights: losses and pre-clip norms over K AdamW steps with clipping active, every first-step gradient, the
-final weights and AdamW moments gathered to single-process names, and a single-process state loaded back.
+"""Parallel plans (tensor and pipeline parallelism, ZeRO stages, HSDP, and their products) against one process
+built from the same weights: losses and pre-clip norms over K AdamW steps with clipping active, every first-step
+gradient, the final weights and AdamW moments gathered to single-process names, and a single-process state loaded
+back.
 
 One spawn per world size (2, then 4 processes) runs all its layouts in turn: process start-up is the cost.
 """
@@ -9,22 +10,26 @@ One spawn per world size (2, then 4 processes) runs all its layouts in turn: pro
 import pytest
 import torch.multiprocessing as mp
 
-from lit_pretrain.parallel.layout import Layout
+from lit_pretrain.parallel.plan import ParallelPlan as Plan
 from tests.conftest import free_port
-from tests.mesh_workers import strategy_cfg, worker
+from tests.mesh_workers import worker
 
 pytestmark = pytest.mark.slow
 
 CASES_2 = [
-    ("tp2", Layout(1, 2, 1), strategy_cfg()),
-    ("pp2_gpipe", Layout(1, 1, 2), strategy_cfg("gpipe")),
-    ("pp2_1f1b", Layout(1, 1, 2), strategy_cfg("1f1b")),
-    ("pp2_interleaved", Layout(1, 1, 2), strategy_cfg("interleaved_1f1b", stages_per_rank=2)),
+    ("tp2", Plan(tensor_parallel=2)),
+    ("pp2_gpipe", Plan(pipeline_parallel=2, schedule="gpipe", micro_batches=4)),
+    ("pp2_1f1b", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4)),
+    ("pp2_interleaved", Plan(pipeline_parallel=2, schedule="interleaved_1f1b", micro_batches=4, stages_per_rank=2)),
 ]
 CASES_4 = [
-    ("dp2_tp2", Layout(2, 2, 1), strategy_cfg()),
-    ("dp2_pp2", Layout(2, 1, 2), strategy_cfg("1f1b", micro_batches=2)),
-    ("tp2_pp2", Layout(1, 2, 2), strategy_cfg("gpipe")),
+    ("dp2_tp2", Plan(data_parallel_replicate=2, tensor_parallel=2)),
+    ("dp2_pp2", Plan(data_parallel_replicate=2, pipeline_parallel=2, micro_batches=2)),
+    ("tp2_pp2", Plan(tensor_parallel=2, pipeline_parallel=2, schedule="gpipe", micro_batches=4)),
+    # ZeRO compositions (issue 11): FSDP2 over the data-parallel shard dimension of the same mesh.
+    ("zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2)),
+    ("zero2_pp2", Plan(data_parallel_shard=2, zero_stage=2, pipeline_parallel=2, micro_batches=2)),
+    ("hsdp2x2", Plan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3)),
 ]
 
 

@@ -47,8 +47,8 @@ def grad_norm(trainer, pl_module) -> torch.Tensor:
     which Lightning calls after the backward pass and before gradient clipping."""
     record = current(trainer)
     if record.grad_norm is None:
-        strategy_norm = getattr(trainer.strategy, "grad_norm", None)  # tensor/pipeline: over all shards and stages
-        record.grad_norm = (strategy_norm() if strategy_norm is not None else
+        parallel = getattr(pl_module, "parallel", None)  # tensor/pipeline/FSDP: over all shards and stages
+        record.grad_norm = (parallel.grad_norm() if parallel is not None else
                             full_norm([p.grad for p in pl_module.parameters() if p.grad is not None])).detach()
     return record.grad_norm
 
