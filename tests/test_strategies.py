@@ -69,19 +69,18 @@ def test_zero_partition_is_greedy_by_size_across_groups():
 def test_zero_partition_matches_zero_redundancy_optimizer():
     """Our pure function against torch's own partition of the GPT's groups. The partition depends on the sizes
     and the world size alone, so torch's is asked for 2 ranks inside a 1-process group (no processes to start)."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from lit_pretrain.model import GPT
     from lit_pretrain.model_config import GPTConfig
-    from lit_pretrain.module import param_groups
+    from lit_pretrain.optim import build_adamw, param_groups
+    from lit_pretrain.schema import OptimConfig
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
     try:
         model = GPT(GPTConfig(vocab_size=513, n_layers=2, d_model=64, n_heads=4, seq_len=16))
         groups = param_groups(model, 0.1)
-        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=1e-3)
+        opt = build_adamw(model, OptimConfig(weight_decay=0.1), zero_stage=1)  # the ZeroRedundancyOptimizer
         opt.world_size = 2  # partition for 2 ranks from the same sizes
         opt._partition_parameters_cache = []
         theirs = opt._partition_parameters()

@@ -9,8 +9,8 @@
 (Rajbhandari et al. 2020, "ZeRO", §5: P_os, P_os+g, P_os+g+p.) FSDP2 has no stage-1 mode, so stage 1 is PyTorch's
 ZeroRedundancyOptimizer (built by `optim.build_adamw`): each rank owns whole parameter tensors (greedy by size) and
 updates only those, then broadcasts them. FSDP2 shards every parameter along dim 0 (padded to a multiple of world)
-and keeps the shards as DTensors, so the optimizer state it creates is sharded too. Stage 2 here keeps the all-
-gathered parameters from forward until the end of backward (no second all-gather in backward), the equivalent of
+and keeps the shards as DTensors, so the optimizer state it creates is sharded too. Stage 2 here keeps the
+all-gathered parameters from forward until the end of backward (no second all-gather in backward), the equivalent of
 ZeRO-2's replicated parameters during the step; between steps FSDP2 frees them, which only lowers memory.
 """
 
