@@ -102,9 +102,9 @@ class PretrainModule(L.LightningModule):
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     def on_fit_start(self):
-        # The one place the norm is chosen. The lead's plan will supply it; until then the mesh wrapper (tensor,
-        # pipeline) reduces its own layout's norm, and every other strategy's gradients are plain tensors or FSDP2
-        # DTensor shards, which optim.grad_norm reduces.
+        # The one place the guard's norm is chosen (the parallel plan of issue 16 is to supply it). Until then: the
+        # mesh wrapper (tensor, pipeline) reduces its own layout's norm, each parameter counted once; every other
+        # strategy's gradients are plain tensors or FSDP2 DTensor shards, which optim.grad_norm reduces.
         strategy = self._trainer.strategy if self._trainer is not None else None
         self.step_guard.norm_fn = (
             (lambda parameters, parallel=strategy.parallel: parallel.grad_norm())
