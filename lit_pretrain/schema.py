@@ -237,14 +237,15 @@ class PipelineConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero", "tensor", "pipeline"]})
+    name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero", "fsdp", "tensor", "pipeline"]})
     """The preset this section started from (experiments/strategy/<name>.yaml). The work is split by the degrees
     below (lit_pretrain/parallel/plan.py); the name only decides what they leave unset: single refuses more than
-    one process, zero defaults zero_stage to 3, the others to 0."""
+    one process, zero and fsdp default zero_stage to 3, the others to 0."""
     zero_stage: Optional[int] = field(default=None, metadata={"ge": 0, "le": 3})
     """ZeRO stage of the data-parallel ranks: 0 none (replicas all-reduce gradients), 1 optimizer state sharded
     (ZeroRedundancyOptimizer; data parallelism alone), 2 also gradients (FSDP2, parameters kept gathered from
-    forward to backward), 3 also parameters (FSDP2, resharded after forward). null: 3 for name=zero, else 0."""
+    forward to backward), 3 also parameters (FSDP2, resharded after forward). null: 3 for name=zero or fsdp,
+    else 0."""
     data_parallel_replicate: Optional[int] = field(default=None, metadata={"ge": -1})
     """Data-parallel replicas (HSDP replica groups when data_parallel_shard > 1). -1: the rest of the world.
     null: the rest when zero_stage is 0, else 1."""

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.module import param_groups
+from lit_pretrain.optim import build_adamw
 from lit_pretrain.parallel import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.schema import OptimConfig
 
 CFG = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, seq_len=16, tie_embeddings=True)
 BATCH, STEPS, LR, MAX_NORM = 8, 3, 1e-2, 0.05
@@ -30,7 +31,8 @@ def data():
 
 
 def adamw(model):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=LR, foreach=True)
+    # torch's default betas (0.9, 0.999); foreach, the kernel that works on every layout's tensors.
+    return build_adamw(model, OptimConfig(lr_peak=LR, weight_decay=0.1, beta2=0.999), kernel="foreach")
 
 
 def reference(model, xs, ys):

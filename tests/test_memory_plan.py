@@ -9,7 +9,9 @@ import torch
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.optim import build_adamw
 from lit_pretrain.scaling import memory, shapes
+from lit_pretrain.schema import OptimConfig
 
 
 @pytest.mark.parametrize("stage, gigabytes", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -86,7 +88,7 @@ def test_planner_matches_what_adamw_holds_in_one_process(precision, dtype):
     cfg = GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, seq_len=16)
     torch.manual_seed(0)
     model = GPT(cfg).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = build_adamw(model, OptimConfig())
     model(torch.randint(0, 256, (2, 16))).float().logsumexp(-1).mean().backward()
     opt.step()
     held = {

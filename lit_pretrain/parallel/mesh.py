@@ -95,11 +95,13 @@ class ParallelModel:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self, parameters=None) -> torch.Tensor:
+        """The pre-clip global norm (StepGuard's norm_fn). Without our mesh: of `parameters` (default: the GPT's),
+        FSDP2 DTensor shards reduced to the whole gradient's norm."""
         if self.mesh is None:
-            from lit_pretrain.callbacks.step_state import full_norm
+            from lit_pretrain.optim import grad_norm
 
-            return full_norm([p.grad for p in self.gpt.parameters() if p.grad is not None])
+            return grad_norm(self.gpt.parameters() if parameters is None else parameters)
         sq = torch.zeros((), dtype=torch.float32)
         for name, p in self.gpt.named_parameters():
             if p.grad is None or is_tied_copy(name, self.gpt, self.holds_first_stage):

@@ -103,8 +103,8 @@ class MeshStrategy(ModelParallelStrategy):
     # Checkpoints: one file, single-process names, written by rank 0 through checkpoint_io.
 
     def _param_order(self):
-        """Single-process parameter names in AdamW's order (module.param_groups), and the group of each."""
-        from lit_pretrain.module import param_groups
+        """Single-process parameter names in AdamW's order (optim.param_groups), and the group of each."""
+        from lit_pretrain.optim import param_groups
 
         module = self.lightning_module
         ref = full_gpt_on_meta(module.model_cfg)

@@ -14,7 +14,7 @@ Four degrees multiply to the world size (trainer.devices x trainer.num_nodes), o
 
 Tensor-parallel ranks are neighbours (innermost), so on GPUs their per-layer collectives stay inside a node, as
 torchtitan's ParallelDims orders them. One degree may be -1: the rest of the world. The strategy presets
-(experiments/strategy/*.yaml: single, ddp, zero, tensor, pipeline) only set these keys; `strategy.name` picks the
+(experiments/strategy/*.yaml: single, ddp, zero, fsdp, tensor, pipeline) only set these keys; `strategy.name` picks the
 defaults of what they leave unset (see `build_plan`).
 
 Pure: no torch.distributed, so `show` and `train` refuse the same layouts with the same message before any process
@@ -109,7 +109,7 @@ def plan_from(strategy, trainer, model=None, compile: Optional[bool] = None) -> 
     trainer.compile."""
     world = trainer.devices * trainer.num_nodes
     name = strategy.name
-    stage = strategy.zero_stage if strategy.zero_stage is not None else (3 if name == "zero" else 0)
+    stage = strategy.zero_stage if strategy.zero_stage is not None else (3 if name in ("zero", "fsdp") else 0)
     if name == "single" and world > 1:
         raise ConfigError(f"strategy.name=single runs one process, but trainer.devices={trainer.devices} and "
                           f"trainer.num_nodes={trainer.num_nodes}: choose strategy=ddp, or set trainer.devices=1")
