@@ -2,8 +2,9 @@
 plain GPT from outside, without Lightning (the strategy in mesh_strategy.py calls it; tests call it directly).
 
 What a step needs beyond the wrapped forward/backward, each a collective on an explicit group:
-- `sync_gradients`: the tied embedding's two copies summed over the pipeline, then every gradient averaged over
-  the data-parallel group (DDP's all-reduce, done once per optimizer step, after accumulation).
+- `sync_gradients`: the tied embedding's two copies summed over the pipeline, under sequence parallelism the norms'
+  partial gradients summed over the tensor-parallel group, then every gradient averaged over the data-parallel
+  group (DDP's all-reduce, done once per optimizer step, after accumulation).
 - `grad_norm`: the global L2 norm, as one process would compute it: squares summed over this rank's parameters,
   where a tensor-parallel shard counts on every tensor-parallel rank but a replicated parameter (norms, embedding,
   head) only on tensor-parallel rank 0, and the tied copy on the last stage not at all; then summed over the
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_pretrain.parallel.layout import MESH_DIMS, Layout
 from lit_pretrain.parallel.pipeline import PipelineRunner, is_tied_copy, tied_grad_sync
+from lit_pretrain.parallel.sequence import sync_sequence_parallel_grads
 from lit_pretrain.parallel.tensor import apply_tensor_parallel, gather, plain_name, shard, style_of
 
 
@@ -43,8 +45,10 @@ class MeshParallel:
         if self.p > 1:
             pc = strategy_cfg.pipeline
             self.runner = PipelineRunner(gpt, self.pp, pc.schedule, pc.micro_batches, pc.stages_per_rank)
+        # strategy.sequence_parallel (absent from older strategy configs: off)
+        self.sequence_parallel = bool(getattr(strategy_cfg, "sequence_parallel", False)) and self.t > 1
         if self.t > 1:
-            apply_tensor_parallel(gpt, self.tp)
+            apply_tensor_parallel(gpt, self.tp, sequence_parallel=self.sequence_parallel)
 
     @property
     def holds_first_stage(self) -> bool:
@@ -52,6 +56,8 @@ class MeshParallel:
 
     def sync_gradients(self) -> None:
         tied_grad_sync(self.gpt, self.pp)
+        if self.sequence_parallel:
+            sync_sequence_parallel_grads(self.gpt, self.tp)
         if self.d == 1:
             return
         grads = [p.grad for p in self.gpt.parameters() if p.grad is not None]
