@@ -20,12 +20,12 @@ Table 2; s sequence length, b micro-batch, h hidden size, a heads, t tensor-para
     full recomputation                         2·sbh  (only each layer's input is kept)
 That table describes the paper's GPT block (LayerNorm, dropout, GELU MLP of 4h, softmax attention storing the
 s×s scores); ours (RMSNorm, no dropout, SwiGLU, fused attention storing no scores) saves other tensors, counted by
-`block_activation_bytes` and used by `memory_plan` without recomputation; the table is kept for the recomputation
-rows, which have no counterpart in our model yet.
+`block_activation_bytes` and used by `memory_plan` without recomputation. The table still gives the recomputation
+rows: full keeps each block's input (2sbh, as ours does); selective has no counterpart in our model.
 Under 1F1B pipeline parallelism the first stage keeps p micro-batches of its L/p layers in flight, i.e. L layers'
 worth whatever p is (§4.2.3); it also holds the input embedding. Logits for the cross-entropy are stored in fp32,
-4·s·b·v/t bytes (§4.3), on the last stage. For fp32 activations ("32-true") the 16-bit formulas are doubled: our
-model has no dropout, whose 1-byte masks the formulas count, so this is an upper estimate.
+4·s·b·v/t bytes (§4.3), on the last stage. For fp32 activations ("32-true") the 16-bit formulas are doubled (for the
+recomputation rows an upper estimate: they count 1-byte dropout masks our model does not have).
 """
 
 import math
