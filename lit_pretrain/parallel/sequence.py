@@ -38,8 +38,9 @@ SEQ_DIM = 1  # activations are (B, T, d_model)
 
 # The real collectives, so a step moves what the communication formula counts: on torch 2.13 gloo runs
 # all-gather and reduce-scatter into single tensors on mesh subgroups (checked on a (1, 2, 2) mesh, and by the 2- and
-# 4-process tests; tensor.gather's all-gather hang was seen with an older setup). Were one missing, an all-reduce and
-# a narrow would do at twice the bytes of a reduce-scatter. Older torch has only the older names.
+# 4-process tests; tensor.gather's docstring reports a hang of all-gather on subgroups, not seen with these forms).
+# Were one missing, an all-reduce and a narrow would do at twice the bytes of a reduce-scatter. Older torch has only
+# the older names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
