@@ -16,8 +16,10 @@ from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.optim import build_adamw
 from lit_pretrain.parallel import apply_plan
+from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.parallel.tensor import apply_tensor_parallel
 from lit_pretrain.schema import OptimConfig
 
 CFG = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, seq_len=16, tie_embeddings=True)
@@ -144,10 +146,34 @@ def case(plan: ParallelPlan, out: dict, name: str):
         "opt_round_trip": max(abs(opt_back[n][k] - v).max().item() for n, s in full_opt.items() for k, v in s.items()),
         "loaded_logits": (loaded_logits - ref_logits).abs().max().item(),
         "layout_logits": None if tp_logits is None else (tp_logits - ref_logits).abs().max().item(),
+        "sequence_parallel": any(getattr(m, "sequence_parallel", False) for m in par.gpt.modules()),
     }
 
 
-def worker(rank: int, world: int, port: int, cases: list, results):
+def saved_block_bytes(tp_group, sequence_parallel: bool) -> int:
+    """Bytes the first block saves for backward on this rank under tensor parallelism over `tp_group`, with or
+    without sequence parallelism (collectives inside: every rank of the group calls it)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    apply_tensor_parallel(model, tp_group, sequence_parallel=sequence_parallel)
+    h = model.tok_embeddings(data()[0][0])  # (B, T, d), or this rank's (B, T/t, d) under sequence parallelism
+    with SavedActivations(model) as meter:
+        out = model.blocks[0](h, model.rope_cos, model.rope_sin)
+    out.float().pow(2).mean().backward()  # the saved tensors are usable (and released)
+    return meter.bytes
+
+
+def activation_case(out: dict) -> None:
+    """TP-only and TP + sequence parallelism, saved bytes per block, over the whole world as the TP group."""
+    plan = ParallelPlan(tensor_parallel=dist.get_world_size())
+    tp = build_mesh(plan).get_group("tensor_parallel")
+    measured = {sp: saved_block_bytes(tp, sp) for sp in (False, True)}
+    if dist.get_rank() == 0:
+        out["activations"] = {"tp": measured[False], "tp_sp": measured[True],
+                              "shape": dict(batch=BATCH, **CFG)}
+
+
+def worker(rank: int, world: int, port: int, cases: list, results, measure_activations: bool = False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -157,6 +183,8 @@ def worker(rank: int, world: int, port: int, cases: list, results):
         for name, plan in cases:
             case(plan, out, name)
             dist.barrier()
+        if measure_activations:
+            activation_case(out)
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -116,3 +116,34 @@ def test_fits_and_bad_inputs():
         memory.memory_plan(cfg, 1, sequence_parallel=True)
     with pytest.raises(ConfigError, match="--exact"):
         memory.memory_plan(cfg, 1, tensor_parallel=2, exact=True)
+
+
+def test_our_block_activation_count_matches_the_saved_tensor_hooks_in_one_process():
+    """block_activation_bytes against parallel/memory.py's SavedActivations on one block, fp32 CPU, t = 1: the
+    count is exact. (TP 2 with and without sequence parallelism: tests/test_mesh_parallel.py, 2 processes.)"""
+    from lit_pretrain.parallel.memory import SavedActivations
+
+    cfg = GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, d_ff=96, seq_len=16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    h = model.tok_embeddings(torch.randint(0, 64, (3, 16)))  # (B, T, d): the block's input, not a leaf
+    with SavedActivations(model) as meter:
+        model.blocks[0](h, model.rope_cos, model.rope_sin)
+    planned = memory.block_activation_bytes(16, 3, 32, 4, 96)
+    # N = 48 tokens: fp32 (10·N·h + 2·N + 4·N·f) + fp32 log-sum-exp N·a
+    assert planned == 4 * (10 * 48 * 32 + 2 * 48 + 4 * 48 * 96) + 4 * 48 * 4
+    assert meter.bytes == planned
+
+
+def test_block_activation_bytes_under_tensor_and_sequence_parallelism():
+    n, h, f, a, t = 4096, 1024, 2816, 16, 4
+    tp = memory.block_activation_bytes(n, 1, h, a, f, t, bytes_per_element=2)
+    sp = memory.block_activation_bytes(n, 1, h, a, f, t, sequence_parallel=True, bytes_per_element=2)
+    # Only the norm region (x, x̂ of both norms, 4nh, and their rsqrt, 2n) is divided by t in addition.
+    assert tp - sp == pytest.approx(2 * (4 * n * h + 2 * n) * (1 - 1 / t))
+    assert sp == pytest.approx(2 * ((4 * n * h + 2 * n) / t + 2 * n * h + (4 * n * h + 4 * n * f) / t) + 4 * n * a / t)
+    cfg = GPTConfig(vocab_size=1000, n_layers=2, d_model=h, n_heads=a, d_ff=f, seq_len=n)
+    plan = memory.memory_plan(cfg, 1, tensor_parallel=t, sequence_parallel=True, precision="bf16-true")
+    assert plan["activation_bytes_per_layer"] == sp
+    with pytest.raises(ConfigError, match="--sequence-parallel"):
+        memory.block_activation_bytes(n, 1, h, a, f, 1, sequence_parallel=True)

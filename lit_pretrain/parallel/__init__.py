@@ -41,7 +41,7 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     if plan.tensor_parallel > 1:
         from lit_pretrain.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(gpt, par.tp, **({"sequence_parallel": True} if plan.sequence_parallel else {}))
+        apply_tensor_parallel(gpt, par.tp, sequence_parallel=plan.sequence_parallel)
     apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
     if plan.compile:
         from lit_pretrain.parallel.compile import check_toolchain, compile_blocks

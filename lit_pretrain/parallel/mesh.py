@@ -79,7 +79,7 @@ class ParallelModel:
             else None
         tied_grad_sync(self.gpt, self.pp, fsdp_shard)
         if self.plan.sequence_parallel:
-            from lit_pretrain.parallel.tensor import sync_sequence_parallel_grads
+            from lit_pretrain.parallel.sequence import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.gpt, self.tp)
         if self.plan.uses_fsdp or self.plan.data_parallel_replicate == 1:

@@ -53,8 +53,9 @@ class StageForward(nn.Module):
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)  # (B, T) ids -> (B, T, d_model)
         gpt = self._gpt[0]
-        T = x.shape[1]
-        cos, sin = gpt.rope_cos[:T], gpt.rope_sin[:T]
+        # The whole tables, which attention cuts to its own length: under sequence parallelism x holds T/t
+        # positions here while attention sees all T (parallel/sequence.py).
+        cos, sin = gpt.rope_cos, gpt.rope_sin
         for block in self.blocks:
             x = block(x, cos, sin)  # (B, T, d_model)
         if self.lm_head is not None:
