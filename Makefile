@@ -31,8 +31,9 @@ prepare: $(STAMP) ## tokenize the experiment's corpus into shards (train does th
 train: $(STAMP) ## pretrain the default experiment on this machine (RUN=..., ARGS='trainer.max_steps=50')
 	$(BIN)/lit-pretrain train $(RUN) $(ARGS)
 
-test: $(STAMP) ## run the whole test suite
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+TEST_WORKERS ?= 2
+test: $(STAMP) ## run the whole test suite (TEST_WORKERS=2 pytest-xdist workers; TEST_WORKERS=0: one process)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal) $(PYTEST_ARGS)
 
 test-fast: $(STAMP) ## run the tests that take no extra processes or end-to-end runs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
