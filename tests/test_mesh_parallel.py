@@ -8,6 +8,8 @@ One spawn per world size (2, then 4 processes) runs all its layouts in turn: pro
 """
 
 
+import os
+
 import pytest
 import torch.multiprocessing as mp
 
@@ -104,3 +106,15 @@ def test_four_process_layouts_match_one_process():
     results = spawn(4, CASES_4)
     print({k: {m: v for m, v in r.items() if isinstance(v, float)} for k, r in results.items()})
     check(results, [c[0] for c in CASES_4])
+
+
+CASES_8 = [("zero3_tp2_pp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2, pipeline_parallel=2,
+                                  schedule="gpipe", micro_batches=2))]
+
+
+@pytest.mark.skipif(not os.environ.get("LIT_PRETRAIN_8_PROCESSES"),
+                    reason="8 processes take minutes on 2 cores: LIT_PRETRAIN_8_PROCESSES=1 runs it (README)")
+def test_eight_process_zero3_tp2_pp2_matches_one_process():
+    results = spawn(8, CASES_8)
+    print({k: {m: v for m, v in r.items() if isinstance(v, float)} for k, r in results.items()})
+    check(results, [c[0] for c in CASES_8])

@@ -148,7 +148,9 @@ def test_zero3_tensor_parallel_resume_from_single_process_and_sigkill(train, sin
     """A single-process checkpoint resumed under ZeRO-3 x tensor parallelism (4 ranks: 2 FSDP shards x TP 2), SIGKILL
     of every rank mid-accumulation, resumed again: bitwise the uninterrupted run of the same layout from the same
     checkpoint, and the same windows as one process (the TP ranks of a shard read that shard's half of the batch)."""
-    layout = ["strategy=tensor", "strategy.zero_stage=3", "trainer.devices=4"]
+    # Micro-batches of 4 on each of the 2 shards: 2 per optimizer step, as in one process (8 x 2), so the SIGKILL
+    # below still lands mid-accumulation.
+    layout = ["strategy=tensor", "strategy.zero_stage=3", "trainer.devices=4", "trainer.micro_batch_size=4"]
     step2 = single_ref / "checkpoints" / store.step_file(2)
     ref, _ = train("zero3-tp2-ref", *layout, f"run.resume={step2}", record=True)
     expected = global_indices(single_ref.parent / f"{single_ref.name}.indices")

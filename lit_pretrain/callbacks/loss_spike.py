@@ -220,9 +220,16 @@ class LossSpike(Callback):
     def _gather_indices(self, trainer) -> Optional[List[int]]:
         if self._datamodule(trainer) is None or not hasattr(self._datamodule(trainer), "batch_indices"):
             return None
-        local = torch.tensor(self._indices, dtype=torch.int64, device=trainer.strategy.root_device)
-        gathered = trainer.strategy.all_gather(local)
-        return sorted(gathered.flatten().tolist())
+        # Tensor- and pipeline-parallel ranks of one data-parallel rank read the same windows: each data-parallel
+        # rank's windows are kept once (tagged with its data-parallel rank, the sampler's).
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        dp_rank = kwargs.get("rank", trainer.global_rank)
+        local = torch.tensor([dp_rank, *self._indices], dtype=torch.int64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(local).reshape(-1, local.numel())
+        by_dp_rank: Dict[int, List[int]] = {}
+        for row in gathered.tolist():
+            by_dp_rank.setdefault(row[0], row[1:])
+        return sorted(i for rows in by_dp_rank.values() for i in rows)
 
     def _write(self, trainer) -> None:
         write_json(trainer, self.filename, self.events)
