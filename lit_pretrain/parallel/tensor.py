@@ -3,8 +3,10 @@ f and g operators, the tensor-parallel process group passed in explicitly.
 
 Per block: wq, wk, wv, w_gate, w_up are column-parallel (each rank keeps a slice of the output rows: whole heads,
 since wq's rows are heads × head_dim in order), wo and w_down row-parallel (a slice of the input columns, then one
-all-reduce of the partial sums). So a block costs two all-reduces forward (g after wo and w_down) and two backward
-(f before the attention and MLP inputs). Norms, the embedding and the head stay replicated: their gradients come
+all-reduce of the partial sums). So a block costs two all-reduces forward (g after wo and w_down) and, as built,
+five backward: each column-parallel linear applies f to its own input, where Megatron applies one f per attention
+and MLP input (two); the sums are the same, the extra three cost bandwidth (measured by `make bench
+CASES=compositions`, counted in scaling/communication.py; sequence parallelism already gathers once per input). Norms, the embedding and the head stay replicated: their gradients come
 out identical on every tensor-parallel rank because f sums the input gradients. Vocabulary-parallel embedding and
 cross-entropy are not built: the head is replicated, so model.vocab_size needs no divisibility.
 
