@@ -16,7 +16,7 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.optim import build_adamw
-from lit_pretrain.parallel import apply_plan
+from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.resume.verified import sidecar_path, verify
 from lit_pretrain.schedule import lr_lambda
@@ -93,7 +93,7 @@ class PretrainModule(L.LightningModule):
     def configure_model(self):
         if self._trainer is None:
             return  # load_from_checkpoint calls this hook with no Trainer (no mesh): the plain GPT holds every weight
-        # The one place the plan is applied (parallel.apply_plan: pipeline split, tensor/sequence parallelism,
+        # The one place the plan is applied (parallel.apply.apply_plan: pipeline split, tensor/sequence parallelism,
         # activation checkpointing, compile, FSDP), on the strategy's mesh: our 4-D one (MeshStrategy) or Lightning's
         # data-parallel one (plain ZeRO 2/3).
         plan, mesh = self.plan, self.device_mesh

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.optim import build_adamw
-from lit_pretrain.parallel import apply_plan
+from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan

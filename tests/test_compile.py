@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.parallel import apply_plan
 from lit_pretrain.parallel.activation_checkpointing import is_checkpointed
+from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.compile import check_toolchain, compile_blocks, compiler_available, is_compiled
 from lit_pretrain.parallel.plan import ParallelPlan
 

@@ -179,7 +179,7 @@ def _plan_step(par, opt, x, y, max_norm):
 def _worker(rank: int, port: int, c, batch: int, results) -> None:
     from lit_pretrain.model import GPT
     from lit_pretrain.optim import build_adamw
-    from lit_pretrain.parallel import apply_plan
+    from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -44,7 +44,7 @@ def _time_steps(step, steps: int, skip: int) -> float:
 
 def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results) -> None:
     from lit_pretrain.model import GPT
-    from lit_pretrain.parallel import apply_plan
+    from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
     from lit_pretrain.parallel.plan import ParallelPlan
 

@@ -1,6 +1,6 @@
 """A GPT as one rank holds it under a ParallelPlan, with the collectives a step needs beyond forward and backward.
 
-`apply_plan` (parallel/__init__.py) builds it; the module calls it from `configure_model`, the tests directly.
+`apply_plan` (parallel/apply.py) builds it; the module calls it from `configure_model`, the tests directly.
 
 - `sync_gradients` (once per optimizer step, after the last backward of an accumulation): the tied embedding's two
   copies summed over the pipeline; norm weights summed over the tensor-parallel group under sequence parallelism;

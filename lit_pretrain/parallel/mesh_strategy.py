@@ -1,6 +1,6 @@
 """Plans on our own mesh (tensor, pipeline, HSDP and their compositions with ZeRO): Lightning's
 ModelParallelStrategy (its launcher, process-group set-up, CPU and GPU alike) with the 4-D mesh of the plan
-(parallel/plan.py); the module's `configure_model` applies the plan (parallel.apply_plan) on that mesh.
+(parallel/plan.py); the module's `configure_model` applies the plan (parallel.apply.apply_plan) on that mesh.
 
 What it changes in Lightning's step, and why:
 - `setup_environment`: builds the (pipeline, data_parallel_replicate, data_parallel_shard, tensor_parallel) mesh.
@@ -49,7 +49,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     @property
     def parallel(self):
-        """The module's ParallelModel (made by its configure_model through parallel.apply_plan)."""
+        """The module's ParallelModel (made by its configure_model through parallel.apply.apply_plan)."""
         return self.lightning_module.parallel
 
     @property

@@ -6,7 +6,8 @@ since wq's rows are heads × head_dim in order), wo and w_down row-parallel (a s
 all-reduce of the partial sums). So a block costs two all-reduces forward (g after wo and w_down) and, as built,
 five backward: each column-parallel linear applies f to its own input, where Megatron applies one f per attention
 and MLP input (two); the sums are the same, the extra three cost bandwidth (measured by `make bench
-CASES=compositions`, counted in scaling/communication.py; sequence parallelism already gathers once per input). Norms, the embedding and the head stay replicated: their gradients come
+CASES=compositions`, counted in scaling/communication.py; sequence parallelism already gathers once per input).
+Norms, the embedding and the head stay replicated: their gradients come
 out identical on every tensor-parallel rank because f sums the input gradients. Vocabulary-parallel embedding and
 cross-entropy are not built: the head is replicated, so model.vocab_size needs no divisibility.
 
