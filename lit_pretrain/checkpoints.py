@@ -23,6 +23,7 @@ from lit_pretrain import config as config_lib
 from lit_pretrain.errors import DataError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.optim import adamw_with_state
 from lit_pretrain.resume.verified import META_KEY, load_verified
 from lit_pretrain.schema import OptimConfig
 
@@ -109,11 +110,9 @@ def load_optimizer_state(source: str | Path, checkpoint: str = "last.ckpt",
                          model: GPT | None = None) -> torch.optim.Optimizer:
     """A single-process AdamW over `model` (default: the checkpoint's GPT) holding the checkpoint's optimizer state.
 
-    The groups are rebuilt as training builds them (module.param_groups); torch maps saved state to parameters
+    The groups are rebuilt as training builds them (optim.adamw_with_state); torch maps saved state to parameters
     by their position in the groups, which every strategy's consolidated state keeps.
     """
-    from lit_pretrain.module import param_groups  # imports Lightning: only when optimizer state is wanted
-
     path = checkpoint_path(source, checkpoint)
     state: Dict = load_verified(path)
     model = model if model is not None else _gpt(state, path)
@@ -121,8 +120,4 @@ def load_optimizer_state(source: str | Path, checkpoint: str = "last.ckpt",
     if len(states) != 1:
         raise DataError(f"checkpoint {path} holds {len(states)} optimizer states, expected 1: it was saved without "
                         "optimizer state (save_weights_only) or by another program")
-    o = _section(state, path, "optim", OptimConfig)
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr_peak, betas=(o.beta1, o.beta2),
-                                  eps=o.eps)
-    optimizer.load_state_dict(states[0])
-    return optimizer
+    return adamw_with_state(model, _section(state, path, "optim", OptimConfig), states[0])

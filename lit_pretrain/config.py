@@ -231,11 +231,16 @@ def _defaults_free(path: Path) -> dict:
 def check_ranges(cfg: DictConfig) -> None:
     """Enforce the `ge/gt/le/lt/choices` metadata of every schema field, and cross-field rules."""
     _check_section(cfg, Config, "")
-    model = to_object(cfg).model
+    config = to_object(cfg)
     try:
-        model.check()
+        config.model.check()
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    # The parallel plan (degrees, their product, the model's shape against them): checked here, so `show` refuses
+    # exactly what `train` would.
+    from lit_pretrain.parallel.plan import build_plan
+
+    build_plan(config)
     if cfg.schedule.warmup_steps > cfg.trainer.max_steps:
         raise ConfigError(
             f"schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds trainer.max_steps={cfg.trainer.max_steps}: "

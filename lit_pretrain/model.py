@@ -83,8 +83,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries, keys and values of x (B, T, d_model), RoPE on q and k; each (B, n_heads, T, head_dim)."""
+        """Queries, keys and values of x (B, T, d_model), RoPE on q and k; each (B, n_heads, T, head_dim).
+        cos, sin hold x's positions from its first; they may run past T (their first T rows are used), so a caller
+        that does not know how long x will be here can pass the whole tables."""
         B, T, _ = x.shape
+        cos, sin = cos[:T], sin[:T]  # (T, head_dim)
         # -1 heads, not cfg.n_heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)

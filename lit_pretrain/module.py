@@ -2,74 +2,26 @@
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Optional
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from lit_pretrain.callbacks import step_state
 from lit_pretrain.checkpoints import from_plain
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT, document_ids
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.parallel import parallelize
-from lit_pretrain.parallel.strategies import zero_stage
-from lit_pretrain.parallel.zero import build_adamw
+from lit_pretrain.optim import build_adamw
+from lit_pretrain.parallel.apply import apply_plan
+from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.resume.verified import sidecar_path, verify
 from lit_pretrain.schedule import lr_lambda
 from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
-    """AdamW groups: weight decay on matrices of linear layers only.
-
-    Norm gains, biases and embeddings are left undecayed (GPT-3 §B and nanoGPT's `configure_optimizers` do the
-    same): decaying a norm gain or an embedding pulls it toward zero without regularizing any function of inputs.
-    A tied embedding/head matrix is an embedding, so it is not decayed either.
-    """
-    no_decay_ids = set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) or not isinstance(module, nn.Linear):
-            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():  # parameters() yields a tied tensor once
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (no_decay if id(p) in no_decay_ids or p.ndim < 2 else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def clip_by_global_norm(parameters: Iterable[torch.Tensor], max_norm: float,
-                        norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rescale all gradients by one factor so their global L2 norm is at most max_norm; return the pre-clip norm.
-
-    One factor for the whole gradient, never per-value clamping. Under FSDP (ZeRO stages 2 and 3) the norm is that
-    of the whole, sharded gradient (`step_state.full_norm`), so every rank rescales by the same factor (as
-    torchtitan's clipping does). `norm`: the pre-clip norm when already computed this step. With max_norm <= 0
-    nothing is changed.
-    """
-    grads = [p for p in parameters if p.grad is not None]
-    if norm is None:
-        norm = step_state.full_norm([p.grad for p in grads])
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
-    return norm
-
-
-def adamw_kernel(strategy: StrategyConfig) -> dict:
-    """AdamW's implementation: fused (one kernel over all tensors, about 3x faster than foreach on this CPU: 22-27 ms
-    -> 7.5-7.9 ms per step of the default model's 5.3M parameters, measured on a loaded 2-core machine) for plain
-    tensors; foreach for FSDP2's DTensor shards (ZeRO stages 2 and 3), the path PyTorch's FSDP2 tests cover."""
-    return {"foreach": True} if zero_stage(strategy) in (2, 3) else {"fused": True}
+from lit_pretrain.step_guard import StepGuard
 
 
 class PretrainModule(L.LightningModule):
@@ -83,7 +35,7 @@ class PretrainModule(L.LightningModule):
     def __init__(self, model_cfg: GPTConfig | dict, optim: OptimConfig | dict, schedule: ScheduleConfig | dict,
                  max_steps: int, tokens_per_step: int, seed: Optional[int] = None,
                  strategy: Optional[StrategyConfig | dict] = None, compile: bool = False,
-                 eod_id: Optional[int] = None):
+                 plan: Optional[ParallelPlan] = None, eod_id: Optional[int] = None):
         super().__init__()
         model_cfg, optim = from_plain(GPTConfig, model_cfg), from_plain(OptimConfig, optim)
         schedule, strategy = from_plain(ScheduleConfig, schedule), from_plain(StrategyConfig, strategy or {})
@@ -102,6 +54,27 @@ class PretrainModule(L.LightningModule):
             torch.manual_seed(seed)  # the initial weights depend on the run seed alone, not on what ran before
         self.model = GPT(model_cfg)
         self.val_loss = MeanMetric()
+        self.step_guard = StepGuard()
+        """This optimizer step's pre-clip norm, dropped update and clipping, read by the stability callbacks."""
+        self._plan = plan  # the config's plan (train.py); else the strategy's, see `plan`
+        self.parallel = None  # the ParallelModel configure_model makes
+
+    @property
+    def plan(self) -> ParallelPlan:
+        """How this module is split: the plan given, else the one its Lightning strategy was built from
+        (strategies.build_strategy), else one process. Activation checkpointing and compile come from this module's
+        own settings (model.activation_checkpointing, trainer.compile), which train.py gives the plan as well."""
+        plan = self._plan
+        if plan is None:
+            strategy = self._trainer.strategy if self._trainer is not None else None
+            plan = getattr(strategy, "plan", None)
+        if plan is None:
+            s = self.strategy_cfg
+            stage = s.zero_stage if s.zero_stage is not None else (3 if s.name in ("zero", "fsdp") else 0)
+            plan = ParallelPlan(zero_stage=stage)
+        m = self.model_cfg
+        return replace(plan, activation_checkpointing=m.activation_checkpointing,
+                       activation_checkpointing_k=m.activation_checkpointing_k, compile=self.compile_blocks)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None,
@@ -123,10 +96,15 @@ class PretrainModule(L.LightningModule):
     def configure_model(self):
         if self._trainer is None:
             return  # load_from_checkpoint calls this hook with no Trainer (no mesh): the plain GPT holds every weight
-        # Activation checkpointing, compile, then FSDP (ZeRO 2/3) over the data-parallel mesh; all wrap the GPT
-        # from outside.
-        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
-        parallelize(self.model, self.model_cfg, self.strategy_cfg, mesh, compile=self.compile_blocks)
+        # The one place the plan is applied (parallel.apply.apply_plan: pipeline split, tensor/sequence parallelism,
+        # activation checkpointing, compile, FSDP), on the strategy's mesh: our 4-D one (MeshStrategy) or Lightning's
+        # data-parallel one (plain ZeRO 2/3).
+        plan, mesh = self.plan, self.device_mesh
+        if plan.uses_mesh:
+            self.parallel = apply_plan(self.model, plan, mesh)
+        else:
+            fsdp_mesh = mesh["data_parallel"] if mesh is not None and plan.uses_fsdp else None
+            self.parallel = apply_plan(self.model, plan, fsdp_mesh=fsdp_mesh)
 
     def setup(self, stage: str) -> None:
         # Refused rather than honoured: this module clips by the global norm of the whole (under FSDP, sharded)
@@ -142,12 +120,13 @@ class PretrainModule(L.LightningModule):
             )
 
     def loss(self, batch) -> torch.Tensor:
-        if getattr(self, "pipeline", None) is not None:
+        runner = self.parallel.runner if self.parallel is not None else None
+        if runner is not None:
             if self.eod_id is not None:  # the stages call blocks with (x, cos, sin): no mask, positions unrestarted
                 raise ConfigError("data.document_masking is not supported with pipeline parallelism: set "
                                   "data.document_masking=false or strategy.pipeline_parallel=1")
             # Pipeline parallelism: the schedule runs the model, and its backward when training (parallel/pipeline.py).
-            return self.pipeline.loss(batch, training=self.training)
+            return runner.loss(batch, training=self.training)
         x, y = batch  # (B, T) inputs and (B, T) next-token targets
         if self.eod_id is None:
             logits = self.model(x)  # (B, T, V)
@@ -156,6 +135,18 @@ class PretrainModule(L.LightningModule):
             y = loss_targets(x, y, self.eod_id)
         # fp32 cross-entropy: under bf16 the log-softmax over a large vocabulary loses most of its precision.
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+
+    def on_fit_start(self):
+        # The one place the guard's norm is chosen: the plan's (ParallelModel.grad_norm counts each parameter once
+        # over tensor-parallel shards, pipeline stages and FSDP shards); a module fit without configure_model having
+        # run (no Trainer hook) keeps optim.grad_norm.
+        if self.parallel is not None:
+            self.step_guard.norm_fn = self.parallel.grad_norm
+
+    def on_train_batch_start(self, batch, batch_idx):
+        # The step boundary of the guard: Lightning calls this before every micro-batch, after the callbacks' own
+        # on_train_batch_start and before any backward, so every callback that reads the guard sees this step's.
+        self.step_guard.begin(self.global_step)
 
     def on_train_start(self):
         self._loss_sum = torch.zeros((), device=self.device)
@@ -258,13 +249,12 @@ class PretrainModule(L.LightningModule):
             self.log("val/seconds", time.perf_counter() - started)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        if all(p.grad is None for p in self.parameters()):
+        # The stability callbacks may already have taken this step's pre-clip norm: one reduction per step, not two.
+        norm = self.step_guard.clip(self.parameters(), self.optim_cfg.grad_clip_norm)
+        if norm is None:
             # The update was dropped (the stability callbacks agree on that across ranks, so every rank returns
             # here): logging a norm of 0 would read as a real, tiny gradient.
             return
-        # The stability callbacks may already have taken this step's pre-clip norm: one reduction per step, not two.
-        norm = clip_by_global_norm(self.parameters(), self.optim_cfg.grad_clip_norm,
-                                   step_state.grad_norm(self._trainer, self) if self._trainer is not None else None)
         if not self.logs_at(self.global_step + 1):  # global_step counts the steps done; this is the next one
             return
         self.log("train/grad_norm", norm)
@@ -273,9 +263,7 @@ class PretrainModule(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.optim_cfg
-        groups = param_groups(self.model, o.weight_decay)
-        optimizer = build_adamw(groups, zero_stage(self.strategy_cfg), lr=o.lr_peak, betas=(o.beta1, o.beta2),
-                                eps=o.eps, **adamw_kernel(self.strategy_cfg))
+        optimizer = build_adamw(self.model, o, self.plan.zero_stage)
         schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

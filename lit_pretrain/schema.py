@@ -330,23 +330,32 @@ class PipelineConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero", "tensor", "pipeline"]})
-    """How the work is split across devices: single (one process), ddp (data parallelism, gradients all-reduced),
-    zero (data parallelism with model state sharded across the ranks by ZeRO stage, see zero_stage), or tensor /
-    pipeline (our tensor- and pipeline-parallel wrappers on one device mesh, sized by tensor_parallel and
-    pipeline_parallel; data parallel = world / (tensor_parallel * pipeline_parallel))."""
-    zero_stage: int = field(default=3, metadata={"ge": 1, "le": 3})
-    """name=zero only: 1 shards optimizer state (ZeroRedundancyOptimizer under DDP); 2 also gradients (FSDP2,
-    parameters kept gathered from forward to backward); 3 also parameters (FSDP2, resharded after forward)."""
+    name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero", "fsdp", "tensor", "pipeline"]})
+    """The preset this section started from (experiments/strategy/<name>.yaml). The work is split by the degrees
+    below (lit_pretrain/parallel/plan.py); the name only decides what they leave unset: single refuses more than
+    one process, zero and fsdp default zero_stage to 3, the others to 0."""
+    zero_stage: Optional[int] = field(default=None, metadata={"ge": 0, "le": 3})
+    """ZeRO stage of the data-parallel ranks: 0 none (replicas all-reduce gradients), 1 optimizer state sharded
+    (ZeroRedundancyOptimizer; data parallelism alone), 2 also gradients (FSDP2, parameters kept gathered from
+    forward to backward), 3 also parameters (FSDP2, resharded after forward). null: 3 for name=zero or fsdp,
+    else 0."""
+    data_parallel_replicate: Optional[int] = field(default=None, metadata={"ge": -1})
+    """Data-parallel replicas (HSDP replica groups when data_parallel_shard > 1). -1: the rest of the world.
+    null: the rest when zero_stage is 0, else 1."""
+    data_parallel_shard: Optional[int] = field(default=None, metadata={"ge": -1})
+    """Data-parallel ranks that shard model state at zero_stage (>= 1). -1: the rest of the world. null: the rest
+    when zero_stage >= 1, else 1."""
     process_group_backend: Optional[str] = field(default=None, metadata={"choices": [None, "gloo", "nccl"]})
     """torch.distributed backend. null: gloo on CPU, nccl on GPUs."""
     timeout_seconds: int = field(default=1800, metadata={"ge": 1})
     """Process-group timeout: how long a rank waits for its peers before failing."""
-    tensor_parallel: int = field(default=1, metadata={"ge": 1})
-    """name=tensor or pipeline: ranks that split each block's weight matrices (t). Divides model.n_heads and the
-    MLP width."""
-    pipeline_parallel: int = field(default=1, metadata={"ge": 1})
-    """name=tensor or pipeline: pipeline stages, each a contiguous slice of the blocks (p)."""
+    tensor_parallel: int = field(default=1, metadata={"ge": -1})
+    """Ranks that split each block's weight matrices (t; -1: the rest). Divides model.n_heads and the MLP width."""
+    pipeline_parallel: int = field(default=1, metadata={"ge": -1})
+    """Pipeline stages, each a contiguous slice of the blocks (p; -1: the rest)."""
+    sequence_parallel: bool = False
+    """With tensor_parallel > 1: shard the norms and the residual stream along the sequence across the tensor-
+    parallel group (Korthikanti et al. 2022), all-gather / reduce-scatter in place of all-reduce."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline schedule settings (used when pipeline_parallel > 1)."""
 

@@ -23,10 +23,10 @@ from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.data.mixture import MixtureMetrics
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
-from lit_pretrain.parallel.layout import check_layout, uses_mesh
 from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
-from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
+from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume.compat import run_meta as resume_meta
 from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
@@ -43,7 +43,7 @@ def setup_process(trainer: TrainerConfig) -> None:
 def accumulation(c: Config) -> tuple[int, int]:
     """(micro-batches per optimizer step, global tokens per optimizer step)."""
     # Data-parallel replicas, not processes: tensor- and pipeline-parallel ranks share their replica's batch.
-    replicas = check_layout(c, world_size(c.trainer)).data_parallel
+    replicas = build_plan(c).data_parallel
     per_micro_step = c.trainer.micro_batch_size * c.model.seq_len * replicas
     if c.trainer.tokens_per_step is None:
         return 1, per_micro_step
@@ -98,7 +98,8 @@ def train(cfg: DictConfig) -> dict:
     c = config_lib.to_object(cfg)
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
-    strategy = build_strategy(c.strategy, c.trainer)
+    parallel_plan = build_plan(c)
+    strategy = build_strategy(c.strategy, c.trainer, parallel_plan)
     # Everything that can be checked is checked before the run folder is made, so a refused start leaves nothing
     # behind that would block its retry: the run name and folder, the checkpoint to resume from, the data (prepared
     # or verified), the batch against the data, the experiment a resume continues, the model and the callbacks.
@@ -111,7 +112,7 @@ def train(cfg: DictConfig) -> dict:
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
     manifest = datamodule.manifest
-    train_windows, _ = datamodule.windows(manifest, check_layout(c, world_size(c.trainer)).data_parallel)
+    train_windows, _ = datamodule.windows(manifest, parallel_plan.data_parallel)
     datamodule.check_mixture(train_windows, c.trainer.max_steps, tokens_per_step // c.model.seq_len)
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
     cfg.model.vocab_size = c.model.vocab_size
@@ -120,7 +121,7 @@ def train(cfg: DictConfig) -> dict:
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
-                            compile=c.trainer.compile,
+                            compile=c.trainer.compile, plan=parallel_plan,
                             eod_id=datamodule.eod_id if c.data.document_masking else None)
     if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
         from lit_pretrain.hf import load_init  # needs safetensors (the hf extra): only when asked for
@@ -132,7 +133,7 @@ def train(cfg: DictConfig) -> dict:
         *resume_session.callbacks(plan, c.trainer.checkpoint_every_n_steps, c.run.keep_last_checkpoints, run_meta,
                                   c.optim.lr_peak),
         # Bytes each rank holds (parameters, gradients, optimizer state, saved activations) → memory.json.
-        MemoryAccounting(run_dir, {"strategy": c.strategy.name, "zero_stage": zero_stage(c.strategy),
+        MemoryAccounting(run_dir, {"strategy": c.strategy.name, "zero_stage": parallel_plan.zero_stage,
                                    "activation_checkpointing": c.model.activation_checkpointing,
                                    "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
         *build_callbacks(c),
@@ -186,7 +187,8 @@ def train(cfg: DictConfig) -> dict:
     session_train_seconds = session_end - session_start if None not in (session_start, session_end) else 0.0
     entropy = manifest.get("unigram_entropy_nats")
     # Under tensor/pipeline parallelism each rank holds a part: count the whole model's shape instead.
-    gpt = full_gpt_on_meta(c.model) if uses_mesh(c.strategy) else module.model
+    gpt = full_gpt_on_meta(c.model) if parallel_plan.tensor_parallel > 1 or parallel_plan.pipeline_parallel > 1 \
+        else module.model
     params = gpt.num_params(non_embedding=False)
     summary = {
         "run": c.run.name,

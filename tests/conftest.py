@@ -55,7 +55,7 @@ def train_args(data_dir: Path, root: Path, name: str) -> list:
             f"run.root_dir={root}", f"run.name={name}"]
 
 
-def run_module(*args, rc: int = 0, timeout: int = 240, **kwargs) -> subprocess.CompletedProcess:
+def run_module(*args, rc: int = 0, timeout: int = 480, **kwargs) -> subprocess.CompletedProcess:
     """`python -m ARGS` in a subprocess (Lightning's launcher re-runs the command for the other ranks, which inside
     pytest would re-launch pytest: shared/CPU-DISTRIBUTED.md, pitfall 2); asserts its exit code, showing the output's
     tail when it differs."""

@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lit_pretrain import config
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.parallel.strategies import build_strategy
-from lit_pretrain.schema import PipelineConfig, StrategyConfig
 from tests.conftest import EXPERIMENTS
 
 
@@ -24,9 +23,10 @@ def main(out, devices, name, t, p, steps, ckpt=None):
     torch.set_num_threads(1)
     c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
         "model.vocab_size=64", "trainer.micro_batch_size=4", "optim.grad_clip_norm=0.1", "schedule.warmup_steps=1",
-        f"trainer.devices={devices}"]))
-    strategy = StrategyConfig(name=name, tensor_parallel=t, pipeline_parallel=p, timeout_seconds=60,
-                              pipeline=PipelineConfig(micro_batches=2, schedule="gpipe"))
+        f"trainer.devices={devices}", f"strategy={name}", f"strategy.tensor_parallel={t}",
+        f"strategy.pipeline_parallel={p}", "strategy.timeout_seconds=60", "strategy.pipeline.micro_batches=2",
+        "strategy.pipeline.schedule=gpipe"]))
+    strategy = c.strategy
     g = torch.Generator().manual_seed(5)
     w = torch.randint(0, 64, (4, c.model.seq_len + 1), generator=g).repeat(8, 1)
     data = DataLoader(TensorDataset(w[:, :-1], w[:, 1:]), batch_size=4)

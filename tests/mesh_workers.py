@@ -1,5 +1,5 @@
-"""Spawned workers for tests/test_mesh_parallel.py: each layout against a single-process reference built from the
-same weights, inside one spawn per world size.
+"""Spawned workers for tests/test_mesh_parallel.py: each parallel plan against a single-process reference built from
+the same weights, inside one spawn per world size.
 
 Each case returns, from global rank 0, the largest differences it measured; the test asserts them.
 """
@@ -7,7 +7,6 @@ Each case returns, from global rank 0, the largest differences it measured; the 
 import copy
 import os
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -15,17 +14,16 @@ import torch.nn.functional as F
 
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.module import param_groups
-from lit_pretrain.parallel.layout import Layout
-from lit_pretrain.parallel.mesh import MeshParallel, build_mesh
+from lit_pretrain.optim import build_adamw
+from lit_pretrain.parallel.apply import apply_plan
+from lit_pretrain.parallel.memory import SavedActivations
+from lit_pretrain.parallel.mesh import build_mesh
+from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.parallel.tensor import apply_tensor_parallel
+from lit_pretrain.schema import OptimConfig
 
 CFG = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, seq_len=16, tie_embeddings=True)
 BATCH, STEPS, LR, MAX_NORM = 8, 3, 1e-2, 0.05
-
-
-def strategy_cfg(schedule="1f1b", micro_batches=4, stages_per_rank=1):
-    return SimpleNamespace(pipeline=SimpleNamespace(schedule=schedule, micro_batches=micro_batches,
-                                                    stages_per_rank=stages_per_rank))
 
 
 def data():
@@ -35,7 +33,8 @@ def data():
 
 
 def adamw(model):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=LR, foreach=True)
+    # torch's default betas (0.9, 0.999); foreach, the kernel that works on every layout's tensors.
+    return build_adamw(model, OptimConfig(lr_peak=LR, weight_decay=0.1, beta2=0.999), kernel="foreach")
 
 
 def reference(model, xs, ys):
@@ -60,13 +59,18 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def run_layout(layout: Layout, scfg, init, xs, ys):
-    mesh = build_mesh(layout)
+def data_parallel_rank(par) -> int:
+    """This rank's data-parallel index (replica-major, as MeshStrategy.distributed_sampler_kwargs)."""
+    return dist.get_rank(par.replicate) * par.plan.data_parallel_shard + dist.get_rank(par.shard_group)
+
+
+def run_layout(plan: ParallelPlan, init, xs, ys):
     model = copy.deepcopy(init)
-    par = MeshParallel(model, mesh, scfg)
+    par = apply_plan(model, plan, build_mesh(plan))
     opt = adamw(model)
-    dp_rank = dist.get_rank(par.dp)
-    per = BATCH // layout.data_parallel
+    d = plan.data_parallel
+    dp_rank = data_parallel_rank(par)
+    per = BATCH // d
     losses, norms, grads0 = [], [], None
     for step, (x, y) in enumerate(zip(xs, ys)):
         x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
@@ -83,8 +87,9 @@ def run_layout(layout: Layout, scfg, init, xs, ys):
         if step == 0:  # every rank gathers (a collective); rank 0 gets the result
             grads0 = par._gather_named({n: p.grad for n, p in model.named_parameters()})
         opt.step()
-        dist.all_reduce(loss, group=par.dp)  # the logged loss: mean over data-parallel replicas
-        losses.append(loss.item() / layout.data_parallel)
+        for group in (par.replicate, par.shard_group):  # the logged loss: mean over data-parallel ranks
+            dist.all_reduce(loss, group=group)
+        losses.append(loss.item() / d)
         norms.append(norm.item())
     return par, model, opt, losses, norms, grads0
 
@@ -96,13 +101,13 @@ def dist_broadcast(obj):
     return box[0]
 
 
-def case(layout: Layout, scfg, out: dict, name: str):
+def case(plan: ParallelPlan, out: dict, name: str):
     torch.manual_seed(0)
     init = GPT(GPTConfig(**CFG))
     xs, ys = data()
     ref_model = copy.deepcopy(init)
     ref_losses, ref_norms, ref_grads, ref_opt = reference(ref_model, xs, ys)
-    par, model, opt, losses, norms, grads0 = run_layout(layout, scfg, init, xs, ys)
+    par, model, opt, losses, norms, grads0 = run_layout(plan, init, xs, ys)
     full = par.full_state()
     full_opt = par.full_optimizer_state(opt)
     # The gathered AdamW state sliced into a fresh optimizer of this layout, and gathered again.
@@ -141,19 +146,45 @@ def case(layout: Layout, scfg, out: dict, name: str):
         "opt_round_trip": max(abs(opt_back[n][k] - v).max().item() for n, s in full_opt.items() for k, v in s.items()),
         "loaded_logits": (loaded_logits - ref_logits).abs().max().item(),
         "layout_logits": None if tp_logits is None else (tp_logits - ref_logits).abs().max().item(),
+        "sequence_parallel": any(getattr(m, "sequence_parallel", False) for m in par.gpt.modules()),
     }
 
 
-def worker(rank: int, world: int, port: int, cases: list, results):
+def saved_block_bytes(tp_group, sequence_parallel: bool) -> int:
+    """Bytes the first block saves for backward on this rank under tensor parallelism over `tp_group`, with or
+    without sequence parallelism (collectives inside: every rank of the group calls it)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    apply_tensor_parallel(model, tp_group, sequence_parallel=sequence_parallel)
+    h = model.tok_embeddings(data()[0][0])  # (B, T, d), or this rank's (B, T/t, d) under sequence parallelism
+    with SavedActivations(model) as meter:
+        out = model.blocks[0](h, model.rope_cos, model.rope_sin)
+    out.float().pow(2).mean().backward()  # the saved tensors are usable (and released)
+    return meter.bytes
+
+
+def activation_case(out: dict) -> None:
+    """TP-only and TP + sequence parallelism, saved bytes per block, over the whole world as the TP group."""
+    plan = ParallelPlan(tensor_parallel=dist.get_world_size())
+    tp = build_mesh(plan).get_group("tensor_parallel")
+    measured = {sp: saved_block_bytes(tp, sp) for sp in (False, True)}
+    if dist.get_rank() == 0:
+        out["activations"] = {"tp": measured[False], "tp_sp": measured[True],
+                              "shape": dict(batch=BATCH, **CFG)}
+
+
+def worker(rank: int, world: int, port: int, cases: list, results, measure_activations: bool = False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
     out = {}
     try:
-        for name, layout, scfg in cases:
-            case(layout, scfg, out, name)
+        for name, plan in cases:
+            case(plan, out, name)
             dist.barrier()
+        if measure_activations:
+            activation_case(out)
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.parallel import parallelize
 from lit_pretrain.parallel.activation_checkpointing import is_checkpointed
+from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.compile import check_toolchain, compile_blocks, compiler_available, is_compiled
-from lit_pretrain.schema import StrategyConfig
+from lit_pretrain.parallel.plan import ParallelPlan
 
 needs_compiler = pytest.mark.skipif(not compiler_available(), reason="torch.compile on CPU needs a C++ compiler")
 
@@ -52,12 +52,11 @@ def assert_same(eager, compiled):
 @needs_compiler
 @pytest.mark.parametrize("activation_checkpointing", ["none", "full"])
 def test_compiled_blocks_match_eager(activation_checkpointing):
-    """Through `parallelize`, as the module applies it: checkpointing first, then compile inside the wrapper."""
+    """Through `apply_plan`, as the module applies it: checkpointing first, then compile inside the wrapper."""
     eager = gpt(activation_checkpointing)
     compiled = copy.deepcopy(eager)
-    cfg = eager.cfg
-    parallelize(eager, cfg, StrategyConfig(), compile=False)
-    parallelize(compiled, cfg, StrategyConfig(), compile=True)
+    apply_plan(eager, ParallelPlan(activation_checkpointing=activation_checkpointing))
+    apply_plan(compiled, ParallelPlan(activation_checkpointing=activation_checkpointing, compile=True))
     assert all(is_compiled(b) for b in compiled.blocks) and not any(is_compiled(b) for b in eager.blocks)
     assert all(is_checkpointed(b) for b in compiled.blocks) == (activation_checkpointing == "full")
     assert_same(loss_and_grads(eager), loss_and_grads(compiled))
@@ -69,7 +68,7 @@ def test_compiled_blocks_match_eager(activation_checkpointing):
 @needs_compiler
 def test_compiled_blocks_under_ddp_and_zero3(tmp_path):
     """The strategies' wrapping around compiled blocks: DDP (strategy ddp, and ZeRO stage 1's DDP) wraps the whole
-    module after `parallelize`; FSDP2 (ZeRO stage 3) shards each compiled block, its hooks outside the graph.
+    module after `apply_plan`; FSDP2 (ZeRO stage 3) shards each compiled block, its hooks outside the graph.
     One rank is enough to run the wrapping code paths and their hooks (the reductions are identities); the
     multi-rank math of each strategy is tested eagerly in test_strategies_parity.py. In this process, not a
     spawned one, so the block graph compiled above is reused instead of compiled again (~30 s)."""
@@ -82,13 +81,12 @@ def test_compiled_blocks_under_ddp_and_zero3(tmp_path):
     try:
         eager = loss_and_grads(gpt())
         ddp = gpt()
-        parallelize(ddp, ddp.cfg, StrategyConfig(name="ddp"), compile=True)
+        apply_plan(ddp, ParallelPlan(compile=True))
         loss, grads = loss_and_grads(DistributedDataParallel(ddp))
         assert_same(eager, (loss, {k.removeprefix("module."): g for k, g in grads.items()}))
 
         zero3 = gpt()
-        strategy = StrategyConfig(name="zero", zero_stage=3)
-        parallelize(zero3, zero3.cfg, strategy, init_device_mesh("cpu", (1,)), compile=True)
+        apply_plan(zero3, ParallelPlan(zero_stage=3, compile=True), fsdp_mesh=init_device_mesh("cpu", (1,)))
         assert isinstance(zero3.blocks[0], FSDPModule) and is_compiled(zero3.blocks[0])
         loss, grads = loss_and_grads(zero3)
         assert_same(eager, (loss, {k: g.full_tensor() for k, g in grads.items()}))
@@ -102,9 +100,9 @@ def test_missing_compiler_is_a_config_error(monkeypatch):
         check_toolchain()
 
 
-def test_missing_compiler_stops_parallelize_before_compiling(monkeypatch):
+def test_missing_compiler_stops_apply_plan_before_compiling(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     model = gpt()
     with pytest.raises(ConfigError, match=r"trainer\.compile=false"):
-        parallelize(model, model.cfg, StrategyConfig(), compile=True)
+        apply_plan(model, ParallelPlan(compile=True))
     assert not any(is_compiled(b) for b in model.blocks)

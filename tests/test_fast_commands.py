@@ -43,7 +43,7 @@ COMMANDS = [
     ["memory", "--params", "7B", "--data-parallel", "8", "--zero-stage", "3"],
     ["memory", "--layers", "4", "--hidden", "256", "--heads", "4", "--exact", "--data-parallel", "2"],
     ["show", str(EXPERIMENTS / "runs" / "default.yaml")],
-    ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "strategy=tensor"],
+    ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "strategy=tensor", "trainer.devices=2"],
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "trainer.max_stepz=3"],  # the error path too (exit 2)
     ["runs", str(EXPERIMENTS)],  # `lit-pretrain runs [ROOT]` (issue 20, item 5), where the parser has it
 ]

@@ -6,8 +6,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.module import PretrainModule, adamw_kernel
-from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
+from lit_pretrain.module import PretrainModule
+from lit_pretrain.optim import adamw_kernel, build_adamw
+from lit_pretrain.schema import OptimConfig, ScheduleConfig
 
 TINY = dict(vocab_size=97, n_layers=1, d_model=32, n_heads=4, seq_len=16)
 
@@ -37,8 +38,9 @@ def test_metrics_are_logged_at_logging_steps_and_the_last_one(tmp_path):
 
 
 def test_adamw_is_fused_on_plain_tensors_and_foreach_on_fsdp_shards():
-    assert adamw_kernel(StrategyConfig(name="single")) == {"fused": True}
-    assert adamw_kernel(StrategyConfig(name="ddp")) == {"fused": True}
-    assert adamw_kernel(StrategyConfig(name="zero", zero_stage=1)) == {"fused": True}
-    assert adamw_kernel(StrategyConfig(name="zero", zero_stage=3)) == {"foreach": True}
-    torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], **adamw_kernel(StrategyConfig())).step()  # runs on CPU
+    plain = [torch.nn.Parameter(torch.ones(2))]
+    assert adamw_kernel(plain) == adamw_kernel(plain, zero_stage=1) == "fused"  # single, ddp, ZeRO-1: plain tensors
+    assert adamw_kernel(plain, zero_stage=2) == adamw_kernel(plain, zero_stage=3) == "foreach"
+    opt = build_adamw(torch.nn.Linear(2, 2), OptimConfig())
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    opt.step()  # runs on CPU

@@ -1,16 +1,18 @@
-"""Layout checks, pipeline stage balance and the bubble formula: pure functions, no process groups.
+"""The parallel plan, pipeline stage balance and the bubble formula: pure functions, no process groups.
 
-Each impossible layout is refused by `check_layout`, which train.py runs before any process group exists, so the
-error comes at once instead of a rank hanging in a collective (shared/CPU-DISTRIBUTED.md, pitfall 9).
+Each impossible layout is refused when the config loads (config.load runs parallel/plan.py's build_plan), before
+any process group exists, so the error comes at once instead of a rank hanging in a collective
+(shared/CPU-DISTRIBUTED.md, pitfall 9); `show` and `train` print the same line.
 """
 
 from pathlib import Path
 
 import pytest
 
-from lit_pretrain import config
+from lit_pretrain import cli, config
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.parallel.layout import Layout, balanced_stages, bubble_formula, check_layout, stage_of_rank
+from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
+from lit_pretrain.parallel.plan import ParallelPlan, build_plan
 
 TINY = Path(__file__).resolve().parents[1] / "experiments" / "runs" / "tiny.yaml"  # n_heads 4, d 64, 2 layers
 
@@ -19,43 +21,98 @@ def cfg(*overrides):
     return config.to_object(config.load(TINY, list(overrides)))
 
 
-@pytest.mark.parametrize("overrides, world, layout", [
-    ([], 1, Layout(1, 1, 1)),
-    (["strategy=ddp"], 4, Layout(4, 1, 1)),
-    (["strategy=tensor"], 2, Layout(1, 2, 1)),
-    (["strategy=tensor"], 4, Layout(2, 2, 1)),
-    (["strategy=pipeline"], 4, Layout(2, 1, 2)),
-    (["strategy=pipeline", "strategy.tensor_parallel=2"], 4, Layout(1, 2, 2)),
-    (["strategy=pipeline", "strategy.tensor_parallel=2"], 8, Layout(2, 2, 2)),
+# (overrides, (replicate, shard, tensor, pipeline, zero_stage)): the presets and the compositions of the README.
+@pytest.mark.parametrize("overrides, degrees", [
+    ([], (1, 1, 1, 1, 0)),
+    (["strategy=ddp", "trainer.devices=4"], (4, 1, 1, 1, 0)),
+    (["strategy=zero", "trainer.devices=4"], (1, 4, 1, 1, 3)),
+    (["strategy=zero", "strategy.zero_stage=1", "trainer.devices=2"], (1, 2, 1, 1, 1)),
+    (["strategy=tensor", "trainer.devices=2"], (1, 1, 2, 1, 0)),
+    (["strategy=tensor", "trainer.devices=4"], (2, 1, 2, 1, 0)),
+    (["strategy=pipeline", "trainer.devices=4"], (2, 1, 1, 2, 0)),
+    (["strategy=pipeline", "strategy.tensor_parallel=2", "trainer.devices=8"], (2, 1, 2, 2, 0)),
+    # ZeRO composed with tensor and pipeline parallelism: the data-parallel ranks shard instead of replicating.
+    (["strategy=tensor", "strategy.zero_stage=3", "trainer.devices=4"], (1, 2, 2, 1, 3)),
+    (["strategy=pipeline", "strategy.zero_stage=2", "trainer.devices=4"], (1, 2, 1, 2, 2)),
+    (["strategy=tensor", "strategy.zero_stage=3", "strategy.pipeline_parallel=2", "trainer.devices=8"],
+     (1, 2, 2, 2, 3)),
+    # HSDP: replicas of shard groups; -1 is the rest of the world.
+    (["strategy=zero", "strategy.data_parallel_replicate=2", "trainer.devices=4"], (2, 2, 1, 1, 3)),
+    (["strategy=zero", "strategy.data_parallel_replicate=-1", "strategy.data_parallel_shard=2",
+      "trainer.devices=8"], (4, 2, 1, 1, 3)),
+    (["strategy=ddp", "strategy.tensor_parallel=-1", "trainer.devices=4"], (1, 1, 4, 1, 0)),
 ])
-def test_layouts(overrides, world, layout):
-    assert check_layout(cfg(*overrides), world) == layout
+def test_plans(overrides, degrees):
+    plan = build_plan(cfg(*overrides))
+    assert (plan.data_parallel_replicate, plan.data_parallel_shard, plan.tensor_parallel, plan.pipeline_parallel,
+            plan.zero_stage) == degrees
+    assert plan.world_size == cfg(*overrides).trainer.devices
 
 
-@pytest.mark.parametrize("overrides, world, key", [
-    (["strategy=tensor"], 3, "trainer.devices"),  # 3 processes, t·p = 2
-    (["strategy=pipeline", "strategy.tensor_parallel=2"], 6, "trainer.devices"),  # 6 is not a multiple of 4
-    (["strategy=tensor", "strategy.tensor_parallel=3"], 3, "model.n_heads"),  # 4 heads over 3 ranks
-    (["strategy=tensor", "model.n_heads=8", "model.d_ff=100", "strategy.tensor_parallel=8"], 8, "model.d_ff"),
-    (["strategy=pipeline", "strategy.pipeline_parallel=4"], 4, "model.n_layers"),  # 2 blocks, 4 stages
-    (["strategy=pipeline", "strategy.pipeline.schedule=interleaved_1f1b"], 2, "stages_per_rank"),
-    (["strategy=pipeline", "strategy.pipeline.stages_per_rank=2"], 2, "stages_per_rank"),
-    (["strategy=pipeline", "strategy.pipeline.micro_batches=3"], 2, "trainer.micro_batch_size"),  # 8 / 3
-    (["strategy=pipeline", "strategy.pipeline.micro_batches=1"], 2, "strategy.pipeline.micro_batches"),  # 1F1B: m < p
-    (["strategy=ddp", "strategy.tensor_parallel=2"], 2, "strategy.name"),  # sizes set for a strategy without them
-])
-def test_impossible_layouts_name_their_key(overrides, world, key):
+def test_plan_carries_schedule_checkpointing_and_compile():
+    plan = build_plan(cfg("strategy=pipeline", "trainer.devices=2", "strategy.pipeline.schedule=gpipe",
+                          "strategy.pipeline.micro_batches=2", "model.activation_checkpointing=full"))
+    assert (plan.schedule, plan.micro_batches, plan.stages_per_rank) == ("gpipe", 2, 1)
+    assert plan.activation_checkpointing == "full" and not plan.compile
+    assert ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel_shard=2, zero_stage=3).uses_mesh
+    assert not ParallelPlan(data_parallel_shard=4, zero_stage=3).uses_mesh  # plain FSDP: Lightning's strategy
+    assert ParallelPlan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3).uses_mesh  # HSDP
+
+
+BAD = [
+    (["strategy=tensor", "trainer.devices=3"], "trainer.devices"),  # 3 processes, t = 2
+    (["strategy=pipeline", "strategy.tensor_parallel=2", "trainer.devices=6"], "trainer.devices"),  # 6 = 4k?
+    (["strategy=zero", "strategy.data_parallel_replicate=2", "strategy.data_parallel_shard=2", "trainer.devices=8"],
+     "product must be the world size"),
+    (["strategy=zero", "strategy.data_parallel_replicate=-1", "strategy.data_parallel_shard=-1"], "at most one"),
+    (["strategy=single", "trainer.devices=2"], "strategy.name=single"),
+    (["strategy=tensor", "strategy.tensor_parallel=3", "trainer.devices=3"], "model.n_heads"),  # 4 heads over 3
+    (["strategy=tensor", "model.n_heads=8", "model.d_ff=100", "strategy.tensor_parallel=8", "trainer.devices=8"],
+     "model.d_ff"),
+    (["strategy=pipeline", "strategy.pipeline_parallel=4", "trainer.devices=4"], "model.n_layers"),  # 2 blocks
+    (["strategy=pipeline", "strategy.pipeline.schedule=interleaved_1f1b", "trainer.devices=2"], "stages_per_rank"),
+    (["strategy=pipeline", "strategy.pipeline.stages_per_rank=2", "trainer.devices=2"], "stages_per_rank"),
+    (["strategy=pipeline", "strategy.pipeline.micro_batches=3", "trainer.devices=2"], "trainer.micro_batch_size"),
+    (["strategy=pipeline", "strategy.pipeline.micro_batches=1", "trainer.devices=2"],
+     "strategy.pipeline.micro_batches"),  # 1F1B refuses m < p
+    (["strategy=ddp", "strategy.sequence_parallel=true", "trainer.devices=2"], "strategy.sequence_parallel"),
+    (["strategy=tensor", "strategy.sequence_parallel=true", "model.seq_len=63", "trainer.devices=2"],
+     "model.seq_len"),
+    (["strategy=tensor", "strategy.zero_stage=1", "trainer.devices=4"], "strategy.zero_stage=1"),
+    (["strategy=zero", "strategy.zero_stage=1", "strategy.data_parallel_replicate=2", "trainer.devices=4"],
+     "strategy.zero_stage=1"),
+    (["strategy=ddp", "strategy.data_parallel_shard=2", "trainer.devices=2"], "strategy.zero_stage"),
+    (["strategy=zero", "trainer.precision=16-mixed", "trainer.devices=2"], "trainer.precision"),
+    (["strategy=tensor", "trainer.compile=true", "trainer.devices=2"], "trainer.compile"),
+    (["strategy=pipeline", "data.document_masking=true", "trainer.devices=2"], "data.document_masking"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", BAD)
+def test_impossible_layouts_are_refused_when_the_config_loads(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        check_layout(cfg(*overrides), world)
+        config.load(TINY, overrides)
 
 
-def test_train_refuses_a_layout_before_starting_processes():
+@pytest.mark.parametrize("overrides, key", [BAD[0], BAD[5], BAD[12], BAD[14]])
+def test_show_and_train_refuse_with_the_same_line(overrides, key, capsys):
+    lines = []
+    for command in ("show", "train"):
+        assert cli.main([command, str(TINY), *overrides]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and key in err[0], err
+        lines.append(err[0].split(": error: ", 1)[1])
+    assert lines[0] == lines[1]
+
+
+def test_tokens_per_step_count_data_parallel_ranks():
     from lit_pretrain.train import accumulation
 
-    with pytest.raises(ConfigError, match="model.n_heads"):
-        accumulation(cfg("strategy=tensor", "strategy.tensor_parallel=3", "trainer.devices=3"))
-    # Tokens per step count data-parallel replicas: 4 processes as DP2 × TP2 give 2 replicas of 8 × 64 tokens.
+    # Data-parallel ranks, not processes: 4 processes as DP2 x TP2 give 2 replicas of 8 x 64 tokens, and ZeRO-3 x
+    # TP2 gives 2 shards of the same batch size.
     assert accumulation(cfg("strategy=tensor", "trainer.devices=4", "trainer.tokens_per_step=2048")) == (2, 2048)
+    assert accumulation(cfg("strategy=tensor", "strategy.zero_stage=3", "trainer.devices=4",
+                            "trainer.tokens_per_step=2048")) == (2, 2048)
 
 
 # Minimax contiguous partitions, checked by hand: the largest stage (with first/last extras) is as small as any

@@ -9,7 +9,9 @@ import torch
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.optim import build_adamw
 from lit_pretrain.scaling import memory, shapes
+from lit_pretrain.schema import OptimConfig
 
 
 @pytest.mark.parametrize("stage, gigabytes", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -86,7 +88,7 @@ def test_planner_matches_what_adamw_holds_in_one_process(precision, dtype):
     cfg = GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, seq_len=16)
     torch.manual_seed(0)
     model = GPT(cfg).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = build_adamw(model, OptimConfig())
     model(torch.randint(0, 256, (2, 16))).float().logsumexp(-1).mean().backward()
     opt.step()
     held = {
@@ -114,3 +116,34 @@ def test_fits_and_bad_inputs():
         memory.memory_plan(cfg, 1, sequence_parallel=True)
     with pytest.raises(ConfigError, match="--exact"):
         memory.memory_plan(cfg, 1, tensor_parallel=2, exact=True)
+
+
+def test_our_block_activation_count_matches_the_saved_tensor_hooks_in_one_process():
+    """block_activation_bytes against parallel/memory.py's SavedActivations on one block, fp32 CPU, t = 1: the
+    count is exact. (TP 2 with and without sequence parallelism: tests/test_mesh_parallel.py, 2 processes.)"""
+    from lit_pretrain.parallel.memory import SavedActivations
+
+    cfg = GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, d_ff=96, seq_len=16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    h = model.tok_embeddings(torch.randint(0, 64, (3, 16)))  # (B, T, d): the block's input, not a leaf
+    with SavedActivations(model) as meter:
+        model.blocks[0](h, model.rope_cos, model.rope_sin)
+    planned = memory.block_activation_bytes(16, 3, 32, 4, 96)
+    # N = 48 tokens: fp32 (10·N·h + 2·N + 4·N·f) + fp32 log-sum-exp N·a
+    assert planned == 4 * (10 * 48 * 32 + 2 * 48 + 4 * 48 * 96) + 4 * 48 * 4
+    assert meter.bytes == planned
+
+
+def test_block_activation_bytes_under_tensor_and_sequence_parallelism():
+    n, h, f, a, t = 4096, 1024, 2816, 16, 4
+    tp = memory.block_activation_bytes(n, 1, h, a, f, t, bytes_per_element=2)
+    sp = memory.block_activation_bytes(n, 1, h, a, f, t, sequence_parallel=True, bytes_per_element=2)
+    # Only the norm region (x, x̂ of both norms, 4nh, and their rsqrt, 2n) is divided by t in addition.
+    assert tp - sp == pytest.approx(2 * (4 * n * h + 2 * n) * (1 - 1 / t))
+    assert sp == pytest.approx(2 * ((4 * n * h + 2 * n) / t + 2 * n * h + (4 * n * h + 4 * n * f) / t) + 4 * n * a / t)
+    cfg = GPTConfig(vocab_size=1000, n_layers=2, d_model=h, n_heads=a, d_ff=f, seq_len=n)
+    plan = memory.memory_plan(cfg, 1, tensor_parallel=t, sequence_parallel=True, precision="bf16-true")
+    assert plan["activation_bytes_per_layer"] == sp
+    with pytest.raises(ConfigError, match="--sequence-parallel"):
+        memory.block_activation_bytes(n, 1, h, a, f, 1, sequence_parallel=True)

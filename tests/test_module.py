@@ -9,7 +9,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.module import PretrainModule, clip_by_global_norm, param_groups
+from lit_pretrain.module import PretrainModule
+from lit_pretrain.optim import clip_by_global_norm, param_groups
 from lit_pretrain.schedule import lr_at
 from lit_pretrain.schema import OptimConfig, ScheduleConfig
 

@@ -157,20 +157,25 @@ def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):
     assert_close_losses(single_ref, back, (4, 5))
 
 
-def test_tensor_parallel_resume_from_single_process_and_sigkill(train, single_ref):
-    """A single-process checkpoint resumed under tensor parallelism (2 ranks, one data-parallel replica), SIGKILL of
-    both ranks mid-accumulation, resumed again: bitwise the uninterrupted tensor-parallel run from the same
-    checkpoint, and the same windows as one process (every rank of the replica reads the replica's batch)."""
-    tensor = ["strategy=tensor", "trainer.devices=2"]
+def test_zero3_tensor_parallel_resume_from_single_process_and_sigkill(train, single_ref):
+    """A single-process checkpoint resumed under ZeRO-3 x tensor parallelism (4 ranks: 2 FSDP shards x TP 2), SIGKILL
+    of every rank mid-accumulation, resumed again: bitwise the uninterrupted run of the same layout from the same
+    checkpoint, and the same windows as one process (the TP ranks of a shard read that shard's half of the batch)."""
+    # Micro-batches of 4 on each of the 2 shards: 2 per optimizer step, as in one process (8 x 2), so the SIGKILL
+    # below still lands mid-accumulation.
+    layout = ["strategy=tensor", "strategy.zero_stage=3", "trainer.devices=4", "trainer.micro_batch_size=4"]
     step2 = single_ref / "checkpoints" / store.step_file(2)
-    ref, _ = train("tensor-ref", *tensor, f"run.resume={step2}", record=True)
+    ref, _ = train("zero3-tp2-ref", *layout, f"run.resume={step2}", record=True)
     expected = global_indices(single_ref.parent / f"{single_ref.name}.indices")
-    for rank in (0, 1):  # both tensor-parallel ranks read the whole batch of their one replica
-        seen = global_indices(ref.parent / "tensor-ref.indices", rank=str(rank))
-        assert seen == {k: expected[k] for k in range(2, STEPS)}, rank
-    assert_close_losses(single_ref, ref, range(2, STEPS))  # row-parallel partial sums: another summation order
-    run, _ = train("tensor", *tensor, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}],
+    prefix = ref.parent / "zero3-tp2-ref.indices"
+    for a, b in ((0, 1), (2, 3)):  # tensor-parallel peers read the same windows
+        assert global_indices(prefix, rank=str(a)) == global_indices(prefix, rank=str(b)), (a, b)
+    halves = [global_indices(prefix, rank=str(r)) for r in (0, 2)]
+    for k in range(2, STEPS):  # the two data-parallel shards split each global batch of one process
+        assert sorted(halves[0][k] + halves[1][k]) == expected[k] and not set(halves[0][k]) & set(halves[1][k])
+    assert_close_losses(single_ref, ref, range(2, STEPS))  # sharded and row-parallel sums: another order
+    run, _ = train("zero3-tp2", *layout, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}],
                    rc=-signal.SIGKILL)
     assert latest(run) == "step0000004.ckpt"
-    train("tensor", *tensor, "run.resume=auto")
+    train("zero3-tp2", *layout, "run.resume=auto")
     assert_same_run(ref, run, first_step=2)

@@ -11,8 +11,10 @@ import torch
 from lit_pretrain.data.datamodule import GlobalOrderSampler
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.optim import build_adamw
 from lit_pretrain.resume import rank_state
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
+from lit_pretrain.schema import OptimConfig
 
 
 def draws():
@@ -93,8 +95,7 @@ def test_allowed_lr_peak_change_takes_effect_on_the_restored_schedule():
 
     from lit_pretrain.resume.session import NewLrPeak
 
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    optimizer = build_adamw(torch.nn.Linear(1, 1, bias=False), OptimConfig(lr_peak=1e-3))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     for _ in range(3):
         optimizer.step()

@@ -7,7 +7,8 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.parallel.strategies import build_strategy, world_size, zero_stage
+from lit_pretrain.parallel.plan import plan_from
+from lit_pretrain.parallel.strategies import build_strategy, world_size
 from lit_pretrain.parallel.zero import zero_partition
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
@@ -54,10 +55,21 @@ def test_zero_refuses_a_precision_fsdp_cannot_run():
         build_strategy(StrategyConfig(name="zero", zero_stage=3), TrainerConfig(devices=2, precision="16-mixed"))
 
 
-@pytest.mark.parametrize("name, stage, expected", [("single", 3, None), ("ddp", 2, None), ("zero", 1, 1),
-                                                   ("zero", 3, 3)])
-def test_zero_stage_only_counts_under_zero(name, stage, expected):
-    assert zero_stage(StrategyConfig(name=name, zero_stage=stage)) == expected
+@pytest.mark.parametrize("name, stage, expected", [("single", None, 0), ("ddp", None, 0), ("tensor", None, 0),
+                                                   ("zero", None, 3), ("zero", 1, 1), ("ddp", 2, 2)])
+def test_zero_stage_defaults_by_preset_and_the_key_wins(name, stage, expected):
+    devices = 2 if name != "single" else 1
+    strategy = StrategyConfig(name=name, zero_stage=stage, tensor_parallel=2 if name == "tensor" else 1)
+    assert plan_from(strategy, TrainerConfig(devices=devices)).zero_stage == expected
+
+
+def test_compositions_run_under_the_mesh_strategy():
+    from lit_pretrain.parallel.mesh_strategy import MeshStrategy
+
+    for strategy, devices in [(StrategyConfig(name="tensor", tensor_parallel=2, zero_stage=3), 4),
+                              (StrategyConfig(name="zero", data_parallel_replicate=2), 4)]:
+        built = build_strategy(strategy, TrainerConfig(devices=devices))
+        assert isinstance(built, MeshStrategy) and built.plan.world_size == devices
 
 
 def test_zero_partition_is_greedy_by_size_across_groups():
@@ -69,19 +81,18 @@ def test_zero_partition_is_greedy_by_size_across_groups():
 def test_zero_partition_matches_zero_redundancy_optimizer():
     """Our pure function against torch's own partition of the GPT's groups. The partition depends on the sizes
     and the world size alone, so torch's is asked for 2 ranks inside a 1-process group (no processes to start)."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from lit_pretrain.model import GPT
     from lit_pretrain.model_config import GPTConfig
-    from lit_pretrain.module import param_groups
+    from lit_pretrain.optim import build_adamw, param_groups
+    from lit_pretrain.schema import OptimConfig
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
     try:
         model = GPT(GPTConfig(vocab_size=513, n_layers=2, d_model=64, n_heads=4, seq_len=16))
         groups = param_groups(model, 0.1)
-        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=1e-3)
+        opt = build_adamw(model, OptimConfig(weight_decay=0.1), zero_stage=1)  # the ZeroRedundancyOptimizer
         opt.world_size = 2  # partition for 2 ranks from the same sizes
         opt._partition_parameters_cache = []
         theirs = opt._partition_parameters()

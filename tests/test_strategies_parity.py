@@ -22,7 +22,8 @@ import torch
 
 from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.model import GPT
-from lit_pretrain.module import PretrainModule, param_groups
+from lit_pretrain.module import PretrainModule
+from lit_pretrain.optim import param_groups
 from lit_pretrain.parallel.zero import zero_partition
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args

@@ -94,6 +94,12 @@ def _pipeline(r: _Run) -> List[Dict]:
     return pipeline.run(r.c)
 
 
+def _compositions(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import compositions
+
+    return compositions.run(r.c)
+
+
 def _stability(r: _Run) -> List[Dict]:
     from lit_pretrain.bench import stability
 
@@ -127,8 +133,8 @@ def _masking(r: _Run) -> List[Dict]:
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
-    "stability": _stability, "checkpoint": _checkpoint, "generation": _generation, "mixture": _mixture,
-    "masking": _masking,
+    "compositions": _compositions, "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
+    "mixture": _mixture, "masking": _masking,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 

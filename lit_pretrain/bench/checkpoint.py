@@ -14,13 +14,14 @@ import torch
 
 from lit_pretrain.bench.step import paired_case
 from lit_pretrain.model import GPT
+from lit_pretrain.optim import build_adamw
 from lit_pretrain.resume.verified import load_verified, save_atomic
 
 
 def _checkpoint(c) -> dict:
     torch.manual_seed(c.run.seed)
     model = GPT(c.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = build_adamw(model, c.optim)  # the groups and state a training checkpoint holds
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()

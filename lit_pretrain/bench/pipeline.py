@@ -14,7 +14,6 @@ import os
 import socket
 import time
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -45,8 +44,9 @@ def _time_steps(step, steps: int, skip: int) -> float:
 
 def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results) -> None:
     from lit_pretrain.model import GPT
-    from lit_pretrain.parallel.layout import Layout
-    from lit_pretrain.parallel.mesh import MeshParallel, build_mesh
+    from lit_pretrain.parallel.apply import apply_plan
+    from lit_pretrain.parallel.mesh import build_mesh
+    from lit_pretrain.parallel.plan import ParallelPlan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -58,8 +58,8 @@ def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results)
     out = {}
     try:
         for m in MICRO_BATCHES:
-            scfg = SimpleNamespace(pipeline=SimpleNamespace(schedule="gpipe", micro_batches=m, stages_per_rank=1))
-            par = MeshParallel(copy.deepcopy(base), build_mesh(Layout(1, 1, 2)), scfg)
+            plan = ParallelPlan(pipeline_parallel=2, schedule="gpipe", micro_batches=m)
+            par = apply_plan(copy.deepcopy(base), plan, build_mesh(plan))
             idle = []
 
             def pp_step(par=par, idle=idle):
@@ -69,7 +69,8 @@ def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results)
             seconds = _time_steps(pp_step, steps, skip)
             out[f"pp2_m{m}"] = {"seconds": seconds, "idle": sum(idle[skip:]) / len(idle[skip:]),
                                 "formula": par.runner.bubble_formula}
-        par = MeshParallel(copy.deepcopy(base), build_mesh(Layout(1, 2, 1)), None)
+        plan = ParallelPlan(tensor_parallel=2)
+        par = apply_plan(copy.deepcopy(base), plan, build_mesh(plan))
 
         def tp_step(model=par.gpt):
             F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()

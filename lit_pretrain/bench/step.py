@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_pretrain.model import GPT
-from lit_pretrain.module import PretrainModule, adamw_kernel, param_groups
+from lit_pretrain.module import PretrainModule
+from lit_pretrain.optim import build_adamw, clip_by_global_norm
+from lit_pretrain.parallel.plan import build_plan
 from lit_pretrain.schedule import lr_lambda
 
 
@@ -48,14 +50,13 @@ def raw_loop(c, steps: int, skip: int) -> float:
     """Tokens/s of the plain loop over steps skip..steps."""
     torch.manual_seed(c.run.seed)
     model = GPT(c.model)
-    opt = torch.optim.AdamW(param_groups(model, c.optim.weight_decay), lr=c.optim.lr_peak,
-                            betas=(c.optim.beta1, c.optim.beta2), eps=c.optim.eps, **adamw_kernel(c.strategy))
+    opt = build_adamw(model, c.optim, build_plan(c).zero_stage)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(c.schedule, c.optim.lr_peak, steps))
     start = None
     for step, (x, y) in enumerate(_data(c, steps)):
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.optim.grad_clip_norm, foreach=True)
+        clip_by_global_norm(model.parameters(), c.optim.grad_clip_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

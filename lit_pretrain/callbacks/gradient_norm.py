@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit_pretrain.callbacks import step_state
+from lit_pretrain.optim import full_norm
 
 PHASES = ("warmup", "stable", "decay")
 
@@ -65,12 +65,12 @@ class GradientNormMonitor(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         step = trainer.global_step
-        if self.per_layer_every_n_steps and step % self.per_layer_every_n_steps == 0 and not step_state.dropped(
-                trainer):
-            self._log(trainer, {f"grad_norm/layer/{k}": v for k, v in self.layer_norms(pl_module).items()}, step)
-        if step_state.dropped(trainer):
+        guard = pl_module.step_guard
+        if guard.dropped:
             return
-        norm = step_state.grad_norm(trainer, pl_module)
+        if self.per_layer_every_n_steps and step % self.per_layer_every_n_steps == 0:
+            self._log(trainer, {f"grad_norm/layer/{k}": v for k, v in self.layer_norms(pl_module).items()}, step)
+        norm = guard.grad_norm(pl_module.parameters())
         phase = self.phase(step)
         self._sum = norm if self._sum is None else self._sum + norm
         self._max = norm if self._max is None else torch.maximum(self._max, norm)
@@ -110,7 +110,7 @@ class GradientNormMonitor(Callback):
         for name, p in pl_module.named_parameters():
             if p.grad is not None:
                 groups.setdefault(layer_of(name), []).append(p.grad)
-        norms = {k: step_state.full_norm(v) for k, v in groups.items()}
+        norms = {k: full_norm(v) for k, v in groups.items()}
         host = torch.stack(list(norms.values())).double().cpu().tolist() if norms else []  # one sync
         return dict(zip(norms, host))
 

@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_pretrain.callbacks import step_state
 from lit_pretrain.callbacks.records import gather_rows, json_safe, write_json
 from lit_pretrain.callbacks.rewind import RewindPoints
 from lit_pretrain.callbacks.spike_stats import SpikeDetector, Verdict
@@ -96,12 +95,13 @@ class LossSpike(Callback):
             return
         loss_t = self._loss_sum * (trainer.accumulate_grad_batches / self._micro_batches)
         self._loss_sum, self._micro_batches = None, 0
-        if step_state.dropped(trainer):
+        if pl_module.step_guard.dropped:
             return  # dropped by the non-finite guard (an agreed decision): its loss is not evidence of a spike
         if not (self.detector.active() or self.open_event is not None):
             self.detector.commit(float(loss_t), None, accept=True)  # watching: one host sync, at the window's need
             return
-        grad_t = step_state.grad_norm(trainer, pl_module) if self.detector.on_grad_norm else None
+        guard = pl_module.step_guard
+        grad_t = guard.grad_norm(pl_module.parameters()) if self.detector.on_grad_norm else None
         # The decision needs the values on the host: one sync per step is unavoidable for a per-step decision.
         loss = float(loss_t)
         grad = float(grad_t) if grad_t is not None else None
@@ -152,7 +152,7 @@ class LossSpike(Callback):
             self._close(trainer, event, "divergence", step)
             self._diverged(trainer, pl_module, optimizer, step, loss, event)
         elif hit and event["action"] == "skip_step":
-            step_state.drop_update(trainer, pl_module, optimizer, "loss_spike")
+            pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "loss_spike")
             event["steps_skipped"] += 1
 
     def _close(self, trainer, event, outcome, step) -> None:
@@ -172,7 +172,7 @@ class LossSpike(Callback):
 
     def _act(self, trainer, pl_module, optimizer, step, event, action, origin) -> None:
         if action == "skip_step":
-            step_state.drop_update(trainer, pl_module, optimizer, "loss_spike")
+            pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "loss_spike")
             event["steps_skipped"] = 1
         elif action == "rewind":
             self._rewind(trainer, pl_module, optimizer, step, event, origin)
@@ -185,7 +185,7 @@ class LossSpike(Callback):
             self._stop(trainer, pl_module, optimizer, f"a loss spike at step {step} after {self.rewinds} rewinds "
                        f"({KEY}.max_rewinds={self.max_rewinds})")
             return
-        step_state.drop_update(trainer, pl_module, optimizer, "loss_spike")
+        pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "loss_spike")
         event["steps_skipped"] = 1
         point = self.points.target(origin)
         self.points.restore(point, pl_module, trainer.optimizers)
@@ -206,7 +206,7 @@ class LossSpike(Callback):
             self.lr_scale_until = step + 1 + self.lr_scale_steps
 
     def _stop(self, trainer, pl_module, optimizer, reason: str) -> None:
-        step_state.drop_update(trainer, pl_module, optimizer, "loss_spike")
+        pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "loss_spike")
         self.stop_reason = f"loss_spike: the run stops after {reason}"
         trainer.should_stop = True
         rank_zero_warn(self.stop_reason + f"; events in {self.filename} of the run folder")
@@ -220,9 +220,16 @@ class LossSpike(Callback):
     def _gather_indices(self, trainer) -> Optional[List[int]]:
         if self._datamodule(trainer) is None or not hasattr(self._datamodule(trainer), "batch_indices"):
             return None
-        local = torch.tensor(self._indices, dtype=torch.int64, device=trainer.strategy.root_device)
-        gathered = trainer.strategy.all_gather(local)
-        return sorted(gathered.flatten().tolist())
+        # Tensor- and pipeline-parallel ranks of one data-parallel rank read the same windows: each data-parallel
+        # rank's windows are kept once (tagged with its data-parallel rank, the sampler's).
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        dp_rank = kwargs.get("rank", trainer.global_rank)
+        local = torch.tensor([dp_rank, *self._indices], dtype=torch.int64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(local).reshape(-1, local.numel())
+        by_dp_rank: Dict[int, List[int]] = {}
+        for row in gathered.tolist():
+            by_dp_rank.setdefault(row[0], row[1:])
+        return sorted(i for rows in by_dp_rank.values() for i in rows)
 
     def _write(self, trainer) -> None:
         write_json(trainer, self.filename, self.events)

@@ -1,9 +1,10 @@
 """NanGuard: a non-finite loss or gradient never reaches the optimizer.
 
 Each optimizer step, before the update: if any micro-batch loss or the global gradient norm is NaN or ±Inf on any
-rank, the update is dropped (see `step_state`), counted, and listed. After `max_consecutive` such steps in a row the
-run stops with a message saying which steps and what to do; parameters and optimizer state stay finite throughout.
-A finite gradient whose norm overflows to Inf is treated the same: clipping it would turn it into zeros or NaN.
+rank, the update is dropped (`pl_module.step_guard`: lit_pretrain/step_guard.py), counted, and listed. After
+`max_consecutive` such steps in a row the run stops with a message saying which steps and what to do; parameters
+and optimizer state stay finite throughout. A finite gradient whose norm overflows to Inf is treated the same:
+clipping it would turn it into zeros or NaN.
 """
 
 from typing import Dict, List, Optional
@@ -12,7 +13,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_pretrain.callbacks import step_state
 from lit_pretrain.errors import ConfigError
 
 
@@ -35,13 +35,14 @@ class NanGuard(Callback):
         self._bad = None
         if self.check_gradients:
             # A NaN or Inf in any gradient makes the global norm non-finite, so one reduction covers them all.
-            bad = bad.to(pl_module.device) | ~torch.isfinite(step_state.grad_norm(trainer, pl_module))
+            norm = pl_module.step_guard.grad_norm(pl_module.parameters())
+            bad = bad.to(pl_module.device) | ~torch.isfinite(norm)
         # The decision must be known before the update: one host sync per step, unavoidable.
         nonfinite = trainer.strategy.reduce_boolean_decision(bool(bad.item()), all=False)
         if not nonfinite:
             self.consecutive = 0
             return
-        step_state.drop_update(trainer, pl_module, optimizer, "non_finite")
+        pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "non_finite")
         self.consecutive += 1
         self.skipped_steps.append(trainer.global_step)
         if self.consecutive >= self.max_consecutive:

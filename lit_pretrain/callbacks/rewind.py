@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from lit_pretrain.optim import local_optimizer
+
 
 def clone_tree(obj: Any, to_host: bool = True) -> Any:
     """A deep copy of nested dicts/lists/tuples whose tensors share no storage with the originals."""
@@ -27,13 +29,6 @@ def clone_tree(obj: Any, to_host: bool = True) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(clone_tree(v, to_host) for v in obj)
     return obj
-
-
-def local_optimizer(optimizer):
-    """The optimizer whose state this rank holds: ZeRO stage 1 keeps its shard in a wrapped local optimizer."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 @dataclass

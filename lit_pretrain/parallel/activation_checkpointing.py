@@ -38,7 +38,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, k: int = 2) -> L
     """Wrap the chosen blocks of `model.blocks` in place; return their indices. Applying twice changes nothing."""
     indices = checkpointed_block_indices(mode, len(model.blocks), k)
     for i in indices:
-        if not isinstance(model.blocks[i], CheckpointWrapper):
+        # nn.Identity: a block another pipeline stage holds (parallel/pipeline.py prunes them).
+        if not isinstance(model.blocks[i], (CheckpointWrapper, nn.Identity)):
             model.blocks[i] = checkpoint_wrapper(model.blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     return indices
 

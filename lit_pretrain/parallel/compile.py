@@ -60,7 +60,7 @@ def compile_blocks(model: nn.Module) -> int:
     count = 0
     for block in model.blocks:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
-        if not getattr(inner, _COMPILED, False):
+        if not getattr(inner, _COMPILED, False) and not isinstance(inner, nn.Identity):
             inner.forward = torch.compile(inner.forward, fullgraph=True)
             setattr(inner, _COMPILED, True)
             count += 1

@@ -1,72 +1,7 @@
-"""The device mesh's shape as pure functions: layout checks, pipeline stage balance, the bubble formula.
+"""Pipeline shapes as pure functions: stage balance, which stages a rank holds, the bubble formula. (The layout
+checks are the plan's: parallel/plan.py.)"""
 
-Everything here runs before any process group exists, so an impossible layout fails at once with the config key
-to change, instead of one rank failing inside a collective while its peers wait for the timeout (pipelining a batch
-that does not divide into micro-batches hangs the other stage: shared/CPU-DISTRIBUTED.md, pitfall 9).
-"""
-
-from dataclasses import dataclass
 from typing import List, Sequence, Tuple
-
-from lit_pretrain.errors import ConfigError
-
-MESH_STRATEGIES = ("tensor", "pipeline")
-MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")  # outermost first: TP ranks are neighbours
-
-
-@dataclass(frozen=True)
-class Layout:
-    data_parallel: int
-    tensor_parallel: int
-    pipeline_parallel: int
-
-
-def uses_mesh(strategy) -> bool:
-    return strategy.name in MESH_STRATEGIES
-
-
-def check_layout(config, world_size: int) -> Layout:
-    """(d, t, p) for `config` on `world_size` processes, or a ConfigError naming the key to change."""
-    s, m = config.strategy, config.model
-    t, p = s.tensor_parallel, s.pipeline_parallel
-    if not uses_mesh(s):
-        if t > 1 or p > 1:
-            raise ConfigError(f"strategy.tensor_parallel={t} and strategy.pipeline_parallel={p} need "
-                              f"strategy.name=tensor or pipeline (it is {s.name}): choose strategy=tensor or "
-                              "strategy=pipeline")
-        return Layout(world_size, 1, 1)
-    if world_size % (t * p):
-        raise ConfigError(f"trainer.devices x trainer.num_nodes = {world_size} processes is not a multiple of "
-                          f"strategy.tensor_parallel x strategy.pipeline_parallel = {t} x {p}: the world size must "
-                          "be data_parallel x tensor_parallel x pipeline_parallel; change trainer.devices")
-    if m.n_heads % t:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by strategy.tensor_parallel={t}: each "
-                          "tensor-parallel rank holds whole heads; choose a tensor_parallel that divides n_heads")
-    if m.hidden_dim % t:
-        raise ConfigError(f"the MLP width (model.d_ff, here {m.hidden_dim}) is not divisible by "
-                          f"strategy.tensor_parallel={t}: set model.d_ff to a multiple of {t}")
-    if p > 1:
-        pc = s.pipeline
-        v = pc.stages_per_rank
-        if pc.schedule == "interleaved_1f1b" and v < 2:
-            raise ConfigError(f"strategy.pipeline.schedule=interleaved_1f1b needs strategy.pipeline.stages_per_rank "
-                              f">= 2 (it is {v}): set it to 2, or choose schedule 1f1b")
-        if pc.schedule != "interleaved_1f1b" and v != 1:
-            raise ConfigError(f"strategy.pipeline.stages_per_rank={v} needs strategy.pipeline.schedule="
-                              f"interleaved_1f1b ({pc.schedule} runs one stage per rank): set stages_per_rank=1")
-        if pc.schedule != "gpipe" and pc.micro_batches < p:
-            raise ConfigError(f"strategy.pipeline.micro_batches={pc.micro_batches} is fewer than the "
-                              f"strategy.pipeline_parallel={p} stages, which {pc.schedule} refuses: raise "
-                              "micro_batches to at least pipeline_parallel, or choose schedule gpipe")
-        if m.n_layers < p * v:
-            raise ConfigError(f"model.n_layers={m.n_layers} is fewer than the {p * v} pipeline stages "
-                              f"(strategy.pipeline_parallel={p} x strategy.pipeline.stages_per_rank={v}): every "
-                              "stage needs a block; lower pipeline_parallel or add layers")
-        if config.trainer.micro_batch_size % pc.micro_batches:
-            raise ConfigError(f"trainer.micro_batch_size={config.trainer.micro_batch_size} does not divide into "
-                              f"strategy.pipeline.micro_batches={pc.micro_batches} equal micro-batches: choose a "
-                              "micro_batch_size that is a multiple of micro_batches")
-    return Layout(world_size // (t * p), t, p)
 
 
 def balanced_stages(block_sizes: Sequence[int], n_stages: int, first_extra: int = 0,

@@ -1,16 +1,18 @@
-"""Tensor × pipeline × data parallelism on one device mesh (pipeline, data_parallel, tensor_parallel), applied to a
-plain GPT from outside, without Lightning (the strategy in mesh_strategy.py calls it; tests call it directly).
+"""A GPT as one rank holds it under a ParallelPlan, with the collectives a step needs beyond forward and backward.
 
-What a step needs beyond the wrapped forward/backward, each a collective on an explicit group:
-- `sync_gradients`: the tied embedding's two copies summed over the pipeline, then every gradient averaged over
-  the data-parallel group (DDP's all-reduce, done once per optimizer step, after accumulation).
-- `grad_norm`: the global L2 norm, as one process would compute it: squares summed over this rank's parameters,
-  where a tensor-parallel shard counts on every tensor-parallel rank but a replicated parameter (norms, embedding,
-  head) only on tensor-parallel rank 0, and the tied copy on the last stage not at all; then summed over the
-  tensor-parallel and pipeline groups. Data-parallel replicas hold equal gradients after the sync.
-- `full_state` / `load_full_state`: layout-independent state: tensors by their single-process names, gathered
-  from tensor-parallel shards and pipeline stages onto rank 0; loading slices them into the current layout.
-  AdamW moments have their parameter's shape and are gathered the same way.
+`apply_plan` (parallel/apply.py) builds it; the module calls it from `configure_model`, the tests directly.
+
+- `sync_gradients` (once per optimizer step, after the last backward of an accumulation): the tied embedding's two
+  copies summed over the pipeline; norm weights summed over the tensor-parallel group under sequence parallelism;
+  then, without FSDP, every gradient averaged over the data-parallel replicas (DDP's all-reduce). FSDP2 averages its
+  own gradients (reduce-scatter over the shard group, all-reduce over replicas for HSDP) inside backward.
+- `grad_norm`: the global L2 norm as one process would compute it, each parameter counted once: squares summed over
+  this rank's local values (a DTensor's local shard), where a tensor-parallel shard counts on every tensor-parallel
+  rank but a parameter replicated over that group only on its rank 0, and the pipeline's tied copy not at all; then
+  summed over the FSDP shard, tensor-parallel and pipeline groups. Replicas hold equal gradients after the sync.
+- `full_state` / `load_full_state` and the optimizer's: layout-independent state by single-process names, gathered
+  onto rank 0 (FSDP shards with `full_tensor`, tensor-parallel slices with `tensor.gather`, stages by object
+  gather); loading slices a full tensor into this rank's share of any layout.
 """
 
 from typing import Dict, Optional
@@ -19,69 +21,109 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lit_pretrain.parallel.layout import MESH_DIMS, Layout
-from lit_pretrain.parallel.pipeline import PipelineRunner, is_tied_copy, tied_grad_sync
-from lit_pretrain.parallel.tensor import apply_tensor_parallel, gather, plain_name, shard, style_of
-
-
-def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh:
-    return init_device_mesh(device_type, (layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel),
-                            mesh_dim_names=MESH_DIMS)
+from lit_pretrain.parallel.pipeline import is_tied_copy, tied_grad_sync
+from lit_pretrain.parallel.plan import MESH_DIMS, ParallelPlan
+from lit_pretrain.parallel.tensor import gather, plain_name, shard, style_of
 
 
-class MeshParallel:
-    """The GPT as this rank holds it under (p, d, t), with the step's collectives (see the module docstring)."""
+def build_mesh(plan: ParallelPlan, device_type: str = "cpu") -> DeviceMesh:
+    """The (pipeline, data_parallel_replicate, data_parallel_shard, tensor_parallel) mesh, tensor ranks innermost."""
+    return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
 
-    def __init__(self, gpt: nn.Module, mesh: DeviceMesh, strategy_cfg):
-        self.gpt, self.mesh = gpt, mesh
-        self.tp, self.dp, self.pp = (mesh.get_group(n) for n in ("tensor_parallel", "data_parallel", "pipeline"))
-        self.t, self.d, self.p = (dist.get_world_size(g) for g in (self.tp, self.dp, self.pp))
-        self.tp_rank = dist.get_rank(self.tp)
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP shard (a collective over its mesh: every rank holding a shard must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`value` (this rank's tensor-parallel share, whole over FSDP) laid out as `param`: its FSDP shard when `param`
+    is a DTensor (sliced locally, no communication: every rank holds the whole value)."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
+
+class ParallelModel:
+    """The wrapped GPT of one rank and its step collectives (see the module docstring). `mesh` is our 4-D mesh
+    (plan.uses_mesh) or None; `runner` the pipeline schedule when pipeline_parallel > 1."""
+
+    def __init__(self, gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = None):
+        self.gpt, self.plan, self.mesh = gpt, plan, mesh
         self.full_keys = list(gpt.state_dict().keys())  # before pruning: the single-process names and order
-        self.runner: Optional[PipelineRunner] = None
-        if self.p > 1:
-            pc = strategy_cfg.pipeline
-            self.runner = PipelineRunner(gpt, self.pp, pc.schedule, pc.micro_batches, pc.stages_per_rank)
-        if self.t > 1:
-            apply_tensor_parallel(gpt, self.tp)
+        self.runner = None
+        self.tp = self.pp = self.replicate = self.shard_group = None
+        self.t = self.p = 1
+        self.tp_rank = 0
+        if mesh is not None:
+            self.tp, self.pp, self.replicate, self.shard_group = (
+                mesh.get_group(n) for n in ("tensor_parallel", "pipeline", "data_parallel_replicate",
+                                            "data_parallel_shard"))
+            self.t, self.p = plan.tensor_parallel, plan.pipeline_parallel
+            self.tp_rank = dist.get_rank(self.tp)
 
     @property
     def holds_first_stage(self) -> bool:
         return self.runner is None or self.runner.holds_first
 
     def sync_gradients(self) -> None:
-        tied_grad_sync(self.gpt, self.pp)
-        if self.d == 1:
+        if self.mesh is None:
+            return  # DDP and Lightning's FSDP strategy reduce gradients themselves
+        fsdp_shard = (dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)) if self.plan.uses_fsdp \
+            else None
+        tied_grad_sync(self.gpt, self.pp, fsdp_shard)
+        if self.plan.sequence_parallel:
+            from lit_pretrain.parallel.sequence import sync_sequence_parallel_grads
+
+            sync_sequence_parallel_grads(self.gpt, self.tp)
+        if self.plan.uses_fsdp or self.plan.data_parallel_replicate == 1:
             return
-        grads = [p.grad for p in self.gpt.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.gpt.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, group=self.dp)
-        flat /= self.d
+        dist.all_reduce(flat, group=self.replicate)
+        flat /= self.plan.data_parallel_replicate
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self, parameters=None) -> torch.Tensor:
+        """The pre-clip global norm (StepGuard's norm_fn). Without our mesh: of `parameters` (default: the GPT's),
+        FSDP2 DTensor shards reduced to the whole gradient's norm."""
+        if self.mesh is None:
+            from lit_pretrain.optim import grad_norm
+
+            return grad_norm(self.gpt.parameters() if parameters is None else parameters)
         sq = torch.zeros((), dtype=torch.float32)
         for name, p in self.gpt.named_parameters():
             if p.grad is None or is_tied_copy(name, self.gpt, self.holds_first_stage):
                 continue
             if style_of(name) is None and self.tp_rank != 0:
                 continue  # replicated across tensor-parallel ranks: counted once
-            sq += p.grad.detach().float().pow(2).sum()
-        dist.all_reduce(sq, group=self.tp)
-        dist.all_reduce(sq, group=self.pp)
+            sq += local(p.grad).detach().float().pow(2).sum()
+        groups = [self.tp, self.pp] + ([self.shard_group] if self.plan.uses_fsdp else [])
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
         return sq.sqrt()
 
-    def _gather_named(self, local: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
+    def _gather_named(self, named: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         """Full tensors by single-process name on global rank 0 (None elsewhere). Every rank must call it."""
-        full = {k: gather(v.detach(), style_of(k), self.tp, self.t) for k, v in local.items()}
-        parts = [None] * self.p
-        dist.all_gather_object(parts, full, group=self.pp)
+        # Keys are parameter names, or "name\0key" for optimizer state; scalars (AdamW's step) are never sliced.
+        whole = {k: gather(full(v).detach(), style_of(k.split("\0")[0]) if v.dim() > 0 else None, self.tp, self.t)
+                 for k, v in named.items()}
+        parts = [whole]
+        if self.p > 1:
+            parts = [None] * self.p
+            dist.all_gather_object(parts, whole, group=self.pp)
         if dist.get_rank() != 0:
             return None
         merged: Dict[str, torch.Tensor] = {}
@@ -99,37 +141,34 @@ class MeshParallel:
         assert not missing, f"pipeline stages together lack {missing}"
         return {k: merged[k] for k in self.full_keys}
 
-    def load_full_state(self, full: Dict[str, torch.Tensor]) -> None:
+    def load_full_state(self, state: Dict[str, torch.Tensor]) -> None:
         """Load a single-process state dict (from any layout's checkpoint) into this rank's share, in place."""
-        own = self.gpt.state_dict()
         with torch.no_grad():
-            for name, t in own.items():
-                t.copy_(shard(full[name], style_of(name), self.tp_rank, self.t))
+            for name, t in self.gpt.state_dict().items():
+                value = shard(state[name], style_of(name), self.tp_rank, self.t)
+                local(t).copy_(local(like(value, t)))
 
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer, prefix: str = "") -> Optional[dict]:
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
         """AdamW state by single-process parameter name ({name: {step, exp_avg, exp_avg_sq}}) on rank 0."""
-        names = {id(p): plain_name(n) for n, p in self.gpt.named_parameters()}  # as in state_dict()
-        local = {f"{names[id(p)]}\0{key}": torch.as_tensor(value)
-                 for p, state in optimizer.state.items() for key, value in state.items()}
-        full = {k: gather(v.detach(), style_of(k.split("\0")[0]) if v.dim() > 0 else None, self.tp, self.t)
-                for k, v in local.items()}
-        parts = [None] * self.p
-        dist.all_gather_object(parts, full, group=self.pp)
-        if dist.get_rank() != 0:
+        flat = {}
+        for name, p in self.gpt.named_parameters():  # the same order on every rank of a stage
+            for key, value in optimizer.state.get(p, {}).items():
+                flat[f"{plain_name(name)}\0{key}"] = torch.as_tensor(value)
+        merged = self._gather_named(flat)
+        if merged is None:
             return None
         out: Dict[str, dict] = {}
-        for part in parts:
-            for k, v in part.items():
-                name, key = k.split("\0")
-                out.setdefault(prefix + name, {}).setdefault(key, v)
+        for k, v in merged.items():
+            name, key = k.split("\0")
+            out.setdefault(name, {})[key] = v
         return out
 
-    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, by_name: dict, prefix: str = "") -> None:
+    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, by_name: dict) -> None:
         """Fill `optimizer.state` for this rank's parameters from a by-name state (full_optimizer_state's form)."""
         for name, p in self.gpt.named_parameters():
             name = plain_name(name)
-            state = by_name.get(prefix + name)
+            state = by_name.get(name)
             if state is None:
                 continue
-            optimizer.state[p] = {k: shard(v, style_of(name), self.tp_rank, self.t).clone() if v.dim() > 0
-                                  else v.clone() for k, v in state.items()}
+            optimizer.state[p] = {k: like(shard(v, style_of(name), self.tp_rank, self.t).clone(), p)
+                                  if v.dim() > 0 else v.clone() for k, v in state.items()}

@@ -1,13 +1,16 @@
-"""strategy.name=tensor | pipeline: Lightning's ModelParallelStrategy (its launcher, process-group set-up, CPU and
-GPU alike) with our own mesh (pipeline, data_parallel, tensor_parallel) and our wrappers (mesh.MeshParallel).
+"""Plans on our own mesh (tensor, pipeline, HSDP and their compositions with ZeRO): Lightning's
+ModelParallelStrategy (its launcher, process-group set-up, CPU and GPU alike) with the 4-D mesh of the plan
+(parallel/plan.py); the module's `configure_model` applies the plan (parallel.apply.apply_plan) on that mesh.
 
 What it changes in Lightning's step, and why:
-- `setup`: wraps the GPT (after the module's configure_model applied activation checkpointing) and hands the
-  pipeline runner to the module, whose loss then runs the schedule (forward and, when training, backward).
+- `setup_environment`: builds the (pipeline, data_parallel_replicate, data_parallel_shard, tensor_parallel) mesh.
+- `setup`: hands the pipeline runner the accumulation factor; the module's loss runs the schedule (forward and,
+  when training, backward).
 - `backward`: nothing to do under pipeline parallelism, the schedule already ran it.
 - `optimizer_step`: after the closure's last backward and before the callbacks and clipping see the gradients,
-  the tied embedding's copies are summed and gradients averaged over data-parallel ranks: once per optimizer step.
-- `grad_norm`: the global norm (mesh.MeshParallel.grad_norm), read by callbacks.step_state for clipping and logs.
+  `ParallelModel.sync_gradients` (tied embedding over the pipeline, norms under sequence parallelism, replicas).
+- `distributed_sampler_kwargs`: the data-parallel rank and size (replica x shard); tensor- and pipeline-parallel
+  ranks of one replica read the same batch.
 - checkpoints: rank 0 writes one file through `self.checkpoint_io` holding the single-process state dict and a
   single-process AdamW state, so it loads into one process or into any other layout.
 """
@@ -18,8 +21,8 @@ from typing import Any, Dict, Optional
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lit_pretrain.parallel.layout import Layout
-from lit_pretrain.parallel.mesh import MeshParallel, build_mesh
+from lit_pretrain.parallel.mesh import build_mesh
+from lit_pretrain.parallel.plan import ParallelPlan
 
 MODULE_PREFIX = "model."
 
@@ -33,26 +36,33 @@ def full_gpt_on_meta(model_cfg):
 
 
 class MeshStrategy(ModelParallelStrategy):
-    def __init__(self, strategy_cfg, layout: Layout, timeout: timedelta):
-        super().__init__(data_parallel_size=layout.data_parallel, tensor_parallel_size=layout.tensor_parallel,
-                         save_distributed_checkpoint=False, process_group_backend=strategy_cfg.process_group_backend,
+    def __init__(self, plan: ParallelPlan, process_group_backend: Optional[str], timeout: timedelta):
+        super().__init__(data_parallel_size=plan.data_parallel, tensor_parallel_size=plan.tensor_parallel,
+                         save_distributed_checkpoint=False, process_group_backend=process_group_backend,
                          timeout=timeout)
-        self.strategy_cfg, self.layout = strategy_cfg, layout
-        self.parallel: Optional[MeshParallel] = None
+        self.plan = plan
 
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self._device_mesh = build_mesh(self.layout, self.root_device.type)
+        self._device_mesh = build_mesh(self.plan, self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 
+    @property
+    def parallel(self):
+        """The module's ParallelModel (made by its configure_model through parallel.apply.apply_plan)."""
+        return self.lightning_module.parallel
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, int]:
+        mesh = self.device_mesh
+        shard = mesh["data_parallel_shard"]
+        rank = mesh["data_parallel_replicate"].get_local_rank() * shard.size() + shard.get_local_rank()
+        return {"num_replicas": self.plan.data_parallel, "rank": rank}
+
     def setup(self, trainer) -> None:
-        module = self.lightning_module
-        if self.parallel is None or self.parallel.gpt is not module.model:  # setup runs again for trainer.validate
-            self.parallel = MeshParallel(module.model, self.device_mesh, self.strategy_cfg)
-        module.pipeline = self.parallel.runner
+        super().setup(trainer)
         if self.parallel.runner is not None:
             self.parallel.runner.scale = 1.0 / trainer.accumulate_grad_batches
-        super().setup(trainer)
 
     def training_step(self, *args, **kwargs):
         runner = self.parallel.runner
@@ -90,14 +100,11 @@ class MeshStrategy(ModelParallelStrategy):
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
-    def grad_norm(self) -> torch.Tensor:
-        return self.parallel.grad_norm()
-
     # Checkpoints: one file, single-process names, written by rank 0 through checkpoint_io.
 
     def _param_order(self):
-        """Single-process parameter names in AdamW's order (module.param_groups), and the group of each."""
-        from lit_pretrain.module import param_groups
+        """Single-process parameter names in AdamW's order (optim.param_groups), and the group of each."""
+        from lit_pretrain.optim import param_groups
 
         module = self.lightning_module
         ref = full_gpt_on_meta(module.model_cfg)

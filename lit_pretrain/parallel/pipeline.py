@@ -53,8 +53,9 @@ class StageForward(nn.Module):
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)  # (B, T) ids -> (B, T, d_model)
         gpt = self._gpt[0]
-        T = x.shape[1]
-        cos, sin = gpt.rope_cos[:T], gpt.rope_sin[:T]
+        # The whole tables, which attention cuts to its own length: under sequence parallelism x holds T/t
+        # positions here while attention sees all T (parallel/sequence.py).
+        cos, sin = gpt.rope_cos, gpt.rope_sin
         for block in self.blocks:
             x = block(x, cos, sin)  # (B, T, d_model)
         if self.lm_head is not None:
@@ -84,15 +85,26 @@ def prune_to_stages(gpt: nn.Module, bounds: List[Tuple[int, int]], stages: List[
     return [StageForward(gpt, *bounds[s], first=s == 0, last=s == n - 1) for s in stages]
 
 
-def tied_grad_sync(gpt: nn.Module, pp_group) -> None:
-    """Sum the tied embedding's gradient over the first and last stages (the other stages add zeros)."""
-    if not gpt.cfg.tie_embeddings or dist.get_world_size(pp_group) == 1:
+def tied_grad_sync(gpt: nn.Module, pp_group, fsdp_shard: Optional[Tuple[int, int]] = None) -> None:
+    """Sum the tied embedding's gradient over the first and last stages (the other stages add zeros).
+
+    Under FSDP each rank sums its own shard (`fsdp_shard` = (rank, size) in the shard group): both stages' copies
+    are sharded alike (dim 0, torch.chunk's split) over the same data-parallel coordinates."""
+    if not gpt.cfg.tie_embeddings or pp_group is None or dist.get_world_size(pp_group) == 1:
         return
     cfg = gpt.cfg
     emb = gpt.tok_embeddings
-    if emb is not None and emb.weight.grad is None:
-        emb.weight.grad = torch.zeros_like(emb.weight)
-    grad = emb.weight.grad if emb is not None else torch.zeros(cfg.vocab_size, cfg.d_model)
+    if emb is not None:
+        if emb.weight.grad is None:
+            emb.weight.grad = torch.zeros_like(emb.weight)
+        grad = emb.weight.grad
+        grad = grad.to_local() if hasattr(grad, "to_local") else grad
+    else:  # a middle stage: zeros shaped like this rank's share of the (vocab_size, d_model) matrix
+        grad = torch.zeros(cfg.vocab_size, cfg.d_model)
+        if fsdp_shard is not None:
+            rank, size = fsdp_shard
+            rows = grad.chunk(size, dim=0)
+            grad = rows[rank].contiguous() if rank < len(rows) else grad[:0]
     dist.all_reduce(grad, group=pp_group)
 
 
@@ -128,6 +140,14 @@ class PipelineRunner:
             self._time(stage, "backward_one_chunk")
         self._schedules = {}
         self.last_idle_fraction: Optional[float] = None
+
+    def refresh_blocks(self) -> None:
+        """Point each stage's blocks at the GPT's current ones (activation checkpointing replaces block objects in
+        `gpt.blocks` by their wrappers after the split)."""
+        for forward, s in zip(self.forwards, self.stage_ids):
+            start, end = self.bounds[s]
+            for j, i in enumerate(range(start, end)):
+                forward.blocks[j] = self.gpt.blocks[i]
 
     def _time(self, stage, method: str) -> None:
         """Count the seconds this rank computes (stage forward and backward); the rest of a step is waiting."""

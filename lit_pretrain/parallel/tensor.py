@@ -3,8 +3,11 @@ f and g operators, the tensor-parallel process group passed in explicitly.
 
 Per block: wq, wk, wv, w_gate, w_up are column-parallel (each rank keeps a slice of the output rows: whole heads,
 since wq's rows are heads × head_dim in order), wo and w_down row-parallel (a slice of the input columns, then one
-all-reduce of the partial sums). So a block costs two all-reduces forward (g after wo and w_down) and two backward
-(f before the attention and MLP inputs). Norms, the embedding and the head stay replicated: their gradients come
+all-reduce of the partial sums). So a block costs two all-reduces forward (g after wo and w_down) and, as built,
+five backward: each column-parallel linear applies f to its own input, where Megatron applies one f per attention
+and MLP input (two); the sums are the same, the extra three cost bandwidth (measured by `make bench
+CASES=compositions`, counted in scaling/communication.py; sequence parallelism already gathers once per input).
+Norms, the embedding and the head stay replicated: their gradients come
 out identical on every tensor-parallel rank because f sums the input gradients. Vocabulary-parallel embedding and
 cross-entropy are not built: the head is replicated, so model.vocab_size needs no divisibility.
 
@@ -15,6 +18,10 @@ embeddings stay plain: "aten._foreach_norm.Scalar got mixed torch.Tensor and DTe
 then a step took 1,208 and 1,328 ms against 947 and 1,184 ms with these layers (two runs on a loaded 2-core
 machine, load average ~5; an earlier attempt measured 540 vs 335 ms on a smaller model). Ours keep plain tensors,
 so the optimizer, clipping and the checkpoint code see ordinary parameters with known shard dims.
+
+With `sequence_parallel=True` the replicated region between the blocks is sharded along the sequence instead
+(parallel/sequence.py): the column-parallel linears drop f (the all-gather before them, installed on their parent
+module, sums the input gradients on its way back) and the row-parallel ones reduce-scatter instead of all-reducing.
 
 The plan is data: a module-name pattern (fnmatch, on names without activation checkpointing's wrapper prefix)
 → "column" or "row".
@@ -27,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel
 
 TP_PLAN: Dict[str, str] = {
     "blocks.*.attn.wq": "column",
@@ -72,24 +81,29 @@ class _ReduceFromParallel(torch.autograd.Function):
 
 class ColumnParallelLinear(nn.Linear):
     """y_local = f(x) W_localᵀ: this rank's slice of the output features. A subclass of nn.Linear so weight decay
-    and every name-based rule treat it as the Linear it replaces."""
+    and every name-based rule treat it as the Linear it replaces. Under sequence parallelism x arrives already
+    gathered (backward: reduce-scattered) and f is skipped."""
 
-    def __init__(self, weight: torch.Tensor, group):
+    def __init__(self, weight: torch.Tensor, group, sequence_parallel: bool = False):
         nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight)
         self.register_parameter("bias", None)
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):
-        return F.linear(_CopyToParallel.apply(x, self.group), self.weight)
+        if not self.sequence_parallel:
+            x = _CopyToParallel.apply(x, self.group)
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(ColumnParallelLinear):
-    """y = g(x_local W_localᵀ): partial products over this rank's input features, summed across the group."""
+    """y = g(x_local W_localᵀ): partial products over this rank's input features, summed across the group (under
+    sequence parallelism: summed and scattered along the sequence, each rank keeping its chunk)."""
 
     def forward(self, x):
-        return _ReduceFromParallel.apply(F.linear(x, self.weight), self.group)
+        reduce = ReduceScatterFromRow if self.sequence_parallel else _ReduceFromParallel
+        return reduce.apply(F.linear(x, self.weight), self.group)
 
 
 def plain_name(name: str) -> str:
@@ -131,18 +145,35 @@ def gather(local: torch.Tensor, style: Optional[str], group, world: int) -> torc
     return full
 
 
-def apply_tensor_parallel(model: nn.Module, group, plan: Dict[str, str] = TP_PLAN) -> int:
+def apply_tensor_parallel(model: nn.Module, group, plan: Dict[str, str] = TP_PLAN,
+                          sequence_parallel: bool = False) -> int:
     """Replace the planned nn.Linears of `model` in place by their parallel versions holding this rank's slice
-    of the current (full) weights; return how many were replaced. Idempotent."""
+    of the current (full) weights; return how many were replaced. Idempotent.
+
+    sequence_parallel: also shard the region between them along the sequence (parallel/sequence.py); the caller
+    must then call `sequence.sync_sequence_parallel_grads(model, group)` once per optimizer step. Raises ValueError
+    when model.seq_len does not divide by the group's size."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if sequence_parallel:  # before anything is replaced
+        check_seq_len(model.cfg.seq_len, world)
     replaced = 0
+    column_parents = []
     for name, module in list(model.named_modules()):
         style = style_of(name, plan)
-        if style is None or isinstance(module, ColumnParallelLinear) or not isinstance(module, nn.Linear):
+        if style is None or not isinstance(module, nn.Linear):
             continue
-        cls = ColumnParallelLinear if style == "column" else RowParallelLinear
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group))
+        if style == "column" and all(parent is not p for p in column_parents):
+            column_parents.append(parent)
+        if isinstance(module, ColumnParallelLinear):
+            if module.sequence_parallel != sequence_parallel:
+                raise ValueError(f"{name} is already tensor-parallel with sequence_parallel="
+                                 f"{module.sequence_parallel}: apply to a fresh model to change it")
+            continue
+        cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+        setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group, sequence_parallel))
         replaced += 1
+    if sequence_parallel:
+        install_sequence_parallel(model, group, column_parents)
     return replaced

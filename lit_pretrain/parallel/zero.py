@@ -7,20 +7,18 @@
 | 3 | sharded | sharded | gathered per block for its forward, again for its backward | FSDP2, reshard after forward |
 
 (Rajbhandari et al. 2020, "ZeRO", §5: P_os, P_os+g, P_os+g+p.) FSDP2 has no stage-1 mode, so stage 1 is PyTorch's
-ZeroRedundancyOptimizer: each rank owns whole parameter tensors (greedy by size) and updates only those, then
-broadcasts them. FSDP2 shards every parameter along dim 0 (padded to a multiple of world) and keeps the shards as
-DTensors, so the optimizer state it creates is sharded too. Stage 2 here keeps the all-gathered parameters from
-forward until the end of backward (no second all-gather in backward), the equivalent of ZeRO-2's replicated
-parameters during the step; between steps FSDP2 frees them, which only lowers memory.
+ZeroRedundancyOptimizer (built by `optim.build_adamw`): each rank owns whole parameter tensors (greedy by size) and
+updates only those, then broadcasts them. FSDP2 shards every parameter along dim 0 (padded to a multiple of world)
+and keeps the shards as DTensors, so the optimizer state it creates is sharded too. Stage 2 here keeps the
+all-gathered parameters from forward until the end of backward (no second all-gather in backward), the equivalent of
+ZeRO-2's replicated parameters during the step; between steps FSDP2 frees them, which only lowers memory.
 """
 
-from typing import List, Optional
+from typing import List
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int) -> nn.Module:
@@ -39,16 +37,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int) -> nn.Module:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model
-
-
-def build_adamw(groups: List[dict], zero_stage: Optional[int], **adamw) -> torch.optim.Optimizer:
-    """AdamW over `groups`; at ZeRO stage 1 wrapped so each rank keeps the state of its share of the tensors only.
-
-    Stages 2 and 3 need no wrapper: the parameters are already DTensor shards, so AdamW's state is sharded too.
-    """
-    if zero_stage == 1:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **adamw)
-    return torch.optim.AdamW(groups, **adamw)
 
 
 def zero_partition(sizes: List[List[int]], world: int) -> List[List[List[int]]]:

@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
 
     mem = sub.add_parser("memory", help="per-device memory of a training configuration",
                          description="Per-device bytes: model states (Rajbhandari et al. 2019) and activations "
-                                     "(Korthikanti et al. 2022, Table 2).")
+                                     "(our block's saved tensors; with recomputation, Korthikanti et al. "
+                                     "2022, Table 2).")
     mem.add_argument("--params", type=count, help="parameter count: picks a shape of our family near it")
     mem.add_argument("--layers", type=int, help="transformer layers")
     mem.add_argument("--hidden", type=int, help="hidden size d_model")

@@ -18,10 +18,14 @@ Table 2; s sequence length, b micro-batch, h hidden size, a heads, t tensor-para
     selective recomputation                    sbh·(10 + 24/t)
     selective + sequence parallelism           sbh·34/t
     full recomputation                         2·sbh  (only each layer's input is kept)
+That table describes the paper's GPT block (LayerNorm, dropout, GELU MLP of 4h, softmax attention storing the
+s×s scores); ours (RMSNorm, no dropout, SwiGLU, fused attention storing no scores) saves other tensors, counted by
+`block_activation_bytes` and used by `memory_plan` without recomputation. The table still gives the recomputation
+rows: full keeps each block's input (2sbh, as ours does); selective has no counterpart in our model.
 Under 1F1B pipeline parallelism the first stage keeps p micro-batches of its L/p layers in flight, i.e. L layers'
 worth whatever p is (§4.2.3); it also holds the input embedding. Logits for the cross-entropy are stored in fp32,
-4·s·b·v/t bytes (§4.3), on the last stage. For fp32 activations ("32-true") the 16-bit formulas are doubled: our
-model has no dropout, whose 1-byte masks the formulas count, so this is an upper estimate.
+4·s·b·v/t bytes (§4.3), on the last stage. For fp32 activations ("32-true") the 16-bit formulas are doubled (for the
+recomputation rows an upper estimate: they count 1-byte dropout masks our model does not have).
 """
 
 import math
@@ -107,6 +111,38 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     return sbh * (rest + attention)
 
 
+def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, mlp_hidden: int,
+                           tensor_parallel: int = 1, sequence_parallel: bool = False,
+                           bytes_per_element: float = 4.0) -> float:
+    """Bytes one of OUR blocks (model.py: RMSNorm, RoPE, fused causal attention, SwiGLU; no dropout, no biases)
+    saves for backward on one tensor-parallel rank, without recomputation, counted by storage as
+    parallel/memory.py's SavedActivations measures (a tensor saved by several ops counts once; weights and the RoPE
+    tables are not activations). N = seq_len · micro_batch tokens, h hidden, f = mlp_hidden, a heads, t ranks.
+
+    - Norm region, 4Nh + 2N elements: each of the two RMSNorms (composite on CPU: x · rsqrt(mean(x²) + eps) · w)
+      saves its input x (N·h), the normalized x̂ for the weight's gradient (N·h) and rsqrt(...) (N). Replicated
+      under tensor parallelism; under sequence parallelism each rank holds T/t positions: divided by t.
+    - Column-parallel inputs, 2Nh: each norm's output, saved once by the linears that read it (q, k, v; gate, up).
+      Replicated under tensor parallelism and, in our sequence parallelism, the all-gathered tensor is what they
+      save (parallel/sequence.py says why): never divided by t.
+    - Attention, 4Nh/t: RoPE'd q and k, v (the kernel's inputs) and its output (also wo's input: one storage);
+      RoPE saves nothing but the tables, its multiplications need no gradient of cos and sin.
+      Plus the kernel's log-sum-exp, N·a/t elements, always fp32 (4 bytes). No s×s scores: the fused kernel
+      recomputes them, so the paper's 5as/h term is absent.
+    - MLP, 4Nf/t: gate and up projections, silu(gate) and the product (w_down's input).
+    Total: e·[(4Nh + 2N)/(t if sequence parallel else 1) + 2Nh + (4Nh + 4Nf)/t] + 4Na/t bytes, e the
+    activation's bytes per element (4 for fp32). The residual additions save nothing.
+    """
+    n, h, f, a, t = seq_len * micro_batch, hidden, mlp_hidden, heads, tensor_parallel
+    if sequence_parallel and t == 1:
+        raise ConfigError("--sequence-parallel splits activations over the tensor-parallel group: it needs "
+                          "--tensor-parallel > 1")
+    norm_region = (4 * n * h + 2 * n) / (t if sequence_parallel else 1)
+    column_inputs = 2 * n * h
+    sharded = (4 * n * h + 4 * n * f) / t
+    return bytes_per_element * (norm_region + column_inputs + sharded) + 4.0 * n * a / t
+
+
 def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_stage: int = 0,
                 tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False,
                 activation_checkpointing: str = "none", precision: str = "zero-mixed-adam",
@@ -140,8 +176,12 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         states = per_rank_model_state_bytes(cfg, data_parallel, zero_stage, precision, exact=True)
     else:
         states = model_state_bytes(local, data_parallel, zero_stage, precision)
-    per_layer = b.activation_factor * activation_bytes_per_layer(cfg.seq_len, micro_batch, d, cfg.n_heads, t,
-                                                                 sequence_parallel, activation_checkpointing)
+    if activation_checkpointing == "none":  # our block's own count (16-bit: 2 bytes, times the precision's factor)
+        per_layer = block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t,
+                                           sequence_parallel, 2.0 * b.activation_factor)
+    else:
+        per_layer = b.activation_factor * activation_bytes_per_layer(cfg.seq_len, micro_batch, d, cfg.n_heads, t,
+                                                                     sequence_parallel, activation_checkpointing)
     # 1F1B: the first stage has p micro-batches of its L/p layers in flight (Korthikanti et al. §4.2.3)
     activations = per_layer * layers_here * p
     logits = 4.0 * cfg.seq_len * micro_batch * v / t if p == 1 else 0.0

@@ -1,0 +1,80 @@
+"""apply_plan: the parallel plan (plan.py) applied to the plain GPT from outside, in one function."""
+
+from typing import Optional
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lit_pretrain.parallel.mesh import ParallelModel
+from lit_pretrain.parallel.plan import ParallelPlan
+
+
+def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = None,
+               fsdp_mesh: Optional[DeviceMesh] = None) -> ParallelModel:
+    """Wrap the GPT in place for this rank, in this order, and return it with its step collectives:
+
+    1. pipeline split: keep this rank's stages' blocks (the rest become nn.Identity), so every later step touches
+       only what this rank holds;
+    2. tensor parallelism (and sequence parallelism): swap the planned linears for our column/row layers, on the
+       plain module names (before any wrapper prefixes them);
+    3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
+    4. compile: each block's forward (torchtitan's regional compile), inside its checkpoint wrapper;
+    5. FSDP2 (ZeRO stages 2 and 3; HSDP with replicas): each block, then the root — the GPT, or each pipeline
+       stage's forward, whose hooks are the ones the schedule calls. Last, because it shards whatever parameters
+       the steps before left (TP slices included) and its hooks must sit outside checkpointing and compile.
+
+    `mesh`: our (pipeline, replicate, shard, tensor) mesh when plan.uses_mesh; else `fsdp_mesh`, the data-parallel
+    mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
+    the optimizer. Idempotent: Lightning may call configure_model again (trainer.validate after fit).
+    """
+    from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
+    from lit_pretrain.parallel.zero import shard_model
+
+    existing = getattr(gpt, "_lit_pretrain_parallel", None)
+    if existing is not None:
+        return existing
+    par = ParallelModel(gpt, plan, mesh)
+    if plan.pipeline_parallel > 1:
+        from lit_pretrain.parallel.pipeline import PipelineRunner
+
+        par.runner = PipelineRunner(gpt, par.pp, plan.schedule, plan.micro_batches, plan.stages_per_rank)
+    if plan.tensor_parallel > 1:
+        from lit_pretrain.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(gpt, par.tp, sequence_parallel=plan.sequence_parallel)
+    apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
+    if plan.compile:
+        from lit_pretrain.parallel.compile import check_toolchain, compile_blocks
+
+        check_toolchain()
+        compile_blocks(gpt)
+    if par.runner is not None:
+        par.runner.refresh_blocks()
+    if plan.uses_fsdp:
+        if mesh is not None:
+            dims = ("data_parallel_replicate", "data_parallel_shard") if plan.data_parallel_replicate > 1 \
+                else ("data_parallel_shard",)
+            fsdp_mesh = mesh[dims]
+        if fsdp_mesh is None:
+            raise ValueError(f"strategy.zero_stage={plan.zero_stage} needs a device mesh: run it under the strategy "
+                             "build_strategy returns")
+        roots = par.runner.forwards if par.runner is not None else [gpt]
+        for root in roots:
+            shard_model(root, fsdp_mesh, plan.zero_stage)
+        _retie(gpt)
+    gpt._lit_pretrain_parallel = par
+    return par
+
+
+def _retie(gpt: nn.Module) -> None:
+    """FSDP2 replaces a parameter on the modules under the root it shards; under pipeline parallelism a stage's
+    root holds only one of the tied embedding and head, so point the other at the same (sharded) parameter."""
+    if not gpt.cfg.tie_embeddings or gpt.tok_embeddings is None or gpt.lm_head is None:
+        return
+    if gpt.tok_embeddings.weight is not gpt.lm_head.weight:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(gpt.lm_head.weight, DTensor):
+            gpt.tok_embeddings.weight = gpt.lm_head.weight
+        else:
+            gpt.lm_head.weight = gpt.tok_embeddings.weight

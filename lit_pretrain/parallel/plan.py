@@ -1,0 +1,212 @@
+"""The parallel plan: how one run splits its work, as data, built and checked when the config loads.
+
+Four degrees multiply to the world size (trainer.devices x trainer.num_nodes), outermost first:
+
+    pipeline_parallel x data_parallel_replicate x data_parallel_shard x tensor_parallel
+
+- data_parallel_shard ranks hold 1/shard of the model state at `zero_stage` (1: optimizer state, ZeroRedundancy-
+  Optimizer; 2: also gradients; 3: also parameters, both FSDP2);
+- data_parallel_replicate ranks hold equal copies (HSDP when shard > 1: FSDP2 shards within a replica group and
+  all-reduces gradients across replicas, Zhao et al. 2023 "PyTorch FSDP" §3.2.2);
+- tensor_parallel ranks split each block's matrices (Megatron layers, parallel/tensor.py), optionally with sequence
+  parallelism over the same group;
+- pipeline_parallel ranks hold contiguous slices of the blocks (parallel/pipeline.py).
+
+Tensor-parallel ranks are neighbours (innermost), so on GPUs their per-layer collectives stay inside a node, as
+torchtitan's ParallelDims orders them. One degree may be -1: the rest of the world. The strategy presets
+(experiments/strategy/*.yaml: single, ddp, zero, fsdp, tensor, pipeline) only set these keys; `strategy.name` picks the
+defaults of what they leave unset (see `build_plan`).
+
+Pure: no torch.distributed, so `show` and `train` refuse the same layouts with the same message before any process
+group exists (a layout that fails inside a collective hangs its peers until the timeout: shared/CPU-DISTRIBUTED.md).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lit_pretrain.errors import ConfigError
+
+MESH_DIMS = ("pipeline", "data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
+DEGREE_KEYS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "pipeline_parallel")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Precisions Lightning's ModelParallelStrategy accepts (lightning/pytorch/trainer/connectors/accelerator_connector.py).
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    data_parallel_replicate: int = 1
+    data_parallel_shard: int = 1
+    zero_stage: int = 0
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    stages_per_rank: int = 1
+    activation_checkpointing: str = "none"
+    activation_checkpointing_k: int = 2
+    compile: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks (replicas x shards): each reads its own part of the global batch."""
+        return self.data_parallel_replicate * self.data_parallel_shard
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.zero_stage in (2, 3)
+
+    @property
+    def uses_mesh(self) -> bool:
+        """Whether the run needs our own device mesh (parallel/mesh.py) rather than plain DDP or plain FSDP."""
+        return self.tensor_parallel > 1 or self.pipeline_parallel > 1 or (
+            self.uses_fsdp and self.data_parallel_replicate > 1)
+
+    @property
+    def mesh_shape(self):
+        return (self.pipeline_parallel, self.data_parallel_replicate, self.data_parallel_shard, self.tensor_parallel)
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in DEGREE_KEYS] + [f"zero_stage={self.zero_stage}"]
+        if self.sequence_parallel:
+            parts.append("sequence_parallel=true")
+        return " x ".join(parts[:4]) + ", " + ", ".join(parts[4:])
+
+
+def _resolve(world: int, degrees: dict) -> dict:
+    """Fill the one -1 degree with the rest of the world; check the product."""
+    free = [k for k, v in degrees.items() if v == -1]
+    if len(free) > 1:
+        raise ConfigError(f"{' and '.join('strategy.' + k for k in free)} are each -1: at most one degree may be -1 "
+                          "(the rest of the world); give the others")
+    for k, v in degrees.items():
+        if v != -1 and v < 1:
+            raise ConfigError(f"strategy.{k}={v}: a degree is a positive number of ranks, or -1 for the rest")
+    fixed = 1
+    for v in degrees.values():
+        fixed *= v if v != -1 else 1
+    product = " x ".join(f"{k}={'-1' if v == -1 else v}" for k, v in degrees.items())
+    if free:
+        if world % fixed:
+            raise ConfigError(f"trainer.devices x trainer.num_nodes = {world} processes is not a multiple of "
+                              f"{product} without the -1 (= {fixed}): change trainer.devices or the degrees")
+        degrees = {**degrees, free[0]: world // fixed}
+    elif fixed != world:
+        raise ConfigError(f"the degrees multiply to {fixed} ({product}) but trainer.devices x trainer.num_nodes = "
+                          f"{world}: their product must be the world size; set one degree to -1 for the rest, or "
+                          "change trainer.devices")
+    return degrees
+
+
+def plan_from(strategy, trainer, model=None, compile: Optional[bool] = None) -> ParallelPlan:
+    """The plan a `strategy` section asks for on trainer.devices x trainer.num_nodes processes, or a ConfigError
+    naming the key to change. `model` (a GPTConfig) adds the checks of the model's shape; `compile` defaults to
+    trainer.compile."""
+    world = trainer.devices * trainer.num_nodes
+    name = strategy.name
+    stage = strategy.zero_stage if strategy.zero_stage is not None else (3 if name in ("zero", "fsdp") else 0)
+    if name == "single" and world > 1:
+        raise ConfigError(f"strategy.name=single runs one process, but trainer.devices={trainer.devices} and "
+                          f"trainer.num_nodes={trainer.num_nodes}: choose strategy=ddp, or set trainer.devices=1")
+    replicate, shard = strategy.data_parallel_replicate, strategy.data_parallel_shard
+    # What the keys leave unset: the data-parallel ranks shard state when a ZeRO stage is asked for, else replicate;
+    # they take the rest of the world unless a tensor or pipeline degree already does.
+    if replicate is None and shard is None:
+        rest = 1 if -1 in (strategy.tensor_parallel, strategy.pipeline_parallel) else -1
+        replicate, shard = (1, rest) if stage >= 1 else (rest, 1)
+    elif replicate is None:
+        replicate = -1 if shard != -1 else 1
+    elif shard is None:
+        shard = -1 if replicate != -1 else 1
+    degrees = _resolve(world, {"data_parallel_replicate": replicate, "data_parallel_shard": shard,
+                               "tensor_parallel": strategy.tensor_parallel,
+                               "pipeline_parallel": strategy.pipeline_parallel})
+    pc = strategy.pipeline
+    plan = ParallelPlan(
+        **degrees, zero_stage=stage, sequence_parallel=bool(strategy.sequence_parallel), schedule=pc.schedule,
+        micro_batches=pc.micro_batches, stages_per_rank=pc.stages_per_rank,
+        activation_checkpointing=model.activation_checkpointing if model is not None else "none",
+        activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
+        compile=bool(trainer.compile if compile is None else compile))
+    check_plan(plan, trainer, model)
+    return plan
+
+
+def check_plan(plan: ParallelPlan, trainer, model=None) -> None:
+    t, p = plan.tensor_parallel, plan.pipeline_parallel
+    if plan.data_parallel_shard > 1 and plan.zero_stage == 0:
+        raise ConfigError(f"strategy.data_parallel_shard={plan.data_parallel_shard} shards model state across "
+                          "data-parallel ranks, but strategy.zero_stage=0 shards nothing: set strategy.zero_stage "
+                          "to 1, 2 or 3, or data_parallel_shard=1")
+    if plan.zero_stage == 1 and (t > 1 or p > 1 or plan.data_parallel_replicate > 1):
+        raise ConfigError("strategy.zero_stage=1 is PyTorch's ZeroRedundancyOptimizer, which partitions whole tensors "
+                          "over one DDP group and cannot see tensor-parallel shards, pipeline stages or replica "
+                          "groups: with tensor_parallel, pipeline_parallel or data_parallel_replicate > 1 use "
+                          "zero_stage=2 (FSDP2 shards the same optimizer state, and gradients too)")
+    if plan.uses_fsdp and trainer.precision not in FSDP_PRECISIONS:
+        raise ConfigError(f"trainer.precision={trainer.precision} is not supported with strategy.zero_stage="
+                          f"{plan.zero_stage} (FSDP2 under Lightning's ModelParallelStrategy): choose one of "
+                          f"{', '.join(FSDP_PRECISIONS)}")
+    if plan.sequence_parallel and t == 1:
+        raise ConfigError("strategy.sequence_parallel=true shards the norms along the sequence across the "
+                          "tensor-parallel group: it needs strategy.tensor_parallel > 1")
+    if plan.compile and (t > 1 or p > 1):
+        raise ConfigError("trainer.compile=true is not supported with tensor or pipeline parallelism (our tensor-"
+                          "parallel layers call process-group collectives inside the block, which a fullgraph "
+                          "compile of the block cannot trace; pipeline stages run under torch's schedule): set "
+                          "trainer.compile=false, or use data parallelism and ZeRO stages, which compile")
+    if p > 1:
+        _check_pipeline(plan, trainer, model)
+    if model is not None:
+        _check_model(plan, trainer, model)
+
+
+def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
+    p, v, m = plan.pipeline_parallel, plan.stages_per_rank, plan.micro_batches
+    if plan.schedule == "interleaved_1f1b" and v < 2:
+        raise ConfigError(f"strategy.pipeline.schedule=interleaved_1f1b needs strategy.pipeline.stages_per_rank >= 2 "
+                          f"(it is {v}): set it to 2, or choose schedule 1f1b")
+    if plan.schedule != "interleaved_1f1b" and v != 1:
+        raise ConfigError(f"strategy.pipeline.stages_per_rank={v} needs strategy.pipeline.schedule=interleaved_1f1b "
+                          f"({plan.schedule} runs one stage per rank): set stages_per_rank=1")
+    if plan.schedule != "gpipe" and m < p:
+        raise ConfigError(f"strategy.pipeline.micro_batches={m} is fewer than the strategy.pipeline_parallel={p} "
+                          f"stages, which {plan.schedule} refuses: raise micro_batches to at least pipeline_parallel, "
+                          "or choose schedule gpipe")
+    if trainer.micro_batch_size % m:
+        raise ConfigError(f"trainer.micro_batch_size={trainer.micro_batch_size} does not divide into "
+                          f"strategy.pipeline.micro_batches={m} equal micro-batches: choose a micro_batch_size that "
+                          "is a multiple of micro_batches")
+    if model is not None and model.n_layers < p * v:
+        raise ConfigError(f"model.n_layers={model.n_layers} is fewer than the {p * v} pipeline stages "
+                          f"(strategy.pipeline_parallel={p} x strategy.pipeline.stages_per_rank={v}): every stage "
+                          "needs a block; lower pipeline_parallel or add layers")
+
+
+def _check_model(plan: ParallelPlan, trainer, model) -> None:
+    t = plan.tensor_parallel
+    if model.n_heads % t:
+        raise ConfigError(f"model.n_heads={model.n_heads} is not divisible by strategy.tensor_parallel={t}: each "
+                          "tensor-parallel rank holds whole heads; choose a tensor_parallel that divides n_heads")
+    if model.hidden_dim % t:
+        raise ConfigError(f"the MLP width (model.d_ff, here {model.hidden_dim}) is not divisible by "
+                          f"strategy.tensor_parallel={t}: set model.d_ff to a multiple of {t}")
+    if plan.sequence_parallel and model.seq_len % t:
+        raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by strategy.tensor_parallel={t}: "
+                          "sequence parallelism gives each tensor-parallel rank seq_len / tensor_parallel positions; "
+                          "choose a seq_len that is a multiple of tensor_parallel")
+
+
+def build_plan(config) -> ParallelPlan:
+    """The plan of a whole config (schema.Config): `show` and `train` both call this when the config loads."""
+    plan = plan_from(config.strategy, config.trainer, config.model, config.trainer.compile)
+    if config.data.document_masking and plan.pipeline_parallel > 1:
+        raise ConfigError(f"data.document_masking=true is not supported with strategy.pipeline_parallel="
+                          f"{plan.pipeline_parallel}: the pipeline stages call the blocks without the document mask "
+                          "and per-document positions; set data.document_masking=false or pipeline_parallel=1")
+    return plan

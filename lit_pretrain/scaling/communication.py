@@ -1,0 +1,124 @@
+"""Bytes each rank moves per optimizer step, by collective, as pure functions of the model's shape and the layout.
+
+Convention (what `bench/compositions.py`'s counting wrapper measures): the size of the whole tensor a collective
+works on, per call, summed over a step: an all-reduce's tensor, an all-gather's output (the gathered whole), a
+reduce-scatter's input (the whole before scattering). A ring moves (n-1)/n of that over each rank's link; the
+convention leaves that factor out, so the figures are independent of the algorithm gloo picks.
+
+Notation: L blocks, d = d_model, f = the MLP width (SwiGLU's hidden_dim), V the vocabulary, B the sequences one
+rank's forward sees (its share of the global batch), T = seq_len, t the tensor-parallel degree, w the FSDP shard
+degree, e bytes per element (4 in fp32). The GPT's parameters (model.py), with the embedding tied to the head:
+per block wq, wk, wv, wo (d x d), w_gate, w_up (f x d), w_down (d x f), attn_norm, mlp_norm (d); outside the blocks
+tok_embeddings (V x d, also the head) and the final norm (d).
+
+ZeRO-3 (FSDP2 `fully_shard` on each block, then on the root; `reshard_after_forward=True`), per rank per step:
+- FSDP2 shards every parameter along dim 0, padded to a multiple of w: a (n0, n1) parameter costs
+  ceil(n0 / w) * w * n1 elements in the all-gather output and in the reduce-scatter input (`padded`).
+- each group is all-gathered for its forward, freed, and all-gathered again for its backward: 2 x (blocks + root).
+  The root group (embedding/head, final norm) too: measured on torch 2.13, 2 (L + 1) all-gather calls per step
+  (FSDP1 and older FSDP2 kept the root gathered after forward, which would make it 2 P_blocks + P_root);
+- every group's gradient is reduce-scattered once, after its backward: 1 x (blocks + root);
+- our grad_norm all-reduces one fp32 scalar over the shard group (and one over each other group of size > 1).
+  all_gather = 2 e (P_blocks + P_root),  reduce_scatter = e (P_blocks + P_root)  (P: padded element counts)
+ZeRO-2 (`reshard_after_forward=False`) gathers every group once: all_gather = e (P_blocks + P_root) (not measured).
+HSDP adds an all-reduce of each reduce-scattered shard over the replicas: e (P_blocks + P_root) / w.
+
+Tensor parallelism (parallel/tensor.py), per block: forward, g all-reduces the (B, T, d) output of wo and of
+w_down (2 all-reduces); backward, f all-reduces the input gradient of every column-parallel linear. Our f sits in
+each ColumnParallelLinear, so wq, wk, wv, w_gate and w_up each all-reduce (B, T, d) (5 per block, where Megatron's
+f, once per attention and MLP input, makes it 2). The replicated parts (embedding/head, norms) need nothing: f's
+sum makes their gradients equal on every rank. With data-parallel replicas (no FSDP) `sync_gradients` all-reduces
+every local gradient once (the TP slices: 1/t of the block matrices, whole norms and embedding).
+  all_reduce = e B T d L (2 + 5)  [+ e * local parameters with replicas]
+
+Tensor + sequence parallelism (parallel/sequence.py), per block: before attention and MLP an all-gather (forward)
+and its reduce-scatter (backward); after wo and w_down a reduce-scatter (forward) and its all-gather (backward),
+each on the whole (B, T, d). At the edges: the embedding's split all-gathers its gradient (backward), the head's
+input is all-gathered (forward). The norms' weight gradients are summed over the group once per step: (2L + 1) d.
+  all_gather = e B T d (4L + 2),  reduce_scatter = e B T d 4L,  all_reduce = e d (2L + 1) [+ replicas' gradients]
+"""
+
+from typing import Dict, List, Tuple
+
+Shape = Tuple[int, ...]
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW = ("wo", "w_down")
+
+
+def block_shapes(d: int, f: int) -> Dict[str, Shape]:
+    """One block's parameters by name (nn.Linear weights are (out, in))."""
+    return {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w_gate": (f, d), "w_up": (f, d),
+            "w_down": (d, f), "attn_norm": (d,), "mlp_norm": (d,)}
+
+
+def tp_local(shapes: Dict[str, Shape], t: int) -> Dict[str, Shape]:
+    """The slice one tensor-parallel rank holds: column linears split dim 0, row linears dim 1, the rest whole."""
+    out = {}
+    for name, s in shapes.items():
+        if name in COLUMN:
+            s = (s[0] // t, *s[1:])
+        elif name in ROW:
+            s = (s[0], s[1] // t)
+        out[name] = s
+    return out
+
+
+def numel(s: Shape) -> int:
+    n = 1
+    for k in s:
+        n *= k
+    return n
+
+
+def padded(shapes: List[Shape], w: int) -> int:
+    """Elements of FSDP2's all-gather output (= reduce-scatter input) for a group: dim 0 padded to a multiple of w."""
+    return sum(-(-s[0] // w) * w * numel(s[1:]) for s in shapes)
+
+
+def groups(L: int, d: int, f: int, V: int, t: int = 1) -> Tuple[List[List[Shape]], List[Shape]]:
+    """(each block's local shapes, the root's: tied embedding/head and final norm) under tensor degree t."""
+    block = list(tp_local(block_shapes(d, f), t).values())
+    return [block] * L, [(V, d), (d,)]
+
+
+def local_params(L: int, d: int, f: int, V: int, t: int = 1) -> int:
+    blocks, root = groups(L, d, f, V, t)
+    return sum(numel(s) for b in blocks for s in b) + sum(numel(s) for s in root)
+
+
+def zero(L: int, d: int, f: int, V: int, w: int, stage: int = 3, t: int = 1, replicas: int = 1,
+         e: int = 4) -> Dict[str, int]:
+    """FSDP2's bytes per rank per step at ZeRO stage 2 or 3 over w shards (HSDP: replicas > 1); grad_norm left out."""
+    blocks, root = groups(L, d, f, V, t)
+    p_blocks, p_root = sum(padded(b, w) for b in blocks), padded(root, w)
+    gathers = (2 if stage == 3 else 1) * (p_blocks + p_root)
+    out = {"all_gather": e * gathers, "reduce_scatter": e * (p_blocks + p_root), "all_reduce": 0}
+    if replicas > 1:
+        out["all_reduce"] = e * (p_blocks + p_root) // w
+    return out
+
+
+def tensor_parallel(L: int, d: int, B: int, T: int, column_all_reduces: int = 5, e: int = 4) -> Dict[str, int]:
+    """Megatron layers as ours are built: 2 forward + `column_all_reduces` backward all-reduces of (B, T, d)."""
+    return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": e * B * T * d * L * (2 + column_all_reduces)}
+
+
+def sequence_parallel(L: int, d: int, B: int, T: int, e: int = 4) -> Dict[str, int]:
+    """Tensor + sequence parallelism: gathers and scatters of (B, T, d), and the norms' gradient all-reduce."""
+    btd = e * B * T * d
+    return {"all_gather": btd * (4 * L + 2), "reduce_scatter": btd * 4 * L, "all_reduce": e * d * (2 * L + 1)}
+
+
+def replicas_all_reduce(L: int, d: int, f: int, V: int, t: int = 1, e: int = 4) -> Dict[str, int]:
+    """`sync_gradients` without FSDP: one all-reduce of every local gradient over the replicas."""
+    return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": e * local_params(L, d, f, V, t)}
+
+
+def grad_norm(groups_over_one: int, e: int = 4) -> Dict[str, int]:
+    """ParallelModel.grad_norm: one scalar all-reduce per group (tensor, pipeline, FSDP shard) of size > 1."""
+    return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": e * groups_over_one}
+
+
+def total(*parts: Dict[str, int]) -> Dict[str, int]:
+    return {k: sum(p.get(k, 0) for p in parts) for k in KINDS}
