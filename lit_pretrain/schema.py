@@ -89,13 +89,15 @@ class DeduplicationConfig:
 
 @dataclass
 class DataConfig:
-    corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl"]})
+    corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl", "parquet"]})
     """Where documents come from. stdlib: the Python standard library's own .py files (on every machine,
-    no download); text: plain text files, one document per file; jsonl: one JSON object per line."""
+    no download); text: plain text files, one document per file; jsonl: one JSON object per line, in .jsonl,
+    .jsonl.gz or .jsonl.zst files; parquet: one row per document, text in column data.text_field. All are read as
+    streams (data/readers.py); jsonl.zst and parquet need `pip install lit-pretrain[data]`."""
     paths: List[str] = field(default_factory=list)
     """Files, directories or glob patterns of the corpus (text and jsonl); directories are searched recursively."""
     text_field: str = "text"
-    """For jsonl: the key holding a document's text."""
+    """For jsonl: the key holding a document's text; for parquet: the column."""
     prepared_dir: str = "data/stdlib"
     """Folder for the tokenizer, shards and manifest. Reused when its manifest matches this data config;
     never overwritten."""
@@ -122,6 +124,18 @@ class DataConfig:
     """DataLoader worker processes per rank (0: load in the training process)."""
     deduplication: DeduplicationConfig = field(default_factory=DeduplicationConfig)
     """Exact and MinHash near-duplicate removal before the split and the tokenizer (data/deduplicate.py)."""
+    eos_token: str = "<|endoftext|>"
+    """The end-of-document token written after every document: it must be in data.tokenizer_path's vocabulary
+    (e.g. "<|end_of_text|>" for Llama 3); a trained tokenizer gets it as its special token."""
+    bos_token: Optional[str] = None
+    """Optional beginning-of-document token written before every document (e.g. "<|begin_of_text|>"); it must be in
+    data.tokenizer_path's vocabulary; a trained tokenizer gets it as a second special token. null: none."""
+    token_dtype: str = field(default="auto", metadata={"choices": ["auto", "uint16", "uint32"]})
+    """Width of the ids in the shards. auto: uint16 up to 65,536 tokens, else uint32 (recorded in the manifest;
+    readers use the manifest's). A vocabulary that does not fit the dtype chosen here is refused."""
+    tokenize_workers: int = field(default=1, metadata={"ge": 1})
+    """Processes that tokenize documents into shards, this one included (the others are worker processes,
+    lit_pretrain/workers.py). The shards are byte-identical for any number."""
 
 
 @dataclass
