@@ -71,10 +71,14 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     manifest = reuse_prepared(out, cfg, log)
     if manifest is not None:
         return manifest
-    if cfg.tokenizer_path:  # a tokenizer without the named tokens is refused before the corpus is read
-        load_tokenizer(cfg.tokenizer_path, cfg.eos_token, cfg.bos_token)
+    loaded = None
+    if cfg.tokenizer_path:  # a tokenizer without the named tokens, or too large for the dtype, is refused before
+        loaded = load_tokenizer(cfg.tokenizer_path, cfg.eos_token, cfg.bos_token)  # the corpus is read
+        token_dtype(_id_count(loaded), cfg.token_dtype, cfg.tokenizer_path)
     seconds: Dict[str, float] = {}
     start = time.perf_counter()
+    # The folders above `out` that this call makes: removed again (when still empty) if it fails.
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = f".{out.name}.tmp-"
     tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=out.parent))
@@ -86,7 +90,7 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
                                "invalid_utf8_sequences": stats.invalid_utf8_sequences, "dropped_empty": stats.empty}
         _check_splits(cfg, decided.removed, in_val)
         with _timed(seconds, "tokenizer"):
-            tokenizer, tok_info = _tokenizer_stage(cfg, decided.removed, in_val, tmp)
+            tok_info = _tokenizer_stage(cfg, loaded, decided.removed, in_val, tmp)
         with _timed(seconds, "tokenize"):
             splits, entropy, tokens_removed, ids = _tokenize_stage(cfg, tok_info, decided, in_val, tmp, fingerprint)
         tokens_after = sum(splits[split]["tokens"] for split in SPLITS)
@@ -132,9 +136,20 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
         if tmp.exists():
             # Only the temporary folder mkdtemp made above: beside `out`, our prefix, not a link.
             safe_rmtree(tmp, out.parent, lambda folder: folder.name.startswith(tmp_prefix), "temporary folder")
+        if not out.exists():
+            _remove_empty(made)
     log(format_report(dedup_report))
     log(summary(manifest, out))
     return manifest
+
+
+def _remove_empty(folders: List[Path]) -> None:
+    """rmdir each folder (deepest first) this call made, only while empty: a refused corpus leaves nothing."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (something else wrote there meanwhile): leave it
+            return
 
 
 def _first_pass(cfg, stats: CorpusStats, tmp: Path):
@@ -261,10 +276,16 @@ def summary(manifest: Dict, out: Path) -> str:
     return "\n".join(lines)
 
 
-def _tokenizer_stage(cfg, removed: np.ndarray, in_val: np.ndarray, folder: Path):
+def _id_count(tokenizer) -> int:
+    # Ids can have gaps in a loaded tokenizer: size the dtype and the entropy counts by the largest id.
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def _tokenizer_stage(cfg, loaded, removed: np.ndarray, in_val: np.ndarray, folder: Path) -> Dict:
+    """The tokenizer (`loaded` from data.tokenizer_path, or trained) saved into `folder`; its manifest entry."""
     path = folder / TOKENIZER_FILE
-    if cfg.tokenizer_path:
-        tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.eos_token, cfg.bos_token)
+    if loaded is not None:
+        tokenizer = loaded
         shutil.copyfile(cfg.tokenizer_path, path)
         source, train_bytes = f"loaded from {cfg.tokenizer_path}", 0
     else:
@@ -276,8 +297,7 @@ def _tokenizer_stage(cfg, removed: np.ndarray, in_val: np.ndarray, folder: Path)
         save_tokenizer(tokenizer, path)
         train_bytes = sum(len(t.encode("utf-8")) for t in texts)
         source = f"trained on {train_bytes:,} bytes of the train split"
-    # Ids can have gaps in a loaded tokenizer: size the dtype and the entropy counts by the largest id.
-    vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    vocab_size = _id_count(tokenizer)
     where = cfg.tokenizer_path or "the trained tokenizer"
     info = {
         "file": TOKENIZER_FILE,
@@ -292,7 +312,7 @@ def _tokenizer_stage(cfg, removed: np.ndarray, in_val: np.ndarray, folder: Path)
         "dtype": token_dtype(vocab_size, cfg.token_dtype, where).name,
     }
     remember_tokenizer(str(path), tokenizer)
-    return tokenizer, info
+    return info
 
 
 def _tokenize_stage(cfg, tok_info: Dict, decided: Decisions, in_val: np.ndarray, folder: Path, fingerprint: str):
