@@ -104,7 +104,8 @@ class DataConfig:
     vocab_size: int = field(default=8192, metadata={"ge": 259})
     """Byte-level BPE vocabulary size, including the 256 byte tokens and the end-of-document token."""
     tokenizer_path: Optional[str] = None
-    """An existing tokenizer.json to use instead of training one (it must contain the end-of-document token)."""
+    """An existing Hugging Face tokenizer.json to use instead of training one (e.g. Llama 3's); it must hold
+    data.eos_token, and data.bos_token when set."""
     tokenizer_train_bytes: int = field(default=16_000_000, metadata={"ge": 1})
     """Train the tokenizer on at most this many bytes of training documents (in corpus order)."""
     val_fraction: float = field(default=0.02, metadata={"gt": 0.0, "lt": 1.0})
