@@ -11,6 +11,9 @@ Makes Language Models Better"), so removal comes before the split and the tokeni
 
 Every decision depends only on the texts, their order and the config, never on the number of processes.
 
+`StreamingDeduplication` takes the documents one at a time (prepare's first pass) and keeps per document only its
+size, the sha256 of its normalized text and its signature, spilled to a file; `deduplicate` runs it over a list.
+
 What was removed is listed document by document (`DeduplicationResult.removals`, written as `removed.jsonl` beside
 `deduplication.json`), so the recall of the stage can be audited:
   id            the removed document
