@@ -1,11 +1,12 @@
 """Case: prepare's peak memory on a generated JSON Lines corpus of two sizes (50 MB and 500 MB by default): the
 larger's peak RSS over the smaller's. Streaming keeps it near 1 (goal <= 1.2): the corpus is never held.
 
-Each size is prepared by a child process (`lit-pretrain prepare` in-process in a fresh interpreter) that reports
-its own peak RSS (getrusage RUSAGE_SELF, plus RUSAGE_CHILDREN for any worker); the bench process's memory is not
-counted. Near-duplicate search is off: its LSH index is the one structure that is meant to grow with the corpus
-(in memory or in Redis, data.deduplication.storage); exact hashes, sizes and split bits (~100 bytes a document)
-still grow, which is why documents are ~8 kB. LIT_PRETRAIN_BENCH_PREPARE_MB="20,100" picks other sizes.
+Each size is prepared by a child process (`prepare` in a fresh interpreter, one tokenize process) that reports
+its own peak RSS: VmHWM of /proc/self/status, not getrusage's ru_maxrss, which on Linux keeps the high-water mark
+of the forked copy of this (large) bench process across exec and read ~830 MB for every size.
+Near-duplicate search is off: its LSH index is the one structure that is meant to grow with the corpus (in memory
+or in Redis, data.deduplication.storage); exact hashes, sizes and split bits (~200 bytes a document) still grow,
+which is why documents are ~8 kB. LIT_PRETRAIN_BENCH_PREPARE_MB="20,100" picks other sizes.
 """
 
 import json
@@ -21,15 +22,15 @@ import numpy as np
 SIZES_MB = (50, 500)
 DOC_WORDS = 1400  # ~8 kB a document
 _CHILD = """
-import json, resource, sys
+import json, sys
 from lit_pretrain.data.prepare import prepare
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
 corpus, out = sys.argv[1], sys.argv[2]
 cfg = DataConfig(corpus="jsonl", paths=[corpus], prepared_dir=out, vocab_size=1024, tokenizer_train_bytes=4_000_000,
                  deduplication=DeduplicationConfig(near=False))
 manifest = prepare(cfg, log=lambda *_: None)
-peak = [resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-print(json.dumps({"peak_kb": max(peak), "documents": manifest["corpus"]["documents"],
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(json.dumps({"peak_kb": int(status["VmHWM"].split()[0]), "documents": manifest["corpus"]["documents"],
                   "tokens": manifest["splits"]["train"]["tokens"] + manifest["splits"]["val"]["tokens"]}))
 """
 
