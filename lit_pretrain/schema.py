@@ -131,20 +131,23 @@ class MixturePhase:
 
 @dataclass
 class DataConfig:
-    corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl"]})
+    corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl", "parquet"]})
     """Where documents come from. stdlib: the Python standard library's own .py files (on every machine,
-    no download); text: plain text files, one document per file; jsonl: one JSON object per line."""
+    no download); text: plain text files, one document per file; jsonl: one JSON object per line, in .jsonl,
+    .jsonl.gz or .jsonl.zst files; parquet: one row per document, text in column data.text_field. All are read as
+    streams (data/readers.py); jsonl.zst and parquet need `pip install lit-pretrain[data]`."""
     paths: List[str] = field(default_factory=list)
     """Files, directories or glob patterns of the corpus (text and jsonl); directories are searched recursively."""
     text_field: str = "text"
-    """For jsonl: the key holding a document's text."""
+    """For jsonl: the key holding a document's text; for parquet: the column."""
     prepared_dir: str = "data/stdlib"
     """Folder for the tokenizer, shards and manifest. Reused when its manifest matches this data config;
     never overwritten."""
     vocab_size: int = field(default=8192, metadata={"ge": 259})
     """Byte-level BPE vocabulary size, including the 256 byte tokens and the end-of-document token."""
     tokenizer_path: Optional[str] = None
-    """An existing tokenizer.json to use instead of training one (it must contain the end-of-document token)."""
+    """An existing Hugging Face tokenizer.json to use instead of training one (e.g. Llama 3's); it must hold
+    data.eos_token, and data.bos_token when set."""
     tokenizer_train_bytes: int = field(default=16_000_000, metadata={"ge": 1})
     """Train the tokenizer on at most this many bytes of training documents (in corpus order)."""
     val_fraction: float = field(default=0.02, metadata={"gt": 0.0, "lt": 1.0})
@@ -164,6 +167,18 @@ class DataConfig:
     """DataLoader worker processes per rank (0: load in the training process)."""
     deduplication: DeduplicationConfig = field(default_factory=DeduplicationConfig)
     """Exact and MinHash near-duplicate removal before the split and the tokenizer (data/deduplicate.py)."""
+    eos_token: str = "<|endoftext|>"
+    """The end-of-document token written after every document: it must be in data.tokenizer_path's vocabulary
+    (e.g. "<|end_of_text|>" for Llama 3); a trained tokenizer gets it as its special token."""
+    bos_token: Optional[str] = None
+    """Optional beginning-of-document token written before every document (e.g. "<|begin_of_text|>"); it must be in
+    data.tokenizer_path's vocabulary; a trained tokenizer gets it as a second special token. null: none."""
+    token_dtype: str = field(default="auto", metadata={"choices": ["auto", "uint16", "uint32"]})
+    """Width of the ids in the shards. auto: uint16 up to 65,536 tokens, else uint32 (recorded in the manifest;
+    readers use the manifest's). A vocabulary that does not fit the dtype chosen here is refused."""
+    tokenize_workers: int = field(default=1, metadata={"ge": 1})
+    """Processes that tokenize documents into shards, this one included (the others are worker processes,
+    lit_pretrain/workers.py). The shards are byte-identical for any number."""
     document_masking: bool = False
     """Keep attention inside each document of a window and restart RoPE positions at each document's first token
     (the token after an end-of-document token), so a window holding two documents computes the second as if it

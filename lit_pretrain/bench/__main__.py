@@ -67,7 +67,13 @@ def _datamodule(r: _Run) -> List[Dict]:
 def _tokenize(r: _Run) -> List[Dict]:
     from lit_pretrain.bench import tokenize
 
-    return [tokenize.run(r.sample, r.args.repeats)]
+    return tokenize.run(r.sample, r.args.repeats)
+
+
+def _prepare_memory(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import prepare_memory
+
+    return [prepare_memory.run(r.tmp)]
 
 
 def _evaluation(r: _Run) -> List[Dict]:
@@ -134,7 +140,7 @@ CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
     "compositions": _compositions, "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
-    "mixture": _mixture, "masking": _masking,
+    "prepare_memory": _prepare_memory, "mixture": _mixture, "masking": _masking,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 

@@ -4,8 +4,11 @@ Corpora (`data.corpus`):
   stdlib  every `*.py` under the running Python's standard library (no download), id = path relative to it
   text    one document per file of `data.paths`; a directory contributes every regular file ending in
           .txt, .md, .rst or .py beneath it; id = the file's path
-  jsonl   one document per line of each file of `data.paths` (a directory contributes its `*.jsonl` files),
-          text under `data.text_field`; id = `path:line`
+  jsonl   one document per line of each file of `data.paths` (a directory contributes its .jsonl, .jsonl.gz and
+          .jsonl.zst files), text under `data.text_field`; id = `path:line`
+  parquet one document per row of each file's `data.text_field` column (a directory contributes its .parquet
+          files); id = `path:row`, rows counted from 1
+Every kind is read as a stream (data/readers.py): one file, one line or one record batch at a time.
 Order: `data.paths` in the order given; inside a directory or glob match, sorted by path. Empty or whitespace-only
 documents are dropped; `data.max_documents` keeps the first N documents left. Bytes that are not UTF-8 are decoded
 with replacement (U+FFFD) and counted, never skipped silently: the count reaches the manifest and the
@@ -15,7 +18,6 @@ for prepare's quality gate (data/quality.py).
 
 import glob
 import hashlib
-import json
 import os
 import sysconfig
 from dataclasses import dataclass, field
@@ -23,10 +25,12 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from lit_pretrain.data.quality import SourceQuality, count_control
+from lit_pretrain.data.readers import JSONL_SUFFIXES, PARQUET_SUFFIXES, jsonl_records, parquet_records
 from lit_pretrain.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
-JSONL_SUFFIXES = (".jsonl",)
+CORPUS_KINDS = ("stdlib", "text", "jsonl", "parquet")
+_SUFFIXES = {"text": TEXT_SUFFIXES, "jsonl": JSONL_SUFFIXES, "parquet": PARQUET_SUFFIXES}
 # Third-party packages live inside the stdlib folder on most installs; they are not the standard library.
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -73,17 +77,19 @@ def iter_documents(cfg, stats: Optional[CorpusStats] = None) -> Iterator[Documen
         if len(cfg.paths):
             raise DataError(
                 f"data.paths={list(cfg.paths)} is set but data.corpus is 'stdlib', which reads the standard "
-                "library and ignores paths: set data.corpus to 'text' or 'jsonl', or remove data.paths"
+                "library and ignores paths: set data.corpus to 'text', 'jsonl' or 'parquet', or remove data.paths"
             )
         source = _stdlib_documents(stats)
-    elif cfg.corpus in ("text", "jsonl"):
+    elif cfg.corpus in _SUFFIXES:
         files = _resolve_paths(cfg.paths, cfg.corpus)
         if cfg.corpus == "text":
             source = _text_documents(files, stats)
-        else:
+        elif cfg.corpus == "jsonl":
             source = _jsonl_documents(files, cfg.text_field, stats)
+        else:
+            source = _parquet_documents(files, cfg.text_field)
     else:
-        raise DataError(f"data.corpus={cfg.corpus!r} is not a corpus kind: use 'stdlib', 'text' or 'jsonl'")
+        raise DataError(f"data.corpus={cfg.corpus!r} is not a corpus kind: use one of {', '.join(CORPUS_KINDS)}")
     for origin, doc in source:
         if not doc.text.strip():
             stats.empty += 1
@@ -110,13 +116,26 @@ def read_documents(cfg, stats: Optional[CorpusStats] = None) -> List[Document]:
 def corpus_fingerprint(docs) -> str:
     """sha256 over (id, sha256(text)) of each document in order: two corpora share it only if they hold the same
     text under the same ids in the same order. Ids are length-prefixed so no two sequences encode alike."""
-    h = hashlib.sha256()
+    fingerprint = Fingerprint()
     for doc in docs:
+        fingerprint.add(doc)
+    return fingerprint.hexdigest()
+
+
+class Fingerprint:
+    """corpus_fingerprint fed one document at a time (prepare's streaming passes)."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+
+    def add(self, doc: Document) -> None:
         doc_id = doc.id.encode("utf-8")
-        h.update(len(doc_id).to_bytes(8, "little"))
-        h.update(doc_id)
-        h.update(hashlib.sha256(doc.text.encode("utf-8")).digest())
-    return h.hexdigest()
+        self._h.update(len(doc_id).to_bytes(8, "little"))
+        self._h.update(doc_id)
+        self._h.update(hashlib.sha256(doc.text.encode("utf-8")).digest())
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 # The source generators yield (source file, document): the file is what the quality gate names.
@@ -137,7 +156,7 @@ def _resolve_paths(paths, kind: str) -> List[Path]:
     """Expand `data.paths` (files, directories, glob patterns) into files, in order, each file once."""
     if not len(paths):
         raise DataError(f"data.paths is empty: the {kind} corpus needs files, directories or glob patterns to read")
-    suffixes = TEXT_SUFFIXES if kind == "text" else JSONL_SUFFIXES
+    suffixes = _SUFFIXES[kind]
     files: List[Path] = []
     for entry in paths:
         entry = str(entry)
@@ -160,7 +179,8 @@ def _resolve_paths(paths, kind: str) -> List[Path]:
 
 
 def _files_under(folder: Path, suffixes) -> List[Path]:
-    found = [p for p in folder.rglob("*") if p.suffix in suffixes and p.is_file()]
+    # endswith, not Path.suffix: ".jsonl.gz" is two suffixes.
+    found = [p for p in folder.rglob("*") if p.name.endswith(suffixes) and p.is_file()]
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 
 
@@ -190,22 +210,13 @@ def _text_documents(files: List[Path], stats: CorpusStats) -> Iterator[Tuple[str
 
 def _jsonl_documents(files: List[Path], text_field: str, stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
     for path in files:
-        with open(path, "rb") as f:
-            for line_no, raw in enumerate(f, start=1):
-                where = f"{path}:{line_no}"
-                line = decode_utf8(raw, stats, str(path))
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{where} is not a JSON object ({e}): each line must be an object with the text under "
-                        f"data.text_field={text_field!r}; fix or remove the line"
-                    ) from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise DataError(
-                        f"{where} has no string field data.text_field={text_field!r}: set data.text_field to the "
-                        "key that holds the text, or fix the line"
-                    )
-                yield str(path), Document(id=where, text=record[text_field])
+        source = str(path)
+        for where, text in jsonl_records(path, text_field, lambda raw, s=source: decode_utf8(raw, stats, s)):
+            yield source, Document(id=where, text=text)
+
+
+def _parquet_documents(files: List[Path], text_field: str) -> Iterator[Tuple[str, Document]]:
+    # Parquet strings are UTF-8 already validated by pyarrow: nothing to replace or count.
+    for path in files:
+        for where, text in parquet_records(path, text_field):
+            yield str(path), Document(id=where, text=text or "")

@@ -171,7 +171,8 @@ class TokenShardDataModule(L.LightningDataModule):
         """UTF-8 bytes each token id stands for (tokenizer.token_byte_lengths), read by validation for bits per
         byte; None when the tokenizer is not byte-level. Built once from the vocabulary: no decoding per batch."""
         if not hasattr(self, "_token_bytes"):
-            self._token_bytes = token_byte_lengths(load_tokenizer(self.tokenizer_path))
+            # eos_token=None: the prepared folder's tokens were checked by prepare (data.eos_token may be any).
+            self._token_bytes = token_byte_lengths(load_tokenizer(self.tokenizer_path, eos_token=None))
         return self._token_bytes
 
     @property

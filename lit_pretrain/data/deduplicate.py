@@ -11,6 +11,9 @@ Makes Language Models Better"), so removal comes before the split and the tokeni
 
 Every decision depends only on the texts, their order and the config, never on the number of processes.
 
+`StreamingDeduplication` takes the documents one at a time (prepare's first pass) and keeps per document only its
+size, the sha256 of its normalized text and its signature, spilled to a file; `deduplicate` runs it over a list.
+
 What was removed is listed document by document (`DeduplicationResult.removals`, written as `removed.jsonl` beside
 `deduplication.json`), so the recall of the stage can be audited:
   id            the removed document
@@ -27,9 +30,12 @@ What was removed is listed document by document (`DeduplicationResult.removals`,
 """
 
 import hashlib
+import tempfile
 import time
+from array import array
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -43,12 +49,13 @@ from lit_pretrain.data.lsh import (
     clusters,
     index_basename,
 )
-from lit_pretrain.data.minhash import compute_signatures, estimated_jaccard, normalize
+from lit_pretrain.data.minhash import SignatureSpill, estimated_jaccard, normalize
 from lit_pretrain.data.shards import DEDUPLICATION_CONTENT_FIELDS
 from lit_pretrain.schema import DeduplicationConfig
 
 _LARGEST_CLUSTERS = 5
 _EXAMPLES = 5
+SIGNATURES_FILE = "minhash-signatures.bin"
 
 
 @dataclass
@@ -66,95 +73,165 @@ class DeduplicationResult:
 def deduplicate(docs: List[Document], cfg: Optional[DeduplicationConfig] = None, progress: bool = True
                 ) -> DeduplicationResult:
     """Drop empty documents, then exact, then near duplicates; return what is kept and a report of it."""
-    cfg = cfg if cfg is not None else DeduplicationConfig()
-    cfg.check()
-    basename = index_basename(cfg)
-    if cfg.near and cfg.storage == "redis":
-        check_redis(cfg, basename)  # before any work: an unreachable server or a used prefix is a config error
-    seconds: Dict[str, float] = {}
-    start = time.perf_counter()
-    normalized = [normalize(d.text, cfg.lowercase, cfg.fold_whitespace) for d in docs]
-    empty = [i for i, text in enumerate(normalized) if not text]
-    candidates = [i for i, text in enumerate(normalized) if text]
-    seconds["normalize"] = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="lit-pretrain-dedup-") as spill:
+        with StreamingDeduplication(cfg, Path(spill), progress) as stage:
+            for doc in docs:
+                stage.add(doc)
+            decided = stage.finish()
+    ids = [d.id for d in docs]
+    kept = [d for d, gone in zip(docs, decided.removed) if not gone]
+    removed = [d for d, gone in zip(docs, decided.removed) if gone]
+    return DeduplicationResult(kept=kept, removed=removed, report=decided.report(ids), removals=decided.removals(ids))
 
-    start = time.perf_counter()
-    exact_removed: Dict[int, int] = {}  # removed index -> the index of the document it repeats
-    if cfg.exact:
-        first: Dict[bytes, int] = {}
-        survivors = []
-        for i in candidates:
-            digest = hashlib.sha256(normalized[i].encode("utf-8")).digest()
-            if digest in first:
-                exact_removed[i] = first[digest]
+
+class StreamingDeduplication:
+    """Deduplication fed one document at a time in corpus order (prepare's first pass), holding per document only
+    its size, the sha256 of its normalized text (exact) and its MinHash signature, which goes to a file in
+    `spill_dir` (near); `finish()` runs LSH and clustering over the memory-mapped signatures. The LSH index lives
+    in memory or Redis (data.deduplication.storage). Ids are not kept: the decisions name documents by index, and
+    the report asks for the few ids it names (`Decisions.needed_ids`)."""
+
+    def __init__(self, cfg: Optional[DeduplicationConfig], spill_dir: Path, progress: bool = True):
+        cfg = cfg if cfg is not None else DeduplicationConfig()
+        cfg.check()
+        self.cfg, self.basename = cfg, index_basename(cfg)
+        if cfg.near and cfg.storage == "redis":
+            check_redis(cfg, self.basename)  # before any work: an unreachable server or a used prefix is a config error
+        self.sizes = array("q")  # UTF-8 bytes of each document
+        self.empty: List[int] = []
+        self.exact_removed: Dict[int, int] = {}  # removed index -> the index of the document it repeats
+        self._first: Dict[bytes, int] = {}
+        self.candidates = array("q")  # indices of the documents left for the near stage
+        self.seconds: Dict[str, float] = {"normalize": 0.0, "exact": 0.0}
+        self._spill = (SignatureSpill(Path(spill_dir) / SIGNATURES_FILE, cfg.shingle, cfg.shingle_size, cfg.num_perm,
+                                      cfg.seed, cfg.processes, progress) if cfg.near else None)
+        self._signature_seconds = 0.0
+
+    def __enter__(self) -> "StreamingDeduplication":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if self._spill is not None:
+            self._spill.close(kill=exc_type is not None)
+
+    def add(self, doc: Document) -> None:
+        cfg, i = self.cfg, len(self.sizes)
+        start = time.perf_counter()
+        self.sizes.append(len(doc.text.encode("utf-8")))
+        text = normalize(doc.text, cfg.lowercase, cfg.fold_whitespace)
+        middle = time.perf_counter()
+        self.seconds["normalize"] += middle - start
+        if not text:
+            self.empty.append(i)
+            return
+        if cfg.exact:
+            digest = hashlib.sha256(text.encode("utf-8")).digest()
+            first = self._first.setdefault(digest, i)
+            self.seconds["exact"] += time.perf_counter() - middle
+            if first != i:
+                self.exact_removed[i] = first
+                return
+        self.candidates.append(i)
+        if self._spill is not None:
+            start = time.perf_counter()
+            self._spill.add(text, doc.id)
+            self._signature_seconds += time.perf_counter() - start
+
+    def finish(self) -> "Decisions":
+        self._first.clear()
+        cfg, n = self.cfg, len(self.sizes)
+        near_removed: Dict[int, Dict] = {}
+        near_report: Dict = {"enabled": cfg.near}
+        if self._spill is not None:
+            start = time.perf_counter()
+            signatures = self._spill.finish()
+            self.seconds["signatures"] = self._signature_seconds + time.perf_counter() - start
+            if len(self.candidates) > 1:
+                near_removed, near_report = _near(signatures, np.frombuffer(self.candidates, dtype=np.int64), cfg,
+                                                  self.basename, self.seconds, self._spill.processes)
             else:
-                first[digest] = i
-                survivors.append(i)
-        candidates = survivors
-    seconds["exact"] = time.perf_counter() - start
-
-    near_removed: Dict[int, Dict] = {}  # removed index -> {"kept": index, "jaccard", "linked_to": index, ...}
-    near_report: Dict = {"enabled": cfg.near}
-    if cfg.near and len(candidates) > 1:
-        near_removed, near_report = _near(docs, normalized, candidates, cfg, basename, seconds, progress)
-    elif cfg.near:
-        near_report.update(_shape_report(cfg))
-
-    removed_set = set(empty) | set(exact_removed) | set(near_removed)
-    kept = [d for i, d in enumerate(docs) if i not in removed_set]
-    removed = [d for i, d in enumerate(docs) if i in removed_set]
-    report = {
-        "documents_in": len(docs),
-        "bytes_in": _bytes(docs),
-        "documents_out": len(kept),
-        "bytes_out": _bytes(kept),
-        "empty": {"documents": len(empty), "examples": [docs[i].id for i in empty[:_EXAMPLES]]},
-        "exact": {
-            "enabled": cfg.exact,
-            "normalization": {"unicode": "NFC", "lowercase": cfg.lowercase, "fold_whitespace": cfg.fold_whitespace},
-            "hash": "sha256",
-            "removed_documents": len(exact_removed),
-            "removed_bytes": _bytes(docs[i] for i in exact_removed),
-            "examples": [{"removed": docs[i].id, "repeats": docs[j].id}
-                         for i, j in list(exact_removed.items())[:_EXAMPLES]],
-        },
-        "near": {**near_report, "removed_documents": len(near_removed),
-                 "removed_bytes": _bytes(docs[i] for i in near_removed)},
-        "config": {name: getattr(cfg, name) for name in DEDUPLICATION_CONTENT_FIELDS},
-        "seconds": {k: round(v, 3) for k, v in seconds.items()},
-    }
-    removals = _removals(docs, set(empty), exact_removed, near_removed)
-    return DeduplicationResult(kept=kept, removed=removed, report=report, removals=removals)
+                near_report.update(_shape_report(cfg))
+                self.seconds.pop("signatures")
+        removed = np.zeros(n, dtype=bool)
+        for group in (self.empty, list(self.exact_removed), list(near_removed)):
+            removed[np.asarray(group, dtype=np.int64)] = True
+        return Decisions(removed, np.frombuffer(self.sizes, dtype=np.int64), self.empty, self.exact_removed,
+                         near_removed, near_report, cfg, self.seconds)
 
 
-def _removals(docs: List[Document], empty: set, exact: Dict[int, int], near: Dict[int, Dict]) -> List[Dict]:
-    out = []
-    for i in sorted(empty | set(exact) | set(near)):
-        if i in empty:
-            out.append({"id": docs[i].id, "kind": "empty", "duplicates": None, "jaccard": None})
-        elif i in exact:
-            first = exact[i]
-            row = {"id": docs[i].id, "kind": "exact", "duplicates": docs[first].id, "jaccard": 1.0}
-            if first in near:  # its first copy went as a near duplicate: name the document that stands for both
-                row.update(duplicates=docs[near[first]["kept"]].id, jaccard=near[first]["jaccard"],
-                           same_text_as=docs[first].id)
-            out.append(row)
-        else:
-            n = near[i]
-            out.append({"id": docs[i].id, "kind": "near", "duplicates": docs[n["kept"]].id, "jaccard": n["jaccard"],
-                        "linked_to": docs[n["linked_to"]].id, "link_jaccard": n["link_jaccard"]})
-    return out
+@dataclass
+class Decisions:
+    """What deduplication decided, by document index; `report` and `removals` take the ids of `needed_ids`."""
+
+    removed: np.ndarray
+    """One bool per document in corpus order: True for removed."""
+    sizes: np.ndarray
+    empty: List[int]
+    exact_removed: Dict[int, int]
+    near_removed: Dict[int, Dict]
+    """removed index -> {"kept": index, "jaccard", "linked_to": index, "link_jaccard"}"""
+    near_report: Dict
+    cfg: DeduplicationConfig
+    seconds: Dict[str, float]
+
+    def needed_ids(self) -> set:
+        """Indices of the documents the report and the removal records name."""
+        out = set(self.empty) | set(self.exact_removed) | set(self.exact_removed.values()) | set(self.near_removed)
+        for record in self.near_removed.values():
+            out.update((record["kept"], record["linked_to"]))
+        return out
+
+    def report(self, ids: Mapping[int, str]) -> Dict:
+        cfg, sizes, exact, near = self.cfg, self.sizes, self.exact_removed, self.near_removed
+        near_report = dict(self.near_report)
+        if "largest_clusters" in near_report:
+            near_report["largest_clusters"] = [
+                {"size": g["size"], "kept": ids[g["kept"]], "removed_examples": [ids[m] for m in g["removed_examples"]]}
+                for g in near_report["largest_clusters"]]
+        return {
+            "documents_in": len(sizes),
+            "bytes_in": int(sizes.sum()),
+            "documents_out": int((~self.removed).sum()),
+            "bytes_out": int(sizes[~self.removed].sum()),
+            "empty": {"documents": len(self.empty), "examples": [ids[i] for i in self.empty[:_EXAMPLES]]},
+            "exact": {
+                "enabled": cfg.exact,
+                "normalization": {"unicode": "NFC", "lowercase": cfg.lowercase, "fold_whitespace": cfg.fold_whitespace},
+                "hash": "sha256",
+                "removed_documents": len(exact),
+                "removed_bytes": int(sum(sizes[i] for i in exact)),
+                "examples": [{"removed": ids[i], "repeats": ids[j]} for i, j in list(exact.items())[:_EXAMPLES]],
+            },
+            "near": {**near_report, "removed_documents": len(near),
+                     "removed_bytes": int(sum(sizes[i] for i in near))},
+            "config": {name: getattr(cfg, name) for name in DEDUPLICATION_CONTENT_FIELDS},
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+        }
+
+    def removals(self, ids: Mapping[int, str]) -> List[Dict]:
+        empty, exact, near = set(self.empty), self.exact_removed, self.near_removed
+        out = []
+        for i in sorted(empty | set(exact) | set(near)):
+            if i in empty:
+                out.append({"id": ids[i], "kind": "empty", "duplicates": None, "jaccard": None})
+            elif i in exact:
+                first = exact[i]
+                row = {"id": ids[i], "kind": "exact", "duplicates": ids[first], "jaccard": 1.0}
+                if first in near:  # its first copy went as a near duplicate: name the document that stands for both
+                    row.update(duplicates=ids[near[first]["kept"]], jaccard=near[first]["jaccard"],
+                               same_text_as=ids[first])
+                out.append(row)
+            else:
+                n = near[i]
+                out.append({"id": ids[i], "kind": "near", "duplicates": ids[n["kept"]], "jaccard": n["jaccard"],
+                            "linked_to": ids[n["linked_to"]], "link_jaccard": n["link_jaccard"]})
+        return out
 
 
-def _near(docs, normalized, candidates: List[int], cfg: DeduplicationConfig, basename: bytes, seconds: Dict,
-          progress: bool):
-    """MinHash → LSH candidates → (verified) edges → clusters. Returns {removed index: its record} and a report."""
-    start = time.perf_counter()
-    texts = [normalized[i] for i in candidates]
-    signatures, processes = compute_signatures(texts, cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed,
-                                               cfg.processes, progress, ids=[docs[i].id for i in candidates])
-    seconds["signatures"] = time.perf_counter() - start
-
+def _near(signatures: np.ndarray, candidates: np.ndarray, cfg: DeduplicationConfig, basename: bytes, seconds: Dict,
+          processes: int):
+    """LSH candidates → (verified) edges → clusters over the signatures of `candidates` (document indices).
+    Returns {removed index: its record} and a report whose clusters name documents by index."""
     start = time.perf_counter()
     bands, rows = bands_rows(cfg)
     left, right, index = candidate_pairs(signatures, cfg, bands, rows, basename)
@@ -164,6 +241,7 @@ def _near(docs, normalized, candidates: List[int], cfg: DeduplicationConfig, bas
     estimates = estimated_jaccard(signatures, left, right)
     accepted = estimates >= cfg.threshold if cfg.verify else np.ones(len(left), dtype=bool)
     groups = clusters(len(candidates), left[accepted], right[accepted])
+    candidates = candidates.tolist()
     removed = _near_records(signatures, candidates, groups, left[accepted], right[accepted], estimates[accepted])
     seconds["clusters"] = time.perf_counter() - start
 
@@ -180,8 +258,8 @@ def _near(docs, normalized, candidates: List[int], cfg: DeduplicationConfig, bas
         "false_positive_pairs": int(len(left) - accepted.sum()) if cfg.verify else None,
         "clusters": len(groups),
         "largest_clusters": [
-            {"size": len(g), "kept": docs[candidates[g[0]]].id,
-             "removed_examples": [docs[candidates[m]].id for m in g[1 : 1 + _EXAMPLES]]}
+            {"size": len(g), "kept": candidates[g[0]],
+             "removed_examples": [candidates[m] for m in g[1 : 1 + _EXAMPLES]]}
             for g in largest
         ],
     }
@@ -224,6 +302,3 @@ def _shape_report(cfg: DeduplicationConfig, bands: Optional[int] = None, rows: O
                                   for s in REPORTED_SIMILARITIES},
     }
 
-
-def _bytes(docs) -> int:
-    return sum(len(d.text.encode("utf-8")) for d in docs)

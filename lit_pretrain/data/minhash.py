@@ -12,7 +12,8 @@ This module imports neither torch nor Lightning: it is what each worker (lit_pre
 import os
 import sys
 import unicodedata
-from typing import Iterator, Optional, Sequence, Set, Tuple
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 from datasketch import MinHash
@@ -151,6 +152,104 @@ def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple
             bar.update(rb - ra)
 
 
+class SignatureSpill:
+    """Signatures of normalized texts added one at a time (prepare's streaming pass), computed a chunk at a time in
+    this process and `processes` - 1 workers, and written as rows of the file `path` at their input position, so
+    chunks may finish in any order. `finish()` returns the rows as a read-only `np.memmap`: the (documents, num_perm)
+    array is never held in memory. Rows are the same as compute_signatures' for any pool size and chunking."""
+
+    def __init__(self, path: Path, kind: str, size: int, num_perm: int, seed: int, processes: Optional[int] = None,
+                 progress: bool = True):
+        self.path, self.params = Path(path), (kind, size, num_perm, seed)
+        self.dtype = signature_dtype(num_perm, seed)
+        self.num_perm = num_perm
+        self.wanted = processes if processes is not None else (os.cpu_count() or 1)
+        self.rows, self.chunks = 0, 0
+        self._file = open(self.path, "x+b")  # "x": a file of the staging folder this prepare made, never reused
+        self._texts: List[str] = []
+        self._chars, self._label = 0, ""
+        # The first chunk waits for a second: a corpus of one chunk is computed here without starting workers.
+        self._held: Optional[Tuple[int, List[str], str]] = None
+        self._pool: Optional[WorkerPool] = None
+        self._workers = 0
+        self._bar = _progress(None, progress)
+
+    def add(self, text: str, label: str) -> None:
+        """Queue one text; `label` names it in error messages (a document id)."""
+        if not self._texts:
+            self._label = label
+        self._texts.append(text)
+        self._chars += len(text)
+        if self._chars >= _CHUNK_CHARS:
+            self._flush()
+
+    def finish(self) -> np.ndarray:
+        """All rows, in input order; stops the workers."""
+        if self._texts:
+            self._flush()
+        if self._held is not None:  # one chunk in all
+            self._compute_here(*self._held)
+            self._held = None
+        if self._pool is not None:
+            for start, value in self._pool.drain():
+                self._write(start, value)
+        self.close()
+        if self.rows == 0:
+            return np.empty((0, self.num_perm), dtype=self.dtype)
+        return np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.rows, self.num_perm))
+
+    @property
+    def processes(self) -> int:
+        """Processes that computed signatures, this one included (as compute_signatures reports it)."""
+        return max(1, min(self.wanted, self.chunks))
+
+    def close(self, kill: bool = False) -> None:
+        if self._pool is not None:
+            self._pool.close(kill)
+            self._pool = None
+        if not self._file.closed:
+            self._file.flush()
+            self._file.close()
+        self._bar.close()
+
+    def _flush(self) -> None:
+        chunk = (self.rows, self._texts, self._label)
+        self.rows += len(self._texts)
+        self.chunks += 1
+        self._texts, self._chars = [], 0
+        if self.wanted == 1:
+            self._compute_here(*chunk)
+            return
+        if self._pool is None:
+            if self._held is None:
+                self._held = chunk
+                return
+            self._workers = self.wanted - 1
+            self._pool = WorkerPool("lit_pretrain.data.minhash:chunk_signatures", self._workers,
+                                    "MinHash signature", _FIX, timeout_s=_CHUNK_TIMEOUT_S)
+            held, self._held = self._held, None
+            self._share(held)
+        self._share(chunk)
+
+    def _share(self, chunk: Tuple[int, List[str], str]) -> None:
+        # As _share_work: up to 2 chunks queued per worker, this process computes the others.
+        start, texts, label = chunk
+        if self._pool.pending < 2 * self._workers:
+            self._pool.submit(start, (texts, *self.params), repr(label))
+        else:
+            self._compute_here(start, texts, label)
+        for key, value in self._pool.ready():
+            self._write(key, value)
+
+    def _compute_here(self, start: int, texts: List[str], label: str) -> None:
+        self._write(start, chunk_signatures((texts, *self.params)))
+
+    def _write(self, start: int, rows: np.ndarray) -> None:
+        self._file.seek(start * self.num_perm * self.dtype.itemsize)
+        self._file.write(np.ascontiguousarray(rows, dtype=self.dtype).tobytes())
+        self._bar.update(len(rows))
+
+
 def estimated_jaccard(signatures: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
     """Share of equal signature values of each pair (left[k], right[k]): MinHash's estimate of their Jaccard
     similarity (Broder 1997), the same number as datasketch's MinHash.jaccard."""
@@ -170,7 +269,7 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: Optional[int], enabled: bool):
     if not enabled:
         return _NoBar()
     from tqdm import tqdm

@@ -1,8 +1,18 @@
 """`lit-pretrain prepare`: documents → deduplication → train/val split → tokenizer → token shards + manifest.
 
+The corpus is streamed, never held: memory does not grow with its size except through deduplication's per-document
+state (a size, a hash and a split bit; MinHash signatures go to a file in the staging folder; the LSH index lives in
+memory or Redis) and the ids of removed documents that `removed.jsonl` names. Two passes over the files, because
+whether a document is kept depends on every later document (a near-duplicate cluster keeps its first member,
+known only once all signatures are in the LSH index), while the tokenizer must be trained on kept documents only:
+  pass 1  read → fingerprint, quality counts, exact hashes, signatures → LSH → the kept set and the split sizes
+  pass 2  read again (checked against pass 1's fingerprint) → the first data.tokenizer_train_bytes of kept train
+          documents train the tokenizer (a bounded prefix read) → every document tokenized in parallel processes
+          (data.tokenize_workers) and written in corpus order to its split's shards, removed ones only counted.
+
 A prepared folder is written once: everything goes into a temporary sibling folder that is renamed into place at
-the end, so a crash leaves no half-written `data.prepared_dir`. Calling `prepare` again with the same
-content-determining config verifies and returns the existing manifest; any other config is refused.
+the end, so a crash or a refused input leaves no half-written `data.prepared_dir`. Calling `prepare` again with
+the same content-determining config verifies and returns the existing manifest; any other config is refused.
 """
 
 import hashlib
@@ -12,12 +22,19 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from lit_pretrain.data.corpus import CorpusStats, Document, corpus_fingerprint, corpus_roots, iter_documents
-from lit_pretrain.data.deduplicate import deduplicate
+from lit_pretrain.data.corpus import (
+    CorpusStats,
+    Document,
+    Fingerprint,
+    corpus_fingerprint,
+    corpus_roots,
+    iter_documents,
+)
+from lit_pretrain.data.deduplicate import Decisions, StreamingDeduplication
 from lit_pretrain.data.deduplication_report import (
     format_report,
     manifest_entry,
@@ -40,20 +57,12 @@ from lit_pretrain.data.shards import (
     verify_shards,
     write_manifest,
 )
-from lit_pretrain.data.tokenizer import (
-    encode_texts,
-    eod_id,
-    load_tokenizer,
-    save_tokenizer,
-    tokenizer_sha256,
-    train_tokenizer,
-)
+from lit_pretrain.data.tokenize_stage import COUNT, TRAIN, VAL, chunks, encode_in_order, remember_tokenizer
+from lit_pretrain.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_sha256, train_tokenizer
 from lit_pretrain.errors import DataError
 from lit_pretrain.paths import safe_rmtree
 
-# encode_batch parallelizes across the texts of one call; ~4 MB a call keeps both cores busy while holding only
-# that chunk's ids in memory.
-_ENCODE_CHUNK_BYTES = 4 << 20
+_STAGING = "staging"  # inside the temporary folder: deduplication's spill files, deleted before the rename
 
 
 def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
@@ -62,35 +71,32 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     manifest = reuse_prepared(out, cfg, log)
     if manifest is not None:
         return manifest
+    loaded = None
+    if cfg.tokenizer_path:  # a tokenizer without the named tokens, or too large for the dtype, is refused before
+        loaded = load_tokenizer(cfg.tokenizer_path, cfg.eos_token, cfg.bos_token)  # the corpus is read
+        token_dtype(_id_count(loaded), cfg.token_dtype, cfg.tokenizer_path)
     seconds: Dict[str, float] = {}
     start = time.perf_counter()
-    stats = CorpusStats()
-    with _timed(seconds, "read"):
-        docs = list(iter_documents(cfg, stats))
-        fingerprint = corpus_fingerprint(docs)
-    # Before anything is written: a corpus that is mostly not text is refused, naming its worst files.
-    quality = check_quality(stats.sources, cfg.max_invalid_fraction, f"data.paths={corpus_roots(cfg)}")
-    with _timed(seconds, "deduplicate"):
-        deduplicated = deduplicate(docs, cfg.deduplication)
-    kept, dedup_report = deduplicated.kept, deduplicated.report
-    dedup_report["corpus"] = {"invalid_utf8_documents": stats.invalid_utf8_documents,
-                              "invalid_utf8_sequences": stats.invalid_utf8_sequences, "dropped_empty": stats.empty}
-    with _timed(seconds, "split"):
-        split_docs = split_documents(kept, cfg)
+    # The folders above `out` that this call makes: removed again (when still empty) if it fails.
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = f".{out.name}.tmp-"
     tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=out.parent))
     try:
+        stats = CorpusStats()
+        with _timed(seconds, "read_deduplicate"):
+            fingerprint, quality, decided, in_val = _first_pass(cfg, stats, tmp)
+        dedup_report_corpus = {"invalid_utf8_documents": stats.invalid_utf8_documents,
+                               "invalid_utf8_sequences": stats.invalid_utf8_sequences, "dropped_empty": stats.empty}
+        _check_splits(cfg, decided.removed, in_val)
         with _timed(seconds, "tokenizer"):
-            tokenizer, tok_info = _tokenizer_stage(cfg, split_docs["train"], tmp)
+            tok_info = _tokenizer_stage(cfg, loaded, decided.removed, in_val, tmp)
         with _timed(seconds, "tokenize"):
-            splits, entropy = _tokenize_stage(cfg, tokenizer, tok_info, split_docs, tmp)
-        with _timed(seconds, "count_removed_tokens"):
-            # Tokens before deduplication = tokens kept + the removed documents' tokens (each + one EOD id).
-            tokens_after = sum(splits[split]["tokens"] for split in SPLITS)
-            tokens_removed = sum(len(ids) + 1 for chunk in _chunks(deduplicated.removed)
-                                 for ids in encode_texts(tokenizer, [d.text for d in chunk]))
-            dedup_report.update(tokens_before=tokens_after + tokens_removed, tokens_after=tokens_after)
+            splits, entropy, tokens_removed, ids = _tokenize_stage(cfg, tok_info, decided, in_val, tmp, fingerprint)
+        tokens_after = sum(splits[split]["tokens"] for split in SPLITS)
+        dedup_report = decided.report(ids)
+        dedup_report["corpus"] = dedup_report_corpus
+        dedup_report.update(tokens_before=tokens_after + tokens_removed, tokens_after=tokens_after)
         seconds["total"] = time.perf_counter() - start
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -109,13 +115,13 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
             },
             "deduplication": manifest_entry(dedup_report, tokens_after + tokens_removed, tokens_after),
             "tokenizer": tok_info,
-            "dtype": token_dtype(tok_info["vocab_size"]).name,
+            "dtype": tok_info.pop("dtype"),
             "splits": splits,
             "unigram_entropy_nats": entropy,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
         }
         write_report(tmp, dedup_report)
-        write_removed(tmp, deduplicated.removals)
+        write_removed(tmp, decided.removals(ids))
         write_manifest(tmp, manifest)
         try:
             # rename(2) replaces an empty folder atomically and fails on a non-empty one: another process may have
@@ -130,9 +136,50 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
         if tmp.exists():
             # Only the temporary folder mkdtemp made above: beside `out`, our prefix, not a link.
             safe_rmtree(tmp, out.parent, lambda folder: folder.name.startswith(tmp_prefix), "temporary folder")
+        if not out.exists():
+            _remove_empty(made)
     log(format_report(dedup_report))
     log(summary(manifest, out))
     return manifest
+
+
+def _remove_empty(folders: List[Path]) -> None:
+    """rmdir each folder (deepest first) this call made, only while empty: a refused corpus leaves nothing."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (something else wrote there meanwhile): leave it
+            return
+
+
+def _first_pass(cfg, stats: CorpusStats, tmp: Path):
+    """Pass 1: the corpus fingerprint, the quality gate, the deduplication decisions and each document's split."""
+    staging = tmp / _STAGING
+    staging.mkdir()
+    in_val = bytearray()  # one byte a document: 1 when it is in the validation split
+    fingerprint = Fingerprint()
+    with StreamingDeduplication(cfg.deduplication, staging) as stage:
+        for doc in iter_documents(cfg, stats):
+            fingerprint.add(doc)
+            in_val.append(is_validation(doc.id, cfg.split_seed, cfg.val_fraction))
+            stage.add(doc)
+        # Before the near-duplicate search: a corpus that is mostly not text is refused, naming its worst files.
+        quality = check_quality(stats.sources, cfg.max_invalid_fraction, f"data.paths={corpus_roots(cfg)}")
+        decided = stage.finish()
+    # The spill files are only needed by finish(): a staging folder this call made inside its temporary folder.
+    safe_rmtree(staging, tmp, lambda folder: folder.name == _STAGING, "staging folder")
+    return fingerprint.hexdigest(), quality, decided, np.frombuffer(bytes(in_val), dtype=np.uint8).astype(bool)
+
+
+def _check_splits(cfg, removed: np.ndarray, in_val: np.ndarray) -> None:
+    kept = ~removed
+    for split, count in (("train", int((kept & ~in_val).sum())), ("val", int((kept & in_val).sum()))):
+        if not count:
+            raise DataError(
+                f"the {split} split is empty ({int(kept.sum())} documents, data.val_fraction={cfg.val_fraction}, "
+                f"data.split_seed={cfg.split_seed}): use more documents (data.max_documents, data.paths) or change "
+                "data.val_fraction"
+            )
 
 
 def reuse_prepared(out: Path, cfg, log: Callable[[str], None] = print) -> Optional[Dict]:
@@ -229,60 +276,92 @@ def summary(manifest: Dict, out: Path) -> str:
     return "\n".join(lines)
 
 
-def _tokenizer_stage(cfg, train_docs: List[Document], folder: Path):
+def _id_count(tokenizer) -> int:
+    # Ids can have gaps in a loaded tokenizer: size the dtype and the entropy counts by the largest id.
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def _tokenizer_stage(cfg, loaded, removed: np.ndarray, in_val: np.ndarray, folder: Path) -> Dict:
+    """The tokenizer (`loaded` from data.tokenizer_path, or trained) saved into `folder`; its manifest entry."""
     path = folder / TOKENIZER_FILE
-    if cfg.tokenizer_path:
-        tokenizer = load_tokenizer(cfg.tokenizer_path)
+    if loaded is not None:
+        tokenizer = loaded
         shutil.copyfile(cfg.tokenizer_path, path)
         source, train_bytes = f"loaded from {cfg.tokenizer_path}", 0
     else:
+        # A prefix of pass 2's read: it stops at the budget, so only the training texts are ever held.
+        train_docs = (doc for i, doc in enumerate(iter_documents(cfg)) if not removed[i] and not in_val[i])
         texts = tokenizer_training_texts(train_docs, cfg.tokenizer_train_bytes)
-        tokenizer = train_tokenizer(texts, cfg.vocab_size)
+        specials = [cfg.eos_token] + ([cfg.bos_token] if cfg.bos_token is not None else [])
+        tokenizer = train_tokenizer(texts, cfg.vocab_size, specials)
         save_tokenizer(tokenizer, path)
         train_bytes = sum(len(t.encode("utf-8")) for t in texts)
         source = f"trained on {train_bytes:,} bytes of the train split"
-    # Ids can have gaps in a loaded tokenizer: size the dtype and the entropy counts by the largest id.
-    vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    vocab_size = _id_count(tokenizer)
+    where = cfg.tokenizer_path or "the trained tokenizer"
     info = {
         "file": TOKENIZER_FILE,
         "sha256": tokenizer_sha256(path),
         "vocab_size": vocab_size,
-        "eod_id": eod_id(tokenizer),
+        "eod_id": tokenizer.token_to_id(cfg.eos_token),
         "source": source,
         "train_bytes": train_bytes,
+        "eos_token": cfg.eos_token,
+        "bos_token": cfg.bos_token,
+        "bos_id": None if cfg.bos_token is None else tokenizer.token_to_id(cfg.bos_token),
+        "dtype": token_dtype(vocab_size, cfg.token_dtype, where).name,
     }
-    return tokenizer, info
+    remember_tokenizer(str(path), tokenizer)
+    return info
 
 
-def _tokenize_stage(cfg, tokenizer, tok_info: Dict, split_docs: Dict[str, List[Document]], folder: Path):
-    dtype = token_dtype(tok_info["vocab_size"])
-    eod = tok_info["eod_id"]
-    splits, train_counts = {}, None
-    for split in SPLITS:
-        writer = ShardWriter(folder, split, cfg.shard_tokens, dtype, tok_info["vocab_size"])
-        docs = split_docs[split]
-        for chunk in _chunks(docs):
-            ids = encode_texts(tokenizer, [d.text for d in chunk])
-            writer.write([np.array(doc_ids + [eod], dtype=dtype) for doc_ids in ids])
-        info = writer.close()
-        info["bytes"] = sum(len(d.text.encode("utf-8")) for d in docs)
-        splits[split] = info
-        if split == "train":
-            train_counts = writer.counts
-    return splits, unigram_entropy_nats(train_counts)
+def _tokenize_stage(cfg, tok_info: Dict, decided: Decisions, in_val: np.ndarray, folder: Path, fingerprint: str):
+    """Pass 2: every document to its split's shards in corpus order (removed ones counted only). Returns the splits'
+    manifest entries, the unigram entropy of train, the removed documents' tokens and the ids the report names."""
+    needed = decided.needed_ids()
+    ids: Dict[int, str] = {}
+    split_bytes = [0, 0]
+    check = Fingerprint()
+
+    def labelled() -> Iterator[Tuple[int, str, str]]:
+        for i, doc in enumerate(iter_documents(cfg)):
+            check.add(doc)
+            if i in needed:
+                ids[i] = doc.id
+            dest = COUNT if decided.removed[i] else VAL if in_val[i] else TRAIN
+            if dest != COUNT:
+                split_bytes[dest] += int(decided.sizes[i])
+            yield dest, doc.text, doc.id
+
+    splits, counts, removed_tokens = write_shards(cfg, tok_info, folder, labelled())
+    if check.hexdigest() != fingerprint:
+        raise DataError(
+            f"the corpus at data.paths={corpus_roots(cfg)} changed while it was being prepared (the second read "
+            "differs from the first): prepare it again once nothing writes to it"
+        )
+    for split, dest in (("train", TRAIN), ("val", VAL)):
+        splits[split]["bytes"] = split_bytes[dest]
+    return splits, unigram_entropy_nats(counts), removed_tokens, ids
 
 
-def _chunks(docs: List[Document]):
-    chunk: List[Document] = []
-    size = 0
-    for doc in docs:
-        chunk.append(doc)
-        size += len(doc.text)
-        if size >= _ENCODE_CHUNK_BYTES:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
+def write_shards(cfg, tok_info: Dict, folder: Path, docs: Iterable[Tuple[int, str, str]]):
+    """Tokenize (destination, text, id) triples in order into `folder`'s train and val shards with `folder`'s
+    tokenizer, in cfg.tokenize_workers processes. Returns the splits' entries, the train token counts by id, and
+    the tokens of the documents only counted."""
+    dtype = np.dtype(tok_info["dtype"])
+    writers = [ShardWriter(folder, split, cfg.shard_tokens, dtype, tok_info["vocab_size"]) for split in SPLITS]
+    removed_tokens = 0
+    for where, flat, lengths in encode_in_order(chunks(docs), str(folder / tok_info["file"]), tok_info["bos_id"],
+                                                tok_info["eod_id"], dtype.name, cfg.tokenize_workers):
+        dest = np.frombuffer(where, dtype=np.uint8)
+        removed_tokens += int(lengths[dest == COUNT].sum())
+        kept = lengths[dest != COUNT]
+        pieces = np.split(flat, np.cumsum(kept)[:-1]) if len(kept) else []
+        kept_dest = dest[dest != COUNT]
+        for split in (TRAIN, VAL):
+            writers[split].write([p for p, d in zip(pieces, kept_dest) if d == split])
+    splits = {split: writers[k].close() for k, split in enumerate(SPLITS)}
+    return splits, writers[TRAIN].counts, removed_tokens
 
 
 @contextmanager

@@ -33,7 +33,12 @@ CONTENT_FIELDS = (
     "max_documents",
     "shard_tokens",
     "deduplication",
+    "eos_token",
+    "bos_token",
+    "token_dtype",
 )
+# Content fields added after folders were prepared without them: such a manifest was made with these values.
+_ADDED_FIELD_DEFAULTS = {"eos_token": "<|endoftext|>", "bos_token": None, "token_dtype": "auto"}
 # data.deduplication fields that decide which documents are kept; its processes and index storage do not.
 DEDUPLICATION_CONTENT_FIELDS = ("exact", "lowercase", "fold_whitespace", "near", "shingle", "shingle_size", "num_perm",
                                 "threshold", "false_negative_weight", "bands", "rows", "verify", "seed")
@@ -48,8 +53,17 @@ def content_config(cfg) -> Dict:
     return json.loads(json.dumps(out))
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+def token_dtype(vocab_size: int, chosen: str = "auto", tokenizer: str = "the tokenizer") -> np.dtype:
+    """The shards' id width: `chosen` (data.token_dtype), or for auto the narrowest that holds ids 0..vocab_size-1."""
+    if chosen == "auto":
+        return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+    dtype = np.dtype(chosen)
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise DataError(
+            f"data.token_dtype={chosen} holds ids up to {np.iinfo(dtype).max:,}, but {tokenizer} has ids up to "
+            f"{vocab_size - 1:,}: set data.token_dtype=uint32 (or auto)"
+        )
+    return dtype
 
 
 class ShardWriter:
@@ -160,7 +174,7 @@ def _field(obj, key: str, kind: type, where: str):
 
 def check_config(manifest: Dict, cfg, prepared_dir) -> None:
     """Refuse a prepared folder made from a different content-determining data config."""
-    here, there = content_config(cfg), manifest["config"]
+    here, there = content_config(cfg), {**_ADDED_FIELD_DEFAULTS, **manifest["config"]}
     if here != there:
         diff = ", ".join(
             f"data.{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in CONTENT_FIELDS if here[k] != there.get(k)

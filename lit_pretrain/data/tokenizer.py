@@ -1,12 +1,14 @@
 """Byte-level BPE (GPT-2's scheme, Radford et al. 2019, section 2.2) trained with `tokenizers`.
 
 Every byte is in the initial alphabet, so any UTF-8 text encodes without unknown tokens and decodes back exactly.
-The one special token, EOD, separates documents in the token shards.
+The end-of-document token (data.eos_token, EOD by default) ends every document in the token shards; an optional
+beginning-of-document token (data.bos_token) starts each. Any Hugging Face tokenizer.json can be loaded instead
+(data.tokenizer_path), as long as it holds the tokens named.
 """
 
 import hashlib
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -16,15 +18,16 @@ from lit_pretrain.errors import DataError
 EOD = "<|endoftext|>"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE of at most `vocab_size` tokens (fewer when the texts have fewer merges to learn)."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = (EOD,)) -> Tokenizer:
+    """Train a byte-level BPE of at most `vocab_size` tokens (fewer when the texts have fewer merges to learn);
+    the special tokens take the first ids."""
     texts = list(texts)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOD],
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -37,7 +40,8 @@ def save_tokenizer(tokenizer: Tokenizer, path) -> None:
     tokenizer.save(str(path))
 
 
-def load_tokenizer(path) -> Tokenizer:
+def load_tokenizer(path, eos_token: Optional[str] = EOD, bos_token: Optional[str] = None) -> Tokenizer:
+    """A tokenizer.json that holds `eos_token` (data.eos_token) and `bos_token` (data.bos_token) where given."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"tokenizer file {path} does not exist: fix data.tokenizer_path, or unset it to train one")
@@ -45,11 +49,13 @@ def load_tokenizer(path) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise DataError(f"{path} is not a tokenizers tokenizer.json ({e}): point data.tokenizer_path at one") from None
-    if tokenizer.token_to_id(EOD) is None:
-        raise DataError(
-            f"{path} has no end-of-document token {EOD!r}: use a tokenizer that has it, or unset "
-            "data.tokenizer_path to train one"
-        )
+    for key, token, what in (("data.eos_token", eos_token, "end-of-document"),
+                             ("data.bos_token", bos_token, "beginning-of-document")):
+        if token is not None and tokenizer.token_to_id(token) is None:
+            raise DataError(
+                f"{path} has no {what} token {key}={token!r}: set {key} to a token of its vocabulary (e.g. "
+                "<|end_of_text|> for Llama 3), use a tokenizer that has it, or unset data.tokenizer_path to train one"
+            )
     _treat_special_tokens_as_text(tokenizer)
     return tokenizer
 
@@ -58,8 +64,8 @@ def tokenizer_sha256(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def eod_id(tokenizer: Tokenizer) -> int:
-    return tokenizer.token_to_id(EOD)
+def eod_id(tokenizer: Tokenizer, eos_token: str = EOD) -> int:
+    return tokenizer.token_to_id(eos_token)
 
 
 def encode_texts(tokenizer: Tokenizer, texts: List[str]) -> List[List[int]]:
