@@ -147,12 +147,13 @@ def resolve(source) -> Tuple[Path, str]:
 def run_tokenizer(run_dir: Path):
     """The tokenizer a run trained on, from its config's data.prepared_dir, and its end-of-document id."""
     from lit_pretrain import config as config_lib
-    from lit_pretrain.data.shards import load_manifest
+    from lit_pretrain.data.shards import load_manifest, tokenizer_folder
     from lit_pretrain.data.tokenizer import load_tokenizer
 
-    prepared = Path(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data.prepared_dir)
+    prepared = tokenizer_folder(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
     manifest = load_manifest(prepared)
-    return load_tokenizer(prepared / manifest["tokenizer"]["file"]), manifest["tokenizer"]["eod_id"]
+    # eos_token=None: prepare checked the folder's end-of-document token (data.eos_token, any name); its id is here.
+    return load_tokenizer(prepared / manifest["tokenizer"]["file"], eos_token=None), manifest["tokenizer"]["eod_id"]
 
 
 def main(args) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from lit_pretrain import config as config_lib
 from lit_pretrain.checkpoints import load_gpt
-from lit_pretrain.data.shards import load_manifest
+from lit_pretrain.data.shards import load_manifest, tokenizer_folder
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.llama import (
@@ -70,7 +70,7 @@ def resolve_source(source: str | Path) -> Tuple[Path, str]:
 
 def run_tokenizer(run_dir: Path) -> Path:
     """The tokenizer.json a run trained with: its data.prepared_dir's, checked against the manifest's sha256."""
-    prepared = Path(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data.prepared_dir)
+    prepared = tokenizer_folder(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
     if not prepared.is_dir():
         raise DataError(f"data.prepared_dir {prepared} in {run_dir / 'config.yaml'} does not exist: export copies the "
                         "run's tokenizer from there; run from the folder the run was trained in")

@@ -3,6 +3,7 @@ schedule switches, the resume state, per-source validation, and the refusals of 
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,3 +233,15 @@ def test_train_refuses_max_steps_that_pass_a_source_max_epochs(mixture):
     with pytest.raises(ConfigError, match=r"data.sources\[1\].max_epochs=1.0: "):
         dm.check_mixture(dm.train_dataset, max_steps=size_b, samples_per_step=8)
     dm.check_mixture(dm.train_dataset, max_steps=4, samples_per_step=8)  # 24 of its windows: within one pass
+
+
+def test_a_mixture_runs_tokenizer_is_in_its_first_sources_folder():
+    """generate, evaluate and export find a run's tokenizer through data/shards.py tokenizer_folder: for a mixture
+    the first source's folder (every source shares its tokenizer), not data.prepared_dir, which holds no manifest."""
+    from lit_pretrain.data.shards import tokenizer_folder
+
+    assert tokenizer_folder(DataConfig(prepared_dir="data/one")) == Path("data/one")
+    mix = DataConfig(prepared_dir="data/mix", sources=[SourceConfig(name="web"), SourceConfig(name="books")])
+    assert tokenizer_folder(mix) == Path("data/mix/web")
+    own = DataConfig(prepared_dir="data/mix", sources=[SourceConfig(name="web", prepared_dir="elsewhere/web")])
+    assert tokenizer_folder(own) == Path("elsewhere/web")

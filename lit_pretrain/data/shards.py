@@ -222,3 +222,13 @@ def _file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def tokenizer_folder(data) -> Path:
+    """The prepared folder holding a run's tokenizer and manifest: data.prepared_dir, or for a mixture its first
+    source's (data.prepared_dir/<name> unless the source sets prepared_dir: datamodule.source_configs), whose
+    tokenizer every source shares."""
+    if getattr(data, "sources", None):
+        first = data.sources[0]
+        return Path(first.prepared_dir or Path(data.prepared_dir) / first.name)
+    return Path(data.prepared_dir)
