@@ -212,7 +212,7 @@ def _worker(rank: int, port: int, c, batch: int, results) -> None:
         comm = {}
         for name in formulas(c.model, batch):
             if name not in TIMED:
-                steps[name]()  # the communication-only layouts: one warm-up step
+                steps[name]()  # the communication-only layouts: one untimed first step
             dist.barrier()
             with CountCollectives() as counter:
                 steps[name]()

@@ -73,7 +73,7 @@ class DeduplicationResult:
 def deduplicate(docs: List[Document], cfg: Optional[DeduplicationConfig] = None, progress: bool = True
                 ) -> DeduplicationResult:
     """Drop empty documents, then exact, then near duplicates; return what is kept and a report of it."""
-    with tempfile.TemporaryDirectory(prefix="lit-pretrain-dedup-") as spill:
+    with tempfile.TemporaryDirectory(prefix="lit-pretrain-deduplication-") as spill:
         with StreamingDeduplication(cfg, Path(spill), progress) as stage:
             for doc in docs:
                 stage.add(doc)
