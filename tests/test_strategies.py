@@ -8,7 +8,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.parallel.plan import plan_from
-from lit_pretrain.parallel.strategies import build_strategy, world_size
+from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.zero import zero_partition
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
@@ -31,7 +31,9 @@ def test_ddp_carries_backend_and_timeout():
 
 
 def test_world_size_counts_nodes():
-    assert world_size(TrainerConfig(devices=4, num_nodes=3)) == 12
+    # The plan's degrees multiply to devices x num_nodes: ddp's replicas take all 12 processes.
+    plan = plan_from(StrategyConfig(name="ddp"), TrainerConfig(devices=4, num_nodes=3))
+    assert (plan.world_size, plan.data_parallel_replicate) == (12, 12)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

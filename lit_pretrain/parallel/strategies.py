@@ -24,10 +24,6 @@ from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
-def world_size(trainer: TrainerConfig) -> int:
-    return trainer.devices * trainer.num_nodes
-
-
 class VerifiedModelParallelStrategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy loads a one-file checkpoint with its own torch.load, not through
     checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only."""
