@@ -58,10 +58,12 @@ class Shape:
     params: int
     non_embedding_params: int
     flops_per_token: int
+    n_kv_heads: Optional[int] = None
 
 
 def shape_of(cfg: GPTConfig) -> Shape:
-    return Shape(cfg.n_layers, cfg.d_model, cfg.n_heads, params(cfg), non_embedding_params(cfg), flops_per_token(cfg))
+    return Shape(cfg.n_layers, cfg.d_model, cfg.n_heads, params(cfg), non_embedding_params(cfg), flops_per_token(cfg),
+                 cfg.n_kv_heads)
 
 
 def shape_near(target_params: float, vocab_size: int, seq_len: int, head_dim: int = 64, aspect_ratio: float = 64.0,
