@@ -76,7 +76,9 @@ def check(results, names):
         assert r["opt_steps"] == {3}, (name, r)
         # Sharding then gathering moves bytes only: exact.
         assert r["round_trip"] == 0.0 and r["opt_round_trip"] == 0.0, (name, r)
-        assert r["loaded_logits"] < 1e-4, (name, r)
+        # QK-norm divides each head by its RMS, which amplifies the weights' float-order differences: measured
+        # 9.9e-5 for pp2_variants, 1.3e-5 to 1.6e-5 for the other variant cases and below 2e-5 without variants.
+        assert r["loaded_logits"] < (3e-4 if "variants" in name else 1e-4), (name, r)
         if r["layout_logits"] is not None:
             assert r["layout_logits"] < 1e-5, (name, r)
         # Sequence parallelism changes only where partial sums are added (reduce-scatter instead of all-reduce,
