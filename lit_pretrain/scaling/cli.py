@@ -23,9 +23,12 @@ def count(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count: write e.g. 7e9, 7B, 1.4T") from None
 
 
-VARIANT_KEYS = ("n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp")
+# key -> (accepted types, null allowed)
+VARIANT_TYPES = {"n_kv_heads": (int, True), "qk_norm": (bool, False), "logit_softcap": ((int, float), True),
+                 "norm": (str, False), "mlp": (str, False)}
+VARIANT_KEYS = tuple(VARIANT_TYPES)
 VARIANT_HELP = (f"a model variant key of the architecture table ({', '.join(VARIANT_KEYS)}), e.g. n_kv_heads=2; "
-                "repeatable. n_kv_heads keeps its ratio to n_heads in a searched shape")
+                "repeatable. With --params the searched shapes keep n_kv_heads key/value heads")
 
 
 def variant(pairs) -> "GPTConfig":  # noqa: F821
@@ -41,13 +44,23 @@ def variant(pairs) -> "GPTConfig":  # noqa: F821
         key, sep, raw = pair.partition("=")
         if not sep or key not in VARIANT_KEYS:
             raise ConfigError(f"--model {pair!r}: expected KEY=VALUE with KEY one of {', '.join(VARIANT_KEYS)}")
-        values[key] = yaml.safe_load(raw)
-    cfg = GPTConfig(**values)
+        value = yaml.safe_load(raw)
+        types, nullable = VARIANT_TYPES[key]
+        bad_type = isinstance(value, bool) and types is not bool
+        if (value is None and not nullable) or (value is not None and (bad_type or not isinstance(value, types))):
+            raise ConfigError(f"--model {pair!r}: {key} takes a value of type "
+                              f"{getattr(types, '__name__', 'number')}{' or null' if nullable else ''}")
+        values[key] = value
     for f in dataclasses.fields(GPTConfig):
-        value, meta = getattr(cfg, f.name), f.metadata
-        if f.name in values and value is not None and "choices" in meta and value not in meta["choices"]:
+        value, meta = values.get(f.name), f.metadata
+        if value is None:
+            continue
+        if "choices" in meta and value not in meta["choices"]:
             raise ConfigError(f"--model {f.name}={value!r}: expected one of {meta['choices']}")
-    return cfg
+        if ("ge" in meta and value < meta["ge"]) or ("gt" in meta and value <= meta["gt"]):
+            raise ConfigError(f"--model {f.name}={value!r}: expected a value "
+                              f"{'>= ' + str(meta['ge']) if 'ge' in meta else '> ' + str(meta['gt'])}")
+    return GPTConfig(**values)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -170,7 +183,9 @@ def _memory(args) -> dict:
 def format_memory(r: dict) -> str:
     s = r["shape"]
     gib = 2**30
-    lines = [f"model: {s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads, vocab {s['vocab_size']}; "
+    variant = "".join(f", {k} {s[k]}" for k in VARIANT_KEYS if s.get(k) not in (None, False, "rmsnorm", "swiglu"))
+    lines = [f"model: {s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads{variant}, vocab "
+             f"{s['vocab_size']}; "
              f"{r['params']:,} parameters, {r['params_per_device']:,.0f} on this device before ZeRO sharding",
              f"layout: data_parallel {r['data_parallel']} (ZeRO stage {r['zero_stage']}), tensor_parallel "
              f"{r['tensor_parallel']}, pipeline_parallel {r['pipeline_parallel']}, sequence_parallel "

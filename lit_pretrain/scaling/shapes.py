@@ -75,8 +75,8 @@ def shape_near(target_params: float, vocab_size: int, seq_len: int, head_dim: in
     count. (Kaplan et al. 2020 §3.1: loss varies by only a few percent over aspect ratios 20-200 at fixed N, so
     the ratio is a free design choice; 64 is GPT-3 Small's 768/12 and LLaMA-7B has 128).
     count: "params" (all parameters, Chinchilla's N) or "non_embedding_params" (Kaplan's N).
-    template: the variant (norm, mlp, qk_norm, n_kv_heads as a ratio to n_heads, ...); its shape fields are
-    replaced. Counts come from the architecture table, evaluated once per width.
+    template: the variant (norm, mlp, qk_norm, n_kv_heads: a shape's n_heads is then a multiple of it, ...); its
+    shape fields are replaced. Counts come from the architecture table, evaluated once per width.
     """
     if target_params <= 0:
         raise ValueError(f"target parameter count must be positive, got {target_params}")
@@ -117,18 +117,12 @@ def shape_near(target_params: float, vocab_size: int, seq_len: int, head_dim: in
 
 
 def _with_heads(template: GPTConfig, n_heads: int, head_dim: int) -> Optional[GPTConfig]:
-    """The template at n_heads heads of head_dim: key/value heads keep the template's ratio (one for multi-query
-    attention); None where the ratio gives no whole number of them."""
-    kv = None
-    if template.n_kv_heads is not None:
-        group = template.n_heads // template.kv_heads
-        if template.kv_heads == 1:
-            kv = 1
-        elif n_heads % group:
-            return None
-        else:
-            kv = n_heads // group
-    return replace(template, n_layers=1, d_model=n_heads * head_dim, n_heads=n_heads, n_kv_heads=kv)
+    """The template at n_heads heads of head_dim, keeping its n_kv_heads key/value heads (as Llama 2 70B and Llama 3
+    keep 8 at every width); None where they do not divide n_heads."""
+    kv = template.n_kv_heads
+    if kv is not None and n_heads % kv:
+        return None
+    return replace(template, n_layers=1, d_model=n_heads * head_dim, n_heads=n_heads)
 
 
 def _at_width(template: GPTConfig, n_heads: int, head_dim: int) -> Optional[Tuple[int, int, int]]:
