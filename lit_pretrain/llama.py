@@ -15,9 +15,11 @@ to read. The two models compute the same function, which tests/test_hf.py checks
 - MLP: down(silu(gate(x)) * up(x)), hidden_act "silu", no bias; d_ff (model.hidden_dim) <-> intermediate_size.
 - Embeddings: tied or not (model.tie_embeddings <-> tie_word_embeddings); a tied head is stored once, as
   transformers does.
-What Llama cannot express is refused, naming it: on export our variants model.qk_norm, model.logit_softcap,
-model.norm=layernorm and model.mlp=gelu (`check_exportable`; Qwen3 has QK-norm and Gemma 2 a soft-cap, but each
-differs from our block elsewhere: not exported as those); on import a bias, scaled RoPE, another activation.
+- QK-norm (model.qk_norm): exported as `Qwen3ForCausalLM`, which is this Llama plus per-head RMSNorms of q and k
+  over head_dim (`Qwen3Attention.q_norm`/`k_norm`, eps rms_norm_eps) before RoPE, as ours; without sliding windows.
+What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm and
+model.mlp=gelu (`check_exportable`; Gemma 2 has a soft-cap but differs from our block elsewhere: embeddings scaled
+by sqrt(d), norms around each sublayer); on import a bias, scaled RoPE, another activation, sliding windows.
 """
 
 import re
@@ -27,6 +29,8 @@ from lit_pretrain.errors import DataError
 from lit_pretrain.model_config import GPTConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
+QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
+MODEL_TYPES = {ARCHITECTURE: "llama", QK_NORM_ARCHITECTURE: "qwen3"}
 
 # Our names (model.py) -> Llama's (transformers' LlamaForCausalLM). {i} is the block index.
 GLOBAL_NAMES = {
@@ -44,6 +48,8 @@ BLOCK_NAMES = {
     "mlp.w_gate.weight": "mlp.gate_proj.weight",
     "mlp.w_up.weight": "mlp.up_proj.weight",
     "mlp.w_down.weight": "mlp.down_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3 only (model.qk_norm)
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
 }
 _OURS_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _LLAMA_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -71,21 +77,30 @@ def function_fields(cfg: GPTConfig) -> Dict[str, Any]:
     return out
 
 
+def architecture(cfg: GPTConfig) -> str:
+    return QK_NORM_ARCHITECTURE if cfg.qk_norm else ARCHITECTURE
+
+
 def check_exportable(cfg: GPTConfig) -> None:
-    """A DataError naming the first model key LlamaForCausalLM cannot express (exporting without it would compute
-    another function)."""
-    for key, ours, llama in (("qk_norm", cfg.qk_norm, False), ("logit_softcap", cfg.logit_softcap, None),
-                             ("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "swiglu")):
+    """A DataError naming the first model key neither LlamaForCausalLM nor Qwen3ForCausalLM can express (exporting
+    without it would compute another function)."""
+    for key, ours, llama in (("logit_softcap", cfg.logit_softcap, None), ("norm", cfg.norm, "rmsnorm"),
+                             ("mlp", cfg.mlp, "swiglu")):
         if ours != llama:
-            raise DataError(f"model.{key}={ours!r} cannot be expressed by transformers' {ARCHITECTURE} (it has "
+            raise DataError(f"model.{key}={ours!r} cannot be expressed by transformers' {architecture(cfg)} (it has "
                             f"{key}={llama!r}): this model cannot be exported to Hugging Face format")
 
 
 def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
-    """config.json of a LlamaForCausalLM computing what `cfg`'s GPT computes (read by transformers 4.45 to 5.x)."""
+    """config.json of a LlamaForCausalLM (Qwen3ForCausalLM with model.qk_norm) computing what `cfg`'s GPT computes
+    (read by transformers 4.45 to 5.x; Qwen3 from 4.51)."""
+    arch = architecture(cfg)
+    qwen3 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
+             "layer_types": ["full_attention"] * cfg.n_layers} if cfg.qk_norm else {}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": MODEL_TYPES[arch],
+        **qwen3,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.hidden_dim,
@@ -120,9 +135,12 @@ def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
 def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     """GPTConfig field values (and seq_len) of a Llama config.json; a DataError names a field we can't express."""
     arch = hf.get("architectures")
-    if (list(arch) != [ARCHITECTURE]) if arch else hf.get("model_type") != "llama":
+    known = [a for a, t in MODEL_TYPES.items() if ([a] == list(arch) if arch else hf.get("model_type") == t)]
+    if not known:
         found = f"architectures {list(arch)}" if arch else f"model_type {hf.get('model_type')!r}"
-        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}]: import reads Llama-shaped models only")
+        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}] or [{QK_NORM_ARCHITECTURE!r}]: import reads "
+                        "Llama-shaped models only")
+    qk_norm = known[0] == QK_NORM_ARCHITECTURE
     get = {**LLAMA_DEFAULTS, **hf}.get
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
@@ -142,6 +160,8 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         if get(key):
             raise refuse(key, get(key), "our linear layers have no bias")
+    if qk_norm and hf.get("use_sliding_window"):
+        raise refuse("use_sliding_window", True, "our attention is full causal attention")
     if get("rope_scaling"):
         raise refuse("rope_scaling", get("rope_scaling"), "our RoPE is unscaled")
     rope = hf.get("rope_parameters") or {}
@@ -159,6 +179,7 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
         "seq_len": get("max_position_embeddings"),
         **VARIANT_DEFAULTS,
         "n_kv_heads": None if kv in (None, n_heads) else kv,
+        "qk_norm": qk_norm,
     }
 
 
@@ -179,7 +200,7 @@ def to_llama_names(state: Mapping[str, Any], tied: bool) -> Dict[str, Any]:
             out[f"model.layers.{block.group(1)}.{BLOCK_NAMES[block.group(2)]}"] = tensor
         else:
             raise DataError(f"weight {name!r} has no counterpart in transformers' Llama (which has no biases and only "
-                            "RMSNorm weights): this model cannot be exported as LlamaForCausalLM")
+                            "RMSNorm weights): this model cannot be exported as LlamaForCausalLM or Qwen3ForCausalLM")
     return out
 
 
