@@ -4,8 +4,8 @@ variants of `GPTConfig` (grouped-query attention, QK-norm, logit soft-capping, L
 Knows nothing of Lightning or distribution: tensor parallelism, activation checkpointing and FSDP wrap it from
 outside. Every module is built from the architecture table (`GPTConfig.block_modules`), and each nn.Linear carries
 its roles as attributes, `tensor_parallel` ("column" | "row" | None) and `residual_projection` (bool), which the
-initializer, the tensor-parallel plan and the optimizer's parameter groups read instead of lists of names. Names
-(`blocks.{i}.attn.wq`, ...) are still the checkpoint interface. Layout follows LLaMA (Touvron et al. 2023);
+initializer and the tensor-parallel plan read instead of lists of names. Names (`blocks.{i}.attn.wq`, ...) are
+still the checkpoint interface. Layout follows LLaMA (Touvron et al. 2023);
 readable in one sitting like nanoGPT.
 """
 
