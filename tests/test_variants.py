@@ -15,7 +15,8 @@ from lit_pretrain.model import GPT, apply_rope
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.pipeline import stage_bounds
-from lit_pretrain.parallel.tensor import plan_of
+from lit_pretrain.parallel.sequence import sequence_parallel_params
+from lit_pretrain.parallel.tensor import partial_params, plan_of
 from lit_pretrain.scaling import shapes
 from lit_pretrain.scaling.cli import main as scaling_main
 from lit_pretrain.scaling.memory import memory_plan
@@ -154,6 +155,17 @@ def test_the_built_model_is_the_architecture_table(variant):
     per_block = sum(p.numel() for p in model.blocks[0].parameters())
     assert per_block == shapes.block_params(cfg)
     assert stage_bounds(model, 2) == [(0, 1), (1, 2)]
+
+
+def test_qk_norm_weights_are_summed_over_heads_not_over_sequence_chunks():
+    """Under tensor parallelism a rank's QK-norm weights see its heads on the whole (gathered) sequence: their
+    gradients are summed over the group once, as partial; the pre-norms see a sequence chunk under sequence
+    parallelism and are summed as such. Counting one in both sums would double it (the mesh parity cases fail)."""
+    model = gpt(qk_norm=True, norm="layernorm")
+    partial = {id(p) for p in partial_params(model)}
+    assert partial == {id(m.weight) for b in model.blocks for m in (b.attn.q_norm, b.attn.k_norm)}
+    chunked = {id(p) for p in sequence_parallel_params(model)}
+    assert chunked == {id(m.weight) for b in model.blocks for m in (b.attn_norm, b.mlp_norm)} | {id(model.norm.weight)}
 
 
 def run_cli(argv):
