@@ -28,6 +28,8 @@ from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, tokenizer_s
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.llama import (
     FUNCTION_FIELDS,
+    VARIANT_DEFAULTS,
+    check_exportable,
     from_llama_config,
     from_llama_names,
     function_fields,
@@ -99,7 +101,9 @@ def check_target(out: str | Path) -> Path:
 
 
 def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
-    """Write `model` and its tokenizer as a transformers LlamaForCausalLM folder at `out` (new or empty)."""
+    """Write `model` and its tokenizer as a transformers LlamaForCausalLM folder (Qwen3ForCausalLM with
+    model.qk_norm) at `out` (new or empty)."""
+    check_exportable(model.cfg)  # before anything is written
     st = _safetensors()
     cfg, out = model.cfg, check_target(out)
     tensors = to_llama_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
@@ -211,6 +215,8 @@ def read_init(path: str | Path) -> Tuple[Optional[Dict[str, Any]], Dict[str, tor
         fields = json.loads(meta[META_MODEL]) if META_MODEL in meta else None
     except ValueError:
         fields = {}
+    if isinstance(fields, dict):  # written before the variant keys existed: the values they stood for
+        fields = {**VARIANT_DEFAULTS, **fields}
     if fields is not None and (not isinstance(fields, dict) or set(FUNCTION_FIELDS) - set(fields)):
         raise DataError(f"run.init_from {path}: its {META_MODEL} metadata is not the model fields "
                         "`lit-pretrain import --out` writes")

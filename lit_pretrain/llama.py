@@ -10,11 +10,16 @@ to read. The two models compute the same function, which tests/test_hf.py checks
   interleaved checkpoints do; transformers' convert_llama_weights_to_hf.py permutes them once into this layout).
   model.rope_theta <-> rope_theta (rope_parameters.rope_theta in transformers 5), rope type "default", no scaling.
 - Attention: softmax(q·kᵀ / sqrt(head_dim)) causal, no bias: scaled_dot_product_attention's default scale is
-  head_dim**-0.5, as `LlamaAttention.scaling`. Every head has its own k and v: num_key_value_heads = n_heads.
+  head_dim**-0.5, as `LlamaAttention.scaling`. Grouped-query attention: model.n_kv_heads <-> num_key_value_heads
+  (`repeat_kv` gives query head h the key/value head h // (n_heads / n_kv_heads), as SDPA's enable_gqa does).
 - MLP: down(silu(gate(x)) * up(x)), hidden_act "silu", no bias; d_ff (model.hidden_dim) <-> intermediate_size.
 - Embeddings: tied or not (model.tie_embeddings <-> tie_word_embeddings); a tied head is stored once, as
   transformers does.
-What Llama cannot express (a bias, grouped-query attention, scaled RoPE, another activation) is refused, naming it.
+- QK-norm (model.qk_norm): exported as `Qwen3ForCausalLM`, which is this Llama plus per-head RMSNorms of q and k
+  over head_dim (`Qwen3Attention.q_norm`/`k_norm`, eps rms_norm_eps) before RoPE, as ours; without sliding windows.
+What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm and
+model.mlp=gelu (`check_exportable`; Gemma 2 has a soft-cap but differs from our block elsewhere: embeddings scaled
+by sqrt(d), norms around each sublayer); on import a bias, scaled RoPE, another activation, sliding windows.
 """
 
 import re
@@ -24,6 +29,8 @@ from lit_pretrain.errors import DataError
 from lit_pretrain.model_config import GPTConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
+QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
+MODEL_TYPES = {ARCHITECTURE: "llama", QK_NORM_ARCHITECTURE: "qwen3"}
 
 # Our names (model.py) -> Llama's (transformers' LlamaForCausalLM). {i} is the block index.
 GLOBAL_NAMES = {
@@ -41,6 +48,8 @@ BLOCK_NAMES = {
     "mlp.w_gate.weight": "mlp.gate_proj.weight",
     "mlp.w_up.weight": "mlp.up_proj.weight",
     "mlp.w_down.weight": "mlp.down_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3 only (model.qk_norm)
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
 }
 _OURS_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _LLAMA_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -49,7 +58,10 @@ _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 
 # The GPTConfig fields that decide what function a set of weights computes (seq_len does not: it is only how many
 # positions the RoPE tables cover; init_std and activation checkpointing do not either).
-FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps")
+FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
+                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp")
+# Issue 21's variants, at the values a Llama (and a weights file written before them) has.
+VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu"}
 
 # transformers' LlamaConfig defaults, for a config.json that leaves a field out (transformers writes them all).
 LLAMA_DEFAULTS = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-6,
@@ -58,21 +70,43 @@ LLAMA_DEFAULTS = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "
 
 
 def function_fields(cfg: GPTConfig) -> Dict[str, Any]:
-    """The fields of `cfg` that the weights' function depends on; d_ff resolved (null means 8/3 · d_model)."""
-    return {name: cfg.hidden_dim if name == "d_ff" else getattr(cfg, name) for name in FUNCTION_FIELDS}
+    """The fields of `cfg` that the weights' function depends on; d_ff resolved (null means 8/3 · d_model),
+    n_kv_heads null when it equals n_heads (the same function)."""
+    out = {name: cfg.hidden_dim if name == "d_ff" else getattr(cfg, name) for name in FUNCTION_FIELDS}
+    out["n_kv_heads"] = None if cfg.kv_heads == cfg.n_heads else cfg.kv_heads
+    return out
+
+
+def architecture(cfg: GPTConfig) -> str:
+    return QK_NORM_ARCHITECTURE if cfg.qk_norm else ARCHITECTURE
+
+
+def check_exportable(cfg: GPTConfig) -> None:
+    """A DataError naming the first model key neither LlamaForCausalLM nor Qwen3ForCausalLM can express (exporting
+    without it would compute another function)."""
+    for key, ours, llama in (("logit_softcap", cfg.logit_softcap, None), ("norm", cfg.norm, "rmsnorm"),
+                             ("mlp", cfg.mlp, "swiglu")):
+        if ours != llama:
+            raise DataError(f"model.{key}={ours!r} cannot be expressed by transformers' {architecture(cfg)} (it has "
+                            f"{key}={llama!r}): this model cannot be exported to Hugging Face format")
 
 
 def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
-    """config.json of a LlamaForCausalLM computing what `cfg`'s GPT computes (read by transformers 4.45 to 5.x)."""
+    """config.json of a LlamaForCausalLM (Qwen3ForCausalLM with model.qk_norm) computing what `cfg`'s GPT computes
+    (read by transformers 4.45 to 5.x; Qwen3 from 4.51)."""
+    arch = architecture(cfg)
+    qwen3 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
+             "layer_types": ["full_attention"] * cfg.n_layers} if cfg.qk_norm else {}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": MODEL_TYPES[arch],
+        **qwen3,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_heads,  # multi-head attention: every head its own k, v
+        "num_key_value_heads": cfg.kv_heads,  # = num_attention_heads: multi-head attention
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len,
@@ -101,10 +135,12 @@ def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
 def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     """GPTConfig field values (and seq_len) of a Llama config.json; a DataError names a field we can't express."""
     arch = hf.get("architectures")
-    if (list(arch) != [ARCHITECTURE]) if arch else hf.get("model_type") != "llama":
+    known = [a for a, t in MODEL_TYPES.items() if ([a] == list(arch) if arch else hf.get("model_type") == t)]
+    if not known:
         found = f"architectures {list(arch)}" if arch else f"model_type {hf.get('model_type')!r}"
-        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}]: import reads Llama-shaped models only (our GPT "
-                        "is a Llama without grouped-query attention)")
+        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}] or [{QK_NORM_ARCHITECTURE!r}]: import reads "
+                        "Llama-shaped models only")
+    qk_norm = known[0] == QK_NORM_ARCHITECTURE
     get = {**LLAMA_DEFAULTS, **hf}.get
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
@@ -114,8 +150,9 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     def refuse(key: str, value: Any, why: str) -> DataError:
         return DataError(f"{source}: {key}={value!r} cannot be expressed by lit_pretrain's GPT ({why})")
 
-    if get("num_key_value_heads") not in (None, n_heads):
-        raise refuse("num_key_value_heads", get("num_key_value_heads"), f"grouped-query attention; we need {n_heads}")
+    kv = get("num_key_value_heads")
+    if kv is not None and (not isinstance(kv, int) or kv < 1 or n_heads % kv):
+        raise refuse("num_key_value_heads", kv, f"key/value heads must divide num_attention_heads={n_heads}")
     if d_model % n_heads or get("head_dim") not in (None, d_model // n_heads):
         raise refuse("head_dim", get("head_dim"), f"we need hidden_size / num_attention_heads = {d_model / n_heads}")
     if get("hidden_act") not in ("silu", "swish"):
@@ -123,6 +160,8 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         if get(key):
             raise refuse(key, get(key), "our linear layers have no bias")
+    if qk_norm and hf.get("use_sliding_window"):
+        raise refuse("use_sliding_window", True, "our attention is full causal attention")
     if get("rope_scaling"):
         raise refuse("rope_scaling", get("rope_scaling"), "our RoPE is unscaled")
     rope = hf.get("rope_parameters") or {}
@@ -138,6 +177,9 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
         "rope_theta": float(rope.get("rope_theta", get("rope_theta"))),
         "norm_eps": float(get("rms_norm_eps")),
         "seq_len": get("max_position_embeddings"),
+        **VARIANT_DEFAULTS,
+        "n_kv_heads": None if kv in (None, n_heads) else kv,
+        "qk_norm": qk_norm,
     }
 
 
@@ -158,7 +200,7 @@ def to_llama_names(state: Mapping[str, Any], tied: bool) -> Dict[str, Any]:
             out[f"model.layers.{block.group(1)}.{BLOCK_NAMES[block.group(2)]}"] = tensor
         else:
             raise DataError(f"weight {name!r} has no counterpart in transformers' Llama (which has no biases and only "
-                            "RMSNorm weights): this model cannot be exported as LlamaForCausalLM")
+                            "RMSNorm weights): this model cannot be exported as LlamaForCausalLM or Qwen3ForCausalLM")
     return out
 
 

@@ -1,8 +1,12 @@
-"""A decoder-only GPT as a plain `nn.Module`: pre-norm RMSNorm blocks, RoPE, causal attention, SwiGLU MLP.
+"""A decoder-only GPT as a plain `nn.Module`: pre-norm RMSNorm blocks, RoPE, causal attention, SwiGLU MLP, and the
+variants of `GPTConfig` (grouped-query attention, QK-norm, logit soft-capping, LayerNorm, GELU MLP).
 
 Knows nothing of Lightning or distribution: tensor parallelism, activation checkpointing and FSDP wrap it from
-outside and refer to submodules by name (`blocks.{i}.attn.wq`, `blocks.{i}.mlp.w_down`, ...), so those names
-are part of the interface. Layout follows LLaMA (Touvron et al. 2023); readable in one sitting like nanoGPT.
+outside. Every module is built from the architecture table (`GPTConfig.block_modules`), and each nn.Linear carries
+its roles as attributes, `tensor_parallel` ("column" | "row" | None) and `residual_projection` (bool), which the
+initializer and the tensor-parallel plan read instead of lists of names. Names (`blocks.{i}.attn.wq`, ...) are
+still the checkpoint interface. Layout follows LLaMA (Touvron et al. 2023);
+readable in one sitting like nanoGPT.
 """
 
 import math
@@ -12,7 +16,32 @@ import torch.nn.functional as F
 from torch import nn
 
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
-from lit_pretrain.model_config import GPTConfig, flops_per_token_formula  # noqa: F401
+from lit_pretrain.model_config import GPTConfig, ModuleSpec, flops_per_token_formula  # noqa: F401
+
+
+def build_linear(spec: ModuleSpec) -> nn.Linear:
+    """A bias-free nn.Linear of the table's (out, in) shape, marked with its roles."""
+    out_features, in_features = spec.shape
+    linear = nn.Linear(in_features, out_features, bias=False)
+    linear.tensor_parallel = spec.tensor_parallel
+    linear.residual_projection = spec.residual_projection
+    return linear
+
+
+def build_norm(cfg: GPTConfig, spec: ModuleSpec) -> nn.Module:
+    """RMSNorm or bias-free LayerNorm over the table's width; `tensor_parallel` marks a partial gradient."""
+    if cfg.norm == "layernorm":
+        norm = nn.LayerNorm(spec.shape[0], eps=cfg.norm_eps, bias=False)
+    else:
+        norm = nn.RMSNorm(spec.shape[0], eps=cfg.norm_eps)
+    norm.tensor_parallel = spec.tensor_parallel
+    return norm
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap · tanh(logits / cap) (Gemma 2, Gemma Team 2024 §2): ≈ logits where |logits| << cap, bounded by ±cap.
+    None: unchanged."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None):
@@ -70,45 +99,60 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]  # (B, 1, T, T)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           is_causal: bool = False) -> torch.Tensor:
+    """softmax(q·kᵀ/sqrt(head_dim)) v for q (B, H, T, Q) and k, v (B, KV, S, Q), KV dividing H: query head h reads
+    key/value head h // (H / KV) (grouped-query attention; KV = H is multi-head attention, bit for bit the same
+    call). SDPA's enable_gqa, not k.repeat_interleave: see README's measurement (no copy of k and v)."""
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
-    """Causal multi-head self-attention with RoPE on q and k."""
+    """Causal self-attention with RoPE on q and k; n_kv_heads key/value heads (grouped-query when fewer than
+    n_heads), optional QK-norm."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
+        spec = cfg.block_modules()
         # Separate q/k/v (not one fused wqkv) so tensor parallelism can shard each column-wise by whole heads.
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wq, self.wk, self.wv = (build_linear(spec[f"attn.{n}"]) for n in ("wq", "wk", "wv"))
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = build_norm(cfg, spec["attn.q_norm"]), build_norm(cfg, spec["attn.k_norm"])
+        else:
+            self.q_norm = self.k_norm = None
+        self.wo = build_linear(spec["attn.wo"])
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries, keys and values of x (B, T, d_model), RoPE on q and k; each (B, n_heads, T, head_dim).
-        cos, sin hold x's positions from its first; they may run past T (their first T rows are used), so a caller
-        that does not know how long x will be here can pass the whole tables."""
+        """Queries (B, n_heads, T, head_dim), keys and values (B, n_kv_heads, T, head_dim) of x (B, T, d_model),
+        QK-norm then RoPE on q and k. cos, sin hold x's positions from its first; they may run past T (their first
+        T rows are used), so a caller that does not know how long x will be here can pass the whole tables."""
         B, T, _ = x.shape
         cos, sin = cos[:T], sin[:T]  # (T, head_dim)
         # -1 heads, not cfg.n_heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        if self.q_norm is not None:  # per head, over head_dim, before RoPE (Qwen3, OLMo 2 per-head variant)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n_heads, T, head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """mask: None for plain causal attention, or (B, 1, T, T) bool, True where a query may look
         (`document_mask`)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)  # (B, n_heads, T, head_dim)
+        q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n_heads, T, head_dim)
+            y = attend(q, k, v, is_causal=True)  # (B, n_heads, T, head_dim)
         else:
             # SDPA with an explicit mask, not flex_attention: on this CPU (torch 2.13) flex_attention has no
             # backward ("FlexAttention does not support backward on CPU"), so it cannot train here; its forward
             # alone measured 190-230 ms eager and 23-48 ms compiled against SDPA's 16-31 ms with the mask (B 8,
             # 4 heads, T 256, head_dim 64; 2 loaded cores). The mask costs B·T² bytes: 0.5 MB for the default model.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, n_heads, T, head_dim)
+            y = attend(q, k, v, mask)  # (B, n_heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
         return self.wo(y)
 
@@ -118,9 +162,9 @@ class Attention(nn.Module):
         cache's, and their queries attend to every cached position before them. Decoding only; training never
         calls it, so `forward` stays one fused causal kernel with nothing to check."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)  # (B, n_heads, T, head_dim)
-        k, v = cache.append(layer, k, v)  # (B, n_heads, S, head_dim), S = cache.length + T
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask(T))  # (B, n_heads, T, head_dim)
+        q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
+        k, v = cache.append(layer, k, v)  # (B, n_kv_heads, S, head_dim), S = cache.length + T
+        y = attend(q, k, v, cache.mask(T))  # (B, n_heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
         return self.wo(y)
 
@@ -130,12 +174,26 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
-        self.w_up = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
-        self.w_down = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)
+        spec = cfg.block_modules()
+        self.w_gate, self.w_up, self.w_down = (build_linear(spec[f"mlp.{n}"]) for n in ("w_gate", "w_up", "w_down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # (B, T, hidden_dim) -> (B, T, d_model)
+
+
+class GeluMLP(nn.Module):
+    """w_down(gelu(w_up(x))), exact (erf) GELU (Hendrycks & Gimpel 2016; GPT-2's MLP without biases)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        spec = cfg.block_modules()
+        self.w_up, self.w_down = build_linear(spec["mlp.w_up"]), build_linear(spec["mlp.w_down"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.gelu(self.w_up(x)))  # (B, T, hidden_dim) -> (B, T, d_model)
+
+
+MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP}
 
 
 class Block(nn.Module):
@@ -144,10 +202,11 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        spec = cfg.block_modules()
+        self.attn_norm = build_norm(cfg, spec["attn_norm"])
         self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp_norm = build_norm(cfg, spec["mlp_norm"])
+        self.mlp = MLPS[cfg.mlp](cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,8 +233,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        spec = cfg.modules()
+        self.norm = build_norm(cfg, spec["norm"])
+        self.lm_head = build_linear(spec["lm_head"])
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight  # one Parameter, two views (GPT-2, PaLM)
         # Non-persistent: derived from the config, so checkpoints hold only weights.
@@ -187,9 +247,10 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Initialize every weight and the RoPE tables; deterministic under `torch.manual_seed`.
 
-        Weight matrices ~ N(0, init_std); the residual output projections (attn.wo, mlp.w_down) ~
-        N(0, init_std / sqrt(2 * n_layers)) so the residual stream's variance stays O(1) in depth: 2 projections
-        add into it per block (GPT-2 paper §2.3, "scaled residual initialization"). Norm weights = 1.
+        Weight matrices ~ N(0, init_std); the residual output projections (Linears marked `residual_projection`:
+        attn.wo, mlp.w_down) ~ N(0, init_std / sqrt(2 * n_layers)) so the residual stream's variance stays O(1) in
+        depth: 2 projections add into it per block (GPT-2 paper §2.3, "scaled residual initialization").
+        Norm weights = 1.
         A small std also matters for speed: N(0, 1) tied embeddings produced denormals that slowed CPU steps 5x.
         Call again after materializing from the meta device: the children's own `reset_parameters` would apply
         PyTorch's defaults (Kaiming-uniform Linears, N(0, 1) Embedding), not this scheme.
@@ -198,13 +259,15 @@ class GPT(nn.Module):
         std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         for block in self.blocks:
-            for linear in (block.attn.wq, block.attn.wk, block.attn.wv, block.mlp.w_gate, block.mlp.w_up):
-                nn.init.normal_(linear.weight, mean=0.0, std=std)
-            for linear in (block.attn.wo, block.mlp.w_down):
-                nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
-            nn.init.ones_(block.attn_norm.weight)
-            nn.init.ones_(block.mlp_norm.weight)
-        nn.init.ones_(self.norm.weight)
+            linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+            # Residual projections last (a stable sort): the order the random draws have always been taken in, so a
+            # seed gives the weights it gave before the roles were attributes.
+            for linear in sorted(linears, key=lambda m: getattr(m, "residual_projection", False)):
+                scale = residual_std if getattr(linear, "residual_projection", False) else std
+                nn.init.normal_(linear.weight, mean=0.0, std=scale)
+        for module in self.modules():
+            if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
+                nn.init.ones_(module.weight)
         if not cfg.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device=self.rope_cos.device)
@@ -235,7 +298,12 @@ class GPT(nn.Module):
         x = self.tok_embeddings(idx)  # (B, T, d_model)
         for block in self.blocks:
             x = block(x, cos, sin, mask)  # (B, T, d_model)
-        return self.lm_head(self.norm(x))  # (B, T, vocab_size)
+        return self.head(x)  # (B, T, vocab_size)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the last block's output x (B, T, d_model): final norm, output head, soft-cap. Pipeline stages
+        call it too."""
+        return softcap(self.lm_head(self.norm(x)), self.cfg.logit_softcap)  # (B, T, vocab_size)
 
     def forward_cached(self, idx: torch.Tensor, cache: "KVCache") -> torch.Tensor:
         """Logits of the last token of idx (B, T), which continues the cache's sequence at position cache.length;
@@ -253,7 +321,7 @@ class GPT(nn.Module):
         for layer, block in enumerate(self.blocks):
             x = block.forward_cached(x, cos, sin, cache, layer)  # (B, T, d_model)
         cache.length = start + T
-        return self.lm_head(self.norm(x[:, -1]))  # (B, vocab_size): only the last position is sampled from
+        return self.head(x[:, -1])  # (B, vocab_size): only the last position is sampled from
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> "KVCache":
         """An empty KVCache for this model, of max_len positions (default model.seq_len), on its device and in
@@ -262,7 +330,7 @@ class GPT(nn.Module):
         max_len = cfg.seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.seq_len:
             raise ValueError(f"a cache of {max_len} positions: choose 1..model.seq_len={cfg.seq_len}")
-        return KVCache(cfg.n_layers, batch_size, cfg.n_heads, max_len, cfg.head_dim, weight.device, weight.dtype)
+        return KVCache(cfg.n_layers, batch_size, cfg.kv_heads, max_len, cfg.head_dim, weight.device, weight.dtype)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Number of unique parameters (a tied embedding/head Parameter is counted once).
@@ -280,7 +348,8 @@ class GPT(nn.Module):
         N = num_params(non_embedding=True) + vocab_size·d_model: every parameter used per token plus the output
         head's matmul; the embedding is a lookup, not a matmul. Norm weights stay in N, as PaLM counts all
         parameters, although they cost elementwise multiplies, not matmuls (an overcount of 6·(2L+1)·d_model).
-        The attention term counts the full T×T score matrix, as PaLM does, though attention is causal.
+        The attention term counts the full T×T score matrix, as PaLM does, though attention is causal; it depends
+        on the query heads only (grouped-query attention shares k and v, not the score computations).
         seq_len defaults to model.seq_len.
         """
         cfg = self.cfg
@@ -293,20 +362,21 @@ class KVCache:
     """Keys and values of every layer for the positions decoded so far, in tensors allocated once for max_len
     positions (no concatenation per step). Positions [0, length) are filled; `GPT.forward_cached` fills the next."""
 
-    def __init__(self, n_layers: int, batch_size: int, n_heads: int, max_len: int, head_dim: int,
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
                  device: torch.device | None = None, dtype: torch.dtype | None = None):
-        shape = (n_layers, batch_size, n_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, n_heads, max_len, head_dim)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, n_heads, max_len, head_dim)
+        # n_kv_heads, not n_heads: grouped-query attention shrinks the cache by n_heads / n_kv_heads (its purpose).
+        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, n_kv_heads, max_len, head_dim)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, n_kv_heads, max_len, head_dim)
         self.max_len, self.length = max_len, 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v (B, n_heads, T, head_dim) at positions [length, length + T) of `layer`; return that layer's
+        """Store k, v (B, n_kv_heads, T, head_dim) at positions [length, length + T) of `layer`; return that layer's
         keys and values of positions [0, length + T). `length` itself moves once all layers have appended."""
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, n_heads, end, head_dim) each
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, n_kv_heads, end, head_dim) each
 
     def mask(self, new_tokens: int) -> torch.Tensor | None:
         """Attention mask of `new_tokens` queries at positions [length, length + new_tokens) over keys

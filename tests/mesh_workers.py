@@ -101,9 +101,11 @@ def dist_broadcast(obj):
     return box[0]
 
 
-def case(plan: ParallelPlan, out: dict, name: str):
+def case(plan: ParallelPlan, out: dict, name: str, variant: dict):
+    """`variant`: model keys over CFG (issue 21's variants: n_kv_heads, qk_norm, logit_softcap, norm, mlp)."""
+    cfg = GPTConfig(**{**CFG, **variant})
     torch.manual_seed(0)
-    init = GPT(GPTConfig(**CFG))
+    init = GPT(cfg)
     xs, ys = data()
     ref_model = copy.deepcopy(init)
     ref_losses, ref_norms, ref_grads, ref_opt = reference(ref_model, xs, ys)
@@ -125,7 +127,7 @@ def case(plan: ParallelPlan, out: dict, name: str):
         return
     ref_names = {id(p): n for n, p in ref_model.named_parameters()}
     ref_state = {ref_names[id(p)]: s for p, s in ref_opt.state.items()}
-    loaded = GPT(GPTConfig(**CFG))
+    loaded = GPT(cfg)
     loaded.load_state_dict(full)
     with torch.no_grad():
         ref_logits = ref_model(xs[0])
@@ -180,8 +182,8 @@ def worker(rank: int, world: int, port: int, cases: list, results, measure_activ
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
     out = {}
     try:
-        for name, plan in cases:
-            case(plan, out, name)
+        for name, plan, *variant in cases:
+            case(plan, out, name, variant[0] if variant else {})
             dist.barrier()
         if measure_activations:
             activation_case(out)

@@ -42,6 +42,7 @@ COMMANDS = [
     ["plan", "--tokens", "1.4T", "--law", "kaplan"],
     ["memory", "--params", "7B", "--data-parallel", "8", "--zero-stage", "3"],
     ["memory", "--layers", "4", "--hidden", "256", "--heads", "4", "--exact", "--data-parallel", "2"],
+    ["memory", "--params", "1B", "--model", "n_kv_heads=2", "--model", "mlp=gelu"],  # issue 21's variant keys
     ["show", str(EXPERIMENTS / "runs" / "default.yaml")],
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "strategy=tensor", "trainer.devices=2"],
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "trainer.max_stepz=3"],  # the error path too (exit 2)

@@ -135,7 +135,59 @@ def test_export_refuses_a_weight_llama_cannot_express(tmp_path, tokenizer_file):
     assert list(tmp_path.iterdir()) == []  # no folder, no staging left behind
 
 
-@pytest.mark.parametrize("key,value", [("num_key_value_heads", 2), ("attention_bias", True), ("mlp_bias", True),
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+def test_grouped_query_attention_exports_with_transformers_logits(tmp_path, tokenizer_file, kv_heads):
+    """n_kv_heads -> num_key_value_heads: transformers' repeat_kv must pair each query head with the key/value head
+    our SDPA enable_gqa pairs it with (h // group), or the logits differ at once."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=320, n_layers=2, d_model=64, n_heads=4, n_kv_heads=kv_heads, d_ff=96, seq_len=32,
+                          tie_embeddings=False, rope_theta=500.0, init_std=0.2)).eval()
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_key_value_heads"] == kv_heads
+    assert read_hf_config(tmp_path / "hf")["n_kv_heads"] == kv_heads
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+        theirs = hf_model(tmp_path / "hf", attn_implementation="eager")(idx).logits
+    assert ours.abs().max() > 2
+    assert (theirs - ours).abs().max().item() <= 1e-5  # fp32 rounding only, as for multi-head attention
+
+
+def test_qk_norm_exports_as_qwen3_with_transformers_logits_and_round_trips(tmp_path, tokenizer_file):
+    """model.qk_norm -> Qwen3ForCausalLM (Llama + per-head q/k RMSNorm before RoPE), grouped-query attention too."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=320, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, qk_norm=True, d_ff=96,
+                          seq_len=32, tie_embeddings=False, rope_theta=500.0, init_std=0.2)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)  # a swapped q_norm / k_norm shows
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert type(theirs).__name__ == "Qwen3ForCausalLM"
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+        assert ours.abs().max() > 2
+        assert (theirs(idx).logits - ours).abs().max().item() <= 1e-5
+    assert read_hf_config(tmp_path / "hf") == {**function_fields(model.cfg), "seq_len": 32}
+    fresh = load_init(GPT(model.cfg), tmp_path / "hf", tokenizer_file)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("key,value", [("logit_softcap", 30.0), ("norm", "layernorm"), ("mlp", "gelu")])
+def test_export_refuses_a_variant_llama_cannot_express(tmp_path, tokenizer_file, key, value):
+    cfg = dict(vocab_size=320, n_layers=1, d_model=64, n_heads=4, seq_len=32)
+    with pytest.raises(DataError, match=rf"^model\.{key}=.*cannot be expressed by transformers' LlamaForCausalLM"):
+        export_gpt(GPT(GPTConfig(**cfg, **{key: value})), tokenizer_file, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("key,value", [("num_key_value_heads", 3), ("attention_bias", True), ("mlp_bias", True),
                                        ("hidden_act", "gelu"), ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
                                        ("head_dim", 32)])
 def test_import_refuses_a_llama_our_gpt_cannot_express(tmp_path, tokenizer_file, key, value):

@@ -19,12 +19,19 @@ from tests.mesh_workers import BATCH, CFG, worker
 
 pytestmark = pytest.mark.slow
 
+# Issue 21's variants (model keys over CFG), all at once: key/value heads sharded (4:2), QK-norm's partial
+# gradients summed over the tensor-parallel group (not the sequence), LayerNorm and the GELU MLP under sequence
+# parallelism, the soft-cap on the pipeline's last stage (a cap of 0.3 against logits of ~0.1 at init keeps tanh
+# visibly non-linear). Multi-query attention (one key/value head) runs under the pipeline: TP 2 cannot split it.
+VARIANTS = dict(n_kv_heads=2, qk_norm=True, logit_softcap=0.3, norm="layernorm", mlp="gelu")
 CASES_2 = [
     ("tp2", Plan(tensor_parallel=2)),
     ("pp2_gpipe", Plan(pipeline_parallel=2, schedule="gpipe", micro_batches=4)),
     ("pp2_1f1b", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4)),
     ("pp2_interleaved", Plan(pipeline_parallel=2, schedule="interleaved_1f1b", micro_batches=4, stages_per_rank=2)),
     ("tp2_sp", Plan(tensor_parallel=2, sequence_parallel=True)),
+    ("tp2_sp_variants", Plan(tensor_parallel=2, sequence_parallel=True), VARIANTS),
+    ("pp2_variants", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4), {**VARIANTS, "n_kv_heads": 1}),
 ]
 CASES_4 = [
     ("dp2_tp2", Plan(data_parallel_replicate=2, tensor_parallel=2)),
@@ -34,6 +41,8 @@ CASES_4 = [
     ("zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2)),
     ("zero2_pp2", Plan(data_parallel_shard=2, zero_stage=2, pipeline_parallel=2, micro_batches=2)),
     ("hsdp2x2", Plan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3)),
+    # Issue 21: every variant at once under ZeRO-3 x tensor parallelism 2 (4 processes cost ~10 s a case here).
+    ("zero3_tp2_variants", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), VARIANTS),
     ("tp2_sp_pp2", Plan(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True, schedule="gpipe",
                         micro_batches=4)),
 ]
@@ -67,7 +76,9 @@ def check(results, names):
         assert r["opt_steps"] == {3}, (name, r)
         # Sharding then gathering moves bytes only: exact.
         assert r["round_trip"] == 0.0 and r["opt_round_trip"] == 0.0, (name, r)
-        assert r["loaded_logits"] < 1e-4, (name, r)
+        # QK-norm divides each head by its RMS, which amplifies the weights' float-order differences: measured
+        # 9.9e-5 for pp2_variants, 1.3e-5 to 1.6e-5 for the other variant cases and below 2e-5 without variants.
+        assert r["loaded_logits"] < (3e-4 if "variants" in name else 1e-4), (name, r)
         if r["layout_logits"] is not None:
             assert r["layout_logits"] < 1e-5, (name, r)
         # Sequence parallelism changes only where partial sums are added (reduce-scatter instead of all-reduce,

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_pretrain.parallel.pipeline import is_tied_copy, tied_grad_sync
 from lit_pretrain.parallel.plan import MESH_DIMS, ParallelPlan
-from lit_pretrain.parallel.tensor import gather, plain_name, shard, style_of
+from lit_pretrain.parallel.tensor import gather, plain_name, plan_of, shard, style_of, sync_partial_grads
 
 
 def build_mesh(plan: ParallelPlan, device_type: str = "cpu") -> DeviceMesh:
@@ -57,6 +57,7 @@ class ParallelModel:
     def __init__(self, gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = None):
         self.gpt, self.plan, self.mesh = gpt, plan, mesh
         self.full_keys = list(gpt.state_dict().keys())  # before pruning: the single-process names and order
+        self.tp_plan = plan_of(gpt)  # each linear's tensor-parallel role, read off the model (model.py marks them)
         self.runner = None
         self.tp = self.pp = self.replicate = self.shard_group = None
         self.t = self.p = 1
@@ -78,6 +79,8 @@ class ParallelModel:
         fsdp_shard = (dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)) if self.plan.uses_fsdp \
             else None
         tied_grad_sync(self.gpt, self.pp, fsdp_shard)
+        if self.t > 1:
+            sync_partial_grads(self.gpt, self.tp)  # QK-norm's weights saw only this rank's heads
         if self.plan.sequence_parallel:
             from lit_pretrain.parallel.sequence import sync_sequence_parallel_grads
 
@@ -106,7 +109,7 @@ class ParallelModel:
         for name, p in self.gpt.named_parameters():
             if p.grad is None or is_tied_copy(name, self.gpt, self.holds_first_stage):
                 continue
-            if style_of(name) is None and self.tp_rank != 0:
+            if style_of(name, self.tp_plan) is None and self.tp_rank != 0:
                 continue  # replicated across tensor-parallel ranks: counted once
             sq += local(p.grad).detach().float().pow(2).sum()
         groups = [self.tp, self.pp] + ([self.shard_group] if self.plan.uses_fsdp else [])
@@ -118,7 +121,8 @@ class ParallelModel:
     def _gather_named(self, named: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         """Full tensors by single-process name on global rank 0 (None elsewhere). Every rank must call it."""
         # Keys are parameter names, or "name\0key" for optimizer state; scalars (AdamW's step) are never sliced.
-        whole = {k: gather(full(v).detach(), style_of(k.split("\0")[0]) if v.dim() > 0 else None, self.tp, self.t)
+        whole = {k: gather(full(v).detach(), style_of(k.split("\0")[0], self.tp_plan) if v.dim() > 0 else None,
+                           self.tp, self.t)
                  for k, v in named.items()}
         parts = [whole]
         if self.p > 1:
@@ -145,7 +149,7 @@ class ParallelModel:
         """Load a single-process state dict (from any layout's checkpoint) into this rank's share, in place."""
         with torch.no_grad():
             for name, t in self.gpt.state_dict().items():
-                value = shard(state[name], style_of(name), self.tp_rank, self.t)
+                value = shard(state[name], style_of(name, self.tp_plan), self.tp_rank, self.t)
                 local(t).copy_(local(like(value, t)))
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
@@ -170,5 +174,5 @@ class ParallelModel:
             state = by_name.get(name)
             if state is None:
                 continue
-            optimizer.state[p] = {k: like(shard(v, style_of(name), self.tp_rank, self.t).clone(), p)
+            optimizer.state[p] = {k: like(shard(v, style_of(name, self.tp_plan), self.tp_rank, self.t).clone(), p)
                                   if v.dim() > 0 else v.clone() for k, v in state.items()}

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lit_pretrain.model import softcap
 from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -31,10 +32,16 @@ def block_param_counts(model: nn.Module) -> List[int]:
     return [sum(p.numel() for p in b.parameters()) for b in model.blocks]
 
 
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def stage_bounds(model: nn.Module, n_stages: int) -> List[Tuple[int, int]]:
-    """Blocks [start, end) of each stage; the first also holds the embedding, the last the norm and head."""
-    d, v = model.cfg.d_model, model.cfg.vocab_size
-    return balanced_stages(block_param_counts(model), n_stages, first_extra=v * d, last_extra=v * d + d)
+    """Blocks [start, end) of each stage, balanced by the parameters of the built modules (so a variant's block
+    weighs what it holds); the first also holds the embedding, the last the norm and head (counted even when tied:
+    its matmul costs the same)."""
+    return balanced_stages(block_param_counts(model), n_stages, first_extra=_numel(model.tok_embeddings),
+                           last_extra=_numel(model.norm) + model.lm_head.weight.numel())
 
 
 class StageForward(nn.Module):
@@ -59,7 +66,7 @@ class StageForward(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)  # (B, T, d_model)
         if self.lm_head is not None:
-            x = self.lm_head(self.norm(x))  # (B, T, vocab_size)
+            x = softcap(self.lm_head(self.norm(x)), gpt.cfg.logit_softcap)  # (B, T, vocab_size), as GPT.head
         return x
 
 

@@ -193,6 +193,10 @@ def _check_model(plan: ParallelPlan, trainer, model) -> None:
     if model.n_heads % t:
         raise ConfigError(f"model.n_heads={model.n_heads} is not divisible by strategy.tensor_parallel={t}: each "
                           "tensor-parallel rank holds whole heads; choose a tensor_parallel that divides n_heads")
+    if model.kv_heads % t:
+        raise ConfigError(f"model.n_kv_heads={model.kv_heads} is not divisible by strategy.tensor_parallel={t}: each "
+                          "tensor-parallel rank holds whole key/value heads (those its query heads read); choose a "
+                          "tensor_parallel that divides n_kv_heads, or more n_kv_heads")
     if model.hidden_dim % t:
         raise ConfigError(f"the MLP width (model.d_ff, here {model.hidden_dim}) is not divisible by "
                           f"strategy.tensor_parallel={t}: set model.d_ff to a multiple of {t}")

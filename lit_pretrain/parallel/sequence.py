@@ -177,7 +177,9 @@ def sequence_parallel_params(model: nn.Module) -> List[nn.Parameter]:
     final norm), in a fixed order so every rank of the group lines them up the same way."""
     out, seen = [], set()
     for module in model.modules():
-        if isinstance(module, NORM_TYPES):
+        # QK-norm's norms act inside the head-sharded region on the gathered sequence: their gradient is partial
+        # over heads, not over the sequence (tensor.sync_partial_grads sums it).
+        if isinstance(module, NORM_TYPES) and getattr(module, "tensor_parallel", None) != "partial":
             for p in module.parameters(recurse=False):
                 if id(p) not in seen:
                     seen.add(id(p))

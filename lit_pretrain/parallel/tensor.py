@@ -2,11 +2,17 @@
 f and g operators, the tensor-parallel process group passed in explicitly.
 
 Per block: wq, wk, wv, w_gate, w_up are column-parallel (each rank keeps a slice of the output rows: whole heads,
-since wq's rows are heads × head_dim in order), wo and w_down row-parallel (a slice of the input columns, then one
-all-reduce of the partial sums). So a block costs two all-reduces forward (g after wo and w_down) and, as built,
-five backward: each column-parallel linear applies f to its own input, where Megatron applies one f per attention
-and MLP input (two); the sums are the same, the extra three cost bandwidth (measured by `make bench
-CASES=compositions`, counted in scaling/communication.py; sequence parallelism already gathers once per input).
+since wq's rows are heads × head_dim in order, and wk's and wv's are the n_kv_heads key/value heads, so rank r holds
+query heads r·H/t.. and exactly the key/value heads they read under grouped-query attention), wo and w_down
+row-parallel (a slice of the input columns, then one all-reduce of the partial sums). So a block costs two
+all-reduces forward (g after wo and w_down) and, as built, five backward: each column-parallel linear applies f to
+its own input, where Megatron applies one f per attention and MLP input (two); the sums are the same, the extra
+three cost bandwidth (measured by `make bench CASES=compositions`, counted in scaling/communication.py; sequence
+parallelism already gathers once per input).
+Which linear is which is not listed here: each nn.Linear of the GPT carries `tensor_parallel` ("column" | "row" |
+None), set from the architecture table (`GPTConfig.block_modules`), and `plan_of(model)` reads it.
+QK-norm's weights (one per head_dim, shared by the heads) are replicated but see only this rank's heads: they are
+marked "partial" and their gradients summed over the group (`sync_partial_grads`).
 Norms, the embedding and the head stay replicated: their gradients come
 out identical on every tensor-parallel rank because f sums the input gradients. Vocabulary-parallel embedding and
 cross-entropy are not built: the head is replicated, so model.vocab_size needs no divisibility.
@@ -23,12 +29,11 @@ With `sequence_parallel=True` the replicated region between the blocks is sharde
 (parallel/sequence.py): the column-parallel linears drop f (the all-gather before them, installed on their parent
 module, sums the input gradients on its way back) and the row-parallel ones reduce-scatter instead of all-reducing.
 
-The plan is data: a module-name pattern (fnmatch, on names without activation checkpointing's wrapper prefix)
-→ "column" or "row".
+The plan is data: a module name (on names without activation checkpointing's wrapper prefix) → "column" or "row"
+(or "partial"), read off the model's modules.
 """
 
-from fnmatch import fnmatch
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,15 +42,6 @@ from torch import nn
 
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel
 
-TP_PLAN: Dict[str, str] = {
-    "blocks.*.attn.wq": "column",
-    "blocks.*.attn.wk": "column",
-    "blocks.*.attn.wv": "column",
-    "blocks.*.attn.wo": "row",
-    "blocks.*.mlp.w_gate": "column",
-    "blocks.*.mlp.w_up": "column",
-    "blocks.*.mlp.w_down": "row",
-}
 SHARD_DIM = {"column": 0, "row": 1}  # which dim of an nn.Linear weight (out, in) each style splits
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
@@ -84,12 +80,15 @@ class ColumnParallelLinear(nn.Linear):
     and every name-based rule treat it as the Linear it replaces. Under sequence parallelism x arrives already
     gathered (backward: reduce-scattered) and f is skipped."""
 
-    def __init__(self, weight: torch.Tensor, group, sequence_parallel: bool = False):
+    tensor_parallel = "column"
+
+    def __init__(self, weight: torch.Tensor, group, sequence_parallel: bool = False, residual_projection: bool = False):
         nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight)
         self.register_parameter("bias", None)
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.residual_projection = residual_projection
 
     def forward(self, x):
         if not self.sequence_parallel:
@@ -101,6 +100,8 @@ class RowParallelLinear(ColumnParallelLinear):
     """y = g(x_local W_localᵀ): partial products over this rank's input features, summed across the group (under
     sequence parallelism: summed and scattered along the sequence, each rank keeping its chunk)."""
 
+    tensor_parallel = "row"
+
     def forward(self, x):
         reduce = ReduceScatterFromRow if self.sequence_parallel else _ReduceFromParallel
         return reduce.apply(F.linear(x, self.weight), self.group)
@@ -110,15 +111,20 @@ def plain_name(name: str) -> str:
     return name.replace(WRAPPER_PREFIX, "")
 
 
-def style_of(name: str, plan: Dict[str, str] = TP_PLAN) -> Optional[str]:
-    """The plan's style for a module name (or a parameter name ending in .weight), None when replicated."""
+def plan_of(model: nn.Module) -> Dict[str, str]:
+    """Module name (wrapper prefix removed) -> its `tensor_parallel` role, for every module that has one."""
+    return {plain_name(name): module.tensor_parallel for name, module in model.named_modules()
+            if getattr(module, "tensor_parallel", None)}
+
+
+def style_of(name: str, plan: Dict[str, str]) -> Optional[str]:
+    """The plan's sharding style ("column" | "row") for a module name or a parameter name (ending in .weight);
+    None when the tensor is whole on every rank (replicated or "partial")."""
     name = plain_name(name)
     if name.endswith(".weight"):
         name = name[: -len(".weight")]
-    for pattern, style in plan.items():
-        if fnmatch(name, pattern) or fnmatch(name, "*." + pattern):
-            return style
-    return None
+    style = plan.get(name)
+    return style if style in SHARD_DIM else None
 
 
 def shard(full: torch.Tensor, style: Optional[str], rank: int, world: int) -> torch.Tensor:
@@ -145,22 +151,25 @@ def gather(local: torch.Tensor, style: Optional[str], group, world: int) -> torc
     return full
 
 
-def apply_tensor_parallel(model: nn.Module, group, plan: Dict[str, str] = TP_PLAN,
-                          sequence_parallel: bool = False) -> int:
-    """Replace the planned nn.Linears of `model` in place by their parallel versions holding this rank's slice
-    of the current (full) weights; return how many were replaced. Idempotent.
+def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> int:
+    """Replace the nn.Linears of `model` marked column or row in place by their parallel versions holding this
+    rank's slice of the current (full) weights; return how many were replaced. Idempotent.
 
     sequence_parallel: also shard the region between them along the sequence (parallel/sequence.py); the caller
     must then call `sequence.sync_sequence_parallel_grads(model, group)` once per optimizer step. Raises ValueError
-    when model.seq_len does not divide by the group's size."""
+    when model.seq_len does not divide by the group's size, or when a split does not give whole heads."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cfg = model.cfg
+    if cfg.n_heads % world or cfg.kv_heads % world:
+        raise ValueError(f"model.n_heads={cfg.n_heads} and model.n_kv_heads={cfg.kv_heads} must both be divisible "
+                         f"by strategy.tensor_parallel={world}: each rank holds whole query and key/value heads")
     if sequence_parallel:  # before anything is replaced
-        check_seq_len(model.cfg.seq_len, world)
+        check_seq_len(cfg.seq_len, world)
     replaced = 0
     column_parents = []
     for name, module in list(model.named_modules()):
-        style = style_of(name, plan)
-        if style is None or not isinstance(module, nn.Linear):
+        style = getattr(module, "tensor_parallel", None)
+        if style not in SHARD_DIM or not isinstance(module, nn.Linear):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -172,8 +181,31 @@ def apply_tensor_parallel(model: nn.Module, group, plan: Dict[str, str] = TP_PLA
                                  f"{module.sequence_parallel}: apply to a fresh model to change it")
             continue
         cls = ColumnParallelLinear if style == "column" else RowParallelLinear
-        setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group, sequence_parallel))
+        setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group, sequence_parallel,
+                                   getattr(module, "residual_projection", False)))
         replaced += 1
     if sequence_parallel:
         install_sequence_parallel(model, group, column_parents)
     return replaced
+
+
+def partial_params(model: nn.Module) -> List[nn.Parameter]:
+    """Replicated parameters whose gradient on one rank covers only its heads (QK-norm's weights), in module order."""
+    return [p for m in model.modules() if getattr(m, "tensor_parallel", None) == "partial"
+            for p in m.parameters(recurse=False)]
+
+
+def sync_partial_grads(model: nn.Module, group) -> None:
+    """Sum the "partial" parameters' gradients over the tensor-parallel group (one flat all-reduce), so they are
+    the whole gradient, equal on every rank like any replicated parameter's. Call once per optimizer step, after
+    backward (FSDP's reduce-scatter included: every rank of the group holds the same shard of them)."""
+    grads = [p.grad for p in partial_params(model) if p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

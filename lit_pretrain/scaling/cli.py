@@ -23,6 +23,46 @@ def count(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count: write e.g. 7e9, 7B, 1.4T") from None
 
 
+# key -> (accepted types, null allowed)
+VARIANT_TYPES = {"n_kv_heads": (int, True), "qk_norm": (bool, False), "logit_softcap": ((int, float), True),
+                 "norm": (str, False), "mlp": (str, False)}
+VARIANT_KEYS = tuple(VARIANT_TYPES)
+VARIANT_HELP = (f"a model variant key of the architecture table ({', '.join(VARIANT_KEYS)}), e.g. n_kv_heads=2; "
+                "repeatable. With --params the searched shapes keep n_kv_heads key/value heads")
+
+
+def variant(pairs) -> "GPTConfig":  # noqa: F821
+    """The GPTConfig of `--model KEY=VALUE` pairs (shape fields left at their defaults, replaced by the caller)."""
+    import dataclasses
+
+    import yaml
+
+    from lit_pretrain.model_config import GPTConfig
+
+    values = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in VARIANT_KEYS:
+            raise ConfigError(f"--model {pair!r}: expected KEY=VALUE with KEY one of {', '.join(VARIANT_KEYS)}")
+        value = yaml.safe_load(raw)
+        types, nullable = VARIANT_TYPES[key]
+        bad_type = isinstance(value, bool) and types is not bool
+        if (value is None and not nullable) or (value is not None and (bad_type or not isinstance(value, types))):
+            raise ConfigError(f"--model {pair!r}: {key} takes a value of type "
+                              f"{getattr(types, '__name__', 'number')}{' or null' if nullable else ''}")
+        values[key] = value
+    for f in dataclasses.fields(GPTConfig):
+        value, meta = values.get(f.name), f.metadata
+        if value is None:
+            continue
+        if "choices" in meta and value not in meta["choices"]:
+            raise ConfigError(f"--model {f.name}={value!r}: expected one of {meta['choices']}")
+        if ("ge" in meta and value < meta["ge"]) or ("gt" in meta and value <= meta["gt"]):
+            raise ConfigError(f"--model {f.name}={value!r}: expected a value "
+                              f"{'>= ' + str(meta['ge']) if 'ge' in meta else '> ' + str(meta['gt'])}")
+    return GPTConfig(**values)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lit-pretrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--aspect-ratio", type=float, default=64.0, help="d_model / n_layers of the shape (default 64)")
     plan.add_argument("--tokens-per-step", type=count, default=2**20, help="global batch in tokens (default 2^20)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument("--model", action="append", default=[], metavar="KEY=VALUE", help=VARIANT_HELP)
 
     mem = sub.add_parser("memory", help="per-device memory of a training configuration",
                          description="Per-device bytes: model states (Rajbhandari et al. 2019) and activations "
@@ -76,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--exact", action="store_true", help="sum FSDP2's padded per-tensor shards (data parallel only)")
     mem.add_argument("--device-memory", default=None, help="device memory, e.g. 80GB or 141GiB: adds `fits`")
     mem.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    mem.add_argument("--model", action="append", default=[], metavar="KEY=VALUE", help=VARIANT_HELP)
     return parser
 
 
@@ -94,7 +136,7 @@ def main(argv=None) -> int:
 
             result = plan(load_law(args.law), flops=args.flops, params=args.params, tokens=args.tokens,
                           vocab_size=args.vocab, seq_len=args.seq_len, tokens_per_step=int(args.tokens_per_step),
-                          head_dim=args.head_dim, aspect_ratio=args.aspect_ratio)
+                          head_dim=args.head_dim, aspect_ratio=args.aspect_ratio, template=variant(args.model))
             print(json.dumps(result, indent=2) if args.json else format_plan(result))
         else:
             result = _memory(args)
@@ -106,7 +148,8 @@ def main(argv=None) -> int:
 
 
 def _memory(args) -> dict:
-    from lit_pretrain.model_config import GPTConfig
+    from dataclasses import replace
+
     from lit_pretrain.scaling import shapes
     from lit_pretrain.scaling.memory import memory_plan, parse_bytes
 
@@ -114,27 +157,35 @@ def _memory(args) -> dict:
     if (args.params is None) == all(v is None for v in shape_args) or (
             args.params is None and any(v is None for v in shape_args)):
         raise ConfigError("give either --params, or all of --layers, --hidden and --heads")
+    template = variant(args.model)
+    n_kv_heads = template.n_kv_heads
     if args.params is not None:
-        s = shapes.shape_near(args.params, args.vocab, args.seq_len)
+        s = shapes.shape_near(args.params, args.vocab, args.seq_len, tie_embeddings=not args.untied,
+                              template=template)
         shape_args = (s.n_layers, s.d_model, s.n_heads)
-    cfg = GPTConfig(vocab_size=args.vocab, n_layers=shape_args[0], d_model=shape_args[1], n_heads=shape_args[2],
-                    seq_len=args.seq_len, tie_embeddings=not args.untied)
+        n_kv_heads = s.n_kv_heads
+    cfg = replace(template, vocab_size=args.vocab, n_layers=shape_args[0], d_model=shape_args[1],
+                  n_heads=shape_args[2], n_kv_heads=n_kv_heads, seq_len=args.seq_len, tie_embeddings=not args.untied)
     try:
         cfg.check()
     except ValueError as err:
-        raise ConfigError(str(err).replace("model.d_model", "--hidden").replace("model.n_heads", "--heads")) from None
+        raise ConfigError(str(err).replace("model.d_model", "--hidden").replace("model.n_heads", "--heads")
+                          .replace("model.n_kv_heads", "--model n_kv_heads")) from None
     device = parse_bytes(args.device_memory) if args.device_memory else None
     result = memory_plan(cfg, args.micro_batch, args.data_parallel, args.zero_stage, args.tensor_parallel,
                          args.pipeline_parallel, args.sequence_parallel, args.activation_checkpointing,
                          args.precision, device, exact=args.exact)
     return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
-                      "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings}, **result}
+                      "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings,
+                      **{k: getattr(cfg, k) for k in VARIANT_KEYS}}, **result}
 
 
 def format_memory(r: dict) -> str:
     s = r["shape"]
     gib = 2**30
-    lines = [f"model: {s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads, vocab {s['vocab_size']}; "
+    variant = "".join(f", {k} {s[k]}" for k in VARIANT_KEYS if s.get(k) not in (None, False, "rmsnorm", "swiglu"))
+    lines = [f"model: {s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads{variant}, vocab "
+             f"{s['vocab_size']}; "
              f"{r['params']:,} parameters, {r['params_per_device']:,.0f} on this device before ZeRO sharding",
              f"layout: data_parallel {r['data_parallel']} (ZeRO stage {r['zero_stage']}), tensor_parallel "
              f"{r['tensor_parallel']}, pipeline_parallel {r['pipeline_parallel']}, sequence_parallel "

@@ -113,33 +113,45 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 
 def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, mlp_hidden: int,
                            tensor_parallel: int = 1, sequence_parallel: bool = False,
-                           bytes_per_element: float = 4.0) -> float:
-    """Bytes one of OUR blocks (model.py: RMSNorm, RoPE, fused causal attention, SwiGLU; no dropout, no biases)
+                           bytes_per_element: float = 4.0, *, kv_heads: Optional[int] = None, mlp: str = "swiglu",
+                           norm: str = "rmsnorm", qk_norm: bool = False) -> float:
+    """Bytes one of OUR blocks (model.py: pre-norms, RoPE, fused causal attention, MLP; no dropout, no biases)
     saves for backward on one tensor-parallel rank, without recomputation, counted by storage as
     parallel/memory.py's SavedActivations measures (a tensor saved by several ops counts once; weights and the RoPE
-    tables are not activations). N = seq_len · micro_batch tokens, h hidden, f = mlp_hidden, a heads, t ranks.
+    tables are not activations). N = seq_len · micro_batch tokens, h hidden, f = mlp_hidden, a heads, g = kv_heads
+    key/value heads of Q = h/a channels, t ranks.
 
     - Norm region, 4Nh + 2N elements: each of the two RMSNorms (composite on CPU: x · rsqrt(mean(x²) + eps) · w)
-      saves its input x (N·h), the normalized x̂ for the weight's gradient (N·h) and rsqrt(...) (N). Replicated
-      under tensor parallelism; under sequence parallelism each rank holds T/t positions: divided by t.
+      saves its input x (N·h), the normalized x̂ for the weight's gradient (N·h) and rsqrt(...) (N); a LayerNorm
+      (one fused kernel) saves x, its mean and rstd: 2Nh + 4N. Replicated under tensor parallelism; under
+      sequence parallelism each rank holds T/t positions: divided by t.
     - Column-parallel inputs, 2Nh: each norm's output, saved once by the linears that read it (q, k, v; gate, up).
       Replicated under tensor parallelism and, in our sequence parallelism, the all-gathered tensor is what they
       save (parallel/sequence.py says why): never divided by t.
-    - Attention, 4Nh/t: RoPE'd q and k, v (the kernel's inputs) and its output (also wo's input: one storage);
-      RoPE saves nothing but the tables, its multiplications need no gradient of cos and sin.
-      Plus the kernel's log-sum-exp, N·a/t elements, always fp32 (4 bytes). No s×s scores: the fused kernel
-      recomputes them, so the paper's 5as/h term is absent.
-    - MLP, 4Nf/t: gate and up projections, silu(gate) and the product (w_down's input).
-    Total: e·[(4Nh + 2N)/(t if sequence parallel else 1) + 2Nh + (4Nh + 4Nf)/t] + 4Na/t bytes, e the
-    activation's bytes per element (4 for fp32). The residual additions save nothing.
+    - Attention, (2Nh + 2NgQ)/t: RoPE'd q, k and v (the kernel's inputs; with grouped-query attention SDPA's
+      enable_gqa reads the g key/value heads without expanding them) and its output (also wo's input: one
+      storage); RoPE saves nothing but the tables. Plus the kernel's log-sum-exp, N·a/t elements, always fp32
+      (4 bytes). No s×s scores: the fused kernel recomputes them, so the paper's 5as/h term is absent.
+      QK-norm adds, per q and k, its input, x̂ and rsqrt: (2Nh + Na + 2NgQ + Ng)/t.
+    - MLP: SwiGLU 4Nf/t (gate and up projections, silu(gate), the product: w_down's input); GELU 2Nf/t (up's
+      output, gelu's: w_down's input).
+    Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
+    activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
+    blocks) are not counted here.
     """
     n, h, f, a, t = seq_len * micro_batch, hidden, mlp_hidden, heads, tensor_parallel
+    g = heads if kv_heads is None else kv_heads
+    kv = g * (h // a)  # key/value channels
     if sequence_parallel and t == 1:
         raise ConfigError("--sequence-parallel splits activations over the tensor-parallel group: it needs "
                           "--tensor-parallel > 1")
-    norm_region = (4 * n * h + 2 * n) / (t if sequence_parallel else 1)
+    per_norm = 2 * n * h + n if norm == "rmsnorm" else n * h + 2 * n
+    norm_region = 2 * per_norm / (t if sequence_parallel else 1)
     column_inputs = 2 * n * h
-    sharded = (4 * n * h + 4 * n * f) / t
+    attention = 2 * n * h + 2 * n * kv
+    if qk_norm:
+        attention += 2 * n * h + n * a + 2 * n * kv + n * g
+    sharded = (attention + (4 if mlp == "swiglu" else 2) * n * f) / t
     return bytes_per_element * (norm_region + column_inputs + sharded) + 4.0 * n * a / t
 
 
@@ -155,15 +167,15 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     t, p, L = tensor_parallel, pipeline_parallel, cfg.n_layers
     if t < 1 or p < 1:
         raise ConfigError("--tensor-parallel and --pipeline-parallel must be at least 1")
-    if cfg.n_heads % t:
-        raise ConfigError(f"--tensor-parallel {t} must divide --heads {cfg.n_heads} (tensor parallelism splits whole "
-                          "heads)")
+    if cfg.n_heads % t or cfg.kv_heads % t:
+        raise ConfigError(f"--tensor-parallel {t} must divide --heads {cfg.n_heads} and the key/value heads "
+                          f"{cfg.kv_heads} (tensor parallelism splits whole heads)")
     if p > L:
         raise ConfigError(f"--pipeline-parallel {p} exceeds --layers {L}: every stage needs at least one layer")
     layers_here = math.ceil(L / p)
     d, v = cfg.d_model, cfg.vocab_size
     block = shapes.block_params(cfg)
-    norms = 2 * d  # RMSNorm weights are replicated across the tensor-parallel group
+    norms = shapes.block_norm_params(cfg)  # norm weights are replicated across the tensor-parallel group
     # The first stage holds its layers and the (vocab-parallel) embedding; with one stage also the final norm and,
     # untied, the head. Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits).
     local = layers_here * ((block - norms) / t + norms) + v * d / t
@@ -178,7 +190,8 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         states = model_state_bytes(local, data_parallel, zero_stage, precision)
     if activation_checkpointing == "none":  # our block's own count (16-bit: 2 bytes, times the precision's factor)
         per_layer = block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t,
-                                           sequence_parallel, 2.0 * b.activation_factor)
+                                           sequence_parallel, 2.0 * b.activation_factor, kv_heads=cfg.kv_heads,
+                                           mlp=cfg.mlp, norm=cfg.norm, qk_norm=cfg.qk_norm)
     else:
         per_layer = b.activation_factor * activation_bytes_per_layer(cfg.seq_len, micro_batch, d, cfg.n_heads, t,
                                                                      sequence_parallel, activation_checkpointing)

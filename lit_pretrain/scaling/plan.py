@@ -47,8 +47,9 @@ def _invert(fn, target: float, lo: float = 1.0, hi: float = 1e40) -> float:
 
 def plan(law: PlanLaw, flops: Optional[float] = None, params: Optional[float] = None, tokens: Optional[float] = None,
          vocab_size: int = 32000, seq_len: int = 2048, tokens_per_step: int = 2**20, head_dim: int = 64,
-         aspect_ratio: float = 64.0) -> dict:
-    """The compute-optimal (C, N, D) through exactly one of flops, params, tokens, and a shape near N."""
+         aspect_ratio: float = 64.0, template=None) -> dict:
+    """The compute-optimal (C, N, D) through exactly one of flops, params, tokens, and a shape near N (of the
+    `template` GPTConfig's variant: norm, MLP, key/value heads, ...)."""
     given = [k for k, v in (("flops", flops), ("params", params), ("tokens", tokens)) if v is not None]
     if len(given) != 1:
         raise ConfigError(f"give exactly one of --flops, --params, --tokens (got {given or 'none'})")
@@ -62,7 +63,7 @@ def plan(law: PlanLaw, flops: Optional[float] = None, params: Optional[float] = 
     n = law.n_opt(flops)
     d = flops / (6 * n)
     shape = shapes.shape_near(n, vocab_size, seq_len, head_dim=head_dim, aspect_ratio=aspect_ratio,
-                              count=law.param_count)
+                              count=law.param_count, template=template)
     shape_n = shape.params if law.param_count == "params" else shape.non_embedding_params
     steps = math.ceil(d / tokens_per_step)
     return {
@@ -70,7 +71,8 @@ def plan(law: PlanLaw, flops: Optional[float] = None, params: Optional[float] = 
         "flops": flops, "params": n, "tokens": d, "tokens_per_param": d / n,
         "predicted_loss": law.loss(n, d) if law.loss else None,
         "shape": {"n_layers": shape.n_layers, "d_model": shape.d_model, "n_heads": shape.n_heads,
-                  "head_dim": head_dim, "vocab_size": vocab_size, "seq_len": seq_len, "params": shape.params,
+                  "n_kv_heads": shape.n_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size, "seq_len": seq_len,
+                  "params": shape.params,
                   "non_embedding_params": shape.non_embedding_params, "flops_per_token": shape.flops_per_token},
         # the shape trained on the plan's tokens: its own ratio and its full compute (6N + attention)
         "shape_tokens_per_param": d / shape_n,

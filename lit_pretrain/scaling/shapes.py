@@ -1,8 +1,10 @@
 """Our model family's parameter count, FLOPs and a shape near a parameter count, as pure functions of the shape.
 
-The counts follow `lit_pretrain.model.GPT` exactly (tests build the model and compare): per block 4·d² attention
-weights (wq, wk, wv, wo), 3·d·f SwiGLU weights (w_gate, w_up, w_down) and 2·d RMSNorm weights; a final RMSNorm
-(d); the token embedding V·d, plus a separate head V·d when embeddings are untied.
+Every count sums the architecture table `GPTConfig.modules()`, the one description `lit_pretrain.model.GPT` builds
+its modules from (tests build the model on the meta device and compare), so a variant (grouped-query attention,
+QK-norm, GELU MLP, ...) changes them with no edit here. Default family, per block: 4·d² attention weights (wq, wk,
+wv, wo), 3·d·f SwiGLU weights (w_gate, w_up, w_down) and 2·d norm weights; a final norm (d); the token embedding
+V·d, plus a separate head V·d when embeddings are untied.
 Conventions: `params` counts every unique parameter (Hoffmann et al. 2022 count embeddings); `non_embedding_params`
 leaves out the vocabulary matrices (Kaplan et al. 2020 §2.1).
 """
@@ -15,17 +17,20 @@ from lit_pretrain.model_config import GPTConfig, flops_per_token_formula
 
 
 def block_params(cfg: GPTConfig) -> int:
-    d, f = cfg.d_model, cfg.hidden_dim
-    return 4 * d * d + 3 * d * f + 2 * d
+    return sum(spec.numel for spec in cfg.block_modules().values())
+
+
+def block_norm_params(cfg: GPTConfig) -> int:
+    """The norm weights of one block (replicated under tensor parallelism)."""
+    return sum(spec.numel for spec in cfg.block_modules().values() if spec.kind == "norm")
 
 
 def non_embedding_params(cfg: GPTConfig) -> int:
-    return cfg.n_layers * block_params(cfg) + cfg.d_model
+    return sum(s.numel for n, s in _modules(cfg).items() if n not in ("tok_embeddings", "lm_head"))
 
 
 def params(cfg: GPTConfig) -> int:
-    vocab_matrices = (1 if cfg.tie_embeddings else 2) * _vocab(cfg) * cfg.d_model
-    return non_embedding_params(cfg) + vocab_matrices
+    return sum(s.numel for s in _modules(cfg).values() if not s.tied)
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
@@ -36,21 +41,13 @@ def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
 
 def param_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
     """Name -> shape of every unique parameter, in `GPT.named_parameters()` order (a tied head is not repeated)."""
-    d, f, v = cfg.d_model, cfg.hidden_dim, _vocab(cfg)
-    shapes = {"tok_embeddings.weight": (v, d)}
-    for i in range(cfg.n_layers):
-        p = f"blocks.{i}."
-        shapes[p + "attn_norm.weight"] = (d,)
-        for name in ("wq", "wk", "wv", "wo"):
-            shapes[f"{p}attn.{name}.weight"] = (d, d)
-        shapes[p + "mlp_norm.weight"] = (d,)
-        shapes[p + "mlp.w_gate.weight"] = (f, d)
-        shapes[p + "mlp.w_up.weight"] = (f, d)
-        shapes[p + "mlp.w_down.weight"] = (d, f)
-    shapes["norm.weight"] = (d,)
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (v, d)
-    return shapes
+    return {f"{name}.weight": spec.shape for name, spec in _modules(cfg).items() if not spec.tied}
+
+
+def tensor_parallel_plan(cfg: GPTConfig) -> Dict[str, str]:
+    """Module name -> "column" | "row" | "partial" for every module tensor parallelism treats specially; the built
+    model's Linears carry the same roles (`tensor_parallel` attribute), which parallel/tensor.py reads."""
+    return {name: spec.tensor_parallel for name, spec in _modules(cfg).items() if spec.tensor_parallel}
 
 
 @dataclass(frozen=True)
@@ -61,21 +58,25 @@ class Shape:
     params: int
     non_embedding_params: int
     flops_per_token: int
+    n_kv_heads: Optional[int] = None
 
 
 def shape_of(cfg: GPTConfig) -> Shape:
-    return Shape(cfg.n_layers, cfg.d_model, cfg.n_heads, params(cfg), non_embedding_params(cfg), flops_per_token(cfg))
+    return Shape(cfg.n_layers, cfg.d_model, cfg.n_heads, params(cfg), non_embedding_params(cfg), flops_per_token(cfg),
+                 cfg.n_kv_heads)
 
 
 def shape_near(target_params: float, vocab_size: int, seq_len: int, head_dim: int = 64, aspect_ratio: float = 64.0,
                tie_embeddings: bool = True, count: str = "params", max_layers: int = 512,
-               tolerance: float = 0.05) -> Shape:
-    """A shape of our family (d_model = n_heads · head_dim, SwiGLU 8/3·d) near `target_params`: among shapes whose
-    width/depth ratio d_model / n_layers is within a factor 2 of `aspect_ratio`, those within `tolerance` (relative)
-    of the target, the one closest to the aspect ratio; if none is that close, the nearest count. (Kaplan et al.
-    2020 §3.1: loss varies by only a few percent over aspect ratios 20-200 at fixed N, so the ratio is a
-    free design choice; 64 is GPT-3 Small's 768/12 and LLaMA-7B has 128).
+               tolerance: float = 0.05, template: Optional[GPTConfig] = None) -> Shape:
+    """A shape of our family (d_model = n_heads · head_dim, the MLP's default width) near `target_params`: among
+    shapes whose width/depth ratio d_model / n_layers is within a factor 2 of `aspect_ratio`, those within
+    `tolerance` (relative) of the target, the one closest to the aspect ratio; if none is that close, the nearest
+    count. (Kaplan et al. 2020 §3.1: loss varies by only a few percent over aspect ratios 20-200 at fixed N, so
+    the ratio is a free design choice; 64 is GPT-3 Small's 768/12 and LLaMA-7B has 128).
     count: "params" (all parameters, Chinchilla's N) or "non_embedding_params" (Kaplan's N).
+    template: the variant (norm, mlp, qk_norm, n_kv_heads: a shape's n_heads is then a multiple of it, ...); its
+    shape fields are replaced. Counts come from the architecture table, evaluated once per width.
     """
     if target_params <= 0:
         raise ValueError(f"target parameter count must be positive, got {target_params}")
@@ -83,31 +84,64 @@ def shape_near(target_params: float, vocab_size: int, seq_len: int, head_dim: in
         raise ValueError(f"count must be 'params' or 'non_embedding_params', got {count!r}")
     import numpy as np  # imported here: the --help of plan and memory need no numpy (~0.1 s of a fast command)
 
-    # every (n_layers, n_heads) whose width is within the aspect window, as arrays (the same counts as `params`)
+    template = replace(template or GPTConfig(), vocab_size=vocab_size, seq_len=seq_len, tie_embeddings=tie_embeddings,
+                       d_ff=None)
+    # every (n_layers, n_heads) whose width is within the aspect window, as arrays
     layers = np.arange(1, max_layers + 1)
     lo = np.maximum(1, np.ceil(layers * aspect_ratio / 2 / head_dim)).astype(int)
     hi = np.floor(layers * aspect_ratio * 2 / head_dim).astype(int)
     n_layers = np.repeat(layers, np.maximum(0, hi - lo + 1))
     n_heads = np.concatenate([np.arange(a, b + 1) for a, b in zip(lo, hi) if b >= a] or [np.zeros(0, int)])
+    # counts per width, from the table (one evaluation per head count), looked up by n_heads
+    by_heads = np.full((int(n_heads.max(initial=0)) + 1, 3), np.nan)
+    for h in np.unique(n_heads):
+        counts = _at_width(template, int(h), head_dim)
+        if counts is not None:
+            by_heads[h] = counts
+    keep = ~np.isnan(by_heads[n_heads, 0])
+    n_layers, n_heads = n_layers[keep], n_heads[keep]
     if n_heads.size == 0:
         raise ValueError(f"no shape with head_dim {head_dim} and aspect ratio {aspect_ratio} up to {max_layers} "
                          "layers: lower the aspect ratio or the head dimension")
     d = (n_heads * head_dim).astype(np.float64)
-    hidden = 64 * ((8 * d // 3 + 63) // 64)
-    non_embedding = n_layers * (4 * d * d + 3 * d * hidden + 2 * d) + d
-    n = non_embedding + (1 if tie_embeddings else 2) * vocab_size * d if count == "params" else non_embedding
+    block, fixed, vocab = by_heads[n_heads].T
+    non_embedding = n_layers * block + fixed
+    n = non_embedding + vocab if count == "params" else non_embedding
     miss = np.abs(np.log(n / target_params))
     near = miss <= math.log1p(tolerance)
     pool = np.flatnonzero(near) if near.any() else np.flatnonzero(miss == miss.min())
     off_ratio = np.abs(np.log(d[pool] / n_layers[pool] / aspect_ratio))
     pick = pool[np.lexsort((miss[pool], off_ratio))[0]]
-    cfg = GPTConfig(vocab_size=vocab_size, n_layers=int(n_layers[pick]), d_model=int(d[pick]),
-                    n_heads=int(n_heads[pick]), seq_len=seq_len, tie_embeddings=tie_embeddings)
-    return shape_of(cfg)
+    cfg = _with_heads(template, int(n_heads[pick]), head_dim)
+    return shape_of(replace(cfg, n_layers=int(n_layers[pick])))
+
+
+def _with_heads(template: GPTConfig, n_heads: int, head_dim: int) -> Optional[GPTConfig]:
+    """The template at n_heads heads of head_dim, keeping its n_kv_heads key/value heads (as Llama 2 70B and Llama 3
+    keep 8 at every width); None where they do not divide n_heads."""
+    kv = template.n_kv_heads
+    if kv is not None and n_heads % kv:
+        return None
+    return replace(template, n_layers=1, d_model=n_heads * head_dim, n_heads=n_heads)
+
+
+def _at_width(template: GPTConfig, n_heads: int, head_dim: int) -> Optional[Tuple[int, int, int]]:
+    """(parameters per block, non-embedding parameters outside the blocks, vocabulary matrices) at that width."""
+    cfg = _with_heads(template, n_heads, head_dim)
+    if cfg is None:
+        return None
+    block = block_params(cfg)
+    non_embedding = non_embedding_params(cfg)
+    return block, non_embedding - block, params(cfg) - non_embedding
 
 
 def with_shape(cfg: GPTConfig, n_layers: int, d_model: int, n_heads: int) -> GPTConfig:
     return replace(cfg, n_layers=n_layers, d_model=d_model, n_heads=n_heads)
+
+
+def _modules(cfg: GPTConfig):
+    _vocab(cfg)
+    return cfg.modules()
 
 
 def _vocab(cfg: GPTConfig) -> int:
