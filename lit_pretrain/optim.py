@@ -20,8 +20,9 @@ from lit_pretrain.schema import PARAM_KINDS, OptimConfig
 KERNELS = ("fused", "foreach")
 
 
-def param_kind(module: nn.Module, name: str, p: torch.Tensor, tied_head: bool = False) -> str:
-    """The kind of parameter `name` of `module` (its owner): embeddings, head, hidden, norms or biases.
+def param_kind(module: nn.Module, module_name: str, p: torch.Tensor, tied_head: bool = False) -> str:
+    """The kind of parameter p of `module` (its owner, named module_name in the model): embeddings, head, hidden,
+    norms or biases.
 
     An embedding (and a head tied to it) is "embeddings"; the untied output head "head"; any other matrix of a
     Linear "hidden"; a Linear's vector "biases"; everything else (norm gains and biases) "norms"."""
@@ -30,7 +31,7 @@ def param_kind(module: nn.Module, name: str, p: torch.Tensor, tied_head: bool = 
     if isinstance(module, nn.Linear):
         if p.ndim < 2:
             return "biases"
-        return "head" if name.split(".")[-2] == "lm_head" else "hidden"
+        return "head" if module_name.split(".")[-1] == "lm_head" else "hidden"
     return "norms"
 
 
@@ -38,16 +39,16 @@ def _named_kinds(model: nn.Module):
     """(name, parameter, kind) of every trainable parameter once, in `model.parameters()` order."""
     owners = {}
     for mname, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), (module, f"{mname}.{pname}" if mname else pname))
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), (module, mname))
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(False)}
     seen = set()
     for name, p in model.named_parameters():  # yields a tied tensor once, under its first name
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        module, owner_name = owners[id(p)]
-        yield name, p, param_kind(module, owner_name, p, tied_head=id(p) in embedding_ids)
+        module, module_name = owners[id(p)]
+        yield name, p, param_kind(module, module_name, p, tied_head=id(p) in embedding_ids)
 
 
 def _decayed(kind: str, name: str, optim: OptimConfig) -> bool:
@@ -60,8 +61,8 @@ def _uses_muon(kind: str, optim: OptimConfig) -> bool:
     return optim.name == "muon" and kind == "hidden"
 
 
-def param_groups(model: nn.Module, optim: Union[OptimConfig, float],
-                 lr_scale: Optional[Dict[str, float]] = None) -> List[dict]:
+def param_groups(model: nn.Module, optim: Union[OptimConfig, float, None] = None,
+                 lr_scale: Optional[Dict[str, float]] = None, weight_decay: Optional[float] = None) -> List[dict]:
     """Parameter groups: one per (optimizer, weight decay, learning-rate factor), all in `model.parameters()` order.
 
     Which parameters decay is optim.no_weight_decay's; by default norm gains, biases and embeddings are left
@@ -69,13 +70,14 @@ def param_groups(model: nn.Module, optim: Union[OptimConfig, float],
     pulls it toward zero without regularizing any function of inputs; a tied embedding/head matrix is an
     embedding. The group list depends on the config alone, never on which parameters a model (or a pipeline
     stage) holds, so a saved state's group positions mean the same on every rank and layout; the default gives
-    today's two groups (decayed, then the rest). `optim` may be a bare weight decay (the default rules).
+    today's two groups (decayed, then the rest). `optim` may be a bare weight decay, or `weight_decay` given
+    instead (the default rules).
     A group with a learning-rate factor other than 1 (optim.lr_multipliers, times `lr_scale`: init.mup_lr_scale)
     carries "lr" and "lr_multiplier"; a muon group "muon": True. `lr_scale`: extra factors by kind; None takes
     μP's from the model's config (init.mup_lr_scale).
     """
     if not isinstance(optim, OptimConfig):
-        optim = OptimConfig(weight_decay=float(optim))
+        optim = OptimConfig(weight_decay=float(weight_decay if optim is None else optim))
     if lr_scale is None:  # μP's Adam rates come with the model's own config (model.init)
         lr_scale = mup_lr_scale(getattr(model, "cfg", None))
     factors = {k: optim.lr_multipliers.get(k, 1.0) * (lr_scale or {}).get(k, 1.0) for k in PARAM_KINDS}
