@@ -107,6 +107,9 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it 0600; the outputs are ordinary files
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -271,8 +271,8 @@ class OptimConfig:
     (GPT-3 §B, nanoGPT); a tied head is the embedding."""
     lr_multipliers: Dict[str, float] = field(default_factory=dict)
     """Learning-rate factor per parameter kind (embeddings, head, hidden, norms, biases), e.g. {embeddings: 10}:
-    the schedule scales each kind's lr_peak x factor. model.init=mup multiplies hidden (and an untied head) by
-    model.mup_base_width / d_model on top. Unnamed kinds: 1."""
+    the schedule scales each kind's lr_peak x factor. model.init=mup multiplies hidden by model.mup_base_width /
+    d_model on top (lit_pretrain/init.py). Unnamed kinds: 1."""
 
     def check(self, zero_stage: int = 0, tensor_parallel: int = 1) -> None:
         """Cross-key rules, at config load (config.check_ranges) with the parallel plan's degrees."""
