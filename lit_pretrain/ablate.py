@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence
 import yaml
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
-from lit_pretrain.paths import is_safe_name
+from lit_pretrain.paths import confined, is_safe_name
 from lit_pretrain.runs import read_metrics, series
 
 ABLATIONS = Path("experiments") / "ablations"
@@ -102,7 +102,11 @@ def table(results: Dict[str, Dict[str, dict]], descriptions: Dict[str, str]) -> 
 
 
 def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder (made by this module), then replace `path`."""
+    """Write through a temporary file in the same folder, then replace `path`: one of this module's two output
+    names, confined to the root folder (never through a symbolic link: paths.confined)."""
+    confined(path.parent.parent, path.parent, "ablation root")
+    if path.is_symlink():
+        raise RunFolderError(f"{path} is a symbolic link: the project never writes through a link; remove it")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     os.close(fd)
     try:
