@@ -2,7 +2,7 @@
 optimizer builder (AdamW, Muon with AdamW, SGD; ZeRO stage 1 included), loading a saved state into one process,
 and global-norm gradient clipping.
 
-Everything that builds an AdamW (the module, `checkpoints.load_optimizer_state`, the benchmarks, the tests) builds
+Everything that builds the optimizer (the module, `checkpoints.load_optimizer_state`, the benchmarks, the tests) builds
 it here, so the groups, hyperparameters and kernel of a run and of its readers cannot drift apart. No Lightning and
 no process group: torch.distributed's optimizer wrapper is imported only when ZeRO stage 1 asks for it (importing
 it costs ~2 s on the 2-core machine).
