@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 SWEEP ?= experiments/sweep/cpu/sweep.yaml
 
 .DEFAULT_GOAL := help
-.PHONY: help install prepare train test test-fast lint bench clean sweep launch
+.PHONY: help install prepare train test test-fast lint bench clean sweep launch ablate
 
 help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -52,6 +52,10 @@ bench-gpu: $(STAMP) ## the step on one CUDA GPU (~125M, ~1B, bf16, FSDP2, compil
 
 sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
 	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)
+
+ABLATIONS ?=
+ablate: $(STAMP) ## CPU ablations (AdamW vs Muon, QK-norm, GQA; ABLATIONS=adamw_vs_muon for one): runs/ablations/ablations.{md,png}
+	$(BIN)/python -m lit_pretrain.ablate $(ABLATIONS)
 
 NODES ?= 2
 DEVICES ?= 8

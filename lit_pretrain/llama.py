@@ -89,6 +89,12 @@ def check_exportable(cfg: GPTConfig) -> None:
         if ours != llama:
             raise DataError(f"model.{key}={ours!r} cannot be expressed by transformers' {architecture(cfg)} (it has "
                             f"{key}={llama!r}): this model cannot be exported to Hugging Face format")
+    if cfg.init == "mup" and cfg.mup_base_width != cfg.d_model:
+        # μP multiplies the logits by mup_base_width / d_model (lit_pretrain/init.py): a forward multiplier that
+        # neither class has, so the exported weights would compute other logits.
+        raise DataError(f"model.init=mup with model.mup_base_width={cfg.mup_base_width} != d_model={cfg.d_model} "
+                        f"multiplies the logits by {cfg.mup_base_width / cfg.d_model:g}, which transformers' "
+                        f"{architecture(cfg)} cannot express: this model cannot be exported to Hugging Face format")
 
 
 def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:

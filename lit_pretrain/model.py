@@ -9,13 +9,13 @@ still the checkpoint interface. Layout follows LLaMA (Touvron et al. 2023);
 readable in one sitting like nanoGPT.
 """
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
+from lit_pretrain.init import initialize
 from lit_pretrain.model_config import GPTConfig, ModuleSpec, flops_per_token_formula  # noqa: F401
 
 
@@ -247,29 +247,16 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Initialize every weight and the RoPE tables; deterministic under `torch.manual_seed`.
 
-        Weight matrices ~ N(0, init_std); the residual output projections (Linears marked `residual_projection`:
-        attn.wo, mlp.w_down) ~ N(0, init_std / sqrt(2 * n_layers)) so the residual stream's variance stays O(1) in
-        depth: 2 projections add into it per block (GPT-2 paper §2.3, "scaled residual initialization").
+        By model.init (lit_pretrain/init.py): by default weight matrices ~ N(0, init_std) and the residual output
+        projections (Linears marked `residual_projection`: attn.wo, mlp.w_down) ~ N(0, init_std / sqrt(2 * n_layers))
+        so the residual stream's variance stays O(1) in depth (GPT-2 paper §2.3, "scaled residual initialization").
         Norm weights = 1.
         A small std also matters for speed: N(0, 1) tied embeddings produced denormals that slowed CPU steps 5x.
         Call again after materializing from the meta device: the children's own `reset_parameters` would apply
         PyTorch's defaults (Kaiming-uniform Linears, N(0, 1) Embedding), not this scheme.
         """
         cfg = self.cfg
-        std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for block in self.blocks:
-            linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
-            # Residual projections last (a stable sort): the order the random draws have always been taken in, so a
-            # seed gives the weights it gave before the roles were attributes.
-            for linear in sorted(linears, key=lambda m: getattr(m, "residual_projection", False)):
-                scale = residual_std if getattr(linear, "residual_projection", False) else std
-                nn.init.normal_(linear.weight, mean=0.0, std=scale)
-        for module in self.modules():
-            if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
-                nn.init.ones_(module.weight)
-        if not cfg.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+        initialize(self, cfg)  # model.init: lit_pretrain/init.py
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device=self.rope_cos.device)
         # Assigned, not copied: the buffers may have been cast (e.g. `.to(bfloat16)`); the tables are fp32.
         self.rope_cos, self.rope_sin = cos, sin

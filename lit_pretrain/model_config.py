@@ -52,6 +52,13 @@ class GPTConfig:
     or every_k (blocks 0, k, 2k, ...). Applied from outside the GPT by lit_pretrain.parallel; the GPT ignores it."""
     activation_checkpointing_k: int = field(default=2, metadata={"ge": 1})
     """activation_checkpointing=every_k only: checkpoint one block in every k."""
+    init: str = field(default="scaled_residual", metadata={"choices": ["standard", "scaled_residual", "mup"]})
+    """Initialization (lit_pretrain/init.py). standard: every matrix ~ N(0, init_std); scaled_residual: residual
+    output projections get init_std / sqrt(2 n_layers) (GPT-2 §2.3); mup: μP (Yang et al. 2022, Tensor Programs V,
+    table 3 with a readout multiplier): hidden matrices' std and Adam rate scale with mup_base_width / d_model and
+    the logits are multiplied by it, so a rate tuned at the base width carries over to wider models."""
+    mup_base_width: Optional[int] = field(default=None, metadata={"ge": 1})
+    """init=mup only: the d_model the hyperparameters were tuned at (required with init=mup)."""
 
     @property
     def head_dim(self) -> int:
@@ -123,6 +130,9 @@ class GPTConfig:
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}: each key/value "
                 "head serves a whole group of query heads; choose n_kv_heads that divides n_heads"
             )
+        if self.init == "mup" and self.mup_base_width is None:
+            raise ValueError("model.init=mup needs model.mup_base_width: set it to the d_model the learning rate was "
+                             "tuned at (e.g. model.mup_base_width=128)")
         if self.head_dim % 2:
             raise ValueError(
                 f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "

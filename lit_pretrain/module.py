@@ -1,4 +1,5 @@
-"""PretrainModule: the GPT, its loss, AdamW with a warmup schedule, and gradient clipping by global norm."""
+"""PretrainModule: the GPT, its loss (and optim.z_loss), the optimizer with a warmup schedule, and gradient clipping by
+global norm."""
 
 import math
 import time
@@ -15,7 +16,7 @@ from lit_pretrain.checkpoints import from_plain
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT, document_ids
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.optim import build_adamw
+from lit_pretrain.optim import build_optimizer
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.resume.verified import sidecar_path, verify
@@ -120,21 +121,28 @@ class PretrainModule(L.LightningModule):
             )
 
     def loss(self, batch) -> torch.Tensor:
+        """The task loss of `batch` (mean next-token cross-entropy over the predicted targets)."""
+        return self.losses(batch)[0]
+
+    def losses(self, batch):
+        """(task loss, z-loss) of `batch`; the z-loss is None with optim.z_loss = 0. Under pipeline parallelism the
+        schedule has already run the backward of their sum when training (parallel/pipeline.py)."""
         runner = self.parallel.runner if self.parallel is not None else None
         if runner is not None:
             if self.eod_id is not None:  # the stages call blocks with (x, cos, sin): no mask, positions unrestarted
                 raise ConfigError("data.document_masking is not supported with pipeline parallelism: set "
                                   "data.document_masking=false or strategy.pipeline_parallel=1")
             # Pipeline parallelism: the schedule runs the model, and its backward when training (parallel/pipeline.py).
-            return runner.loss(batch, training=self.training)
+            runner.z_loss = self.optim_cfg.z_loss
+            task = runner.loss(batch, training=self.training)
+            return task, runner.last_z_loss if self.optim_cfg.z_loss > 0 else None
         x, y = batch  # (B, T) inputs and (B, T) next-token targets
         if self.eod_id is None:
             logits = self.model(x)  # (B, T, V)
         else:
             logits = self.model(x, document_ids=document_ids(x, self.eod_id))  # (B, T, V)
             y = loss_targets(x, y, self.eod_id)
-        # fp32 cross-entropy: under bf16 the log-softmax over a large vocabulary loses most of its precision.
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+        return lm_losses(logits, y, self.optim_cfg.z_loss)
 
     def on_fit_start(self):
         # The one place the guard's norm is chosen: the plan's (ParallelModel.grad_norm counts each parameter once
@@ -150,14 +158,20 @@ class PretrainModule(L.LightningModule):
 
     def on_train_start(self):
         self._loss_sum = torch.zeros((), device=self.device)
+        self._z_loss_sum = torch.zeros((), device=self.device)
         self._micro_batches = 0
         self._step_seen = self.global_step
 
     def training_step(self, batch, batch_idx):
-        loss = self.loss(batch)
+        loss, z_loss = self.losses(batch)
         self._loss_sum += loss.detach()
         self._micro_batches += 1
-        return loss
+        if z_loss is None:
+            return loss
+        self._z_loss_sum += z_loss.detach()
+        # The task loss stays what train/loss reports (comparable across z_loss settings); the sum is trained on.
+        # Under pipeline parallelism the runner has run its backward already (what is returned is not used).
+        return loss + z_loss if self.parallel is None or self.parallel.runner is None else loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == self._step_seen:
@@ -169,7 +183,10 @@ class PretrainModule(L.LightningModule):
             self.log("train/loss", self._loss_sum / self._micro_batches, prog_bar=True, sync_dist=True)
             self.log("train/tokens_seen", float(self.global_step * self.tokens_per_step))
             self.log("train/lr", self._lr_used)
+            if self.optim_cfg.z_loss > 0:
+                self.log("train/z_loss", self._z_loss_sum / self._micro_batches, sync_dist=True)
         self._loss_sum.zero_()
+        self._z_loss_sum.zero_()
         self._micro_batches = 0
 
     def logs_at(self, step: int) -> bool:
@@ -185,8 +202,10 @@ class PretrainModule(L.LightningModule):
         return step % trainer.log_every_n_steps == 0 or step >= last
 
     def on_before_optimizer_step(self, optimizer):
-        # Read here, not after the step: by then the scheduler has moved on to the next step's rate.
-        self._lr_used = optimizer.param_groups[0]["lr"]
+        # Read here, not after the step: by then the scheduler has moved on to the next step's rate. The schedule's
+        # own rate: a group with a learning-rate factor (optim.lr_multipliers, μP) carries it as lr_multiplier.
+        group = optimizer.param_groups[0]
+        self._lr_used = group["lr"] / group.get("lr_multiplier", 1.0)
 
     def validation_step(self, batch, batch_idx):
         if batch_idx == 0:
@@ -263,13 +282,29 @@ class PretrainModule(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.optim_cfg
-        optimizer = build_adamw(self.model, o, self.plan.zero_stage)
+        optimizer = build_optimizer(self.model, o, self.plan.zero_stage)
         schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, written out where targets are masked
+
+
+def lm_losses(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0):
+    """(task loss, z-loss) of logits (B, T, V) against targets (B, T) (IGNORE_INDEX: not predicted).
+
+    Task: the mean cross-entropy over the predicted targets, in fp32 (under bf16 the log-softmax over a large
+    vocabulary loses most of its precision). z-loss (PaLM, Chowdhery et al. 2022 §5): z_loss x log(Z)^2, Z the
+    softmax normalizer of the final logits (after any soft-cap: these are the logits the model predicts with), its
+    mean over the same predicted targets; None when z_loss is 0 (nothing extra computed)."""
+    logits, targets = logits.float().flatten(0, 1), targets.flatten()  # (B*T, V), (B*T,)
+    task = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+    if not z_loss:
+        return task, None
+    kept = (targets != IGNORE_INDEX).float()  # (B*T,)
+    log_z = torch.logsumexp(logits, dim=-1)  # (B*T,)
+    return task, z_loss * (log_z.square() * kept).sum() / kept.sum().clamp(min=1.0)
 
 
 def loss_targets(x: torch.Tensor, y: torch.Tensor, eod_id: int) -> torch.Tensor:

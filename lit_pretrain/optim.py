@@ -1,44 +1,107 @@
-"""The optimizer, torch only: AdamW's parameter groups, the one AdamW builder (ZeRO stage 1 included), loading a
-saved AdamW state into one process, and global-norm gradient clipping.
+"""The optimizer, torch only: parameter groups (weight decay and learning-rate factors by parameter kind), the one
+optimizer builder (AdamW, Muon with AdamW, SGD; ZeRO stage 1 included), loading a saved state into one process,
+and global-norm gradient clipping.
 
-Everything that builds an AdamW (the module, `checkpoints.load_optimizer_state`, the benchmarks, the tests) builds
+Everything that builds the optimizer (the module, `checkpoints.load_optimizer_state`, the benchmarks, the tests) builds
 it here, so the groups, hyperparameters and kernel of a run and of its readers cannot drift apart. No Lightning and
 no process group: torch.distributed's optimizer wrapper is imported only when ZeRO stage 1 asks for it (importing
 it costs ~2 s on the 2-core machine).
 """
 
-from typing import Iterable, List, Optional
+import fnmatch
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
 
-from lit_pretrain.schema import OptimConfig
+from lit_pretrain.init import mup_lr_scale
+from lit_pretrain.schema import PARAM_KINDS, OptimConfig
 
 KERNELS = ("fused", "foreach")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
-    """AdamW groups: weight decay on matrices of linear layers only.
+def param_kind(module: nn.Module, module_name: str, p: torch.Tensor, tied_head: bool = False) -> str:
+    """The kind of parameter p of `module` (its owner, named module_name in the model): embeddings, head, hidden,
+    norms or biases.
 
-    Norm gains, biases and embeddings are left undecayed (GPT-3 §B and nanoGPT's `configure_optimizers` do the
-    same): decaying a norm gain or an embedding pulls it toward zero without regularizing any function of inputs.
-    A tied embedding/head matrix is an embedding, so it is not decayed either. The order (decay group, then the
-    rest, each in `model.parameters()` order) is what a saved optimizer state's positions refer to.
-    """
-    no_decay_ids = set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) or not isinstance(module, nn.Linear):
-            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():  # parameters() yields a tied tensor once
+    An embedding (and a head tied to it) is "embeddings"; the untied output head "head"; any other matrix of a
+    Linear "hidden"; a Linear's vector "biases"; everything else (norm gains and biases) "norms"."""
+    if isinstance(module, nn.Embedding) or tied_head:
+        return "embeddings"
+    if isinstance(module, nn.Linear):
+        if p.ndim < 2:
+            return "biases"
+        return "head" if module_name.split(".")[-1] == "lm_head" else "hidden"
+    return "norms"
+
+
+def _named_kinds(model: nn.Module):
+    """(name, parameter, kind) of every trainable parameter once, in `model.parameters()` order."""
+    owners = {}
+    for mname, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), (module, mname))
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(False)}
+    seen = set()
+    for name, p in model.named_parameters():  # yields a tied tensor once, under its first name
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (no_decay if id(p) in no_decay_ids or p.ndim < 2 else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        module, module_name = owners[id(p)]
+        yield name, p, param_kind(module, module_name, p, tied_head=id(p) in embedding_ids)
+
+
+def _decayed(kind: str, name: str, optim: OptimConfig) -> bool:
+    rules = optim.no_weight_decay
+    return kind not in rules and not any(fnmatch.fnmatchcase(name, r) for r in rules if r not in PARAM_KINDS)
+
+
+def _uses_muon(kind: str, optim: OptimConfig) -> bool:
+    # Muon for the blocks' matrices only: embeddings, head, norms and biases stay on AdamW (Jordan et al. 2024).
+    return optim.name == "muon" and kind == "hidden"
+
+
+def param_groups(model: nn.Module, optim: Union[OptimConfig, float, None] = None,
+                 lr_scale: Optional[Dict[str, float]] = None, weight_decay: Optional[float] = None) -> List[dict]:
+    """Parameter groups: one per (optimizer, weight decay, learning-rate factor), all in `model.parameters()` order.
+
+    Which parameters decay is optim.no_weight_decay's; by default norm gains, biases and embeddings are left
+    undecayed (GPT-3 §B and nanoGPT's `configure_optimizers` do the same): decaying a norm gain or an embedding
+    pulls it toward zero without regularizing any function of inputs; a tied embedding/head matrix is an
+    embedding. The group list depends on the config alone, never on which parameters a model (or a pipeline
+    stage) holds, so a saved state's group positions mean the same on every rank and layout; the default gives
+    today's two groups (decayed, then the rest). `optim` may be a bare weight decay, or `weight_decay` given
+    instead (the default rules).
+    A group with a learning-rate factor other than 1 (optim.lr_multipliers, times `lr_scale`: init.mup_lr_scale)
+    carries "lr" and "lr_multiplier"; a muon group "muon": True. `lr_scale`: extra factors by kind; None takes
+    μP's from the model's config (init.mup_lr_scale).
+    """
+    if not isinstance(optim, OptimConfig):
+        optim = OptimConfig(weight_decay=float(weight_decay if optim is None else optim))
+    if lr_scale is None:  # μP's Adam rates come with the model's own config (model.init)
+        lr_scale = mup_lr_scale(getattr(model, "cfg", None))
+    factors = {k: optim.lr_multipliers.get(k, 1.0) * (lr_scale or {}).get(k, 1.0) for k in PARAM_KINDS}
+    patterns = any(r not in PARAM_KINDS for r in optim.no_weight_decay)
+
+    def key(kind: str, decay: bool):
+        return (_uses_muon(kind, optim), not decay, factors[kind])
+
+    # Order: every possible key from the config, decayed groups first (the order checkpoints already hold).
+    keys = [key(k, True) for k in PARAM_KINDS if k not in optim.no_weight_decay]
+    keys += [key(k, False) for k in PARAM_KINDS if k in optim.no_weight_decay or patterns]
+    keys = sorted(dict.fromkeys(keys), key=lambda k: k[1])  # stable: decayed keys first
+    members: Dict[tuple, list] = {k: [] for k in keys}
+    for name, p, kind in _named_kinds(model):
+        members[key(kind, _decayed(kind, name, optim))].append(p)
+    groups = []
+    for (muon, undecayed, factor), params in members.items():
+        group = {"params": params, "weight_decay": 0.0 if undecayed else optim.weight_decay}
+        if factor != 1.0:
+            group.update(lr=optim.lr_peak * factor, lr_multiplier=factor)
+        if muon:
+            group["muon"] = True
+        groups.append(group)
+    return groups
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -56,33 +119,85 @@ def adamw_kernel(params: Iterable[torch.Tensor], zero_stage: Optional[int] = Non
     return "foreach" if sharded else "fused"
 
 
-def build_adamw(model: nn.Module, optim: OptimConfig, zero_stage: Optional[int] = None,
-                kernel: Optional[str] = None) -> torch.optim.Optimizer:
-    """AdamW over `param_groups(model, optim.weight_decay)` with optim's lr_peak (the schedule scales it), betas
-    and eps. At ZeRO stage 1 wrapped in ZeroRedundancyOptimizer, so each rank keeps the state of its share of the
-    tensors only (call it inside the process group); stages 2 and 3 need no wrapper: FSDP2's parameters are DTensor
-    shards already, so AdamW's state is sharded too. `kernel`: "fused" or "foreach"; None chooses by adamw_kernel.
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon on the groups marked "muon", AdamW on the rest, as one optimizer: one list of param groups (in
+    param_groups' order, which the schedule, the checkpoints and MeshStrategy._param_order read) and one state,
+    shared with the two torch optimizers that do the work. Its state dict is the base Optimizer's over all groups,
+    so it saves, loads and resumes like AdamW's (Muon's state is a momentum_buffer per matrix)."""
+
+    def __init__(self, groups: List[dict], adamw: dict, muon: dict):
+        flagged = [g for g in groups if g.get("muon")]
+        self._adamw = torch.optim.AdamW([g for g in groups if not g.get("muon")] or [{"params": []}], **adamw)
+        self._muon = torch.optim.Muon(flagged or [{"params": []}], **muon)
+        super().__init__(groups, {})  # the children filled each group's settings in place
+        self._link()
+
+    def _link(self) -> None:
+        # load_state_dict replaces both the group dicts and the state: point the children at the current ones.
+        self._adamw.param_groups = [g for g in self.param_groups if not g.get("muon")]
+        self._muon.param_groups = [g for g in self.param_groups if g.get("muon")]
+        self._adamw.state = self._muon.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._link()
+        self._muon.step()
+        self._adamw.step()
+        return loss
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, zero_stage: Optional[int] = None,
+                    kernel: Optional[str] = None, lr_scale: Optional[Dict[str, float]] = None
+                    ) -> torch.optim.Optimizer:
+    """The run's optimizer (optim.name) over `param_groups(model, optim, lr_scale)` with optim's lr_peak (the
+    schedule scales each group's own rate), betas and eps. adamw at ZeRO stage 1 is wrapped in
+    ZeroRedundancyOptimizer, so each rank keeps the state of its share of the tensors only (call it inside the
+    process group); stages 2 and 3 need no wrapper: FSDP2's parameters are DTensor shards already, so AdamW's state
+    is sharded too. `kernel`: AdamW's "fused" or "foreach"; None chooses by adamw_kernel. `lr_scale`: extra
+    learning-rate factors by parameter kind (init.mup_lr_scale).
     """
-    groups = param_groups(model, optim.weight_decay)
+    groups = param_groups(model, optim, lr_scale)
     kernel = kernel or adamw_kernel((p for g in groups for p in g["params"]), zero_stage)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS} or None")
     adamw = {"lr": optim.lr_peak, "betas": (optim.beta1, optim.beta2), "eps": optim.eps, kernel: True}
+    if optim.name == "sgd":
+        cls, kwargs = torch.optim.SGD, {"lr": optim.lr_peak, "momentum": optim.momentum, "foreach": True}
+    elif optim.name == "muon":
+        if zero_stage:  # config.check_ranges refuses it first, naming the keys (schema.OptimConfig.check)
+            raise ValueError(f"optim.name=muon does not run under strategy.zero_stage={zero_stage}")
+        muon = {"lr": optim.lr_peak, "momentum": optim.momentum, "nesterov": True,
+                "adjust_lr_fn": optim.muon_adjust_lr}
+        return MuonWithAdamW(groups, adamw, muon)
+    else:
+        cls, kwargs = torch.optim.AdamW, adamw
     if zero_stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **adamw)
-    return torch.optim.AdamW(groups, **adamw)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+    return cls(groups, **kwargs)
+
+
+build_adamw = build_optimizer  # the name callers used before optim.name; it builds whatever optim.name says
 
 
 def adamw_with_state(model: nn.Module, optim: OptimConfig, state: dict) -> torch.optim.Optimizer:
-    """A one-process AdamW over `model` holding a saved AdamW state dict (a checkpoint's `optimizer_states[0]`).
+    """A one-process optimizer (optim.name's) over `model` holding a saved state dict (a checkpoint's
+    `optimizer_states[0]`).
 
     The groups are rebuilt as training builds them; torch maps the saved state to parameters by their position in
     the groups, which every strategy's consolidated state keeps. The saved group settings (lr, kernel flags) replace
     the built ones, as `Optimizer.load_state_dict` always does.
     """
-    optimizer = build_adamw(model, optim)
+    optimizer = build_optimizer(model, optim)
     optimizer.load_state_dict(state)
     return optimizer
 

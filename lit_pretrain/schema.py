@@ -232,6 +232,10 @@ class DataConfig:
                 raise ConfigError(f"{key}: every weight is 0 from step {phase.step} on: keep one source above 0")
 
 
+PARAM_KINDS = ("embeddings", "head", "hidden", "norms", "biases")
+"""Parameter kinds of optim.no_weight_decay and optim.lr_multipliers (optim.param_kind)."""
+
+
 @dataclass
 class OptimConfig:
     lr_peak: float = field(default=1e-3, metadata={"gt": 0.0})
@@ -246,6 +250,52 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip_norm: float = field(default=1.0, metadata={"ge": 0.0})
     """Gradient clipping: rescale the whole gradient so its global L2 norm is at most this. 0 disables."""
+    name: str = field(default="adamw", metadata={"choices": ["adamw", "muon", "sgd"]})
+    """adamw; muon: Muon (Jordan et al. 2024, torch.optim.Muon) for the 2-D hidden matrices of the blocks and AdamW
+    for embeddings, head, norms and biases, as the Muon authors prescribe (not under strategy.tensor_parallel > 1 or
+    strategy.zero_stage > 0: it orthogonalizes whole matrices); sgd: SGD with `momentum` (its weight decay is L2,
+    coupled to the gradient, as torch.optim.SGD's)."""
+    momentum: float = field(default=0.95, metadata={"ge": 0.0, "lt": 1.0})
+    """Momentum of muon's hidden matrices (0.95, the Muon authors' value, Nesterov) and of sgd."""
+    muon_adjust_lr: str = field(default="match_rms_adamw", metadata={"choices": ["match_rms_adamw", "original"]})
+    """muon: how each matrix's rate is scaled by its shape. match_rms_adamw: lr x 0.2 sqrt(max(A, B)), the update's
+    RMS of AdamW's, so lr_peak and weight_decay tuned for AdamW carry over (Liu et al. 2025, "Muon is Scalable for
+    LLM Training", §2.2); original: lr x sqrt(max(1, A/B)) (Jordan et al. 2024; use lr_peak ~0.02 then)."""
+    z_loss: float = field(default=0.0, metadata={"ge": 0.0})
+    """Coefficient of the auxiliary loss z_loss x log(Z)^2, Z the softmax normalizer of the final logits (PaLM,
+    Chowdhery et al. 2022 §5: 1e-4), which keeps log Z near 0. Logged apart as train/z_loss; train/loss stays the
+    task loss. 0: off."""
+    no_weight_decay: List[str] = field(default_factory=lambda: ["embeddings", "norms", "biases"])
+    """Parameters left undecayed: parameter kinds (embeddings, head, hidden, norms, biases) or fnmatch patterns over
+    parameter names (e.g. "blocks.*.attn.wo.weight"). The default decays the hidden matrices and an untied head
+    (GPT-3 §B, nanoGPT); a tied head is the embedding."""
+    lr_multipliers: Dict[str, float] = field(default_factory=dict)
+    """Learning-rate factor per parameter kind (embeddings, head, hidden, norms, biases), e.g. {embeddings: 10}:
+    the schedule scales each kind's lr_peak x factor. model.init=mup multiplies hidden by model.mup_base_width /
+    d_model on top (lit_pretrain/init.py). Unnamed kinds: 1."""
+
+    def check(self, zero_stage: int = 0, tensor_parallel: int = 1) -> None:
+        """Cross-key rules, at config load (config.check_ranges) with the parallel plan's degrees."""
+        for kind, factor in self.lr_multipliers.items():
+            if kind not in PARAM_KINDS:
+                raise ConfigError(f"optim.lr_multipliers.{kind}: unknown parameter kind; expected one of "
+                                  f"{list(PARAM_KINDS)}")
+            if not factor > 0:
+                raise ConfigError(f"optim.lr_multipliers.{kind}={factor}: expected a factor > 0")
+        if self.name != "muon":
+            return
+        # Muon orthogonalizes each whole matrix (Newton-Schulz on its full gradient); a tensor-parallel shard or an
+        # FSDP shard is a slice whose orthogonalization is not the slice of the whole one's, and ZeRO-1's wrapper
+        # builds one optimizer class per rank from its own defaults (it cannot hold Muon and AdamW groups).
+        if tensor_parallel > 1:
+            raise ConfigError(f"optim.name=muon with strategy.tensor_parallel={tensor_parallel}: Muon needs whole "
+                              "matrices and tensor parallelism shards them; use optim.name=adamw or "
+                              "strategy.tensor_parallel=1")
+        if zero_stage > 0:
+            raise ConfigError(f"optim.name=muon with strategy.zero_stage={zero_stage}: Muon needs whole matrices "
+                              "and their whole gradients (stages 2/3 shard them; stage 1's ZeroRedundancyOptimizer "
+                              "wraps a single optimizer class); use strategy.zero_stage=0 (DDP or pipeline) or "
+                              "optim.name=adamw")
 
 
 @dataclass

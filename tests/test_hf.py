@@ -187,6 +187,14 @@ def test_export_refuses_a_variant_llama_cannot_express(tmp_path, tokenizer_file,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_export_refuses_mup_logit_multiplier_and_accepts_it_at_the_base_width(tmp_path, tokenizer_file):
+    cfg = dict(vocab_size=320, n_layers=1, d_model=64, n_heads=4, seq_len=32, init="mup")
+    with pytest.raises(DataError, match=r"^model\.init=mup .* multiplies the logits by 0\.5"):
+        export_gpt(GPT(GPTConfig(**cfg, mup_base_width=32)), tokenizer_file, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+    export_gpt(GPT(GPTConfig(**cfg, mup_base_width=64)), tokenizer_file, tmp_path / "hf")  # multiplier 1: exact
+
+
 @pytest.mark.parametrize("key,value", [("num_key_value_heads", 3), ("attention_bias", True), ("mlp_bias", True),
                                        ("hidden_act", "gelu"), ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
                                        ("head_dim", 32)])

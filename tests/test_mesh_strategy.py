@@ -79,9 +79,9 @@ def test_tensor_and_pipeline_train_from_config_like_one_process(runs):
 def test_checkpoint_resumes_in_another_layout(tmp_path):
     """3 steps in one process against 2 steps under TP 2 resumed for the third under PP 2: the TP checkpoint (weights
     and AdamW state) is sliced into the pipeline layout on load."""
-    def run(out, devices, name, t, p, steps, ckpt=None):
+    def run(out, devices, name, t, p, steps, ckpt=None, *overrides):
         run_module("tests.mesh_resume", str(out), str(devices), name, str(t), str(p), str(steps),
-                   *([str(ckpt)] if ckpt else []))
+                   *([str(ckpt)] if ckpt else []), *overrides)
         return torch.load(out, map_location="cpu", weights_only=True)
 
     single = run(tmp_path / "single.ckpt", 1, "single", 1, 1, 3)
@@ -99,3 +99,17 @@ def test_checkpoint_resumes_in_another_layout(tmp_path):
     for i, s in sa["state"].items():
         assert sb["state"][i]["step"].item() == s["step"].item() == 3
         assert torch.allclose(sb["state"][i]["exp_avg"], s["exp_avg"], rtol=0, atol=1e-8)
+
+    # optim.name=muon (Muon for the hidden matrices, AdamW for the rest): 3 steps uninterrupted, saving after step 2,
+    # against a fresh module and optimizer resumed from that file for the third: weights and both states bitwise.
+    single = run(tmp_path / "muon.ckpt", 1, "single", 1, 1, 3, "-", "optim.name=muon", "optim.lr_peak=0.01",
+                 "save_at=2")
+    resumed = torch.load(tmp_path / "muon.ckpt.resumed", map_location="cpu", weights_only=True)
+    assert resumed["global_step"] == single["global_step"] == 3
+    for key, value in single["state_dict"].items():
+        assert torch.equal(value, resumed["state_dict"][key]), key
+    sa, sb = single["optimizer_states"][0], resumed["optimizer_states"][0]
+    assert any(g.get("muon") for g in sa["param_groups"]) and sa["param_groups"] == sb["param_groups"]
+    assert {k for s in sa["state"].values() for k in s} == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
+    for i, s in sa["state"].items():
+        assert s.keys() == sb["state"][i].keys() and all(torch.equal(v, sb["state"][i][k]) for k, v in s.items())

@@ -109,7 +109,7 @@ class MeshStrategy(ModelParallelStrategy):
         module = self.lightning_module
         ref = full_gpt_on_meta(module.model_cfg)
         names = {id(p): n for n, p in ref.named_parameters()}
-        return [[names[id(p)] for p in g["params"]] for g in param_groups(ref, module.optim_cfg.weight_decay)]
+        return [[names[id(p)] for p in g["params"]] for g in param_groups(ref, module.optim_cfg)]
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         full = self.parallel.full_state()

@@ -19,7 +19,6 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lit_pretrain.model import softcap
@@ -141,6 +140,9 @@ class PipelineRunner:
         self.stages = [PipelineStage(f, s, n_stages, device, group=pp_group)
                        for f, s in zip(self.forwards, self.stage_ids)]
         self.scale = 1.0  # 1 / gradient-accumulation micro-batches, set by the strategy
+        self.z_loss = 0.0  # optim.z_loss, set by PretrainModule.losses
+        self.last_z_loss = torch.zeros(())  # the z-loss of the last `loss` call (0 with z_loss = 0)
+        self._parts: list = []
         self.busy = 0.0
         for stage in self.stages:
             self._time(stage, "forward_one_chunk")
@@ -170,8 +172,13 @@ class PipelineRunner:
         setattr(stage, method, timed)
 
     def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # fp32 cross-entropy as in PretrainModule.loss; scaled so gradients match Lightning's accumulation.
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()) * self.scale
+        # fp32 cross-entropy (and optim.z_loss) as in PretrainModule.losses; scaled so gradients match Lightning's
+        # accumulation. The parts are kept apart for logging: the schedule sees only their sum.
+        from lit_pretrain.module import lm_losses
+
+        task, z = lm_losses(logits, target, self.z_loss)
+        self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(())]))
+        return (task if z is None else task + z) * self.scale
 
     def _schedule(self):
         if self.scale not in self._schedules:
@@ -194,6 +201,7 @@ class PipelineRunner:
         target = y if self.holds_last else None
         sched = self._schedule()
         self.busy = 0.0
+        self._parts = []
         start = time.perf_counter()
         if training:
             sched.step(*args, target=target, losses=losses)
@@ -201,15 +209,16 @@ class PipelineRunner:
             with torch.no_grad():
                 sched.eval(*args, target=target, losses=losses)
         wall = time.perf_counter() - start
-        out = torch.zeros(2)
+        out = torch.zeros(3)
         if self.holds_last:
-            out[0] = torch.stack([loss.detach() for loss in losses]).mean() / self.scale
+            out[0], out[2] = torch.stack(self._parts).mean(0)  # task loss and z-loss, unscaled
         out[1] = 1.0 - self.busy / wall if wall > 0 else 0.0
-        # One all-reduce for both: the loss lives on the last stage only (others add 0); the idle fraction is
+        # One all-reduce for all: the losses live on the last stage only (others add 0); the idle fraction is
         # averaged over the pipeline ranks.
         dist.all_reduce(out, group=self.group)
         if training:
             self.last_idle_fraction = float(out[1]) / self.p
+        self.last_z_loss = out[2]
         return out[0]
 
     @property

@@ -125,7 +125,9 @@ class NewLrPeak(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         for config in trainer.lr_scheduler_configs:
             scheduler = config.scheduler
-            scheduler.base_lrs = [self.lr_peak] * len(scheduler.base_lrs)
-            for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
-                group["initial_lr"] = self.lr_peak
-                group["lr"] = self.lr_peak * factor(scheduler.last_epoch)
+            groups = scheduler.optimizer.param_groups
+            # A group's own factor (optim.lr_multipliers, μP: optim.param_groups) scales the new peak as the old.
+            scheduler.base_lrs = [self.lr_peak * g.get("lr_multiplier", 1.0) for g in groups]
+            for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+                group["initial_lr"] = base
+                group["lr"] = base * factor(scheduler.last_epoch)
