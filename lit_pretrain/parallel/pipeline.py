@@ -211,7 +211,9 @@ class PipelineRunner:
         wall = time.perf_counter() - start
         out = torch.zeros(3)
         if self.holds_last:
-            out[0], out[2] = torch.stack(self._parts).mean(0)  # task loss and z-loss, unscaled
+            # The schedule's first step also calls the loss once for shape inference, before the micro-batches:
+            # only the last len(losses) parts are the micro-batches' (task loss and z-loss, unscaled).
+            out[0], out[2] = torch.stack(self._parts[-len(losses):]).mean(0)
         out[1] = 1.0 - self.busy / wall if wall > 0 else 0.0
         # One all-reduce for all: the losses live on the last stage only (others add 0); the idle fraction is
         # averaged over the pipeline ranks.
