@@ -6,6 +6,7 @@ Jaccard similarity s agrees on one row with probability s, so it becomes a candi
 1 - (1 - s^r)^b.
 """
 
+import pickle
 import re
 import uuid
 from typing import Dict, List, Tuple
@@ -18,6 +19,10 @@ from lit_pretrain.errors import DataError
 
 REPORTED_SIMILARITIES = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 _SCHEME = "affine32"  # datasketch 2.0's default, the scheme of minhash.template()
+# Redis round trips: inserts are buffered (datasketch's insertion_session) and queries pipelined this many
+# documents at a time, one pipeline per band: a query one document at a time made the Redis index 35x slower than
+# the in-memory one (issue 19).
+_REDIS_BATCH = 10_000
 
 
 def candidate_probability(s: float, bands: int, rows: int) -> float:
@@ -102,16 +107,18 @@ def candidate_pairs(signatures: np.ndarray, cfg, bands: int, rows: int, basename
     lsh = MinHashLSH(num_perm=signatures.shape[1], params=(bands, rows), storage_config=storage_config(cfg, basename))
     seed = cfg.seed
     try:
-        with lsh.insertion_session(buffer_size=10_000) as session:
+        with lsh.insertion_session(buffer_size=_REDIS_BATCH) as session:
             for i, row in enumerate(signatures):
                 session.insert(i, _lean(row, seed), check_duplication=False)
-        left: List[int] = []
-        right: List[int] = []
-        for i, row in enumerate(signatures):
-            for j in lsh.query(_lean(row, seed)):
-                if j > i:
-                    left.append(i)
-                    right.append(j)
+        if cfg.storage == "redis":
+            left, right = _batched_queries(lsh, signatures)
+        else:
+            left, right = [], []
+            for i, row in enumerate(signatures):
+                for j in lsh.query(_lean(row, seed)):
+                    if j > i:
+                        left.append(i)
+                        right.append(j)
     finally:
         if cfg.storage == "redis" and not named:
             drop_redis_index(cfg, basename)
@@ -123,6 +130,93 @@ def candidate_pairs(signatures: np.ndarray, cfg, bands: int, rows: int, basename
         where.update(redis=f"{cfg.redis_host}:{cfg.redis_port}/{cfg.redis_db}", basename=basename.decode(),
                      kept=bool(named))
     return pairs_left, pairs_right, where
+
+
+def _batched_queries(lsh: MinHashLSH, signatures: np.ndarray) -> Tuple[List[int], List[int]]:
+    """What `lsh.query` returns for every row, as pairs (i, j > i), asking Redis for a batch of rows' buckets of one
+    band in one pipelined round trip (datasketch's `getmany`) instead of one bucket at a time: the same buckets are
+    read, so the same pairs come back."""
+    left: List[int] = []
+    right: List[int] = []
+    for start in range(0, len(signatures), _REDIS_BATCH):
+        block = signatures[start : start + _REDIS_BATCH]
+        found = [set() for _ in range(len(block))]
+        for (lo, hi), table in zip(lsh.hashranges, lsh.hashtables):
+            buckets = table.getmany(*(lsh._H(row[lo:hi]) for row in block))
+            for seen, bucket in zip(found, buckets):
+                seen.update(bucket)
+        for i, seen in enumerate(found, start):
+            for j in sorted(_int_key(key) for key in seen):
+                if j > i:
+                    left.append(i)
+                    right.append(j)
+    return left, right
+
+
+def _int_key(data: bytes) -> int:
+    """The int datasketch pickled as a Redis key (its prepickle), decoded without unpickling: nothing read from a
+    server is executed. Pickle protocol 4/5 ints: an optional frame, then K (1 byte), M (2), J (4, signed) or
+    LONG1; checked by pickling the value again."""
+    body = data[2:] if data[:1] == b"\x80" else b""
+    if body[:1] == b"\x95":
+        body = body[9:]
+    op, rest = body[:1], body[1:]
+    widths = {b"K": 1, b"M": 2, b"J": 4}
+    if op in widths:
+        value = int.from_bytes(rest[: widths[op]], "little", signed=op == b"J")
+    elif op == b"\x8a" and rest:
+        value = int.from_bytes(rest[1 : 1 + rest[0]], "little", signed=True)
+    else:
+        value = None
+    if value is None or pickle.dumps(value, protocol=data[1] if len(data) > 1 else None) != data:
+        raise DataError(f"the Redis LSH index holds a key that is not one of ours ({data[:40]!r}): use a fresh "
+                        "data.deduplication.redis_basename")
+    return value
+
+
+def band_pairs(signatures: np.ndarray, bands: int, rows: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The candidate pairs datasketch's MinHashLSH gives for these signatures (every row inserted, then every row
+    queried: `candidate_pairs` with storage=memory), computed with numpy: band k is columns [k*r, (k+1)*r), the
+    same slices MinHashLSH hashes (`hashranges`), and rows whose slices are equal share its bucket. Sorted (i < j)
+    pairs, each once. Used by the Ray engine, whose reducers call `bucket_pairs` on their share of the buckets."""
+    n = len(signatures)
+    codes = []
+    positions = np.arange(n, dtype=np.int64)
+    for band in range(bands):
+        a, b = bucket_pairs(signatures[:, band * rows : (band + 1) * rows], positions)
+        codes.append(a * n + b)
+    return unique_pairs(codes, n)
+
+
+def unique_pairs(codes: List[np.ndarray], n: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Pairs coded as i * n + j, merged from several bands (or reducers): sorted by (i, j), each once."""
+    merged = np.unique(np.concatenate(codes)) if codes else np.empty(0, dtype=np.int64)
+    return (merged // n).astype(np.int64), (merged % n).astype(np.int64)
+
+
+def bucket_pairs(keys: np.ndarray, positions: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """All pairs (positions[a], positions[b]), smaller first, of rows of `keys` (one band's values, a row per
+    document) that are equal: sort the rows, cut the runs of equal ones, and pair the members of each run."""
+    if len(keys) < 2:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    keys = np.ascontiguousarray(keys)
+    order = np.lexsort(keys.T[::-1])
+    ranked = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], (ranked[1:] != ranked[:-1]).any(axis=1), [True])))
+    sizes = np.diff(starts)
+    left, right = [], []
+    for size in np.unique(sizes[sizes > 1]).tolist():
+        # Every run of this size at once: (runs, pairs within a run) positions into `order`.
+        first = starts[:-1][sizes == size]
+        a, b = np.triu_indices(size, 1)
+        members = positions[order[first[:, None] + np.arange(size)]]  # (runs, size)
+        lo = np.minimum(members[:, a], members[:, b]).ravel()
+        hi = np.maximum(members[:, a], members[:, b]).ravel()
+        left.append(lo)
+        right.append(hi)
+    if not left:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    return np.concatenate(left), np.concatenate(right)
 
 
 def _lean(row: np.ndarray, seed: int) -> LeanMinHash:
