@@ -92,10 +92,14 @@ def small_groups(monkeypatch):
     monkeypatch.setattr(ray_engine, "GROUP_BYTES", 1)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_ray_engine_writes_the_local_engines_folder(corpus, local_folder, ray_session, small_groups, tmp_path,
-                                                    workers):
+@pytest.mark.parametrize("workers, one_file_a_task", [(1, True), (2, False)])
+def test_ray_engine_writes_the_local_engines_folder(corpus, local_folder, ray_session, monkeypatch, tmp_path,
+                                                    workers, one_file_a_task):
+    from lit_pretrain.data import ray_engine
     from lit_pretrain.data.prepare import prepare
+
+    if one_file_a_task:  # 5 read and 5 tokenize tasks; else the corpus's ~0.5 MB is cut into groups of ~60 kB
+        monkeypatch.setattr(ray_engine, "GROUP_BYTES", 1)
 
     lines = []
     prepare(data_config(corpus[0], tmp_path / "ray", engine="ray", workers=workers), log=lines.append)

@@ -51,6 +51,9 @@ class Session:
     workers: int
     """Tasks run at once: data.workers, else the cluster's CPUs."""
     address: str
+    task_cpus: float = 1.0
+    """CPUs each task asks for: the cluster's CPUs / workers, so that Ray itself runs no more than `workers` tasks
+    at once (the shuffle's tasks are all submitted together)."""
 
 
 def _import_ray():
@@ -91,7 +94,7 @@ def session(cfg, log: Callable[[str], None] = print) -> Iterator[Session]:
         workers = max(1, min(cfg.workers or cpus, cpus))
         where = cfg.ray_address or ("a local cluster" if ours else "the running Ray session")
         log(f"ray: {workers} workers on {where} ({cpus} CPUs)")
-        yield Session(ray, workers, str(where))
+        yield Session(ray, workers, str(where), cpus / workers)
     finally:
         if ours:
             ray.shutdown()
@@ -114,16 +117,20 @@ def _check_reachable(address: str) -> None:
         raise DataError(_unreachable(address, err)) from None
 
 
-def file_groups(files: List[Tuple[str, str]]) -> List[List[Tuple[str, str]]]:
-    """Consecutive files of about GROUP_BYTES each (by size on disk; a file that cannot be sized counts as large,
-    and its reader names it)."""
-    max_bytes = GROUP_BYTES
-    groups, current, size = [], [], 0
-    for name, path in files:
+def file_groups(files: List[Tuple[str, str]], workers: int) -> List[List[Tuple[str, str]]]:
+    """Consecutive files of about GROUP_BYTES each, or less for a small corpus, so that each worker gets about 4
+    groups (by size on disk; a file that cannot be sized counts as large, and its reader names it). A file is never
+    split: the order of documents is that of the files, whatever the grouping."""
+    sizes = []
+    for _, path in files:
         try:
-            size += os.path.getsize(path)
+            sizes.append(os.path.getsize(path))
         except OSError:
-            size += max_bytes
+            sizes.append(GROUP_BYTES)
+    max_bytes = max(1, min(GROUP_BYTES, sum(sizes) // (4 * workers)))
+    groups, current, size = [], [], 0
+    for (name, path), file_size in zip(files, sizes):
+        size += file_size
         current.append((name, path))
         if size >= max_bytes:
             groups.append(current)
@@ -240,7 +247,7 @@ def encode_group(kind: str, files, text_field: str, take: int, where: bytes, tok
 def _in_order(session: Session, fn, argses, num_returns: int = 1) -> Iterator:
     """Run fn over argses with at most session.workers tasks at once; yield their results in argses' order (a
     worker that dies is replaced and its task run again by Ray)."""
-    remote = session.ray.remote(num_returns=num_returns, max_retries=3)(fn)
+    remote = session.ray.remote(num_returns=num_returns, max_retries=3, num_cpus=session.task_cpus)(fn)
     pending: deque = deque()
     queue = iter(argses)
     try:
@@ -280,7 +287,7 @@ def first_pass(cfg, session: Session, stats: CorpusStats, log: Callable[[str], N
     dedup.check()
     seconds: Dict[str, float] = {}
     start = time.perf_counter()
-    groups = file_groups(corpus_files(cfg))
+    groups = file_groups(corpus_files(cfg), session.workers)
     fingerprint = Fingerprint()
     sizes, in_val, empty, exact_removed = [], [], [], {}
     first_copy: Dict[bytes, int] = {}
@@ -351,11 +358,11 @@ def _shuffle_pairs(session: Session, signatures: np.ndarray, bands: int, r: int)
     ray, n, parts = session.ray, len(signatures), session.workers
     block = max(1, -(-n // (4 * parts)))  # a few map tasks per worker
     shared = ray.put(np.ascontiguousarray(signatures))
-    mapper = ray.remote(num_returns=parts, max_retries=3)(band_map)
+    mapper = ray.remote(num_returns=parts, max_retries=3, num_cpus=session.task_cpus)(band_map)
     maps = [mapper.remote(shared, np.arange(a, min(a + block, n)), a, bands, r, parts) for a in range(0, n, block)]
     if parts == 1:
         maps = [[m] for m in maps]
-    reducer = ray.remote(max_retries=3)(band_reduce)
+    reducer = ray.remote(max_retries=3, num_cpus=session.task_cpus)(band_reduce)
     codes = [_get(session, ref) for ref in [reducer.remote(n, *[m[p] for m in maps]) for p in range(parts)]]
     left, right = unique_pairs(codes, n)
     return left, right, {"storage": "ray", "reducers": parts}
