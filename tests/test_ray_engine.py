@@ -122,13 +122,16 @@ def test_a_killed_worker_is_replaced_and_the_output_is_unchanged(corpus, local_f
     assert folder_bytes(tmp_path / "ray") == local_folder
 
 
-def test_a_file_the_workers_cannot_read_is_one_line_naming_it(corpus, ray_session, tmp_path):
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_a_file_the_workers_cannot_read_is_one_line_naming_it(corpus, request, tmp_path, engine):
     from lit_pretrain.data.prepare import prepare
 
     unreadable = "/proc/self/mem"  # opens, then every read from offset 0 fails with EIO, even for root
     if not os.path.exists(unreadable):
         pytest.skip("needs Linux's /proc/self/mem")
-    cfg = data_config(corpus[0], tmp_path / "out" / "ray", engine="ray")
+    if engine == "ray":
+        request.getfixturevalue("ray_session")
+    cfg = data_config(corpus[0], tmp_path / "out" / "prepared", engine=engine)
     cfg.paths = [str(corpus[0] / "part-0.jsonl"), unreadable]
     with pytest.raises(DataError, match=r"^cannot read /proc/self/mem \(.*\): check that every machine"):
         prepare(cfg, log=lambda *_: None)
