@@ -10,6 +10,9 @@ known only once all signatures are in the LSH index), while the tokenizer must b
           documents train the tokenizer (a bounded prefix read) → every document tokenized in parallel processes
           (data.tokenize_workers) and written in corpus order to its split's shards, removed ones only counted.
 
+With data.engine=ray both passes run as tasks on a Ray cluster (data/ray_engine.py) and write the same folder,
+byte for byte; the tokenizer is trained here either way.
+
 A prepared folder is written once: everything goes into a temporary sibling folder that is renamed into place at
 the end, so a crash or a refused input leaves no half-written `data.prepared_dir`. Calling `prepare` again with
 the same content-determining config verifies and returns the existing manifest; any other config is refused.

@@ -94,7 +94,9 @@ def session(cfg, log: Callable[[str], None] = print) -> Iterator[Session]:
         workers = max(1, min(cfg.workers or cpus, cpus))
         where = cfg.ray_address or ("a local cluster" if ours else "the running Ray session")
         log(f"ray: {workers} workers on {where} ({cpus} CPUs)")
-        yield Session(ray, workers, str(where), cpus / workers)
+        # No task may ask for more CPUs than one machine has, or it would never be scheduled.
+        largest = max((node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive")), default=1)
+        yield Session(ray, workers, str(where), min(cpus / workers, largest or 1))
     finally:
         if ours:
             ray.shutdown()
@@ -271,7 +273,15 @@ def _get(session: Session, ref):
     except session.ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, DataError):
             raise DataError(str(err.cause)) from None
-        raise
+        raise _task_failed(err) from None
+    except session.ray.exceptions.RayError as err:  # a worker that died more often than Ray retries, a lost node
+        raise _task_failed(err) from None
+
+
+def _task_failed(err) -> DataError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return DataError(f"data.engine=ray: a task failed on the cluster ({type(err).__name__}: {first}): see the "
+                     "workers' logs (`ray logs`), or run with data.engine=local to see the error here")
 
 
 def _stage_line(log, stage: str, documents: int, seconds: float) -> None:
