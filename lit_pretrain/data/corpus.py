@@ -241,3 +241,9 @@ def _parquet_documents(name: str, path: Path, text_field: str, _stats) -> Iterat
     # Parquet strings are UTF-8 already validated by pyarrow: nothing to replace or count.
     for where, text in parquet_records(path, text_field):
         yield name, Document(id=where, text=text or "")
+
+
+def is_validation(doc_id: str, split_seed: int, val_fraction: float) -> bool:
+    """A document's split depends only on its id and the seed: adding documents never moves existing ones."""
+    digest = hashlib.sha256(f"{split_seed}\0{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction

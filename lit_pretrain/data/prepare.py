@@ -18,7 +18,6 @@ the end, so a crash or a refused input leaves no half-written `data.prepared_dir
 the same content-determining config verifies and returns the existing manifest; any other config is refused.
 """
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -35,6 +34,7 @@ from lit_pretrain.data.corpus import (
     Fingerprint,
     corpus_fingerprint,
     corpus_roots,
+    is_validation,
     iter_documents,
 )
 from lit_pretrain.data.deduplicate import Decisions, StreamingDeduplication
@@ -45,13 +45,13 @@ from lit_pretrain.data.deduplication_report import (
     write_removed,
     write_report,
 )
+from lit_pretrain.data.progress import stage_line
 from lit_pretrain.data.quality import check_quality
 from lit_pretrain.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
     TOKENIZER_FILE,
-    ShardWriter,
     check_config,
     content_config,
     load_manifest,
@@ -60,7 +60,15 @@ from lit_pretrain.data.shards import (
     verify_shards,
     write_manifest,
 )
-from lit_pretrain.data.tokenize_stage import COUNT, TRAIN, VAL, chunks, encode_in_order, remember_tokenizer
+from lit_pretrain.data.tokenize_stage import (
+    COUNT,
+    TRAIN,
+    VAL,
+    chunks,
+    encode_in_order,
+    remember_tokenizer,
+    write_encoded,
+)
 from lit_pretrain.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_sha256, train_tokenizer
 from lit_pretrain.errors import DataError
 from lit_pretrain.paths import safe_rmtree
@@ -260,12 +268,6 @@ def reuse_prepared(out: Path, cfg, log: Callable[[str], None] = print) -> Option
     return manifest
 
 
-def is_validation(doc_id: str, split_seed: int, val_fraction: float) -> bool:
-    """A document's split depends only on its id and the seed: adding documents never moves existing ones."""
-    digest = hashlib.sha256(f"{split_seed}\0{doc_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction
-
-
 def split_documents(docs: List[Document], cfg) -> Dict[str, List[Document]]:
     out: Dict[str, List[Document]] = {"train": [], "val": []}
     for doc in docs:
@@ -391,31 +393,6 @@ def write_shards(cfg, tok_info: Dict, folder: Path, docs: Iterable[Tuple[int, st
     return write_encoded(cfg, tok_info, folder, encode_in_order(
         chunks(docs), str(folder / tok_info["file"]), tok_info["bos_id"], tok_info["eod_id"], tok_info["dtype"],
         cfg.tokenize_workers))
-
-
-def write_encoded(cfg, tok_info: Dict, folder: Path, encoded: Iterable[Tuple[bytes, np.ndarray, np.ndarray]]):
-    """Write (destinations, ids, lengths) of consecutive chunks of documents (tokenize_stage.encode_chunk's output,
-    with the destinations), in order, into `folder`'s shards: write_shards' second half, shared with the Ray engine
-    so that both write the same bytes from the same ids."""
-    dtype = np.dtype(tok_info["dtype"])
-    writers = [ShardWriter(folder, split, cfg.shard_tokens, dtype, tok_info["vocab_size"]) for split in SPLITS]
-    removed_tokens = 0
-    for where, flat, lengths in encoded:
-        dest = np.frombuffer(where, dtype=np.uint8)
-        removed_tokens += int(lengths[dest == COUNT].sum())
-        kept = lengths[dest != COUNT]
-        pieces = np.split(flat, np.cumsum(kept)[:-1]) if len(kept) else []
-        kept_dest = dest[dest != COUNT]
-        for split in (TRAIN, VAL):
-            writers[split].write([p for p, d in zip(pieces, kept_dest) if d == split])
-    splits = {split: writers[k].close() for k, split in enumerate(SPLITS)}
-    return splits, writers[TRAIN].counts, removed_tokens
-
-
-def stage_line(log: Callable[[str], None], engine: str, stage: str, documents: int, seconds: float) -> None:
-    """The progress line of a finished stage: its documents and documents/s."""
-    log(f"{engine} {stage}: {documents:,} documents in {seconds:.2f} s "
-        f"({documents / max(seconds, 1e-9):,.0f} documents/s)")
 
 
 @contextmanager

@@ -12,7 +12,7 @@ giving the same prepared folder, byte for byte, as the local engine.
   clusters   verification by estimated Jaccard and union-find on the driver (deduplicate.decide, the local
              engine's code): the candidate pairs, not the corpus, have to fit in its memory
   tokenize   one task per read group encodes its kept documents (tokenize_stage.encode_chunk); the driver writes
-             the results in corpus order into the shards (prepare.write_encoded, the local engine's writer)
+             the results in corpus order into the shards (tokenize_stage.write_encoded, the local engine's writer)
 
 Why it is the same answer for any number of workers: every task's result depends only on its files, every result
 is consumed in corpus (file) order, every document is named by its index in corpus order, and the LSH pairs are a
@@ -31,10 +31,19 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 
-from lit_pretrain.data.corpus import CorpusStats, Fingerprint, corpus_files, corpus_roots, read_files, text_digest
+from lit_pretrain.data.corpus import (
+    CorpusStats,
+    Fingerprint,
+    corpus_files,
+    corpus_roots,
+    is_validation,
+    read_files,
+    text_digest,
+)
 from lit_pretrain.data.deduplicate import Decisions, decide
 from lit_pretrain.data.lsh import bucket_pairs, unique_pairs
 from lit_pretrain.data.minhash import chunk_signatures, normalize, signature_dtype
+from lit_pretrain.data.progress import stage_line
 from lit_pretrain.data.quality import check_quality, count_control
 from lit_pretrain.errors import DataError
 
@@ -147,8 +156,6 @@ def file_groups(files: List[Tuple[str, str]], workers: int) -> List[List[Tuple[s
 def read_group(kind: str, files, text_field: str, dedup, split_seed: int, val_fraction: float):
     """Per document of the group, empty ones included: what the driver needs to take the local engine's decisions;
     and the signatures of the documents whose normalized text is not empty (zero rows for the others)."""
-    from lit_pretrain.data.prepare import is_validation
-
     _maybe_die()
     stats = CorpusStats()
     rows: Dict[str, list] = {k: [] for k in ("id", "source", "empty", "replaced", "invalid", "size", "chars",
@@ -285,8 +292,6 @@ def _task_failed(err) -> DataError:
 
 
 def _stage_line(log, stage: str, documents: int, seconds: float) -> None:
-    from lit_pretrain.data.prepare import stage_line
-
     stage_line(log, "ray", stage, documents, seconds)
 
 
@@ -381,9 +386,8 @@ def _shuffle_pairs(session: Session, signatures: np.ndarray, bands: int, r: int)
 def tokenize_pass(cfg, session: Session, tok_info: Dict, folder: Path, decided: Decisions, in_val: np.ndarray,
                   fingerprint: str, groups, log: Callable[[str], None] = print):
     """prepare's pass 2 on the cluster: each group's kept documents encoded by a task, written here in corpus order
-    by prepare.write_encoded. Returns what prepare._tokenize_stage does."""
-    from lit_pretrain.data.prepare import write_encoded
-    from lit_pretrain.data.tokenize_stage import COUNT, TRAIN, VAL
+    by tokenize_stage.write_encoded. Returns what prepare._tokenize_stage does."""
+    from lit_pretrain.data.tokenize_stage import COUNT, TRAIN, VAL, write_encoded
 
     files, taken = groups
     dest = np.where(decided.removed, COUNT, np.where(in_val, VAL, TRAIN)).astype(np.uint8)
