@@ -106,7 +106,7 @@ def test_ray_engine_writes_the_local_engines_folder(corpus, local_folder, ray_se
     assert folder_bytes(tmp_path / "ray") == local_folder
     report = json.loads((tmp_path / "ray" / "deduplication.json").read_text())
     assert report["engine"] == {"name": "ray", "workers": workers, "ray_address": None}
-    assert report["near"]["index"] == {"storage": "ray", "reducers": workers}
+    assert report["near"]["index"] == {"storage": "ray", "reducers": workers, "components": "union-find on the driver"}
     assert {"read_signatures", "lsh", "clusters", "tokenize"} <= set(report["seconds"])
     assert any(line.startswith("ray lsh: ") and "documents/s" in line for line in lines)
 
@@ -136,6 +136,32 @@ def test_a_file_the_workers_cannot_read_is_one_line_naming_it(corpus, request, t
     with pytest.raises(DataError, match=r"^cannot read /proc/self/mem \(.*\): check that every machine"):
         prepare(cfg, log=lambda *_: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_invalid_utf8_and_a_corpus_cut_mid_file_are_counted_alike(ray_session, tmp_path):
+    """The counters the workers report per document (bytes that are not UTF-8, control characters, empty lines)
+    add up to the local engine's, and data.max_documents cuts the corpus at the same document inside a file."""
+    from lit_pretrain.data.prepare import prepare
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(7)
+    words = [f"w{i}" for i in range(500)]
+    for k in range(3):
+        lines = [json.dumps({"text": " ".join(rng.choice(words, 40))}).encode() for _ in range(40)]
+        lines[5] = b'{"text": "caf\xe9 \xff\xfe au lait\u0007 ' + b"x" * 60 + b'"}'  # 3 invalid bytes, 1 control
+        lines[9] = b'{"text": "  "}'
+        (corpus / f"part-{k}.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    manifests = {}
+    for engine in ("local", "ray"):
+        cfg = data_config(corpus, tmp_path / engine, engine=engine, workers=2, max_documents=95,
+                          max_invalid_fraction=1.0)
+        manifests[engine] = prepare(cfg, log=lambda *_: None)
+        manifests[engine].pop("seconds")
+    assert manifests["local"]["corpus"]["invalid_utf8_sequences"] == 9
+    assert manifests["local"]["corpus"]["documents"] == 95 and manifests["local"]["corpus"]["dropped_empty"] == 3
+    assert manifests["ray"] == manifests["local"]
+    assert (tmp_path / "ray" / "removed.jsonl").read_bytes() == (tmp_path / "local" / "removed.jsonl").read_bytes()
 
 
 @pytest.mark.slow

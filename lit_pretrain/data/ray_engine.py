@@ -380,7 +380,9 @@ def _shuffle_pairs(session: Session, signatures: np.ndarray, bands: int, r: int)
     reducer = ray.remote(max_retries=3, num_cpus=session.task_cpus)(band_reduce)
     codes = [_get(session, ref) for ref in [reducer.remote(n, *[m[p] for m in maps]) for p in range(parts)]]
     left, right = unique_pairs(codes, n)
-    return left, right, {"storage": "ray", "reducers": parts}
+    # Components: union-find on the driver (deduplicate.decide), which holds the candidate pairs (16 bytes each)
+    # and the candidates' signatures; no distributed algorithm is needed while those fit one machine's memory.
+    return left, right, {"storage": "ray", "reducers": parts, "components": "union-find on the driver"}
 
 
 def tokenize_pass(cfg, session: Session, tok_info: Dict, folder: Path, decided: Decisions, in_val: np.ndarray,
