@@ -179,6 +179,16 @@ class DataConfig:
     tokenize_workers: int = field(default=1, metadata={"ge": 1})
     """Processes that tokenize documents into shards, this one included (the others are worker processes,
     lit_pretrain/workers.py). The shards are byte-identical for any number."""
+    engine: str = field(default="local", metadata={"choices": ["local", "ray"]})
+    """What runs prepare's reading, deduplication and tokenization: local (this process and its worker processes)
+    or ray (tasks on a Ray cluster, lit_pretrain/data/ray_engine.py; `pip install lit-pretrain[ray]`). The prepared
+    folder is byte-identical either way."""
+    ray_address: Optional[str] = None
+    """engine=ray: the cluster to run on. null: start a local one on this machine for the stage (data.workers
+    CPUs); "auto": the cluster `ray start --head` started on this machine; HOST:PORT: that cluster's head."""
+    workers: Optional[int] = field(default=None, metadata={"ge": 1})
+    """engine=ray: Ray tasks run at once (null: one per CPU of the cluster); also the CPUs of the local cluster
+    started when data.ray_address is null. The prepared folder does not depend on it."""
     document_masking: bool = False
     """Keep attention inside each document of a window and restart RoPE positions at each document's first token
     (the token after an end-of-document token), so a window holding two documents computes the second as if it

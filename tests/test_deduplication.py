@@ -377,3 +377,24 @@ def test_lsh_index_in_redis_gives_the_same_kept_set_and_is_shared(planted, redis
     assert pair.base in lsh.query(m)
     with pytest.raises(DataError, match="already holds keys"):
         deduplicate(docs, named, progress=False)
+
+
+def test_batched_redis_index_gives_the_in_memory_pairs_and_leaves_nothing(redis_server):
+    """The Redis index is written and read a batch at a time by scripts (lsh.py): the pairs are the in-memory
+    index's, across batch boundaries and in buckets of many documents, and an unnamed index is deleted after."""
+    from lit_pretrain.data import lsh
+
+    client, port = redis_server
+    rng = np.random.default_rng(1)
+    signatures = rng.integers(0, 4, size=(250, 128)).astype(np.uint32)  # few values: large shared buckets
+    cfg = replace(IN_PROCESS, storage="redis", redis_port=port)
+    memory = lsh.candidate_pairs(signatures, IN_PROCESS, 16, 2, lsh.index_basename(IN_PROCESS))
+    old_batch, lsh._REDIS_BATCH = lsh._REDIS_BATCH, 64  # 4 batches
+    try:
+        in_redis = lsh.candidate_pairs(signatures, cfg, 16, 2, lsh.index_basename(cfg))
+    finally:
+        lsh._REDIS_BATCH = old_batch
+    assert len(memory[0]) > 1000
+    np.testing.assert_array_equal(in_redis[0], memory[0])
+    np.testing.assert_array_equal(in_redis[1], memory[1])
+    assert client.dbsize() == 0

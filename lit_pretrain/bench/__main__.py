@@ -88,6 +88,12 @@ def _deduplication(r: _Run) -> List[Dict]:
     return deduplication.run(r.c.data.deduplication, r.args.repeats)
 
 
+def _data_engines(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import data_engines
+
+    return data_engines.run()
+
+
 def _strategies(r: _Run) -> List[Dict]:
     from lit_pretrain.bench import strategies
 
@@ -140,7 +146,7 @@ CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
     "compositions": _compositions, "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
-    "prepare_memory": _prepare_memory, "mixture": _mixture, "masking": _masking,
+    "prepare_memory": _prepare_memory, "mixture": _mixture, "masking": _masking, "data_engines": _data_engines,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 

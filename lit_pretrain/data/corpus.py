@@ -73,23 +73,7 @@ def corpus_roots(cfg) -> List[str]:
 def iter_documents(cfg, stats: Optional[CorpusStats] = None) -> Iterator[Document]:
     """Yield the corpus's non-empty documents in order, stopping after `data.max_documents`."""
     stats = stats if stats is not None else CorpusStats()
-    if cfg.corpus == "stdlib":
-        if len(cfg.paths):
-            raise DataError(
-                f"data.paths={list(cfg.paths)} is set but data.corpus is 'stdlib', which reads the standard "
-                "library and ignores paths: set data.corpus to 'text', 'jsonl' or 'parquet', or remove data.paths"
-            )
-        source = _stdlib_documents(stats)
-    elif cfg.corpus in _SUFFIXES:
-        files = _resolve_paths(cfg.paths, cfg.corpus)
-        if cfg.corpus == "text":
-            source = _text_documents(files, stats)
-        elif cfg.corpus == "jsonl":
-            source = _jsonl_documents(files, cfg.text_field, stats)
-        else:
-            source = _parquet_documents(files, cfg.text_field)
-    else:
-        raise DataError(f"data.corpus={cfg.corpus!r} is not a corpus kind: use one of {', '.join(CORPUS_KINDS)}")
+    source = read_files(cfg.corpus, corpus_files(cfg), cfg.text_field, stats)
     for origin, doc in source:
         if not doc.text.strip():
             stats.empty += 1
@@ -109,6 +93,37 @@ def iter_documents(cfg, stats: Optional[CorpusStats] = None) -> Iterator[Documen
         )
 
 
+def corpus_files(cfg) -> List[Tuple[str, str]]:
+    """(source name, path) of every file of the corpus, in corpus order: what `read_files` reads. The source name
+    is what the quality gate names (for stdlib, the path relative to the standard library, also the id)."""
+    if cfg.corpus == "stdlib":
+        if len(cfg.paths):
+            raise DataError(
+                f"data.paths={list(cfg.paths)} is set but data.corpus is 'stdlib', which reads the standard "
+                "library and ignores paths: set data.corpus to 'text', 'jsonl' or 'parquet', or remove data.paths"
+            )
+        root = stdlib_root()
+        return [(rel, str(root / rel)) for rel in _stdlib_files(root)]
+    if cfg.corpus in _SUFFIXES:
+        return [(str(path), str(path)) for path in _resolve_paths(cfg.paths, cfg.corpus)]
+    raise DataError(f"data.corpus={cfg.corpus!r} is not a corpus kind: use one of {', '.join(CORPUS_KINDS)}")
+
+
+def read_files(kind: str, files: List[Tuple[str, str]], text_field: str, stats: CorpusStats
+               ) -> Iterator[Tuple[str, Document]]:
+    """(source name, document) of each document of `files` (from `corpus_files`), empty ones included, in order.
+    Any file is read the same way whichever process reads it (the Ray engine reads groups of files on workers).
+    A file that cannot be read is a DataError naming it."""
+    readers = {"stdlib": _stdlib_documents, "text": _text_documents, "jsonl": _jsonl_documents,
+               "parquet": _parquet_documents}
+    for name, path in files:
+        try:
+            yield from readers[kind](name, Path(path), text_field, stats)
+        except OSError as err:
+            raise DataError(f"cannot read {path} ({err.strerror or err}): check that every machine reading the "
+                            "corpus sees this file (and may read it), or remove it from data.paths") from None
+
+
 def read_documents(cfg, stats: Optional[CorpusStats] = None) -> List[Document]:
     return list(iter_documents(cfg, stats))
 
@@ -122,6 +137,10 @@ def corpus_fingerprint(docs) -> str:
     return fingerprint.hexdigest()
 
 
+def text_digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8")).digest()
+
+
 class Fingerprint:
     """corpus_fingerprint fed one document at a time (prepare's streaming passes)."""
 
@@ -129,27 +148,33 @@ class Fingerprint:
         self._h = hashlib.sha256()
 
     def add(self, doc: Document) -> None:
-        doc_id = doc.id.encode("utf-8")
-        self._h.update(len(doc_id).to_bytes(8, "little"))
-        self._h.update(doc_id)
-        self._h.update(hashlib.sha256(doc.text.encode("utf-8")).digest())
+        self.add_digest(doc.id, text_digest(doc.text))
+
+    def add_digest(self, doc_id: str, digest: bytes) -> None:
+        """Add a document by its id and `text_digest` (the Ray engine's workers hash the texts)."""
+        encoded = doc_id.encode("utf-8")
+        self._h.update(len(encoded).to_bytes(8, "little"))
+        self._h.update(encoded)
+        self._h.update(digest)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
 
 
-# The source generators yield (source file, document): the file is what the quality gate names.
-def _stdlib_documents(stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
-    root = stdlib_root()
+# The source generators yield (source file, document) of one file: the file is what the quality gate names.
+def _stdlib_files(root: Path) -> List[str]:
     rel_paths = []
     # os.walk with pruning, not rglob: site-packages can hold hundreds of MB that we would otherwise list (30x slower).
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in _STDLIB_SKIP_DIRS]
         rel = Path(folder).relative_to(root)
         rel_paths += [(rel / f).as_posix() for f in files if f.endswith(".py")]
-    for rel in sorted(rel_paths):
-        # A few test files are deliberately in other encodings: kept, with their odd bytes replaced and counted.
-        yield rel, Document(id=rel, text=decode_utf8((root / rel).read_bytes(), stats, rel))
+    return sorted(rel_paths)
+
+
+def _stdlib_documents(rel: str, path: Path, _field: str, stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
+    # A few test files are deliberately in other encodings: kept, with their odd bytes replaced and counted.
+    yield rel, Document(id=rel, text=decode_utf8(path.read_bytes(), stats, rel))
 
 
 def _resolve_paths(paths, kind: str) -> List[Path]:
@@ -203,20 +228,22 @@ def decode_utf8(data: bytes, stats: CorpusStats, source: Optional[str] = None) -
         return text
 
 
-def _text_documents(files: List[Path], stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
-    for path in files:
-        yield str(path), Document(id=str(path), text=decode_utf8(path.read_bytes(), stats, str(path)))
+def _text_documents(name: str, path: Path, _field: str, stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
+    yield name, Document(id=name, text=decode_utf8(path.read_bytes(), stats, name))
 
 
-def _jsonl_documents(files: List[Path], text_field: str, stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
-    for path in files:
-        source = str(path)
-        for where, text in jsonl_records(path, text_field, lambda raw, s=source: decode_utf8(raw, stats, s)):
-            yield source, Document(id=where, text=text)
+def _jsonl_documents(name: str, path: Path, text_field: str, stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
+    for where, text in jsonl_records(path, text_field, lambda raw: decode_utf8(raw, stats, name)):
+        yield name, Document(id=where, text=text)
 
 
-def _parquet_documents(files: List[Path], text_field: str) -> Iterator[Tuple[str, Document]]:
+def _parquet_documents(name: str, path: Path, text_field: str, _stats) -> Iterator[Tuple[str, Document]]:
     # Parquet strings are UTF-8 already validated by pyarrow: nothing to replace or count.
-    for path in files:
-        for where, text in parquet_records(path, text_field):
-            yield str(path), Document(id=where, text=text or "")
+    for where, text in parquet_records(path, text_field):
+        yield name, Document(id=where, text=text or "")
+
+
+def is_validation(doc_id: str, split_seed: int, val_fraction: float) -> bool:
+    """A document's split depends only on its id and the seed: adding documents never moves existing ones."""
+    digest = hashlib.sha256(f"{split_seed}\0{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction

@@ -35,7 +35,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -139,24 +139,40 @@ class StreamingDeduplication:
 
     def finish(self) -> "Decisions":
         self._first.clear()
-        cfg, n = self.cfg, len(self.sizes)
-        near_removed: Dict[int, Dict] = {}
-        near_report: Dict = {"enabled": cfg.near}
+        cfg, signatures = self.cfg, None
         if self._spill is not None:
             start = time.perf_counter()
             signatures = self._spill.finish()
             self.seconds["signatures"] = self._signature_seconds + time.perf_counter() - start
-            if len(self.candidates) > 1:
-                near_removed, near_report = _near(signatures, np.frombuffer(self.candidates, dtype=np.int64), cfg,
-                                                  self.basename, self.seconds, self._spill.processes)
-            else:
-                near_report.update(_shape_report(cfg))
-                self.seconds.pop("signatures")
-        removed = np.zeros(n, dtype=bool)
-        for group in (self.empty, list(self.exact_removed), list(near_removed)):
-            removed[np.asarray(group, dtype=np.int64)] = True
-        return Decisions(removed, np.frombuffer(self.sizes, dtype=np.int64), self.empty, self.exact_removed,
-                         near_removed, near_report, cfg, self.seconds)
+        processes = self._spill.processes if self._spill is not None else 1
+        return decide(cfg, np.frombuffer(self.sizes, dtype=np.int64), self.empty, self.exact_removed,
+                      np.frombuffer(self.candidates, dtype=np.int64), signatures, self.seconds, processes,
+                      lambda rows, bands, r: candidate_pairs(rows, cfg, bands, r, self.basename))
+
+
+def decide(cfg: DeduplicationConfig, sizes: np.ndarray, empty: List[int], exact_removed: Dict[int, int],
+           candidates: np.ndarray, signatures: Optional[np.ndarray], seconds: Dict[str, float], processes: int,
+           pairs: Callable) -> "Decisions":
+    """The decisions from what the exact stage left (`candidates`, document indices in increasing order) and their
+    signatures (None: near stage off); `pairs(signatures, bands, rows)` gives the LSH candidate pairs (sorted, each
+    once) and how the index was kept. Both engines end here, so they decide alike from the same pairs."""
+    near_removed: Dict[int, Dict] = {}
+    near_report: Dict = {"enabled": cfg.near}
+    if signatures is not None:
+        if len(candidates) > 1:
+            start = time.perf_counter()
+            bands, rows = bands_rows(cfg)
+            left, right, index = pairs(signatures, bands, rows)
+            seconds["lsh"] = time.perf_counter() - start
+            near_removed, near_report = near_decisions(signatures, candidates, left, right, index, cfg, seconds,
+                                                       processes)
+        else:
+            near_report.update(shape_report(cfg))
+            seconds.pop("signatures", None)
+    removed = np.zeros(len(sizes), dtype=bool)
+    for group in (empty, list(exact_removed), list(near_removed)):
+        removed[np.asarray(group, dtype=np.int64)] = True
+    return Decisions(removed, sizes, empty, exact_removed, near_removed, near_report, cfg, seconds)
 
 
 @dataclass
@@ -228,15 +244,12 @@ class Decisions:
         return out
 
 
-def _near(signatures: np.ndarray, candidates: np.ndarray, cfg: DeduplicationConfig, basename: bytes, seconds: Dict,
-          processes: int):
-    """LSH candidates → (verified) edges → clusters over the signatures of `candidates` (document indices).
-    Returns {removed index: its record} and a report whose clusters name documents by index."""
-    start = time.perf_counter()
+def near_decisions(signatures: np.ndarray, candidates: np.ndarray, left: np.ndarray, right: np.ndarray, index: Dict,
+                   cfg: DeduplicationConfig, seconds: Dict, processes: int):
+    """Candidate pairs (sorted, each once, as positions among `candidates`) → (verified) edges → clusters:
+    {removed index: its record} and a report naming documents by index. Shared by the local and the Ray engine
+    (lit_pretrain/data/ray_engine.py), so that the two cannot decide differently from the same pairs."""
     bands, rows = bands_rows(cfg)
-    left, right, index = candidate_pairs(signatures, cfg, bands, rows, basename)
-    seconds["lsh"] = time.perf_counter() - start
-
     start = time.perf_counter()
     estimates = estimated_jaccard(signatures, left, right)
     accepted = estimates >= cfg.threshold if cfg.verify else np.ones(len(left), dtype=bool)
@@ -248,7 +261,7 @@ def _near(signatures: np.ndarray, candidates: np.ndarray, cfg: DeduplicationConf
     largest = sorted(groups.values(), key=lambda g: (-len(g), g[0]))[:_LARGEST_CLUSTERS]
     report = {
         "enabled": True,
-        **_shape_report(cfg, bands, rows),
+        **shape_report(cfg, bands, rows),
         "processes": processes,
         "signature_bytes": int(signatures.nbytes),
         "index": index,
@@ -285,7 +298,7 @@ def _near_records(signatures: np.ndarray, candidates: List[int], groups: Dict[in
             for (r, m), j in zip(members, to_kept.tolist())}
 
 
-def _shape_report(cfg: DeduplicationConfig, bands: Optional[int] = None, rows: Optional[int] = None) -> Dict:
+def shape_report(cfg: DeduplicationConfig, bands: Optional[int] = None, rows: Optional[int] = None) -> Dict:
     if bands is None:
         bands, rows = bands_rows(cfg)
     return {

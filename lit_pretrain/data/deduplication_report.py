@@ -118,5 +118,7 @@ def format_report(report: Dict) -> str:
             for c in near["largest_clusters"]:
                 rows.append(f"    cluster of {c['size']}: keeps {c['kept']}, removes {', '.join(c['removed_examples'])}"
                             + (" ..." if c["size"] - 1 > len(c["removed_examples"]) else ""))
-    rows.append("  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in report["seconds"].items()))
+    engine = report.get("engine")  # absent from reports of deduplicate() alone, outside prepare
+    where = f" ({engine['name']} engine, {engine['workers']} workers)" if engine else ""
+    rows.append(f"  seconds{where}: " + ", ".join(f"{k} {v:.2f}" for k, v in report["seconds"].items()))
     return "\n".join(rows)

@@ -6,6 +6,7 @@ Jaccard similarity s agrees on one row with probability s, so it becomes a candi
 1 - (1 - s^r)^b.
 """
 
+import pickle
 import re
 import uuid
 from typing import Dict, List, Tuple
@@ -18,6 +19,9 @@ from lit_pretrain.errors import DataError
 
 REPORTED_SIMILARITIES = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 _SCHEME = "affine32"  # datasketch 2.0's default, the scheme of minhash.template()
+# Redis round trips: documents are inserted and queried this many at a time, one script call per band (below): a
+# query one document at a time made the Redis index 35x slower than the in-memory one (issue 19).
+_REDIS_BATCH = 10_000
 
 
 def candidate_probability(s: float, bands: int, rows: int) -> float:
@@ -102,19 +106,25 @@ def candidate_pairs(signatures: np.ndarray, cfg, bands: int, rows: int, basename
     lsh = MinHashLSH(num_perm=signatures.shape[1], params=(bands, rows), storage_config=storage_config(cfg, basename))
     seed = cfg.seed
     try:
-        with lsh.insertion_session(buffer_size=10_000) as session:
+        if cfg.storage == "redis":
+            _batched_inserts(lsh, signatures)
+            left, right = _batched_queries(lsh, signatures)
+        else:
+            with lsh.insertion_session(buffer_size=_REDIS_BATCH) as session:
+                for i, row in enumerate(signatures):
+                    session.insert(i, _lean(row, seed), check_duplication=False)
+            left, right = [], []
             for i, row in enumerate(signatures):
-                session.insert(i, _lean(row, seed), check_duplication=False)
-        left: List[int] = []
-        right: List[int] = []
-        for i, row in enumerate(signatures):
-            for j in lsh.query(_lean(row, seed)):
-                if j > i:
-                    left.append(i)
-                    right.append(j)
+                for j in lsh.query(_lean(row, seed)):
+                    if j > i:
+                        left.append(i)
+                        right.append(j)
     finally:
         if cfg.storage == "redis" and not named:
-            drop_redis_index(cfg, basename)
+            drop = lsh.keys._redis.register_script(_DROP)
+            for table in (*lsh.hashtables, lsh.keys):
+                drop(keys=[table._name])
+            drop_redis_index(cfg, basename)  # anything else under the prefix (none when all went well)
     order = np.lexsort((np.asarray(right, dtype=np.int64), np.asarray(left, dtype=np.int64)))
     pairs_left = np.asarray(left, dtype=np.int64)[order]
     pairs_right = np.asarray(right, dtype=np.int64)[order]
@@ -123,6 +133,175 @@ def candidate_pairs(signatures: np.ndarray, cfg, bands: int, rows: int, basename
         where.update(redis=f"{cfg.redis_host}:{cfg.redis_port}/{cfg.redis_db}", basename=basename.decode(),
                      kept=bool(named))
     return pairs_left, pairs_right, where
+
+
+# datasketch's Redis layout, written and read a batch at a time by scripts that run inside Redis: a table (band
+# bucket tables are sets, the keys table a list) is a hash KEYS[1] from each entry's name to its Redis key,
+# KEYS[1] .. name, which holds the values (datasketch's RedisStorage.redis_key and _insert). One script call per
+# table and batch: redis-py spends ~50 us of Python per command, and datasketch's insertion_session sends 2 per
+# band and document (30 at 14 bands), which made inserts alone 10x the in-memory stage. Bucket names all have the
+# same width (a band's values as bytes), so a batch's names travel as one string ARGV[1] of width ARGV[2] each.
+_INSERT_SETS = """
+local names, width = ARGV[1], tonumber(ARGV[2])
+for i = 3, #ARGV do
+  local name = string.sub(names, (i - 3) * width + 1, (i - 2) * width)
+  local key = KEYS[1] .. name
+  redis.call('HSET', KEYS[1], name, key)
+  redis.call('SADD', key, ARGV[i])
+end
+return 0
+"""
+# The keys table: document ARGV[i] (i >= 4) -> its ARGV[3] bucket names, in band order.
+_INSERT_LISTS = """
+local names, width, bands = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 4, #ARGV do
+  local key = KEYS[1] .. ARGV[i]
+  local values = {}
+  for b = 1, bands do
+    local at = ((i - 4) * bands + b - 1) * width
+    values[b] = string.sub(names, at + 1, at + width)
+  end
+  redis.call('HSET', KEYS[1], ARGV[i], key)
+  redis.call('RPUSH', key, unpack(values))
+end
+return 0
+"""
+# Only buckets of 2 or more come back, each after its position among the names: most buckets hold only the row
+# queried, and reading every reply element costs the client more than the server's work.
+_SHARED = """
+local names, width = ARGV[1], tonumber(ARGV[2])
+local out = {}
+for i = 1, #names / width do
+  local key = KEYS[1] .. string.sub(names, (i - 1) * width + 1, i * width)
+  if redis.call('SCARD', key) > 1 then
+    out[#out + 1] = i
+    out[#out + 1] = redis.call('SMEMBERS', key)
+  end
+end
+return out
+"""
+# Deletes a table and the keys its hash names, a few thousand per DEL.
+_DROP = """
+local keys = redis.call('HVALS', KEYS[1])
+for i = 1, #keys, 4096 do
+  redis.call('DEL', unpack(keys, i, math.min(i + 4095, #keys)))
+end
+redis.call('DEL', KEYS[1])
+return #keys
+"""
+
+
+def _batched_inserts(lsh: MinHashLSH, signatures: np.ndarray) -> None:
+    """What `session.insert(i, signature)` does for every row inside datasketch's insertion_session (check_duplication
+    off), as one script call per table and batch: the same keys and values, so any datasketch MinHashLSH attached to
+    the same basename reads the index as its own."""
+    client = lsh.keys._redis
+    insert_sets, insert_lists = client.register_script(_INSERT_SETS), client.register_script(_INSERT_LISTS)
+    width = lsh.r * signatures.dtype.itemsize
+    for start in range(0, len(signatures), _REDIS_BATCH):
+        block = signatures[start : start + _REDIS_BATCH]
+        keys = [pickle.dumps(i) for i in range(start, start + len(block))]  # datasketch's prepickle of the key
+        buckets = [_names(lsh, block, lo, hi) for lo, hi in lsh.hashranges]
+        per_document = b"".join(b"".join(band[k * width : (k + 1) * width] for band in buckets)
+                                for k in range(len(block)))
+        insert_lists(keys=[lsh.keys._name], args=[per_document, width, len(buckets), *keys])
+        for table, band in zip(lsh.hashtables, buckets):
+            insert_sets(keys=[table._name], args=[band, width, *keys])
+
+
+def _names(lsh: MinHashLSH, block: np.ndarray, lo: int, hi: int) -> bytes:
+    """The bucket names of rows `block` in band [lo, hi), concatenated: each is datasketch's `_H` (the band's values,
+    byte-swapped, as bytes), computed for all rows at once."""
+    names = np.ascontiguousarray(block[:, lo:hi]).byteswap().tobytes()
+    assert names[: (hi - lo) * block.dtype.itemsize] == lsh._H(block[0, lo:hi])  # the layout datasketch reads
+    return names
+
+
+def _batched_queries(lsh: MinHashLSH, signatures: np.ndarray) -> Tuple[List[int], List[int]]:
+    """What `lsh.query` returns for every row, as pairs (i, j > i), reading a batch of rows' buckets of one band in
+    one script call instead of one bucket at a time: the same buckets are read, so the same pairs come back."""
+    shared = lsh.keys._redis.register_script(_SHARED)
+    left: List[int] = []
+    right: List[int] = []
+    for start in range(0, len(signatures), _REDIS_BATCH):
+        block = signatures[start : start + _REDIS_BATCH]
+        found = [set() for _ in range(len(block))]
+        for (lo, hi), table in zip(lsh.hashranges, lsh.hashtables):
+            reply = shared(keys=[table._name], args=[_names(lsh, block, lo, hi), (hi - lo) * block.dtype.itemsize])
+            for position, bucket in zip(reply[::2], reply[1::2]):
+                found[position - 1].update(bucket)
+        for i, seen in enumerate(found, start):
+            for j in sorted(_int_key(key) for key in seen):
+                if j > i:
+                    left.append(i)
+                    right.append(j)
+    return left, right
+
+
+def _int_key(data: bytes) -> int:
+    """The int datasketch pickled as a Redis key (its prepickle), decoded without unpickling: nothing read from a
+    server is executed. Pickle protocol 4/5 ints: an optional frame, then K (1 byte), M (2), J (4, signed) or
+    LONG1; checked by pickling the value again."""
+    body = data[2:] if data[:1] == b"\x80" else b""
+    if body[:1] == b"\x95":
+        body = body[9:]
+    op, rest = body[:1], body[1:]
+    widths = {b"K": 1, b"M": 2, b"J": 4}
+    if op in widths:
+        value = int.from_bytes(rest[: widths[op]], "little", signed=op == b"J")
+    elif op == b"\x8a" and rest:
+        value = int.from_bytes(rest[1 : 1 + rest[0]], "little", signed=True)
+    else:
+        value = None
+    if value is None or pickle.dumps(value, protocol=data[1] if len(data) > 1 else None) != data:
+        raise DataError(f"the Redis LSH index holds a key that is not one of ours ({data[:40]!r}): use a fresh "
+                        "data.deduplication.redis_basename")
+    return value
+
+
+def band_pairs(signatures: np.ndarray, bands: int, rows: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The candidate pairs datasketch's MinHashLSH gives for these signatures (every row inserted, then every row
+    queried: `candidate_pairs` with storage=memory), computed with numpy: band k is columns [k*r, (k+1)*r), the
+    same slices MinHashLSH hashes (`hashranges`), and rows whose slices are equal share its bucket. Sorted (i < j)
+    pairs, each once. Used by the Ray engine, whose reducers call `bucket_pairs` on their share of the buckets."""
+    n = len(signatures)
+    codes = []
+    positions = np.arange(n, dtype=np.int64)
+    for band in range(bands):
+        a, b = bucket_pairs(signatures[:, band * rows : (band + 1) * rows], positions)
+        codes.append(a * n + b)
+    return unique_pairs(codes, n)
+
+
+def unique_pairs(codes: List[np.ndarray], n: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Pairs coded as i * n + j, merged from several bands (or reducers): sorted by (i, j), each once."""
+    merged = np.unique(np.concatenate(codes)) if codes else np.empty(0, dtype=np.int64)
+    return (merged // n).astype(np.int64), (merged % n).astype(np.int64)
+
+
+def bucket_pairs(keys: np.ndarray, positions: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """All pairs (positions[a], positions[b]), smaller first, of rows of `keys` (one band's values, a row per
+    document) that are equal: sort the rows, cut the runs of equal ones, and pair the members of each run."""
+    if len(keys) < 2:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    keys = np.ascontiguousarray(keys)
+    order = np.lexsort(keys.T[::-1])
+    ranked = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], (ranked[1:] != ranked[:-1]).any(axis=1), [True])))
+    sizes = np.diff(starts)
+    left, right = [], []
+    for size in np.unique(sizes[sizes > 1]).tolist():
+        # Every run of this size at once: (runs, pairs within a run) positions into `order`.
+        first = starts[:-1][sizes == size]
+        a, b = np.triu_indices(size, 1)
+        members = positions[order[first[:, None] + np.arange(size)]]  # (runs, size)
+        lo = np.minimum(members[:, a], members[:, b]).ravel()
+        hi = np.maximum(members[:, a], members[:, b]).ravel()
+        left.append(lo)
+        right.append(hi)
+    if not left:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    return np.concatenate(left), np.concatenate(right)
 
 
 def _lean(row: np.ndarray, seed: int) -> LeanMinHash:

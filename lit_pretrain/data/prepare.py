@@ -10,12 +10,14 @@ known only once all signatures are in the LSH index), while the tokenizer must b
           documents train the tokenizer (a bounded prefix read) → every document tokenized in parallel processes
           (data.tokenize_workers) and written in corpus order to its split's shards, removed ones only counted.
 
+With data.engine=ray both passes run as tasks on a Ray cluster (data/ray_engine.py) and write the same folder,
+byte for byte; the tokenizer is trained here either way.
+
 A prepared folder is written once: everything goes into a temporary sibling folder that is renamed into place at
 the end, so a crash or a refused input leaves no half-written `data.prepared_dir`. Calling `prepare` again with
 the same content-determining config verifies and returns the existing manifest; any other config is refused.
 """
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -32,6 +34,7 @@ from lit_pretrain.data.corpus import (
     Fingerprint,
     corpus_fingerprint,
     corpus_roots,
+    is_validation,
     iter_documents,
 )
 from lit_pretrain.data.deduplicate import Decisions, StreamingDeduplication
@@ -42,13 +45,13 @@ from lit_pretrain.data.deduplication_report import (
     write_removed,
     write_report,
 )
+from lit_pretrain.data.progress import stage_line
 from lit_pretrain.data.quality import check_quality
 from lit_pretrain.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
     TOKENIZER_FILE,
-    ShardWriter,
     check_config,
     content_config,
     load_manifest,
@@ -57,7 +60,15 @@ from lit_pretrain.data.shards import (
     verify_shards,
     write_manifest,
 )
-from lit_pretrain.data.tokenize_stage import COUNT, TRAIN, VAL, chunks, encode_in_order, remember_tokenizer
+from lit_pretrain.data.tokenize_stage import (
+    COUNT,
+    TRAIN,
+    VAL,
+    chunks,
+    encode_in_order,
+    remember_tokenizer,
+    write_encoded,
+)
 from lit_pretrain.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_sha256, train_tokenizer
 from lit_pretrain.errors import DataError
 from lit_pretrain.paths import safe_rmtree
@@ -75,6 +86,24 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     if cfg.tokenizer_path:  # a tokenizer without the named tokens, or too large for the dtype, is refused before
         loaded = load_tokenizer(cfg.tokenizer_path, cfg.eos_token, cfg.bos_token)  # the corpus is read
         token_dtype(_id_count(loaded), cfg.token_dtype, cfg.tokenizer_path)
+    with _engine(cfg, log) as engine:
+        return _prepare(cfg, out, loaded, engine, log)
+
+
+@contextmanager
+def _engine(cfg, log: Callable[[str], None]):
+    """None for data.engine=local; for ray, a session on the cluster, opened before anything is written (an
+    unreachable data.ray_address leaves no folder behind)."""
+    if cfg.engine != "ray":
+        yield None
+        return
+    from lit_pretrain.data import ray_engine
+
+    with ray_engine.session(cfg, log) as session:
+        yield session
+
+
+def _prepare(cfg, out: Path, loaded, engine, log: Callable[[str], None]) -> Dict:
     seconds: Dict[str, float] = {}
     start = time.perf_counter()
     # The folders above `out` that this call makes: removed again (when still empty) if it fails.
@@ -85,16 +114,35 @@ def prepare(cfg, log: Callable[[str], None] = print) -> Dict:
     try:
         stats = CorpusStats()
         with _timed(seconds, "read_deduplicate"):
-            fingerprint, quality, decided, in_val = _first_pass(cfg, stats, tmp)
+            if engine is None:
+                fingerprint, quality, decided, in_val = _first_pass(cfg, stats, tmp)
+            else:
+                from lit_pretrain.data import ray_engine
+
+                fingerprint, quality, decided, in_val, groups = ray_engine.first_pass(cfg, engine, stats, log)
         dedup_report_corpus = {"invalid_utf8_documents": stats.invalid_utf8_documents,
                                "invalid_utf8_sequences": stats.invalid_utf8_sequences, "dropped_empty": stats.empty}
+        stage_line(log, cfg.engine, "read and deduplicate", stats.documents, seconds["read_deduplicate"])
         _check_splits(cfg, decided.removed, in_val)
         with _timed(seconds, "tokenizer"):
             tok_info = _tokenizer_stage(cfg, loaded, decided.removed, in_val, tmp)
         with _timed(seconds, "tokenize"):
-            splits, entropy, tokens_removed, ids = _tokenize_stage(cfg, tok_info, decided, in_val, tmp, fingerprint)
+            if engine is None:
+                splits, entropy, tokens_removed, ids = _tokenize_stage(cfg, tok_info, decided, in_val, tmp,
+                                                                       fingerprint)
+            else:
+                splits, counts, tokens_removed, ids = ray_engine.tokenize_pass(
+                    cfg, engine, tok_info, tmp, decided, in_val, fingerprint, groups, log)
+                entropy = unigram_entropy_nats(counts)
+        stage_line(log, cfg.engine, "tokenize", stats.documents, seconds["tokenize"])
         tokens_after = sum(splits[split]["tokens"] for split in SPLITS)
         dedup_report = decided.report(ids)
+        # How, not what: the engine and its workers, and the seconds of each stage (deduplication.json only, never
+        # the manifest's content).
+        dedup_report["engine"] = {"name": cfg.engine, "workers": engine.workers if engine else
+                                  decided.near_report.get("processes", 1), "ray_address": cfg.ray_address}
+        dedup_report["seconds"].update(read_deduplicate=round(seconds["read_deduplicate"], 3),
+                                       tokenizer=round(seconds["tokenizer"], 3), tokenize=round(seconds["tokenize"], 3))
         dedup_report["corpus"] = dedup_report_corpus
         dedup_report.update(tokens_before=tokens_after + tokens_removed, tokens_after=tokens_after)
         seconds["total"] = time.perf_counter() - start
@@ -220,12 +268,6 @@ def reuse_prepared(out: Path, cfg, log: Callable[[str], None] = print) -> Option
     return manifest
 
 
-def is_validation(doc_id: str, split_seed: int, val_fraction: float) -> bool:
-    """A document's split depends only on its id and the seed: adding documents never moves existing ones."""
-    digest = hashlib.sha256(f"{split_seed}\0{doc_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction
-
-
 def split_documents(docs: List[Document], cfg) -> Dict[str, List[Document]]:
     out: Dict[str, List[Document]] = {"train": [], "val": []}
     for doc in docs:
@@ -348,20 +390,9 @@ def write_shards(cfg, tok_info: Dict, folder: Path, docs: Iterable[Tuple[int, st
     """Tokenize (destination, text, id) triples in order into `folder`'s train and val shards with `folder`'s
     tokenizer, in cfg.tokenize_workers processes. Returns the splits' entries, the train token counts by id, and
     the tokens of the documents only counted."""
-    dtype = np.dtype(tok_info["dtype"])
-    writers = [ShardWriter(folder, split, cfg.shard_tokens, dtype, tok_info["vocab_size"]) for split in SPLITS]
-    removed_tokens = 0
-    for where, flat, lengths in encode_in_order(chunks(docs), str(folder / tok_info["file"]), tok_info["bos_id"],
-                                                tok_info["eod_id"], dtype.name, cfg.tokenize_workers):
-        dest = np.frombuffer(where, dtype=np.uint8)
-        removed_tokens += int(lengths[dest == COUNT].sum())
-        kept = lengths[dest != COUNT]
-        pieces = np.split(flat, np.cumsum(kept)[:-1]) if len(kept) else []
-        kept_dest = dest[dest != COUNT]
-        for split in (TRAIN, VAL):
-            writers[split].write([p for p, d in zip(pieces, kept_dest) if d == split])
-    splits = {split: writers[k].close() for k, split in enumerate(SPLITS)}
-    return splits, writers[TRAIN].counts, removed_tokens
+    return write_encoded(cfg, tok_info, folder, encode_in_order(
+        chunks(docs), str(folder / tok_info["file"]), tok_info["bos_id"], tok_info["eod_id"], tok_info["dtype"],
+        cfg.tokenize_workers))
 
 
 @contextmanager

@@ -9,11 +9,13 @@ interpreters that load the tokenizer file once and never import the caller's mai
 This module imports neither torch nor Lightning: it is what each worker loads.
 """
 
+from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from lit_pretrain.data.shards import SPLITS, ShardWriter
 from lit_pretrain.workers import WorkerPool
 
 # encode_batch parallelizes across the texts of one call (Rust threads); ~4 MB a call keeps the cores busy while
@@ -120,3 +122,22 @@ def encode_in_order(pieces: Iterable[Tuple[List[str], bytes, str]], tokenizer_fi
             where_out, (ids, lengths) = done.pop(next_out)
             yield where_out, ids, lengths
             next_out += 1
+
+
+def write_encoded(cfg, tok_info: Dict, folder: Path, encoded: Iterable[Tuple[bytes, np.ndarray, np.ndarray]]):
+    """Write (destinations, ids, lengths) of consecutive chunks of documents (tokenize_stage.encode_chunk's output,
+    with the destinations), in order, into `folder`'s shards: write_shards' second half, shared with the Ray engine
+    so that both write the same bytes from the same ids."""
+    dtype = np.dtype(tok_info["dtype"])
+    writers = [ShardWriter(folder, split, cfg.shard_tokens, dtype, tok_info["vocab_size"]) for split in SPLITS]
+    removed_tokens = 0
+    for where, flat, lengths in encoded:
+        dest = np.frombuffer(where, dtype=np.uint8)
+        removed_tokens += int(lengths[dest == COUNT].sum())
+        kept = lengths[dest != COUNT]
+        pieces = np.split(flat, np.cumsum(kept)[:-1]) if len(kept) else []
+        kept_dest = dest[dest != COUNT]
+        for split in (TRAIN, VAL):
+            writers[split].write([p for p, d in zip(pieces, kept_dest) if d == split])
+    splits = {split: writers[k].close() for k, split in enumerate(SPLITS)}
+    return splits, writers[TRAIN].counts, removed_tokens
