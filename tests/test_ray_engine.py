@@ -64,7 +64,7 @@ def ray_session(tmp_path_factory):
 
     hooks = tmp_path_factory.mktemp("ray-hooks")
     os.environ[ray_engine.KILL_HOOK] = str(hooks)  # before ray.init: the workers inherit it
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray_engine.init_local(ray, 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         yield hooks
     finally:
@@ -189,3 +189,49 @@ def test_numpy_banding_gives_minhashlsh_candidate_pairs(corpus):
         assert len(want_left) > 20
         np.testing.assert_array_equal(left, want_left)
         np.testing.assert_array_equal(right, want_right)
+
+
+def _listening(pids) -> list:
+    """(address, port) of every TCP socket in LISTEN state owned by one of `pids` (from /proc: no ss needed)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue  # a process that ended meanwhile
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
+                address, port = fields[1].split(":")
+                found.append((address, int(port, 16)))
+    return found
+
+
+def test_the_local_cluster_listens_on_loopback_only(ray_session):
+    import ray
+
+    # Every process of the session: Ray's servers are children of this process (GCS, raylet, workers).
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    ours = [p for p in pids if _ancestor(p, os.getpid())]
+    sockets = _listening(ours)
+    assert len(sockets) >= 3, sockets  # the GCS, the raylet and the object manager at least
+    loopback = ("0100007F", "0000000000000000FFFF00000100007F")  # 127.0.0.1 in tcp and as IPv4-mapped in tcp6
+    assert all(address in loopback for address, _ in sockets), sockets
+    assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
+
+
+def _ancestor(pid: int, root: int) -> bool:
+    """Whether `root` is `pid`'s ancestor (or `pid` itself)."""
+    while pid > 1:
+        if pid == root:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False

@@ -195,6 +195,7 @@ def measure(docs: int = _DOCS) -> List[Dict]:
     except ImportError:  # the Ray cases need the extra; the others are measured without them
         ray = None
     from lit_pretrain.data.lsh import bands_rows
+    from lit_pretrain.data import ray_engine
     from lit_pretrain.data.ray_engine import Session
 
     work = Path(tempfile.mkdtemp(prefix="lit-pretrain-bench-engines-"))
@@ -209,7 +210,7 @@ def measure(docs: int = _DOCS) -> List[Dict]:
         bands, rows = bands_rows(dedup)
         cases, two_s = [], None
         if ray is not None:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            ray_engine.init_local(ray, 2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
             try:
                 _ray(cfg, Session(ray, 2, "local", 1.0))  # warm-up: starts the workers
                 two_s, two = _ray(cfg, Session(ray, 2, "local", 1.0))

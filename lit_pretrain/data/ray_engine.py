@@ -80,6 +80,24 @@ def check(cfg) -> None:
                         "LSH buckets by a shuffle on the cluster: set data.deduplication.storage=memory")
 
 
+def init_local(ray, num_cpus: int, **kwargs) -> None:
+    """Start a one-machine Ray cluster whose servers (GCS, raylet, workers, object manager) listen on loopback only.
+
+    Ray binds its servers to the node's IP, which it takes from the machine's outward interface unless Ray believes
+    it runs on a laptop (ray_constants.ENABLE_RAY_CLUSTER false: then the node IP is 127.0.0.1). A local cluster
+    needs no outside connection, and a Ray server runs whatever a client sends it (SECURITY.md), so the flag is
+    lowered for the start and put back after: a later connection to a real cluster from this process is unaffected.
+    """
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
 @contextmanager
 def session(cfg, log: Callable[[str], None] = print) -> Iterator[Session]:
     """A Ray session for the stage: the caller's when Ray is already initialized (tests, notebooks), else a
@@ -91,7 +109,7 @@ def session(cfg, log: Callable[[str], None] = print) -> Iterator[Session]:
         quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
         address = cfg.ray_address
         if address is None:
-            ray.init(num_cpus=cfg.workers or os.cpu_count() or 1, **quiet)
+            init_local(ray, cfg.workers or os.cpu_count() or 1, **quiet)
         else:
             _check_reachable(address)
             try:
