@@ -194,8 +194,8 @@ def measure(docs: int = _DOCS) -> List[Dict]:
         import ray
     except ImportError:  # the Ray cases need the extra; the others are measured without them
         ray = None
-    from lit_pretrain.data.lsh import bands_rows
     from lit_pretrain.data import ray_engine
+    from lit_pretrain.data.lsh import bands_rows
     from lit_pretrain.data.ray_engine import Session
 
     work = Path(tempfile.mkdtemp(prefix="lit-pretrain-bench-engines-"))
