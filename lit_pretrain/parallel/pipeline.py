@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_pretrain.losses import lm_losses
 from lit_pretrain.model import softcap
 from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
 
@@ -174,8 +175,6 @@ class PipelineRunner:
     def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # fp32 cross-entropy (and optim.z_loss) as in PretrainModule.losses; scaled so gradients match Lightning's
         # accumulation. The parts are kept apart for logging: the schedule sees only their sum.
-        from lit_pretrain.module import lm_losses
-
         task, z = lm_losses(logits, target, self.z_loss)
         self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(())]))
         return (task if z is None else task + z) * self.scale
