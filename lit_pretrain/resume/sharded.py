@@ -404,3 +404,25 @@ def read_trainer_state(folder: Path) -> Dict[str, Any]:
         return torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
     except Exception as err:
         raise DataError(f"checkpoint {folder / TRAINER_STATE} cannot be read as a weights-only file ({err})") from None
+
+
+def as_single_checkpoint(folder: Path) -> Dict[str, Any]:
+    """The folder as the one-file checkpoint of one process would hold it (single-process state dict under
+    `model.`, AdamW state by position in the groups), in one process without a process group: what
+    load_gpt / load_optimizer_state and a one-process resume read. The whole state passes through memory."""
+    from lit_pretrain.resume.sharded_format import load_sharded_full
+
+    weights = load_sharded_full(folder, MODEL)  # verifies the whole folder first (trainer_state.pt included)
+    checkpoint = read_trainer_state(folder)
+    checkpoint["state_dict"] = {**checkpoint.get("state_dict", {}), **{MODEL + k: v for k, v in weights.items()}}
+    flat = load_sharded_full(folder, OPTIM)
+    names = [n for group in checkpoint.get("param_names", []) for n in group]
+    state = {}
+    for index, name in enumerate(names):
+        entry = {key[len(name) + 1:]: v for key, v in flat.items()
+                 if key.startswith(name + ".") and "." not in key[len(name) + 1:]}
+        if entry:
+            state[index] = entry
+    saved = (checkpoint.get("optimizer_states") or [{}])[0]
+    checkpoint["optimizer_states"] = [{"state": state, "param_groups": saved.get("param_groups", [])}]
+    return checkpoint
