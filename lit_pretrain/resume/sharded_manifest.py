@@ -78,6 +78,8 @@ def read_manifest(folder: str | Path) -> Dict:
     """The manifest of a sharded checkpoint, its shape checked; a DataError naming the file otherwise."""
     folder = Path(folder)
     path = folder / MANIFEST
+    if folder.is_file():
+        raise _refuse(folder, "it is a file", "is one file, not a sharded checkpoint folder (checkpoints/step*/)")
     if not folder.is_dir():
         raise _refuse(folder, "it does not exist", f"does not exist: give a checkpoint folder checkpoints/step*/; "
                       f"{FIX}")
