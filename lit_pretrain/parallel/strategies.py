@@ -15,9 +15,8 @@ FSDP2 on both and leaves clipping to our module, which reduces the norm over the
 """
 
 from datetime import timedelta
-from typing import Optional
-
 from pathlib import Path
+from typing import Optional
 
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 

@@ -23,7 +23,6 @@ skips: the previous checkpoint stays the newest valid one.
 """
 
 import concurrent.futures
-import re
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -32,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from lit_pretrain.errors import DataError
+from lit_pretrain.resume.sharded_manifest import STEP_FOLDER as STEP_DIR
+from lit_pretrain.resume.sharded_manifest import TRAINER_STATE
 
 MODEL, OPTIM = "model.", "optim."
-TRAINER_STATE = "trainer_state.pt"
-STEP_DIR = re.compile(r"^step(\d{7,})$")
 SHARDED_KEY = "lit_pretrain_sharded"  # set in the dict load_checkpoint returns: model and optimizer already loaded
 WRITE_DELAY = 0.0  # seconds the background writer sleeps before writing: a test hook for a crash mid-write
 
@@ -347,12 +346,17 @@ def _save_torch(checkpoint: Optional[dict], folder: Path, rank: int) -> None:
 
 # Reading into a layout.
 
-def saved_shapes(folder: Path) -> Dict[str, torch.Size]:
-    """Every tensor of the checkpoint with its single-process shape, from `.metadata` (read the safe way)."""
-    from lit_pretrain.resume.sharded_format import SafeFileSystemReader
+def reader(folder: Path, check_sha256: bool = True):
+    """The verified reader of a folder (resume/sharded_format.py): manifest checked on construction, `.metadata`
+    read with the restricted unpickler. check_sha256=False where rank 0 has just hashed every file."""
+    from lit_pretrain.resume.sharded_format import VerifiedFileSystemReader
 
-    metadata = SafeFileSystemReader(folder).read_metadata()
-    return {k: md.size for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
+    return VerifiedFileSystemReader(folder, check_sha256=check_sha256)
+
+
+def saved_shapes(storage) -> Dict[str, torch.Size]:
+    """Every tensor of the checkpoint with its single-process shape, from `.metadata`."""
+    return {k: md.size for k, md in storage.read_metadata().state_dict_metadata.items() if hasattr(md, "size")}
 
 
 def _check_targets(folder: Path, targets: Dict[str, Chunk], saved: Dict[str, torch.Size]) -> None:
@@ -366,31 +370,38 @@ def _check_targets(folder: Path, targets: Dict[str, Chunk], saved: Dict[str, tor
                             "model section back to the checkpoint's, or start afresh")
 
 
-def load(folder: Path, targets: Dict[str, Chunk]) -> None:
-    """Fill `targets` (this rank's chunks of the target layout) from the checkpoint: DCP reads every overlap."""
+def load(storage, targets: Dict[str, Chunk]) -> None:
+    """Fill `targets` (this rank's chunks of the target layout) from the checkpoint `storage` (a `reader`): DCP
+    reads every overlap. Every rank of the process group calls it (none: one process)."""
     from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from lit_pretrain.resume.sharded_format import SafeFileSystemReader
-
-    _check_targets(folder, targets, saved_shapes(folder))
+    folder = Path(storage.path)
+    _check_targets(folder, targets, saved_shapes(storage))
     _, load_planner = _planners()
-    dcp_load(targets, storage_reader=SafeFileSystemReader(folder), planner=load_planner(),
-             process_group=checkpoint_group())
+    group = checkpoint_group()
+    try:
+        with torch.no_grad():
+            dcp_load(targets, storage_reader=storage, planner=load_planner(), process_group=group,
+                     no_dist=group is None)
+    except CheckpointException as err:  # DCP wraps what a rank raised: the first cause, as one line
+        causes = [getattr(f, "exc", f) for f in err.failures.values()]
+        raise DataError(f"checkpoint {folder} cannot be loaded ({causes[0] if causes else err})") from None
 
 
-def load_model(folder: Path, gpt, par) -> None:
+def load_model(storage, gpt, par) -> None:
     """The GPT's weights (this rank's share under `par`, a ParallelModel or None) from the checkpoint, in place."""
-    with torch.no_grad():
-        load(folder, model_chunks(gpt, par))
+    storage = reader(storage) if isinstance(storage, (str, Path)) else storage
+    load(storage, model_chunks(gpt, par))
 
 
-def load_optimizer(folder: Path, gpt, par, optimizer, checkpoint: dict) -> None:
+def load_optimizer(storage, gpt, par, optimizer, checkpoint: dict) -> None:
     """This rank's optimizer state from the checkpoint, and the saved group settings (lr, betas, ...)."""
     from lit_pretrain.optim import local_optimizer
 
+    storage = reader(storage) if isinstance(storage, (str, Path)) else storage
     optimizer = getattr(optimizer, "_optimizer", optimizer)
-    with torch.no_grad():
-        load(folder, optimizer_targets(gpt, optimizer, par, saved_shapes(folder)))
+    load(storage, optimizer_targets(gpt, optimizer, par, saved_shapes(storage)))
     saved = (checkpoint.get("optimizer_states") or [{}])[0].get("param_groups", [])
     for opt in {id(optimizer): optimizer, id(local_optimizer(optimizer)): local_optimizer(optimizer)}.values():
         if len(opt.param_groups) == len(saved):

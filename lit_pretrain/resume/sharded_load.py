@@ -22,12 +22,12 @@ from lit_pretrain.resume import sharded
 
 def verify_everywhere(strategy, folder: Path) -> None:
     """The folder's manifest and every file's sha256 checked once (rank 0), its verdict shared by every rank."""
-    from lit_pretrain.resume.sharded_format import verify_folder
+    from lit_pretrain.resume.sharded_manifest import verify_sharded
 
     error = None
     if strategy.is_global_zero:
         try:
-            verify_folder(folder)
+            verify_sharded(folder)
         except DataError as err:
             error = str(err)
     error = strategy.broadcast(error)
@@ -51,11 +51,13 @@ class ShardedLoad:
         return checkpoint
 
     def _load_sharded(self, checkpoint: Dict[str, Any], model: bool, optimizer: bool) -> None:
-        folder, module = Path(checkpoint[sharded.SHARDED_KEY]), self.lightning_module
+        module = self.lightning_module
+        # Sizes only here: rank 0 hashed every file in load_checkpoint (verify_everywhere).
+        storage = sharded.reader(Path(checkpoint[sharded.SHARDED_KEY]), check_sha256=False)
         if model:
-            sharded.load_model(folder, module.model, module.parallel)
+            sharded.load_model(storage, module.model, module.parallel)
         if optimizer and self.optimizers:
-            sharded.load_optimizer(folder, module.model, module.parallel, self.optimizers[0], checkpoint)
+            sharded.load_optimizer(storage, module.model, module.parallel, self.optimizers[0], checkpoint)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if sharded.SHARDED_KEY not in checkpoint:

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.paths import confined, safe_rmtree, safe_unlink
 from lit_pretrain.resume.atomic import atomic_link, atomic_write_bytes, fsync_dir
+from lit_pretrain.resume.sharded_manifest import read_manifest, verify_sharded
 from lit_pretrain.resume.verified import read_sidecar, sidecar_path, verify
 from lit_pretrain.runs import is_primary_process
 
@@ -56,18 +57,17 @@ def verify_any(path: Path, check_sha256: bool = True) -> Dict:
     """A step file against its sidecar, or a step folder against its manifest; the sidecar/manifest, or a
     DataError (with `.reason`) naming the file."""
     if path.is_dir():
-        from lit_pretrain.resume.sharded_format import verify_folder
-
-        return verify_folder(path, check_sha256=check_sha256)
+        return verify_sharded(path, check_sha256=check_sha256)
     return verify(path, check_sha256)
 
 
 def meta_of(path: Path) -> Dict:
     """The `lit_pretrain` metadata of a checkpoint (its sidecar's or manifest's), {} when unreadable."""
     if path.is_dir():
-        from lit_pretrain.resume.sharded_format import read_manifest
-
-        return (read_manifest(path) or {}).get("meta", {})
+        try:
+            return read_manifest(path).get("meta") or {}
+        except DataError:
+            return {}
     return (read_sidecar(path) or {}).get("meta", {})
 
 
