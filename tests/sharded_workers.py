@@ -72,7 +72,9 @@ def save(folder: Path, par, model, opt) -> None:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     sharded._save_torch({"optimizer_states": [{"state": {}, "param_groups": groups}]} if rank == 0 else None,
                         folder, rank)
-    sharded._save_files(folder, chunks, group, {"step": K1, "meta": {}, "layout": {}, "world_size": sharded._world()},
+    named = sharded.STEP_DIR.match(folder.name)
+    step = int(named.group(1)) if named else K1
+    sharded._save_files(folder, chunks, group, {"step": step, "meta": {}, "layout": {}, "world_size": sharded._world()},
                         None)
 
 

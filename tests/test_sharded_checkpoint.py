@@ -90,3 +90,48 @@ def test_another_model_shape_is_refused_naming_the_key(tmp_path):
     with pytest.raises(DataError, match=r"step0000002: model\.blocks\.0\.mlp\.w_gate\.weight has shape \(64, 32\)"):
         sharded.load_model(tmp_path / "step0000002", other, None)
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_folders_in_the_checkpoints_store(tmp_path):
+    """resume/store.py with step folders: `latest` names the newest complete one and replaces a stale last.ckpt,
+    an incomplete or corrupted newer folder is skipped with its reason and set aside (renamed, nothing deleted),
+    keep-last-k deletes only older step folders (never a link's target), and load_gpt follows `latest`."""
+    import os
+
+    from lit_pretrain.checkpoints import checkpoint_path
+    from lit_pretrain.resume import store
+
+    folder = tmp_path / "run" / "checkpoints"
+    model = init_model()
+    opt = adamw(model)
+    for step in (2, 4, 6):
+        save(folder / store.step_dir(step), None, model, opt)
+        store.publish(folder, folder / store.step_dir(step))
+    (folder / "last.ckpt").write_bytes(b"stale")  # left by an earlier one-file session
+    store.publish(folder, folder / store.step_dir(6))
+    assert (folder / "latest").read_text() == "step0000006\n" and not (folder / "last.ckpt").exists()
+    assert checkpoint_path(tmp_path / "run") == folder / "step0000006"
+    # Step 8 lost its manifest (killed mid-write), step 10's data file has a flipped byte.
+    for step in (8, 10):
+        save(folder / store.step_dir(step), None, model, opt)
+    (folder / "step0000008" / "manifest.json").unlink()
+    data = folder / "step0000010" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    found, skipped = store.scan(folder)
+    assert found == folder / "step0000006"
+    assert [(p.name, why) for p, why in skipped] == [("step0000010", "sha256 differs from manifest.json"),
+                                                      ("step0000008", "no manifest.json (incomplete)")]
+    assert store.resolve("auto", tmp_path / "run") == folder / "step0000006"
+    assert sorted(p.name for p in folder.iterdir() if "corrupt" in p.name) == ["step0000008.corrupt",
+                                                                               "step0000010.corrupt"]
+    # Retention: a link named like a step folder, pointing outside, is neither followed nor counted as ours.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("x")
+    os.symlink(outside, folder / "step0000001")
+    deleted = store.retain(folder, keep_last=2)
+    assert [p.name for p in deleted] == ["step0000002"]
+    assert sorted(p.name for p in folder.glob("step???????")) == ["step0000001", "step0000004", "step0000006"]
+    assert (outside / "keep.txt").exists()
