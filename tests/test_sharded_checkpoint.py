@@ -135,3 +135,23 @@ def test_folders_in_the_checkpoints_store(tmp_path):
     assert [p.name for p in deleted] == ["step0000002"]
     assert sorted(p.name for p in folder.glob("step???????")) == ["step0000001", "step0000004", "step0000006"]
     assert (outside / "keep.txt").exists()
+
+
+def test_checkpoint_format_follows_the_process_count_and_async_needs_sharded():
+    from lit_pretrain import config
+    from lit_pretrain.errors import ConfigError
+    from lit_pretrain.parallel.plan import build_plan
+    from lit_pretrain.train import checkpoint_layout
+    from tests.conftest import EXPERIMENTS
+
+    def layout(*overrides):
+        c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", list(overrides)))
+        return checkpoint_layout(c, build_plan(c))
+
+    assert layout() is None  # one process: one file
+    assert layout("strategy=ddp", "trainer.devices=2")["data_parallel_replicate"] == 2  # sharded by default
+    assert layout("strategy=ddp", "trainer.devices=2", "checkpoint.format=single") is None
+    assert layout("checkpoint.format=sharded")["data_parallel_replicate"] == 1
+    with pytest.raises(ConfigError, match=r"checkpoint\.async_save=true .* checkpoint\.format is single \(the "
+                                          r"default for one process\): set checkpoint\.format=sharded"):
+        layout("checkpoint.async_save=true")
