@@ -126,6 +126,10 @@ def test_folders_in_the_checkpoints_store(tmp_path):
     assert store.resolve("auto", tmp_path / "run") == folder / "step0000006"
     assert sorted(p.name for p in folder.iterdir() if "corrupt" in p.name) == ["step0000008.corrupt",
                                                                                "step0000010.corrupt"]
+    # Given by path, the corrupted folder is refused in one line naming the file (the CLI exits 2 on a DataError).
+    with pytest.raises(DataError, match=r"step0000010\.corrupt/__0_0\.distcp is corrupted") as refused:
+        store.resolve(str(folder / "step0000010.corrupt"), tmp_path / "run")
+    assert "\n" not in str(refused.value)
     # Retention: a link named like a step folder, pointing outside, is neither followed nor counted as ours.
     outside = tmp_path / "outside"
     outside.mkdir()

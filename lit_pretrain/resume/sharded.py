@@ -286,7 +286,7 @@ class ShardedSaver:
         self.async_save = async_save
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._future: Optional[concurrent.futures.Future] = None
-        self.last_stall: Optional[float] = None  # seconds the last save kept training waiting (the bench reads it)
+        self.last_stall: Optional[float] = None  # seconds the last save kept training waiting
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has written its manifest; re-raise its error."""
