@@ -29,7 +29,7 @@ from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.optim import build_adamw, param_groups
 from lit_pretrain.resume import sharded_format as sf
-from lit_pretrain.resume.sharded_tools import consolidate, inspect
+from lit_pretrain.resume.sharded_tools import _release, consolidate, inspect
 from lit_pretrain.resume.verified import META_KEY, load_verified, verify
 from lit_pretrain.schema import OptimConfig
 
@@ -255,8 +255,8 @@ def test_consolidated_safetensors_holds_the_weights(folders, source, tmp_path):
 
 
 def _peak_rss_growth(call) -> int:
-    # VmHWM reset to the current RSS (Linux clear_refs 5), so the peak is this call's.
-    Path("/proc/self/clear_refs").write_text("5")
+    _release()  # what the build freed goes back first, so the start is the process's real size
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux), so the peak is this call's
     before = int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
     call()
     peak = int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
@@ -264,20 +264,20 @@ def _peak_rss_growth(call) -> int:
 
 
 def test_consolidate_memory_is_bounded_by_the_largest_tensor(tmp_path):
-    """16 tensors of 2 MB and their AdamW moments (96 MB in all): consolidating holds about one at a time."""
-    state = {f"model.w{i}": torch.randn(512, 1024) for i in range(16)}
-    state.update({f"optim.w{i}.{k}": torch.randn(512, 1024) for i in range(16) for k in ("exp_avg", "exp_avg_sq")})
-    total = sum(v.numel() * v.element_size() for v in state.values())
+    """8 matrices of 4 MB and their AdamW moments (96 MB in all): consolidating holds about one at a time."""
+    state = {f"model.w{i}": torch.randn(1024, 1024) for i in range(8)}
+    state.update({f"optim.w{i}.{k}": torch.randn(1024, 1024) for i in range(8) for k in ("exp_avg", "exp_avg_sq")})
+    total, largest = sum(v.numel() * v.element_size() for v in state.values()), 1024 * 1024 * 4
     folder = tmp_path / "step0000001"
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
     del state
-    torch.save({"global_step": 1, "optimizer_states": [{"param_groups": [{"params": list(range(16))}], "state": {}}],
-                "param_names": [[f"w{i}" for i in range(16)]]}, folder / sf.TRAINER_STATE)
+    torch.save({"global_step": 1, "optimizer_states": [{"param_groups": [{"params": list(range(8))}], "state": {}}],
+                "param_names": [[f"w{i}" for i in range(8)]]}, folder / sf.TRAINER_STATE)
     sf.write_manifest(folder, os.listdir(folder), {"step": 1}, {}, 1, 1)
     growth = _peak_rss_growth(lambda: consolidate(folder, tmp_path / "one.ckpt"))
-    largest = 512 * 1024 * 4
-    print(f"consolidate: peak RSS growth {growth / 2**20:.1f} MiB for {total / 2**20:.0f} MiB of tensors")
-    assert growth < 8 * largest < total / 5
+    print(f"consolidate: peak RSS {growth / 2**20:.1f} MiB above the start, for {total / 2**20:.0f} MiB of tensors")
+    # Measured 8 MiB (cold: 12): the tensor being read, its bytes on their way to the file, and fixed costs.
+    assert growth < 4 * largest < total / 5
 
 
 def test_inspect_and_the_cli(folders, folder, tmp_path, capsys):

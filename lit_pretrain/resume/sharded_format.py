@@ -6,6 +6,7 @@ weights_only=False). FileSystemReader reads tensor items with weights_only=True 
 the full tensors in one process, without a process group; resume/sharded_tools.py consolidates and inspects.
 """
 
+import io
 import pickle
 import warnings
 from pathlib import Path
@@ -141,6 +142,35 @@ class VerifiedFileSystemReader(FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or dcp_meta.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """The full tensor saved under `key`, its chunks read straight from the files (FileSystemWriter's layout:
+        each chunk a torch.save'd tensor at its offset, bounds checked by read_metadata_file) with weights_only=True.
+        No planner: nothing but the result outlives the call (consolidate reads one tensor at a time)."""
+        metadata = self.read_metadata()
+        saved = metadata.state_dict_metadata[key]
+        full, covered = None, 0
+        for chunk in saved.chunks:
+            info = metadata.storage_data[dcp_meta.MetadataIndex(key, chunk.offsets)]
+            with open(Path(self.path) / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                piece = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+            if not isinstance(piece, torch.Tensor) or piece.shape != chunk.sizes or \
+                    piece.dtype != saved.properties.dtype:
+                raise _refuse(Path(self.path) / info.relative_path, "a chunk differs from .metadata",
+                              f"holds a chunk of {key} that differs from what {METADATA} says; {FIX}")
+            if chunk.sizes == saved.size:
+                return piece
+            full = torch.empty(tuple(saved.size), dtype=saved.properties.dtype) if full is None else full
+            view = full
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                view = view.narrow(dim, start, length)
+            view.copy_(piece)
+            covered += piece.numel()
+        if full is None or covered != full.numel():
+            raise _refuse(Path(self.path) / METADATA, f"chunks of {key} do not cover it",
+                          f"lists chunks of {key} that do not cover its shape {tuple(saved.size)}; {FIX}")
+        return full
 
     def read_data(self, plan, planner):
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
