@@ -33,6 +33,7 @@ from lit_pretrain.resume.sharded_tools import _release, consolidate, inspect
 from lit_pretrain.resume.verified import META_KEY, load_verified, verify
 from lit_pretrain.schema import OptimConfig
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
 STEP = 3
 CFG = GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, seq_len=16)
 OPTIM = OptimConfig()
@@ -82,7 +83,7 @@ def build(root: Path, source, chunked=False, step=STEP) -> Path:
     for p, s in optimizer.state.items():
         state.update({f"optim.{by_id[id(p)]}.{k}": v.clone() for k, v in s.items()})
     saved = optimizer.state_dict()
-    writer = dcp.FileSystemWriter(folder, single_file_per_rank=not chunked)
+    writer = dcp.FileSystemWriter(folder, single_file_per_rank=not chunked, sync_files=False)
     dcp.save(state, storage_writer=writer, planner=TwoRankPlanner() if chunked else None, no_dist=True)
     meta = {"step": step, "world_size": 2 if chunked else 1, "tokenizer_sha256": "ab" * 32}
     trainer = {"epoch": 0, "global_step": step, "loops": {}, "callbacks": {},
@@ -209,6 +210,17 @@ def test_a_metadata_pickle_that_runs_code_is_refused_unrun(folder, tmp_path):
     assert sentinel.exists()
 
 
+def test_a_non_tensor_item_that_runs_code_is_refused_unrun(tmp_path):
+    # DCP pickles a non-tensor value whole and its default planner unpickles it with weights_only=False.
+    sentinel, folder = tmp_path / "ran", tmp_path / "step0000001"
+    dcp.save({"model.w": torch.ones(2), "model.extra": RunsCode(sentinel)},
+             storage_writer=dcp.FileSystemWriter(folder, sync_files=False), no_dist=True)
+    sf.write_manifest(folder, os.listdir(folder), {"step": 1}, {}, 1, 1)
+    with pytest.raises(DataError, match="model.extra is not weights-only data"):
+        sf.load_sharded_full(folder)
+    assert not sentinel.exists()
+
+
 def test_metadata_naming_a_file_outside_the_manifest_is_refused(folder):
     metadata = pickle.loads((folder / sf.METADATA).read_bytes())
     info = next(iter(metadata.storage_data.values()))
@@ -269,7 +281,7 @@ def test_consolidate_memory_is_bounded_by_the_largest_tensor(tmp_path):
     state.update({f"optim.w{i}.{k}": torch.randn(1024, 1024) for i in range(8) for k in ("exp_avg", "exp_avg_sq")})
     total, largest = sum(v.numel() * v.element_size() for v in state.values()), 1024 * 1024 * 4
     folder = tmp_path / "step0000001"
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=False), no_dist=True)
     del state
     torch.save({"global_step": 1, "optimizer_states": [{"param_groups": [{"params": list(range(8))}], "state": {}}],
                 "param_names": [[f"w{i}" for i in range(8)]]}, folder / sf.TRAINER_STATE)

@@ -132,8 +132,9 @@ def _optimizer_state(folder: Path, reader, saved: Dict, trainer: Dict) -> Dict[i
 
 def _write_checkpoint(folder: Path, reader, saved: Dict, trainer: Dict, out: Path) -> None:
     ckpt = {k: v for k, v in trainer.items() if k != PARAM_NAMES}
-    ckpt["state_dict"] = {k: _Pending(k, md) if isinstance(md, dcp_meta.TensorStorageMetadata) else
-                          _read(reader, k, md) for k, md in saved.items() if k.startswith(MODEL)}
+    ckpt["state_dict"] = {**(trainer.get("state_dict") or {}),  # the module's other entries, if it has any
+                          **{k: _Pending(k, md) if isinstance(md, dcp_meta.TensorStorageMetadata) else
+                             _read(reader, k, md) for k, md in saved.items() if k.startswith(MODEL)}}
     if any(k.startswith(OPTIM) for k in saved):
         states = trainer.get("optimizer_states")
         if not (isinstance(states, list) and len(states) == 1 and isinstance(states[0], dict)):
