@@ -241,7 +241,9 @@ def test_consolidated_file_equals_the_source_and_loads(folders, source, tmp_path
         verify(out)
         state = load_verified(out)
         assert state["global_step"] == STEP and "param_names" not in state
-        assert set(state["state_dict"]) == {f"model.{k}" for k in model.state_dict()}
+        weights = state["state_dict"]
+        assert set(weights) == {f"model.{k}" for k in model.state_dict()}
+        assert weights["model.lm_head.weight"].data_ptr() == weights["model.tok_embeddings.weight"].data_ptr()
         gpt = load_gpt(out)
         assert all(torch.equal(gpt.state_dict()[k], v) for k, v in model.state_dict().items())
         loaded = load_optimizer_state(out, model=gpt)

@@ -135,6 +135,10 @@ def _write_checkpoint(folder: Path, reader, saved: Dict, trainer: Dict, out: Pat
     ckpt["state_dict"] = {**(trainer.get("state_dict") or {}),  # the module's other entries, if it has any
                           **{k: _Pending(k, md) if isinstance(md, dcp_meta.TensorStorageMetadata) else
                              _read(reader, k, md) for k, md in saved.items() if k.startswith(MODEL)}}
+    head, embedding = f"{MODEL}lm_head.weight", f"{MODEL}tok_embeddings.weight"
+    if head in ckpt["state_dict"] and embedding in ckpt["state_dict"] and _model_fields(folder, trainer, {}).get(
+            "tie_embeddings"):  # one matrix under two names, stored once, as torch.save stores a tied GPT
+        ckpt["state_dict"][head] = ckpt["state_dict"][embedding]
     if any(k.startswith(OPTIM) for k in saved):
         states = trainer.get("optimizer_states")
         if not (isinstance(states, list) and len(states) == 1 and isinstance(states[0], dict)):
@@ -166,14 +170,25 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
+def _model_fields(folder: Path, trainer: Dict, default: Any = None) -> Dict[str, Any]:
+    """The run's GPTConfig fields, from trainer_state.pt as load_gpt finds them; `default` (when given) if absent."""
+    from lit_pretrain.checkpoints import _section
+    from lit_pretrain.model_config import GPTConfig
+
+    try:
+        return dataclasses.asdict(_section(trainer, folder / sf.TRAINER_STATE, "model", GPTConfig))
+    except DataError:
+        if default is None:
+            raise
+        return default
+
+
 def _write_safetensors(folder: Path, reader, saved: Dict, trainer: Dict, out: Path) -> None:
     """The weights under GPT names with the model fields and tokenizer sha256 (hf.py write_weights' metadata),
     streamed: safetensors is an 8-byte header length, a JSON header of offsets, then the tensors' bytes."""
-    from lit_pretrain.checkpoints import _section
     from lit_pretrain.hf import META_MODEL, META_TOKENIZER
-    from lit_pretrain.model_config import GPTConfig
 
-    fields = dataclasses.asdict(_section(trainer, folder / sf.TRAINER_STATE, "model", GPTConfig))
+    fields = _model_fields(folder, trainer)
     keys = [k for k, md in saved.items() if k.startswith(MODEL) and isinstance(md, dcp_meta.TensorStorageMetadata)
             and not (fields.get("tie_embeddings") and k == f"{MODEL}lm_head.weight")]  # one copy of a tied matrix
     header: Dict[str, Any] = {"__metadata__": {"format": "pt", META_MODEL: json.dumps(fields), META_TOKENIZER:
