@@ -29,7 +29,8 @@ from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.optim import build_adamw, param_groups
 from lit_pretrain.resume import sharded_format as sf
-from lit_pretrain.resume.sharded_tools import _release, consolidate, inspect
+from lit_pretrain.resume.sharded_inspect import inspect
+from lit_pretrain.resume.sharded_tools import _release, consolidate
 from lit_pretrain.resume.verified import META_KEY, load_verified, verify
 from lit_pretrain.schema import OptimConfig
 
