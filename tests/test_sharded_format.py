@@ -133,7 +133,7 @@ def test_full_tensors_in_one_process_equal_the_source(folders, source):
         weights = sf.load_sharded_full(folder)
         assert weights.keys() == model.state_dict().keys()
         assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
-        moments = sf.load_sharded_full(folder, "optim.")
+        moments = sf.load_sharded_full(folder, "optim.", reader=sf.VerifiedFileSystemReader(folder))
         for p, s in optimizer.state.items():
             assert all(torch.equal(moments[f"{by_id[id(p)]}.{k}"], v) for k, v in s.items())
 
@@ -267,6 +267,22 @@ def test_consolidated_safetensors_holds_the_weights(folders, source, tmp_path):
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], v) for k, v in expected.items())
     fields, _, tokenizer = read_init(out)
     assert fields == dataclasses.asdict(CFG) and tokenizer == "ab" * 32
+
+
+def test_consolidate_keeps_every_dtype_and_shape(tmp_path):
+    # torch.save writes most dtypes as typed storages (_rebuild_tensor_v2) and newer ones (uint16) untyped (v3).
+    state = {"model.bf16": torch.randn(3, 5).to(torch.bfloat16), "model.half": torch.randn(7).half(),
+             "model.long": torch.arange(6).view(2, 3), "model.flag": torch.tensor([True, False]),
+             "model.u16": torch.arange(4).to(torch.uint16), "model.scalar": torch.tensor(2.5),
+             "model.empty": torch.zeros(0, 4)}
+    folder = tmp_path / "step0000001"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=False), no_dist=True)
+    torch.save({"global_step": 1, "state_dict": {"extra": torch.ones(1)}}, folder / sf.TRAINER_STATE)
+    sf.write_manifest(folder, os.listdir(folder), {"step": 1}, {}, 1, 1)
+    loaded = load_verified(consolidate(folder, tmp_path / "one.ckpt"))["state_dict"]
+    assert loaded.keys() == {*state, "extra"}
+    for key, value in state.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
 
 
 def _peak_rss_growth(call) -> int:

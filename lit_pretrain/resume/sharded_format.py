@@ -197,10 +197,12 @@ def empty_like_saved(saved: dcp_meta.TensorStorageMetadata | dcp_meta.BytesStora
     return torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
 
 
-def load_sharded_full(folder: str | Path, prefix: str = "model.") -> Dict[str, Any]:
+def load_sharded_full(folder: str | Path, prefix: str = "model.",
+                      reader: Optional[VerifiedFileSystemReader] = None) -> Dict[str, Any]:
     """The full, single-process tensors (and non-tensor items) saved under `prefix`, keyed by the name after it
-    ("model." gives GPT.state_dict() names), read in this process without a process group, verified first."""
-    reader = VerifiedFileSystemReader(folder)
+    ("model." gives GPT.state_dict() names), read in this process without a process group, verified first (pass
+    the `reader` of an earlier call to read another prefix without hashing the folder again)."""
+    reader = reader if reader is not None else VerifiedFileSystemReader(folder)
     saved = reader.read_metadata().state_dict_metadata
     state = {key: empty_like_saved(md) for key, md in saved.items() if key.startswith(prefix)}
     if not state:

@@ -72,6 +72,9 @@ def inspect(path: str | Path) -> Dict[str, Any]:
     path = Path(path)
     if sf.is_sharded(path):
         return _inspect_folder(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a folder but not a sharded checkpoint (no manifest.json, .metadata or *.distcp): "
+                        "give a checkpoints/step*/ folder or a .ckpt file")
     if not path.is_file():
         raise DataError(f"checkpoint {path} does not exist: give a checkpoints/step*/ folder or a .ckpt file")
     return _inspect_file(path)
