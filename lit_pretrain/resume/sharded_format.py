@@ -151,7 +151,10 @@ class VerifiedFileSystemReader(FileSystemReader):
         saved = metadata.state_dict_metadata[key]
         full, covered = None, 0
         for chunk in saved.chunks:
-            info = metadata.storage_data[dcp_meta.MetadataIndex(key, chunk.offsets)]
+            info = metadata.storage_data.get(dcp_meta.MetadataIndex(key, chunk.offsets))
+            if info is None:
+                raise _refuse(Path(self.path) / METADATA, f"a chunk of {key} has no file", f"lists a chunk of {key} "
+                              f"at {tuple(chunk.offsets)} that no file holds; {FIX}")
             with open(Path(self.path) / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 piece = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
