@@ -116,12 +116,23 @@ def refused(folder, match):
     return err.value
 
 
-def test_manifest_lists_every_file_and_is_written_last(folders):
+def test_manifest_lists_every_file_and_waits_for_them(folders, tmp_path):
     for folder in folders.values():
         manifest = json.loads((folder / sf.MANIFEST).read_text())
         assert manifest["format"] == sf.FORMAT and manifest["step"] == STEP
         assert set(manifest["files"]) == set(os.listdir(folder)) - {sf.MANIFEST}
         assert all(manifest["files"][n] == sf.file_record(folder / n) for n in manifest["files"])
+    # Written only over complete files: a rank's file still growing, or one left out, stops it.
+    folder = Path(shutil.copytree(folders["whole"], tmp_path / "step0000003"))
+    (folder / sf.MANIFEST).unlink()
+    records = {n: sf.file_record(folder / n) for n in os.listdir(folder)}
+    with open(folder / "rank00000.pt", "ab") as f:
+        f.write(b"more")
+    with pytest.raises(DataError, match="rank00000.pt: missing or not .* bytes when its manifest was written"):
+        sf.write_manifest(folder, records, {"step": STEP}, {}, STEP, 1)
+    with pytest.raises(DataError, match=r"the manifest would leave out \['rank00000.pt'\]"):
+        sf.write_manifest(folder, {k: v for k, v in records.items() if k != "rank00000.pt"}, {}, {}, STEP, 1)
+    assert not (folder / sf.MANIFEST).exists()
     assert len(list(folders["chunked"].glob("*.distcp"))) > 10  # one file per chunk: the files of two ranks
     assert sf.is_sharded(folders["whole"]) and not sf.is_sharded(folders["whole"].parent.parent)
 
