@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _checkpoint_commands(sub) -> None:
-    """`checkpoint inspect | consolidate` (lit_pretrain/resume/sharded_tools.py): one process, no process group."""
+    """`checkpoint inspect | consolidate` (lit_pretrain/resume/sharded_inspect.py, sharded_tools.py): one process, no
+    process group."""
     text = "look into a checkpoint, or write a sharded one as one file"
     actions = sub.add_parser("checkpoint", help=text, description=text).add_subparsers(dest="action", required=True)
     text = ("print step, layout, tensors, bytes and whether every checksum holds (exit 2 when one does not). Reads "
@@ -96,16 +97,18 @@ def _checkpoint_commands(sub) -> None:
 
 def _checkpoint(args) -> int:
     try:
-        from lit_pretrain.resume import sharded_tools
-
         if args.action == "inspect":
-            report = sharded_tools.inspect(args.ckpt)
-            print(sharded_tools.format_inspect(args.ckpt, report))
+            from lit_pretrain.resume.sharded_inspect import format_inspect, inspect
+
+            report = inspect(args.ckpt)
+            print(format_inspect(args.ckpt, report))
             if report["failures"]:
                 raise DataError(f"checkpoint {args.ckpt} fails its checksums ({len(report['failures'])} lines "
                                 "above): choose another checkpoint")
         else:
-            print(f"wrote {sharded_tools.consolidate(args.ckpt, args.out)}")
+            from lit_pretrain.resume.sharded_tools import consolidate
+
+            print(f"wrote {consolidate(args.ckpt, args.out)}")
     except USAGE_ERRORS as err:
         print(f"lit-pretrain checkpoint {args.action}: error: {err}", file=sys.stderr)
         return 2

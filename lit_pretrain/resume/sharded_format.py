@@ -6,6 +6,7 @@ weights_only=False). FileSystemReader reads tensor items with weights_only=True 
 the full tensors in one process, without a process group; resume/sharded_tools.py consolidates and inspects.
 """
 
+import io
 import pickle
 import warnings
 from pathlib import Path
@@ -142,6 +143,38 @@ class VerifiedFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """The full tensor saved under `key`, its chunks read straight from the files (FileSystemWriter's layout:
+        each chunk a torch.save'd tensor at its offset, bounds checked by read_metadata_file) with weights_only=True.
+        No planner: nothing but the result outlives the call (consolidate reads one tensor at a time)."""
+        metadata = self.read_metadata()
+        saved = metadata.state_dict_metadata[key]
+        full, covered = None, 0
+        for chunk in saved.chunks:
+            info = metadata.storage_data.get(dcp_meta.MetadataIndex(key, chunk.offsets))
+            if info is None:
+                raise _refuse(Path(self.path) / METADATA, f"a chunk of {key} has no file", f"lists a chunk of {key} "
+                              f"at {tuple(chunk.offsets)} that no file holds; {FIX}")
+            with open(Path(self.path) / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                piece = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+            if not isinstance(piece, torch.Tensor) or piece.shape != chunk.sizes or \
+                    piece.dtype != saved.properties.dtype:
+                raise _refuse(Path(self.path) / info.relative_path, "a chunk differs from .metadata",
+                              f"holds a chunk of {key} that differs from what {METADATA} says; {FIX}")
+            if chunk.sizes == saved.size:
+                return piece
+            full = torch.empty(tuple(saved.size), dtype=saved.properties.dtype) if full is None else full
+            view = full
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                view = view.narrow(dim, start, length)
+            view.copy_(piece)
+            covered += piece.numel()
+        if full is None or covered != full.numel():
+            raise _refuse(Path(self.path) / METADATA, f"chunks of {key} do not cover it",
+                          f"lists chunks of {key} that do not cover its shape {tuple(saved.size)}; {FIX}")
+        return full
+
     def read_data(self, plan, planner):
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
             planner = _WeightsOnlyBytes(planner)
@@ -167,10 +200,12 @@ def empty_like_saved(saved: dcp_meta.TensorStorageMetadata | dcp_meta.BytesStora
     return torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
 
 
-def load_sharded_full(folder: str | Path, prefix: str = "model.") -> Dict[str, Any]:
+def load_sharded_full(folder: str | Path, prefix: str = "model.",
+                      reader: Optional[VerifiedFileSystemReader] = None) -> Dict[str, Any]:
     """The full, single-process tensors (and non-tensor items) saved under `prefix`, keyed by the name after it
-    ("model." gives GPT.state_dict() names), read in this process without a process group, verified first."""
-    reader = VerifiedFileSystemReader(folder)
+    ("model." gives GPT.state_dict() names), read in this process without a process group, verified first (pass
+    the `reader` of an earlier call to read another prefix without hashing the folder again)."""
+    reader = reader if reader is not None else VerifiedFileSystemReader(folder)
     saved = reader.read_metadata().state_dict_metadata
     state = {key: empty_like_saved(md) for key, md in saved.items() if key.startswith(prefix)}
     if not state:
