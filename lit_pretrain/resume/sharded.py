@@ -183,10 +183,11 @@ def optimizer_targets(gpt, optimizer, par, saved: Dict[str, torch.Size]) -> Dict
 
 def param_names(module) -> List[List[str]]:
     """Per AdamW group, the single-process parameter names in the optimizer's order (optim.param_groups)."""
+    from lit_pretrain.model import GPT
     from lit_pretrain.optim import param_groups
-    from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 
-    ref = full_gpt_on_meta(module.model_cfg)
+    with torch.device("meta"):  # the single-process structure without memory (as MeshStrategy._param_order)
+        ref = GPT(module.model_cfg)
     names = {id(p): n for n, p in ref.named_parameters()}
     return [[names[id(p)] for p in g["params"]] for g in param_groups(ref, module.optim_cfg.weight_decay)]
 
