@@ -24,6 +24,7 @@ skips: the previous checkpoint stays the newest valid one.
 
 import concurrent.futures
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -265,8 +266,10 @@ def _save_files(folder: Path, chunks: Dict[str, Chunk], group, manifest: Dict[st
     if WRITE_DELAY:
         time.sleep(WRITE_DELAY)
     save_planner, _ = _planners()
-    dcp_save(chunks, storage_writer=FileSystemWriter(folder, thread_count=1), planner=save_planner(),
-             process_group=group)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp_save(chunks, storage_writer=FileSystemWriter(folder, thread_count=1), planner=save_planner(),
+                 process_group=group, no_dist=group is None)
     rank = _rank()
     files = _own_files(folder, rank)
     if group is not None:
@@ -382,7 +385,8 @@ def load(storage, targets: Dict[str, Chunk]) -> None:
     _, load_planner = _planners()
     group = checkpoint_group()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp_load(targets, storage_reader=storage, planner=load_planner(), process_group=group,
                      no_dist=group is None)
     except CheckpointException as err:  # DCP wraps what a rank raised: the first cause, as one line
