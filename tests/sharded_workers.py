@@ -145,7 +145,8 @@ def worker(rank: int, world: int, port: int, cases: list, results):
                 saved = full(par, model, opt)
                 if rank == 0:
                     torch.save(saved, folder.parent / f"{folder.name}.full.pt")
-            elif kind == "load":  # a checkpoint the test wrote in one process, into this layout, and on
+            elif kind == "load":  # a checkpoint the test wrote in one process, into this layout, and on (against
+                # one process trained throughout: tests/test_mesh_parallel.py bounds this layout against it alike)
                 plan, folder = args
                 xs, ys = data()
                 par, model, opt = layout(plan)
@@ -153,11 +154,9 @@ def worker(rank: int, world: int, port: int, cases: list, results):
                 loaded = full(par, model, opt)
                 continued = train_steps(par, model, opt, xs[K1:], ys[K1:])
                 after = full(par, model, opt)
-                par3, model3, opt3 = layout(plan)
-                straight = train_steps(par3, model3, opt3, xs, ys)
-                reference = full(par3, model3, opt3)
-                if rank == 0:
+                if rank == 0:  # the uninterrupted reference: one process, written by the test beside the folder
                     saved = torch.load(folder.parent / f"{folder.name}.full.pt", weights_only=True)
+                    reference, straight = torch.load(folder.parent / f"{folder.name}.straight.pt", weights_only=True)
                     out[folder.name] = {"loaded": compare(saved, loaded), "continued": compare(reference, after),
                                         "loss": abs(continued[-1] - straight[-1])}
             dist.barrier()
