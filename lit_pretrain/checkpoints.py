@@ -69,7 +69,8 @@ def checkpoint_path(source: str | Path, checkpoint: str = "last.ckpt") -> Path:
     if not path.is_file():
         if not source.is_dir():
             raise DataError(f"{source} is neither a checkpoint file nor a run folder: give runs/<name> or a .ckpt")
-        choices = sorted(p.name for p in path.parent.glob("step*") if p.suffix in ("", ".ckpt"))
+        choices = sorted(p.name for p in path.parent.iterdir() if p.suffix == ".ckpt" or STEP_FOLDER.match(p.name)) \
+            if path.parent.is_dir() else []
         raise DataError(f"checkpoint {path} does not exist: choose one of {choices}")
     return path
 
