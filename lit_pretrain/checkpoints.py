@@ -1,10 +1,10 @@
 """Read a checkpoint back into a plain GPT (and its AdamW state), whatever strategy wrote it, wherever it lies.
 
-Every strategy writes the same one-file checkpoint: single and ddp as Lightning always does; ZeRO stage 1
-consolidates ZeroRedundancyOptimizer's shards on rank 0 first; ZeRO stages 2 and 3 (Lightning's
-ModelParallelStrategy with `save_distributed_checkpoint=False`) gather the full model and optimizer state dicts to
-rank 0 through torch.distributed.checkpoint.state_dict, which works on CPU, unlike the FSDP1 full-state-dict path.
-So a checkpoint written under any strategy reads into one process for evaluation, or to continue under another.
+A checkpoint is one of two formats (checkpoint.format). One file, the same under every strategy: single and ddp
+as Lightning always does; ZeRO stage 1 consolidates ZeroRedundancyOptimizer's shards on rank 0 first; ZeRO stages
+2 and 3 and our mesh strategy gather the full model and optimizer state to rank 0. Or a sharded folder
+(resume/sharded.py), each rank's share under single-process names, read here whole into one process. Either way a
+checkpoint written under any strategy reads into one process for evaluation, or to continue under another.
 
 Checkpoints are opened by `resume.checkpoint_io.load_verified`: checked against their sha256 sidecar, then
 `torch.load(weights_only=True)`: a checkpoint is data, and unpickling arbitrary objects would run code from the file.
@@ -50,28 +50,44 @@ def from_plain(cls: type, data: Any) -> Any:
 
 
 def checkpoint_path(source: str | Path, checkpoint: str = "last.ckpt") -> Path:
-    """`source` itself when it is a checkpoint file, else `source/checkpoints/<checkpoint>` of a run folder."""
+    """`source` itself when it is a checkpoint file or a sharded checkpoint folder, else
+    `source/checkpoints/<checkpoint>` of a run folder; for the default last.ckpt of a run whose newest checkpoint is
+    a sharded folder (no last.ckpt then), the folder its `latest` pointer names."""
+    from lit_pretrain.resume.sharded_manifest import STEP_FOLDER, is_sharded
+
     source = Path(source)
-    if source.is_file():
+    if source.is_file() or is_sharded(source):
         return source
     path = source / "checkpoints" / checkpoint
-    if path.is_dir():
-        raise DataError(
-            f"checkpoint {path} is a folder (a sharded distributed checkpoint); this project writes one-file "
-            "checkpoints under every strategy: convert it with torch.distributed.checkpoint.format_utils."
-            "dcp_to_torch_save, or choose another checkpoint"
-        )
+    latest = source / "checkpoints" / "latest"
+    if checkpoint == "last.ckpt" and not path.exists() and latest.is_file():
+        named = latest.read_text().strip()
+        if STEP_FOLDER.match(named):
+            path = source / "checkpoints" / named
+    if is_sharded(path):
+        return path
     if not path.is_file():
         if not source.is_dir():
             raise DataError(f"{source} is neither a checkpoint file nor a run folder: give runs/<name> or a .ckpt")
-        choices = sorted(p.name for p in path.parent.glob("*.ckpt"))
+        choices = sorted(p.name for p in path.parent.iterdir() if p.suffix == ".ckpt" or STEP_FOLDER.match(p.name)) \
+            if path.parent.is_dir() else []
         raise DataError(f"checkpoint {path} does not exist: choose one of {choices}")
     return path
 
 
+def _read(path: Path) -> dict:
+    """A one-file checkpoint verified against its sidecar, or a sharded folder verified against its manifest and
+    read whole into this process (resume/sharded.as_single_checkpoint): the same dict either way."""
+    if path.is_dir():
+        from lit_pretrain.resume.sharded import as_single_checkpoint
+
+        return as_single_checkpoint(path)
+    return load_verified(path)
+
+
 def read_checkpoint(source: str | Path, checkpoint: str = "last.ckpt") -> dict:
-    """The checkpoint's contents, verified against its sidecar (see checkpoint_path for `source`)."""
-    return load_verified(checkpoint_path(source, checkpoint))
+    """The checkpoint's contents, verified (see checkpoint_path for `source`)."""
+    return _read(checkpoint_path(source, checkpoint))
 
 
 def _section(state: dict, path: Path, name: str, cls: type) -> Any:
@@ -83,7 +99,7 @@ def _section(state: dict, path: Path, name: str, cls: type) -> Any:
     flat = (state.get(META_KEY) or {}).get("config")
     if isinstance(flat, dict) and any(k.startswith(f"{name}.") for k in flat):
         return from_plain(cls, {k[len(name) + 1:]: v for k, v in flat.items() if k.startswith(f"{name}.")})
-    run_config = path.parent.parent / "config.yaml"
+    run_config = path.parent.parent / "config.yaml"  # a sharded folder lies in checkpoints/ too
     if path.parent.name == "checkpoints" and run_config.is_file():
         return getattr(config_lib.to_object(config_lib.load(run_config)), name)
     raise DataError(f"checkpoint {path} carries no {name} config (no hyperparameters, no run metadata) and lies "
@@ -103,7 +119,7 @@ def load_gpt(source: str | Path, checkpoint: str = "last.ckpt") -> GPT:
     """The GPT of a checkpoint file, or of `source/checkpoints/<checkpoint>` of a run folder, shaped by the config
     the checkpoint carries."""
     path = checkpoint_path(source, checkpoint)
-    return _gpt(load_verified(path), path)
+    return _gpt(_read(path), path)
 
 
 def load_optimizer_state(source: str | Path, checkpoint: str = "last.ckpt",
@@ -114,7 +130,7 @@ def load_optimizer_state(source: str | Path, checkpoint: str = "last.ckpt",
     by their position in the groups, which every strategy's consolidated state keeps.
     """
     path = checkpoint_path(source, checkpoint)
-    state: Dict = load_verified(path)
+    state: Dict = _read(path)
     model = model if model is not None else _gpt(state, path)
     states = state.get("optimizer_states") or []
     if len(states) != 1:

@@ -1,5 +1,5 @@
-"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`: parse, load the config, call one
-function."""
+"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`, `checkpoint inspect | consolidate`:
+parse, load the config, call one function."""
 
 import argparse
 import dataclasses
@@ -72,7 +72,47 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
     _add_run_views(sub)
+    _checkpoint_commands(sub)
     return parser
+
+
+def _checkpoint_commands(sub) -> None:
+    """`checkpoint inspect | consolidate` (lit_pretrain/resume/sharded_inspect.py, sharded_tools.py): one process, no
+    process group."""
+    text = "look into a checkpoint, or write a sharded one as one file"
+    actions = sub.add_parser("checkpoint", help=text, description=text).add_subparsers(dest="action", required=True)
+    text = ("print step, layout, tensors, bytes and whether every checksum holds (exit 2 when one does not). Reads "
+            "a sharded folder's manifest.json, every file it lists (size, sha256), then DCP's .metadata; or a .ckpt "
+            "and its .ckpt.json sidecar")
+    cmd = actions.add_parser("inspect", help=text.split(". ")[0], description=text)
+    cmd.add_argument("ckpt", metavar="CKPT", help="a sharded checkpoint folder (checkpoints/step0000012/) or a .ckpt")
+    text = ("write a sharded checkpoint folder as one single-process file, in memory near its largest tensor: a .ckpt "
+            "(the one-file format, with its sha256 sidecar .ckpt.json; load_gpt and resume read it) or a "
+            ".safetensors (the weights, for run.init_from). Reads manifest.json, verifies every file it lists, "
+            "then .metadata, the .distcp shards and trainer_state.pt")
+    cmd = actions.add_parser("consolidate", help=text.split(", in memory")[0], description=text)
+    cmd.add_argument("ckpt", metavar="CKPT", help="a sharded checkpoint folder (checkpoints/step0000012/)")
+    cmd.add_argument("out", metavar="OUT", help="the file to write (it must not exist): *.ckpt or *.safetensors")
+
+
+def _checkpoint(args) -> int:
+    try:
+        if args.action == "inspect":
+            from lit_pretrain.resume.sharded_inspect import format_inspect, inspect
+
+            report = inspect(args.ckpt)
+            print(format_inspect(args.ckpt, report))
+            if report["failures"]:
+                raise DataError(f"checkpoint {args.ckpt} fails its checksums ({len(report['failures'])} lines "
+                                "above): choose another checkpoint")
+        else:
+            from lit_pretrain.resume.sharded_tools import consolidate
+
+            print(f"wrote {consolidate(args.ckpt, args.out)}")
+    except USAGE_ERRORS as err:
+        print(f"lit-pretrain checkpoint {args.action}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _hf_commands(sub) -> None:
@@ -155,6 +195,8 @@ def main(argv=None) -> int:
         return _run_views(args)
     if args.command == "evaluate":
         return _evaluate(args)
+    if args.command == "checkpoint":
+        return _checkpoint(args)
     try:
         if args.command == "generate":  # imports torch: only here, so the other commands stay fast
             from lit_pretrain.generate import main as generate_main

@@ -81,12 +81,22 @@ class PretrainModule(L.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None,
                              weights_only=None, **kwargs):
         """Lightning's load, weights-only always, after the file is checked against its sha256 sidecar when it has
-        one (a plain Lightning Trainer writes none: pass `plugins=[AtomicCheckpointIO()]` to it for one). The
-        module comes back unwrapped, on one process, whatever strategy wrote the checkpoint."""
+        one (a plain Lightning Trainer writes none: pass `plugins=[AtomicCheckpointIO()]` to it for one), or a
+        sharded checkpoint folder, verified and read whole (resume/sharded.as_single_checkpoint). The module comes
+        back unwrapped, on one process, whatever strategy wrote the checkpoint."""
         if weights_only is False:
             raise ValueError("PretrainModule.load_from_checkpoint reads checkpoints weights-only (they hold plain "
                              "data); drop weights_only=False")
-        if isinstance(checkpoint_path, (str, Path)) and sidecar_path(checkpoint_path).exists():
+        if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
+            import io
+
+            from lit_pretrain.resume.sharded import as_single_checkpoint
+
+            buffer = io.BytesIO()  # Lightning's load reads a file or a buffer: the folder as one file, in memory
+            torch.save(as_single_checkpoint(Path(checkpoint_path)), buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+        elif isinstance(checkpoint_path, (str, Path)) and sidecar_path(checkpoint_path).exists():
             verify(checkpoint_path)
         return super().load_from_checkpoint(checkpoint_path, map_location=map_location, hparams_file=hparams_file,
                                             strict=strict, weights_only=True, **kwargs)

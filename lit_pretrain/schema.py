@@ -589,6 +589,18 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    format: Optional[str] = field(default=None, metadata={"choices": [None, "sharded", "single"]})
+    """How a checkpoint is written. sharded: a folder checkpoints/step*/ in which every rank writes only the state it
+    holds (torch.distributed.checkpoint), read back into any layout or one process (lit_pretrain/resume/sharded.py);
+    single: one file checkpoints/step*.ckpt gathered onto rank 0. null: sharded when the run has more than one
+    process, single for one. Where and how often: trainer.checkpoint_every_n_steps, run.keep_last_checkpoints."""
+    async_save: bool = False
+    """Sharded format only: copy each rank's share, then write it in a background thread while training goes on;
+    the next save, the end of training and a preemption wait for the write."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -598,6 +610,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def _check_weight(key: str, weight: float) -> None:

@@ -57,6 +57,18 @@ def accumulation(c: Config) -> tuple[int, int]:
     return c.trainer.tokens_per_step // per_micro_step, c.trainer.tokens_per_step
 
 
+def checkpoint_layout(c: Config, plan) -> Optional[dict]:
+    """The plan as a dict when checkpoints are sharded folders (checkpoint.format; null: sharded on more than one
+    process), None for one-file checkpoints."""
+    fmt = c.checkpoint.format or ("sharded" if plan.world_size > 1 else "single")
+    if c.checkpoint.async_save and fmt != "sharded":
+        default = " (the default for one process)" if c.checkpoint.format is None else ""
+        raise ConfigError(f"checkpoint.async_save=true writes sharded checkpoints in the background, but "
+                          f"checkpoint.format is {fmt}{default}: set checkpoint.format=sharded, or "
+                          "checkpoint.async_save=false")
+    return dataclasses.asdict(plan) if fmt == "sharded" else None
+
+
 def resolve_vocab(c: Config, tokenizer_vocab: int) -> Config:
     if c.model.vocab_size is None:
         return dataclasses.replace(c, model=dataclasses.replace(c.model, vocab_size=tokenizer_vocab))
@@ -131,7 +143,8 @@ def train(cfg: DictConfig) -> dict:
     callbacks = [
         timer,
         *resume_session.callbacks(plan, c.trainer.checkpoint_every_n_steps, c.run.keep_last_checkpoints, run_meta,
-                                  c.optim.lr_peak),
+                                  c.optim.lr_peak, sharded_layout=checkpoint_layout(c, parallel_plan),
+                                  async_save=c.checkpoint.async_save),
         # Bytes each rank holds (parameters, gradients, optimizer state, saved activations) → memory.json.
         MemoryAccounting(run_dir, {"strategy": c.strategy.name, "zero_stage": parallel_plan.zero_stage,
                                    "activation_checkpointing": c.model.activation_checkpointing,

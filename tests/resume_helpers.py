@@ -39,3 +39,17 @@ class RecordIndices(Callback):
         with open(path, "a") as f:
             f.write(json.dumps({"step": trainer.global_step, "rank": trainer.global_rank,
                                 "indices": trainer.datamodule.batch_indices}) + "\n")
+
+
+class SlowWrite(Callback):
+    """Makes the background writer of sharded checkpoints (resume/sharded.py WRITE_DELAY) sleep a minute before
+    writing the checkpoint of optimizer step `step`, so that a Fault can kill every rank in the middle of it."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            from lit_pretrain.resume import sharded
+
+            sharded.WRITE_DELAY = 60.0

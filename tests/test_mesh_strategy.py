@@ -7,7 +7,7 @@ and AdamW. The per-layout parity of every gradient is in tests/test_mesh_paralle
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
+from lit_pretrain.checkpoints import checkpoint_path, load_gpt, load_optimizer_state
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
@@ -52,7 +52,7 @@ def test_tensor_and_pipeline_train_from_config_like_one_process(runs):
             for (step, x), (_, y) in zip(a, b):
                 assert x == pytest.approx(y, abs=1e-5), f"{name} {key} at step {step}"
         assert [v for _, v in series(metrics, "train/clipped")] == [1.0] * STEPS  # clipping active throughout
-        # The checkpoint is a single-process one: it loads into a plain GPT and a plain AdamW.
+        # The checkpoint (a sharded folder, the default on 2 processes) loads into a plain GPT and a plain AdamW.
         model, opt = load_gpt(runs / name), load_optimizer_state(runs / name)
         for (key, p), q in zip(ref_model.state_dict().items(), model.state_dict().values()):
             # Measured ~1e-6 after 4 AdamW steps; 1e-5 is 1% of one step's update (lr 1e-3).
@@ -60,7 +60,7 @@ def test_tensor_and_pipeline_train_from_config_like_one_process(runs):
         with torch.no_grad():
             assert (model(probe) - ref_logits).abs().max() < 1e-4, name
         # Lightning's own load of the same file: the module from its saved hyperparameters, the same weights.
-        module = PretrainModule.load_from_checkpoint(runs / name / "checkpoints" / "last.ckpt")
+        module = PretrainModule.load_from_checkpoint(checkpoint_path(runs / name))  # a sharded folder on 2 processes
         assert module.strategy_cfg.name == name and module.model_cfg == model.cfg
         for key, p in model.state_dict().items():
             assert torch.equal(module.model.state_dict()[key], p), f"{name}: {key}"

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_pretrain.checkpoints import read_checkpoint
 from lit_pretrain.resume import store
-from lit_pretrain.resume.verified import load_verified
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
 
@@ -53,8 +53,10 @@ def extra(*specs) -> str:
 def train(tmp_path_factory, tiny_data_dir):
     root = tmp_path_factory.mktemp("resume_runs")
 
-    def run(name, *overrides, faults=(), record=False, rc=0):
+    def run(name, *overrides, faults=(), record=False, rc=0, slow_write=None):
         specs = [("Fault", f) for f in faults]
+        if slow_write is not None:
+            specs.append(("SlowWrite", {"step": slow_write}))
         if record:
             specs.append(("RecordIndices", {"out": str(root / f"{name}.indices")}))
         # A new session: the injected SIGKILL takes down the run's process group (every rank), not pytest.
@@ -70,7 +72,8 @@ def losses(run_dir: Path):
 
 
 def weights(run_dir: Path):
-    return load_verified(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    """The newest checkpoint's weights: last.ckpt of a one-file run, the folder `latest` names of a sharded one."""
+    return read_checkpoint(run_dir)["state_dict"]
 
 
 def assert_same_run(ref: Path, run: Path, first_step: int = 0):
@@ -141,20 +144,38 @@ def test_single_process_sigkill_twice_and_sigterm(train, single_ref):
 
 
 def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):
-    """1 → 2 processes from step 2; on 2 processes SIGKILL of every rank mid-accumulation and at a step boundary,
-    bitwise the uninterrupted 2-process run; 2 → 1 process from step 4. Windows always the global sequence."""
-    step2, step4 = (single_ref / "checkpoints" / store.step_file(s) for s in (2, 4))
+    """1 → 2 processes from step 2; on 2 processes (sharded checkpoints, the default there) SIGKILL of every rank
+    mid-accumulation, and in the middle of an asynchronous checkpoint write, each time bitwise the uninterrupted
+    2-process run; 2 → 1 process from step 4 (a sharded folder into one process). Windows always the global
+    sequence. Then ZeRO-3 on 2 processes resumes the DDP run's sharded step-4 folder (resharded into FSDP shards),
+    is killed mid-accumulation, and resumes bitwise its own uninterrupted run."""
+    step2 = single_ref / "checkpoints" / store.step_file(2)
     ref, _ = train("ddp-ref", *DDP, f"run.resume={step2}", record=True)
+    assert (ref / "checkpoints" / "step0000004" / "manifest.json").is_file()  # sharded by default on 2 processes
     assert_same_windows(single_ref, ref, range(2, STEPS))
     assert_close_losses(single_ref, ref, range(2, STEPS))
     run, _ = train("ddp", *DDP, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}], rc=-signal.SIGKILL)
-    assert latest(run) == "step0000004.ckpt"
-    train("ddp", *DDP, "run.resume=auto", faults=[{"step": 5}], rc=-signal.SIGKILL)
-    train("ddp", *DDP, "run.resume=auto")
+    assert latest(run) == "step0000004"
+    # A checkpoint after every step, written in the background; step 5's write sleeps (SlowWrite) and every rank is
+    # killed during it: the folder has no manifest, `latest` still names step 4.
+    train("ddp", *DDP, "run.resume=auto", "checkpoint.async_save=true", "trainer.checkpoint_every_n_steps=1",
+          faults=[{"step": 5, "micro_batch": 1}], slow_write=5, rc=-signal.SIGKILL)
+    assert latest(run) == "step0000004" and not (run / "checkpoints" / "step0000005" / "manifest.json").exists()
+    _, out = train("ddp", *DDP, "run.resume=auto")
+    assert "skipped checkpoints/step0000005 (no manifest.json (incomplete))" in out.stdout, out.stdout
     assert_same_run(ref, run, first_step=2)
-    back, _ = train("ddp-to-single", f"run.resume={ref / 'checkpoints' / store.step_file(4)}", record=True)
+    back, _ = train("ddp-to-single", f"run.resume={ref / 'checkpoints' / store.step_dir(4)}", record=True)
     assert_same_windows(single_ref, back, (4, 5))
     assert_close_losses(single_ref, back, (4, 5))
+    zero3 = ["strategy=zero", "trainer.devices=2", "trainer.micro_batch_size=4"]
+    ddp_step4 = ref / "checkpoints" / store.step_dir(4)
+    zero_ref, _ = train("zero3-ref", *zero3, f"run.resume={ddp_step4}")
+    assert_close_losses(single_ref, zero_ref, (4, 5))
+    zero_run, _ = train("zero3", *zero3, f"run.resume={ddp_step4}", "trainer.checkpoint_every_n_steps=1",
+                        faults=[{"step": 5, "micro_batch": 1}], rc=-signal.SIGKILL)
+    assert latest(zero_run) == "step0000005"
+    train("zero3", *zero3, "run.resume=auto")
+    assert_same_run(zero_ref, zero_run, first_step=4)
 
 
 def test_zero3_tensor_parallel_resume_from_single_process_and_sigkill(train, single_ref):
@@ -176,6 +197,6 @@ def test_zero3_tensor_parallel_resume_from_single_process_and_sigkill(train, sin
     assert_close_losses(single_ref, ref, range(2, STEPS))  # sharded and row-parallel sums: another order
     run, _ = train("zero3-tp2", *layout, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}],
                    rc=-signal.SIGKILL)
-    assert latest(run) == "step0000004.ckpt"
+    assert latest(run) == "step0000004"
     train("zero3-tp2", *layout, "run.resume=auto")
     assert_same_run(ref, run, first_step=2)

@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
+from lit_pretrain.checkpoints import checkpoint_path, load_gpt, load_optimizer_state
 from lit_pretrain.model import GPT
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.optim import param_groups
@@ -117,10 +117,13 @@ def test_optimizer_state_is_consolidated_into_the_checkpoint(runs, name):
 
 @pytest.mark.parametrize("name", ["single", *STRATEGIES])
 def test_load_from_checkpoint_under_every_strategy(runs, name):
-    """Lightning's PretrainModule.load_from_checkpoint on each run's last.ckpt: the module comes back from the
-    checkpoint's own hyperparameters (plain data, read weights-only), unwrapped, with the weights load_gpt reads."""
+    """Lightning's PretrainModule.load_from_checkpoint on each run's newest checkpoint (last.ckpt of one process, the
+    sharded folder `latest` names on 2, the default format there): the module comes back from the checkpoint's own
+    hyperparameters (plain data, read weights-only), unwrapped, with the weights load_gpt reads."""
     run_dir = runs(name)
-    module = PretrainModule.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    path = checkpoint_path(run_dir)
+    assert path.name == ("last.ckpt" if name == "single" else f"step{STEPS:07d}")
+    module = PretrainModule.load_from_checkpoint(path)
     assert module.model_cfg == model_cfg(run_dir) and module.max_steps == STEPS
     expected = ("zero", int(name[-1])) if name.startswith("zero") else (name, None)
     strategy = module.strategy_cfg

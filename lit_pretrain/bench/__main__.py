@@ -119,9 +119,9 @@ def _stability(r: _Run) -> List[Dict]:
 
 
 def _checkpoint(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import checkpoint
+    from lit_pretrain.bench import checkpoint, sharded_checkpoint
 
-    return [checkpoint.run(r.c, r.args.repeats)]
+    return [checkpoint.run(r.c, r.args.repeats), *sharded_checkpoint.run(r.c, r.args.repeats)]
 
 
 def _generation(r: _Run) -> List[Dict]:

@@ -11,11 +11,14 @@ What it changes in Lightning's step, and why:
   `ParallelModel.sync_gradients` (tied embedding over the pipeline, norms under sequence parallelism, replicas).
 - `distributed_sampler_kwargs`: the data-parallel rank and size (replica x shard); tensor- and pipeline-parallel
   ranks of one replica read the same batch.
-- checkpoints: rank 0 writes one file through `self.checkpoint_io` holding the single-process state dict and a
-  single-process AdamW state, so it loads into one process or into any other layout.
+- checkpoints: with checkpoint.format=single, rank 0 writes one file through `self.checkpoint_io` holding the
+  single-process state dict and a single-process AdamW state, so it loads into one process or into any other
+  layout; with the sharded format (the default on several processes) each rank writes its own share instead
+  (resume/sharded.py) and `load_checkpoint` reads a folder into this layout (resume/sharded_load.py).
 """
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
@@ -23,6 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.resume.sharded_load import ShardedLoad
 
 MODULE_PREFIX = "model."
 
@@ -35,7 +39,7 @@ def full_gpt_on_meta(model_cfg):
         return GPT(model_cfg)
 
 
-class MeshStrategy(ModelParallelStrategy):
+class MeshStrategy(ShardedLoad, ModelParallelStrategy):
     def __init__(self, plan: ParallelPlan, process_group_backend: Optional[str], timeout: timedelta):
         super().__init__(data_parallel_size=plan.data_parallel, tensor_parallel_size=plan.tensor_parallel,
                          save_distributed_checkpoint=False, process_group_backend=process_group_backend,
@@ -138,6 +142,8 @@ class MeshStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = self.broadcast(checkpoint_path)
+        if Path(path).is_dir():  # a sharded folder: each rank reads its share (resume/sharded_load.py)
+            return super().load_checkpoint(path)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True)
         weights = {k[len(MODULE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()
                    if k.startswith(MODULE_PREFIX)}

@@ -15,21 +15,26 @@ FSDP2 on both and leaves clipping to our module, which reduces the norm over the
 """
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 from lit_pretrain.parallel.plan import ParallelPlan, plan_from
+from lit_pretrain.resume.sharded_load import ShardedDDPStrategy, ShardedLoad
 from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
-class VerifiedModelParallelStrategy(ModelParallelStrategy):
+class VerifiedModelParallelStrategy(ShardedLoad, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy loads a one-file checkpoint with its own torch.load, not through
-    checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only."""
+    checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only. A
+    sharded folder: ShardedLoad (resume/sharded_load.py)."""
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         path = self.broadcast(checkpoint_path)
+        if Path(path).is_dir():
+            return super().load_checkpoint(path)
         verify(path)
         return super().load_checkpoint(path, weights_only=True)
 
@@ -56,6 +61,6 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
             data_parallel_size=plan.world_size, tensor_parallel_size=1, save_distributed_checkpoint=False,
             process_group_backend=backend, timeout=timeout)
     else:
-        strategy = DDPStrategy(process_group_backend=backend, timeout=timeout)
+        strategy = ShardedDDPStrategy(process_group_backend=backend, timeout=timeout)
     strategy.plan = plan  # read by PretrainModule.plan (ZeRO-1's optimizer, FSDP's stage)
     return strategy

@@ -32,6 +32,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         save_atomic(checkpoint, path)
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None):
+        if Path(path).is_dir():  # a sharded folder into one process (strategies.ShardedLoad reads it in a layout)
+            from lit_pretrain.resume.sharded import as_single_checkpoint
+
+            return as_single_checkpoint(Path(path))
         return load_verified(path)
 
     def remove_checkpoint(self, path) -> None:

@@ -6,6 +6,10 @@ a run killed mid-accumulation resumes from the last boundary and redoes the part
 save: loggers are flushed first (so the metrics of every step up to the checkpoint are on disk), then the file is
 written through the strategy's checkpoint_io (AtomicCheckpointIO), then rank 0 publishes it (`last.ckpt`,
 `latest`) and applies retention.
+
+With the sharded format (`sharded_layout` given: checkpoint.format) every rank writes its share into the folder
+`step0000012/` (resume/sharded.ShardedSaver); rank 0 publishes after the manifest, from the writer's thread when
+`async_save`, and the next save, the end of training and a preemption wait for that write.
 """
 
 from pathlib import Path
@@ -21,7 +25,7 @@ from lit_pretrain.resume.verified import META_KEY
 
 class StepCheckpoint(Callback):
     def __init__(self, folder: Path, every_n_steps: int, keep_last: int, run_meta: Dict,
-                 handle_signals: bool = True):
+                 handle_signals: bool = True, sharded_layout: Optional[Dict] = None, async_save: bool = False):
         self.folder, self.every_n_steps, self.keep_last = Path(folder), every_n_steps, keep_last
         self.run_meta = run_meta
         self.flag = PreemptionFlag() if handle_signals else None
@@ -32,6 +36,12 @@ class StepCheckpoint(Callback):
         self._metrics_rows = 0
         self._due = False  # a periodic checkpoint postponed from an epoch's first batch
         self._in_flight = 0
+        self.sharded_layout = sharded_layout
+        self.saver = None
+        if sharded_layout is not None:
+            from lit_pretrain.resume.sharded import ShardedSaver
+
+            self.saver = ShardedSaver(async_save)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._checked_step = self._saved_step = trainer.global_step
@@ -59,6 +69,7 @@ class StepCheckpoint(Callback):
             self.save(trainer, step, in_flight=1)
             self._due = False
         if preempt:
+            self.wait()  # the checkpoint is on disk before the process exits
             self.preempted = True
             trainer.should_stop = True
             if trainer.is_global_zero:
@@ -72,6 +83,15 @@ class StepCheckpoint(Callback):
         # partial step would not be resumable; the previous checkpoint stands then.
         if self._at_boundary and trainer.global_step != self._saved_step and not self.preempted:
             self.save(trainer, trainer.global_step, in_flight=0)
+        self.wait()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.wait()  # a write under way completes (its manifest last), so the run stops at a consistent point
+
+    def wait(self) -> None:
+        """Block until a background sharded write has written its manifest and been published."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
         if self._in_flight:
@@ -90,17 +110,26 @@ class StepCheckpoint(Callback):
             loader.in_flight = in_flight
         self._in_flight = in_flight
         try:
-            path = self.folder / store.step_file(step)
-            trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint, said explicitly
+            if self.saver is not None:
+                path = self.folder / store.step_dir(step)
+                publish = (lambda: self.publish(path)) if trainer.is_global_zero else None
+                self.saver.save(trainer, path, step, self.sharded_layout, on_complete=publish)
+            else:
+                path = self.folder / store.step_file(step)
+                trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint, said explicitly
         finally:
             self._in_flight = 0
             if loader is not None:
                 loader.in_flight = 0
         self._saved_step = step
-        if trainer.is_global_zero:
-            store.publish(self.folder, path)
-            store.retain(self.folder, self.keep_last)
+        if self.saver is None and trainer.is_global_zero:
+            self.publish(path)
         trainer.strategy.barrier("step_checkpoint")
+
+    def publish(self, path: Path) -> None:
+        """On rank 0, once `path` is complete: `latest` (and last.ckpt for a file), then retention."""
+        store.publish(self.folder, path)
+        store.retain(self.folder, self.keep_last)
 
 
 def as_saved_at_previous_batch_end(fit_loop: Dict) -> None:

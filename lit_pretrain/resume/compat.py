@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, List
 from lit_pretrain.errors import ConfigError, DataError
 
 # Keys that say how a run is executed, not what it computes.
-FREE_PREFIXES = ("strategy.", "callbacks.extra", "trainer.profile.")
+FREE_PREFIXES = ("strategy.", "checkpoint.", "callbacks.extra", "trainer.profile.")
 FREE_KEYS = {
     "run.resume", "run.resume_allow_changes", "run.overwrite", "run.keep_last_checkpoints", "run.root_dir",
     "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size", "trainer.num_threads", "trainer.accelerator",

@@ -15,7 +15,6 @@ from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, keep_first_rows
 from lit_pretrain.resume.rank_state import RankState
-from lit_pretrain.resume.verified import read_sidecar
 from lit_pretrain.runs import (
     check_run_dir,
     create_run_dir,
@@ -81,7 +80,7 @@ def check(plan: Plan, run_meta: Dict, allow: List[str], tokenizer_file: Path) ->
     """Refuse a resume that changes the experiment (before the run folder is made or touched)."""
     if plan.checkpoint is None:
         return
-    saved = (read_sidecar(plan.checkpoint) or {}).get("meta", {})
+    saved = store.meta_of(plan.checkpoint)
     if not all(k in saved for k in ("config", "step", "metrics_rows", "tokenizer_sha256")):
         raise DataError(f"checkpoint {plan.checkpoint} carries no run metadata (it was not written by "
                         "`lit-pretrain train`): resume from a run's checkpoints/step*.ckpt")
@@ -92,15 +91,18 @@ def continue_metrics(plan: Plan) -> None:
     """On rank 0 of a resume, once the run folder is there: cut metrics logged after the checkpoint."""
     if plan.checkpoint is None or not is_primary_process():
         return
-    saved = (read_sidecar(plan.checkpoint) or {}).get("meta", {})
+    saved = store.meta_of(plan.checkpoint)
     keep_first_rows(plan.run_dir / "metrics.csv", saved["metrics_rows"])
     print(f"resuming from {store.describe(plan.checkpoint)}"
           + (f", changed on purpose: {', '.join(plan.changed)}" if plan.changed else ""), flush=True)
 
 
-def callbacks(plan: Plan, every_n_steps: int, keep_last: int, run_meta: Dict, lr_peak: float) -> List[Callback]:
+def callbacks(plan: Plan, every_n_steps: int, keep_last: int, run_meta: Dict, lr_peak: float,
+              sharded_layout: Optional[Dict] = None, async_save: bool = False) -> List[Callback]:
+    """`sharded_layout`: the parallel plan as a dict when checkpoints are sharded folders (None: one file)."""
     out: List[Callback] = [RankState(), StepCheckpoint(plan.run_dir / "checkpoints", every_n_steps, keep_last,
-                                                       run_meta)]
+                                                       run_meta, sharded_layout=sharded_layout,
+                                                       async_save=async_save)]
     if "optim.lr_peak" in plan.changed:
         out.append(NewLrPeak(lr_peak))
     return out

@@ -1,5 +1,9 @@
-"""The checkpoints folder of a run: step files, the `latest` pointer, `last.ckpt`, retention, and the resolver for
-`run.resume`.
+"""The checkpoints folder of a run: step files, step folders (the sharded format, resume/sharded.py), the `latest`
+pointer, `last.ckpt`, retention, and the resolver for `run.resume`.
+
+A step file `step0000012.ckpt` counts when its sha256 sidecar agrees; a step folder `step0000012/` when its
+manifest.json (written last) lists every file with the right size and sha256. `latest` names either; `last.ckpt` is
+a hard link to the newest step file and is removed when a folder is published (`latest` is then the pointer).
 
 Order of writes for a new checkpoint (each atomic): the step file and its sidecar, then `last.ckpt` (a hard link to
 it) and its sidecar, then the `latest` pointer, then retention. A crash at any point leaves `latest` naming a
@@ -11,17 +15,19 @@ import itertools
 import os
 import re
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.paths import safe_unlink
+from lit_pretrain.paths import confined, safe_rmtree, safe_unlink
 from lit_pretrain.resume.atomic import atomic_link, atomic_write_bytes, fsync_dir
+from lit_pretrain.resume.sharded_manifest import read_manifest, verify_sharded
 from lit_pretrain.resume.verified import read_sidecar, sidecar_path, verify
 from lit_pretrain.runs import is_primary_process
 
 LATEST = "latest"
 LAST = "last.ckpt"
 STEP_FILE = re.compile(r"^step(\d{7,})\.ckpt$")
+STEP_DIR = re.compile(r"^step(\d{7,})$")
 STEP_SIDECAR = re.compile(r"^step\d{7,}\.ckpt\.json$")
 CORRUPT = ".corrupt"  # suffix of a checkpoint set aside after failing its checksum (never read, never retained)
 
@@ -30,24 +36,58 @@ def step_file(step: int) -> str:
     return f"step{step:07d}.ckpt"
 
 
+def step_dir(step: int) -> str:
+    return f"step{step:07d}"
+
+
+def is_step_dir(path: Path) -> bool:
+    """A step folder of the sharded format: the name pattern, a real folder (never a link)."""
+    return STEP_DIR.match(path.name) is not None and path.is_dir() and not path.is_symlink()
+
+
 def step_files(folder: Path) -> List[Path]:
-    """Step checkpoints in the folder, oldest first."""
-    found = [(int(m.group(1)), p) for p in folder.glob("step*.ckpt") if (m := STEP_FILE.match(p.name))]
-    return [p for _, p in sorted(found)]
+    """Step checkpoints in the folder (files and sharded folders), oldest first; a file before a folder of the same
+    step (a run that changed format keeps both)."""
+    found = [(int(m.group(1)), 0, p) for p in folder.glob("step*.ckpt") if (m := STEP_FILE.match(p.name))]
+    found += [(int(m.group(1)), 1, p) for p in folder.glob("step*") if (m := STEP_DIR.match(p.name)) and is_step_dir(p)]
+    return [p for _, _, p in sorted(found)]
+
+
+def verify_any(path: Path, check_sha256: bool = True) -> Dict:
+    """A step file against its sidecar, or a step folder against its manifest; the sidecar/manifest, or a
+    DataError (with `.reason`) naming the file."""
+    if path.is_dir():
+        return verify_sharded(path, check_sha256=check_sha256)
+    return verify(path, check_sha256)
+
+
+def meta_of(path: Path) -> Dict:
+    """The `lit_pretrain` metadata of a checkpoint (its sidecar's or manifest's), {} when unreadable."""
+    if path.is_dir():
+        try:
+            return read_manifest(path).get("meta") or {}
+        except DataError:
+            return {}
+    return (read_sidecar(path) or {}).get("meta", {})
 
 
 def is_valid(path: Path, check_sha256: bool = True) -> bool:
     try:
-        verify(path, check_sha256)
+        verify_any(path, check_sha256)
         return True
     except DataError:
         return False
 
 
 def publish(folder: Path, path: Path) -> None:
-    """After `path` (a verified step file) is written: point `last.ckpt` and `latest` at it."""
-    atomic_link(path, folder / LAST)
-    atomic_link(sidecar_path(path), sidecar_path(folder / LAST))
+    """After `path` (a verified step file or folder) is written: point `last.ckpt` (files) and `latest` at it."""
+    if path.is_dir():
+        # `latest` is the pointer now; a last.ckpt left from a one-file session would name an older checkpoint.
+        safe_unlink(folder / LAST, folder, re.compile(re.escape(LAST)))
+        safe_unlink(sidecar_path(folder / LAST), folder, re.compile(re.escape(LAST + ".json")))
+    else:
+        atomic_link(path, folder / LAST)
+        atomic_link(sidecar_path(path), sidecar_path(folder / LAST))
     atomic_write_bytes(folder / LATEST, (path.name + "\n").encode())
 
 
@@ -65,6 +105,10 @@ def retain(folder: Path, keep_last: int) -> List[Path]:
         if kept < keep_last:
             kept += is_valid(path, check_sha256=False)
             continue
+        if path.is_dir():
+            remove_step_dir(path, folder)
+            deleted.append(path)
+            continue
         # Only names of STEP_FILE's pattern (and their sidecars) directly in this checkpoints folder.
         if safe_unlink(path, folder, STEP_FILE):
             safe_unlink(sidecar_path(path), folder, STEP_SIDECAR)
@@ -72,8 +116,15 @@ def retain(folder: Path, keep_last: int) -> List[Path]:
     return deleted
 
 
+def remove_step_dir(path: Path, folder: Path) -> None:
+    """Delete a step folder: only a folder of STEP_DIR's pattern directly inside this checkpoints folder, never
+    through a link (paths.safe_rmtree)."""
+    safe_rmtree(path, folder, lambda p: is_step_dir(p) and p.parent.resolve() == Path(folder).resolve(),
+                "checkpoint folder")
+
+
 def step_of(path: Path) -> int:
-    m = STEP_FILE.match(path.name)
+    m = STEP_FILE.match(path.name) or STEP_DIR.match(path.name)
     return int(m.group(1)) if m else -1
 
 
@@ -84,13 +135,14 @@ def scan(folder: Path) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
     pointer = folder / LATEST
     if pointer.is_file():
         named = folder / pointer.read_text().strip()
-        if named.parent == folder and is_valid(named):
+        if named.parent == folder and (STEP_FILE.match(named.name) or STEP_DIR.match(named.name)) \
+                and is_valid(named):
             found = named
     for path in reversed(step_files(folder)):
         if found is not None and step_of(path) <= step_of(found):
             break
         try:
-            verify(path)
+            verify_any(path)
         except DataError as err:
             skipped.append((path, getattr(err, "reason", str(err))))
             continue
@@ -112,8 +164,14 @@ def set_aside(path: Path) -> Path:
     for inspection. A hard link then an unlink: the new name is never an existing file."""
     for n in itertools.count():
         aside = path.with_name(f"{path.name}{'' if n == 0 else f'.{n}'}{CORRUPT}")
-        if aside.exists() or sidecar_path(aside).exists():
+        if aside.exists() or aside.is_symlink() or sidecar_path(aside).exists():
             continue
+        if path.is_dir():
+            # A step folder: renamed within its own folder (nothing deleted); the new name is checked free above.
+            confined(path.parent, path, "checkpoint folder")
+            os.rename(path, aside)
+            fsync_dir(path.parent)
+            return aside
         try:
             os.link(path, aside)
         except FileExistsError:
@@ -150,13 +208,12 @@ def resolve(resume: Optional[str], run_dir: Path) -> Optional[Path]:
             publish(folder, found)
         return found
     path = Path(resume)
-    if not path.is_file():
-        raise ConfigError(f"run.resume={resume}: no such checkpoint file; give a file written by a run "
-                          f"(runs/<name>/checkpoints/step*.ckpt) or run.resume=auto")
-    verify(path)
+    if not (path.is_file() or path.is_dir() and (path / "manifest.json").exists() or is_step_dir(path)):
+        raise ConfigError(f"run.resume={resume}: no such checkpoint file or folder; give one written by a run "
+                          f"(runs/<name>/checkpoints/step*.ckpt, or a sharded step* folder) or run.resume=auto")
+    verify_any(path)
     return path
 
 
 def describe(path: Path) -> str:
-    side = read_sidecar(path) or {}
-    return f"{path} (step {side.get('meta', {}).get('step', '?')})"
+    return f"{path} (step {meta_of(path).get('step', '?')})"

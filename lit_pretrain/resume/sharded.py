@@ -1,0 +1,444 @@
+"""The sharded checkpoint of a distributed run: every rank writes what it holds, any layout reads it back.
+
+Format (the folder `checkpoints/step0000012/`, /work/notes/i17_contract.md; manifest, verification and the safe
+`.metadata` reader in resume/sharded_format.py): torch.distributed.checkpoint (DCP) files keyed by single-process
+names, `model.<name>` and `optim.<name>.<state key>`, with the single-process (global) shapes; `trainer_state.pt`
+(rank 0's Lightning checkpoint without model and optimizer tensors); `rank{r:05d}.pt` per rank; `manifest.json` last.
+
+How a rank says what it holds, without gathering: every tensor becomes a `Chunk`, its local tensor and where that
+lies in the global tensor (offsets per dim). An FSDP2 shard (a DTensor) gives its offsets from its placements
+(compute_local_shape_and_global_offset: Shard(0), HSDP's Replicate x Shard); our tensor-parallel slices are plain
+tensors, so their offset along the split dim is tp_rank x slice (parallel/tensor.py SHARD_DIM); both compose, since
+FSDP2 shards the TP slice along dim 0. DCP's planner then writes each chunk once: chunks with the same offsets
+(replicated tensors, data-parallel replicas, the tied embedding on two pipeline stages) are written by one rank
+only (DCP's dedup_save_plans). Loading builds the same chunks for the target layout and DCP reads every overlap from
+whichever saved chunks hold it: that is the resharding, for any pair of layouts, with no arithmetic (bitwise).
+
+Asynchronous save (`checkpoint.async_save`): the local tensors are copied (the staging, 1/world of the state on each
+rank), then a background thread writes them, hashes each rank's own files, gathers the hashes and, on rank 0, writes
+the manifest, points `latest` at the folder and applies retention, in that order; the collectives of the writer run
+on a process group of their own (gloo), so they never interleave with training's. The next save, the end of
+training and a preemption wait for the writer. A crash before the manifest leaves an incomplete folder that resume
+skips: the previous checkpoint stays the newest valid one.
+"""
+
+import concurrent.futures
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lit_pretrain.errors import DataError
+from lit_pretrain.resume.sharded_manifest import STEP_FOLDER as STEP_DIR
+from lit_pretrain.resume.sharded_manifest import TRAINER_STATE
+
+MODEL, OPTIM = "model.", "optim."
+SHARDED_KEY = "lit_pretrain_sharded"  # set in the dict load_checkpoint returns: model and optimizer already loaded
+WRITE_DELAY = 0.0  # seconds the background writer sleeps before writing: a test hook for a crash mid-write
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+class Chunk:
+    """One rank's piece of a global tensor: `local` holds [offsets, offsets + local.shape) of a tensor of `size`.
+    DCP treats it like a DTensor through the _Checkpointable hooks; an empty piece (an FSDP shard of padding only)
+    writes and reads nothing."""
+
+    def __init__(self, local: torch.Tensor, size: Sequence[int], offsets: Sequence[int]):
+        self.local, self._size, self.offsets = local, torch.Size(size), torch.Size(offsets)
+
+    def size(self) -> torch.Size:
+        return self._size
+
+    def _chunk(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape)
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        if self.local.numel() == 0 and len(self._size) > 0:
+            return []
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=self._chunk(),
+                                                      properties=TensorProperties.create_from_tensor(self.local),
+                                                      size=self._size))]
+
+    def __create_chunk_list__(self) -> list:
+        return [] if self.local.numel() == 0 and len(self._size) > 0 else [self._chunk()]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        return self.local
+
+
+def _planners():
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+    class ChunkSavePlanner(DefaultSavePlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def lookup_object(self, index):
+            return self.state_dict[index.fqn].local
+
+    class ChunkLoadPlanner(DefaultLoadPlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            # The default one first replaces every value that is not a tensor (our chunks) with None.
+            self.original_state_dict = self.state_dict = state_dict
+            self.metadata, self.is_coordinator = metadata, is_coordinator
+
+        def lookup_tensor(self, index):
+            return self.state_dict[index.fqn].local
+
+    return ChunkSavePlanner, ChunkLoadPlanner
+
+
+# What this rank holds, as chunks of single-process tensors.
+
+def _tp(par):
+    return (par.tp_rank, par.t) if par is not None and par.mesh is not None else (0, 1)
+
+
+def chunk_of(name: str, t: torch.Tensor, par) -> Chunk:
+    """`t` (this rank's value of single-process tensor `name`, a parameter or a state shaped like it) as a Chunk."""
+    from lit_pretrain.parallel.tensor import SHARD_DIM, style_of
+
+    if t.dim() == 0:
+        return Chunk(t.detach(), (), ())
+    if hasattr(t, "full_tensor"):  # an FSDP2 shard: its offsets in the (TP-local) tensor from its placements
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+    else:
+        offsets, local = [0] * t.dim(), t
+    size, offsets = list(t.shape), list(offsets)
+    tp_rank, tp = _tp(par)
+    style = style_of(name) if tp > 1 else None
+    if style is not None:
+        dim = SHARD_DIM[style]
+        offsets[dim] += tp_rank * size[dim]
+        size[dim] *= tp
+    return Chunk(local.detach(), size, offsets)
+
+
+def model_chunks(gpt, par) -> Dict[str, Chunk]:
+    """The GPT's state dict as this rank holds it (live tensors: loading into them loads the model in place)."""
+    from lit_pretrain.parallel.tensor import plain_name
+
+    return {MODEL + plain_name(k): chunk_of(plain_name(k), v, par) for k, v in gpt.state_dict().items()}
+
+
+def _owned(gpt, optimizer):
+    """(single-process name, parameter) of the parameters whose optimizer state this rank keeps."""
+    from lit_pretrain.optim import local_optimizer
+    from lit_pretrain.parallel.tensor import plain_name
+
+    held = {id(p) for g in local_optimizer(optimizer).param_groups for p in g["params"]}
+    return [(plain_name(n), p) for n, p in gpt.named_parameters() if id(p) in held]
+
+
+def optimizer_chunks(gpt, optimizer, par) -> Dict[str, Chunk]:
+    """The optimizer state this rank keeps (ZeRO-1: its own tensors; FSDP: its shards), keyed optim.<name>.<key>."""
+    from lit_pretrain.optim import local_optimizer
+
+    state = local_optimizer(optimizer).state
+    out = {}
+    for name, p in _owned(gpt, optimizer):
+        for key, value in state.get(p, {}).items():
+            if torch.is_tensor(value):
+                out[f"{OPTIM}{name}.{key}"] = chunk_of(name, value, par)
+    return out
+
+
+def optimizer_targets(gpt, optimizer, par, saved: Dict[str, torch.Size]) -> Dict[str, Chunk]:
+    """Empty optimizer state for this rank's parameters, shaped as saved (a parameter's shape, or a scalar such as
+    AdamW's step), installed in the optimizer; loading into the chunks fills it."""
+    from lit_pretrain.optim import local_optimizer
+
+    state = local_optimizer(optimizer).state
+    out = {}
+    for name, p in _owned(gpt, optimizer):
+        prefix = f"{OPTIM}{name}."
+        entry = {}
+        for key in (k for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]):
+            scalar = len(saved[key]) == 0
+            entry[key[len(prefix):]] = torch.zeros((), dtype=torch.float32) if scalar else torch.zeros_like(p.detach())
+        if entry:
+            state[p] = entry
+            out.update({prefix + k: chunk_of(name, v, par) for k, v in entry.items()})
+    return out
+
+
+# Lightning's checkpoint dict without the model and optimizer tensors.
+
+def param_names(module) -> List[List[str]]:
+    """Per AdamW group, the single-process parameter names in the optimizer's order (optim.param_groups)."""
+    from lit_pretrain.model import GPT
+    from lit_pretrain.optim import param_groups
+
+    with torch.device("meta"):  # the single-process structure without memory (as MeshStrategy._param_order)
+        ref = GPT(module.model_cfg)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in param_groups(ref, module.optim_cfg.weight_decay)]
+
+
+def trainer_state(trainer) -> Dict[str, Any]:
+    """trainer.save_checkpoint's dict with no model or optimizer tensors: the strategy's gathering hooks are
+    bypassed for this call (every rank calls it: callbacks such as RankState gather their small states)."""
+    strategy = trainer.strategy
+    module = trainer.lightning_module
+    saved = strategy.__dict__.get("lightning_module_state_dict"), strategy.__dict__.get("optimizer_state")
+    strategy.lightning_module_state_dict = lambda: {k: v for k, v in module.state_dict().items()
+                                                   if not k.startswith(MODEL)}
+    strategy.optimizer_state = lambda optimizer: {}
+    try:
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    finally:
+        for attr, value in zip(("lightning_module_state_dict", "optimizer_state"), saved):
+            if value is None:
+                del strategy.__dict__[attr]
+            else:
+                setattr(strategy, attr, value)
+    names = param_names(module)
+    groups, index = [], 0
+    for group_names, group in zip(names, strategy.optimizers[0].param_groups):
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(index, index + len(group_names)))})
+        index += len(group_names)
+    checkpoint["optimizer_states"] = [{"state": {}, "param_groups": groups}]
+    checkpoint["param_names"] = names
+    return checkpoint
+
+
+# Writing.
+
+_GROUP: Dict[str, Any] = {}
+
+
+def checkpoint_group():
+    """A gloo process group over the whole world for the checkpoint's own collectives (DCP's plan exchange, the
+    hashes), so a background write never interleaves with training's collectives; None without a process group.
+    Made at the first save, which every rank reaches at the same step."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if "group" not in _GROUP:
+        _GROUP["group"] = dist.new_group(backend="gloo")
+    return _GROUP["group"]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _own_files(folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
+    """Size and sha256 of the files this rank wrote (its DCP data files and rank file; rank 0 also `.metadata` and
+    trainer_state.pt)."""
+    from lit_pretrain.resume.atomic import file_sha256
+
+    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + [rank_file(rank)]
+    if rank == 0:
+        names += [".metadata", TRAINER_STATE]
+    return {n: {"bytes": (folder / n).stat().st_size, "sha256": file_sha256(folder / n)} for n in sorted(names)}
+
+
+def _save_files(folder: Path, chunks: Dict[str, Chunk], group, manifest: Dict[str, Any], on_complete) -> None:
+    """DCP's write of every rank's chunks, then the hashes, then (rank 0) the manifest and `on_complete`."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    from lit_pretrain.resume.sharded_format import write_manifest
+
+    if WRITE_DELAY:
+        time.sleep(WRITE_DELAY)
+    save_planner, _ = _planners()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp_save(chunks, storage_writer=FileSystemWriter(folder, thread_count=1), planner=save_planner(),
+                 process_group=group, no_dist=group is None)
+    rank = _rank()
+    files = _own_files(folder, rank)
+    if group is not None:
+        every: List[Optional[dict]] = [None] * _world()
+        dist.all_gather_object(every, files, group=group)
+        files = {k: v for part in every for k, v in part.items()}
+    if rank == 0:
+        write_manifest(folder, files=files, **manifest)
+        if on_complete is not None:
+            on_complete()
+
+
+class ShardedSaver:
+    """Writes sharded checkpoints of one run; with `async_save`, in a background thread, one save in flight at most.
+    Every rank calls `save` at the same step and `wait` before the run ends."""
+
+    def __init__(self, async_save: bool = False):
+        self.async_save = async_save
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._future: Optional[concurrent.futures.Future] = None
+        self.last_stall: Optional[float] = None  # seconds the last save kept training waiting
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has written its manifest; re-raise its error."""
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+    def save(self, trainer, folder: Path, step: int, layout: Dict[str, Any], on_complete=None) -> None:
+        from lit_pretrain.resume.verified import META_KEY
+
+        started = time.perf_counter()
+        self.wait()
+        checkpoint = trainer_state(trainer)
+        module = trainer.lightning_module
+        optimizer = trainer.strategy.optimizers[0]
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        chunks = {**model_chunks(module.model, module.parallel),
+                  **optimizer_chunks(module.model, optimizer, module.parallel)}
+        if self.async_save:  # the staging: a copy of this rank's share, so training may change the originals
+            chunks = {k: Chunk(c.local.clone(), c.size(), c.offsets) for k, c in chunks.items()}
+        group, rank = checkpoint_group(), _rank()
+        _prepare_folder(folder, rank, group)
+        _save_torch(checkpoint if rank == 0 else None, folder, rank)
+        manifest = {"step": step, "meta": checkpoint.get(META_KEY, {}), "layout": layout, "world_size": _world()}
+        if self.async_save:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sharded-checkpoint")
+            self._future = self._pool.submit(_save_files, folder, chunks, group, manifest, on_complete)
+        else:
+            _save_files(folder, chunks, group, manifest, on_complete)
+        self.last_stall = time.perf_counter() - started
+
+
+def _prepare_folder(folder: Path, rank: int, group) -> None:
+    """Rank 0 empties the step's folder (a leftover of a crash, or of a session that saved this step and was never
+    published) inside the checkpoints folder only, then every rank may write into it."""
+    if rank == 0:
+        if folder.is_dir():
+            from lit_pretrain.paths import safe_rmtree
+
+            safe_rmtree(folder, folder.parent, lambda p: STEP_DIR.match(p.name) is not None, "checkpoint folder")
+        folder.mkdir(parents=True)
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def _save_torch(checkpoint: Optional[dict], folder: Path, rank: int) -> None:
+    from lit_pretrain.resume.atomic import atomic_open
+    from lit_pretrain.resume.rank_state import capture
+
+    with atomic_open(folder / rank_file(rank)) as f:
+        torch.save({"rng": capture()}, f)
+    if checkpoint is not None:
+        with atomic_open(folder / TRAINER_STATE) as f:
+            torch.save(checkpoint, f)
+
+
+# Reading into a layout.
+
+def reader(folder: Path, check_sha256: bool = True):
+    """The verified reader of a folder (resume/sharded_format.py): manifest checked on construction, `.metadata`
+    read with the restricted unpickler. check_sha256=False where rank 0 has just hashed every file."""
+    from lit_pretrain.resume.sharded_format import VerifiedFileSystemReader
+
+    return VerifiedFileSystemReader(folder, check_sha256=check_sha256)
+
+
+def saved_shapes(storage) -> Dict[str, torch.Size]:
+    """Every tensor of the checkpoint with its single-process shape, from `.metadata`."""
+    return {k: md.size for k, md in storage.read_metadata().state_dict_metadata.items() if hasattr(md, "size")}
+
+
+def _check_targets(folder: Path, targets: Dict[str, Chunk], saved: Dict[str, torch.Size]) -> None:
+    for key, chunk in targets.items():
+        if key not in saved:
+            raise DataError(f"checkpoint {folder} holds no {key}: it was written for another model (or by another "
+                            "program); resume from a checkpoint of this model")
+        if saved[key] != chunk.size():
+            raise DataError(f"checkpoint {folder}: {key} has shape {tuple(saved[key])} there but "
+                            f"{tuple(chunk.size())} in this model: the checkpoint is of another model shape; set the "
+                            "model section back to the checkpoint's, or start afresh")
+
+
+def load(storage, targets: Dict[str, Chunk]) -> None:
+    """Fill `targets` (this rank's chunks of the target layout) from the checkpoint `storage` (a `reader`): DCP
+    reads every overlap. Every rank of the process group calls it (none: one process)."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    folder = Path(storage.path)
+    _check_targets(folder, targets, saved_shapes(storage))
+    _, load_planner = _planners()
+    group = checkpoint_group()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp_load(targets, storage_reader=storage, planner=load_planner(), process_group=group,
+                     no_dist=group is None)
+    except CheckpointException as err:  # DCP wraps what a rank raised: the first cause, as one line
+        causes = [getattr(f, "exc", f) for f in err.failures.values()]
+        raise DataError(f"checkpoint {folder} cannot be loaded ({causes[0] if causes else err})") from None
+
+
+def load_model(storage, gpt, par) -> None:
+    """The GPT's weights (this rank's share under `par`, a ParallelModel or None) from the checkpoint, in place."""
+    storage = reader(storage) if isinstance(storage, (str, Path)) else storage
+    load(storage, model_chunks(gpt, par))
+
+
+def load_optimizer(storage, gpt, par, optimizer, checkpoint: dict) -> None:
+    """This rank's optimizer state from the checkpoint, and the saved group settings (lr, betas, ...)."""
+    from lit_pretrain.optim import local_optimizer
+
+    storage = reader(storage) if isinstance(storage, (str, Path)) else storage
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    load(storage, optimizer_targets(gpt, optimizer, par, saved_shapes(storage)))
+    saved = (checkpoint.get("optimizer_states") or [{}])[0].get("param_groups", [])
+    for opt in {id(optimizer): optimizer, id(local_optimizer(optimizer)): local_optimizer(optimizer)}.values():
+        if len(opt.param_groups) == len(saved):
+            for group, saved_group in zip(opt.param_groups, saved):
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def read_trainer_state(folder: Path) -> Dict[str, Any]:
+    """trainer_state.pt (verified with the rest of the folder first by the caller), weights-only."""
+    try:
+        return torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise DataError(f"checkpoint {folder / TRAINER_STATE} cannot be read as a weights-only file ({err})") from None
+
+
+def as_single_checkpoint(folder: Path) -> Dict[str, Any]:
+    """The folder as the one-file checkpoint of one process would hold it (single-process state dict under
+    `model.`, AdamW state by position in the groups), in one process without a process group: what
+    load_gpt / load_optimizer_state and a one-process resume read. The whole state passes through memory."""
+    from lit_pretrain.resume.sharded_format import load_sharded_full
+
+    weights = load_sharded_full(folder, MODEL)  # verifies the whole folder first (trainer_state.pt included)
+    checkpoint = read_trainer_state(folder)
+    checkpoint["state_dict"] = {**checkpoint.get("state_dict", {}), **{MODEL + k: v for k, v in weights.items()}}
+    flat = load_sharded_full(folder, OPTIM)
+    names = [n for group in checkpoint.get("param_names", []) for n in group]
+    state = {}
+    for index, name in enumerate(names):
+        entry = {key[len(name) + 1:]: v for key, v in flat.items()
+                 if key.startswith(name + ".") and "." not in key[len(name) + 1:]}
+        if entry:
+            state[index] = entry
+    saved = (checkpoint.get("optimizer_states") or [{}])[0]
+    checkpoint["optimizer_states"] = [{"state": state, "param_groups": saved.get("param_groups", [])}]
+    return checkpoint
