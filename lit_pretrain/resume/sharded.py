@@ -124,7 +124,7 @@ def chunk_of(name: str, t: torch.Tensor, par) -> Chunk:
         offsets, local = [0] * t.dim(), t
     size, offsets = list(t.shape), list(offsets)
     tp_rank, tp = _tp(par)
-    style = style_of(name) if tp > 1 else None
+    style = style_of(name, par.tp_plan) if tp > 1 else None  # par: a ParallelModel whenever tp > 1
     if style is not None:
         dim = SHARD_DIM[style]
         offsets[dim] += tp_rank * size[dim]
