@@ -109,7 +109,7 @@ def test_checkpoint_resumes_in_another_layout(tmp_path):
     for key, value in single["state_dict"].items():
         assert torch.equal(value, resumed["state_dict"][key]), key
     sa, sb = single["optimizer_states"][0], resumed["optimizer_states"][0]
-    assert any(g.get("muon") for g in sa["param_groups"]) and sa["param_groups"] == sb["param_groups"]
+    assert any(g.get("use_muon") for g in sa["param_groups"]) and sa["param_groups"] == sb["param_groups"]
     assert {k for s in sa["state"].values() for k in s} == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
     for i, s in sa["state"].items():
         assert s.keys() == sb["state"][i].keys() and all(torch.equal(v, sb["state"][i][k]) for k, v in s.items())

@@ -176,7 +176,7 @@ def test_muon_takes_hidden_matrices_and_its_state_round_trips_bitwise():
 
     model, opt = build()
     assert isinstance(opt, MuonWithAdamW)
-    muon = set().union(*(names_of(model, g["params"]) for g in opt.param_groups if g.get("muon")))
+    muon = set().union(*(names_of(model, g["params"]) for g in opt.param_groups if g.get("use_muon")))
     assert muon == {n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2}
     for seed in (1, 2):
         step(model, opt, seed)
