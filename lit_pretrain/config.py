@@ -240,7 +240,7 @@ def check_ranges(cfg: DictConfig) -> None:
     # exactly what `train` would.
     from lit_pretrain.parallel.plan import build_plan
 
-    plan = build_plan(config)
+    build_plan(config)
     config.optim.check()
     if cfg.schedule.warmup_steps > cfg.trainer.max_steps:
         raise ConfigError(

@@ -253,8 +253,8 @@ class OptimConfig:
     name: str = field(default="adamw", metadata={"choices": ["adamw", "muon", "sgd"]})
     """adamw; muon: Muon (Jordan et al. 2024, torch.optim.Muon) for the 2-D hidden matrices of the blocks and AdamW
     for embeddings, head, norms and biases, as the Muon authors prescribe; under every strategy (ZeRO stages 2/3 and
-    tensor parallelism gather each matrix for its Newton-Schulz step: optim.whole_matrix_muon_step); sgd: SGD with `momentum` (its weight decay is L2,
-    coupled to the gradient, as torch.optim.SGD's)."""
+    tensor parallelism gather each matrix for its Newton-Schulz step: optim.whole_matrix_muon_step); sgd: SGD with
+    `momentum` (its weight decay is L2, coupled to the gradient, as torch.optim.SGD's)."""
     momentum: float = field(default=0.95, metadata={"ge": 0.0, "lt": 1.0})
     """Momentum of muon's hidden matrices (0.95, the Muon authors' value, Nesterov) and of sgd."""
     muon_adjust_lr: str = field(default="match_rms_adamw", metadata={"choices": ["match_rms_adamw", "original"]})
