@@ -100,9 +100,11 @@ def test_checkpoint_resumes_in_another_layout(tmp_path):
         assert sb["state"][i]["step"].item() == s["step"].item() == 3
         assert torch.allclose(sb["state"][i]["exp_avg"], s["exp_avg"], rtol=0, atol=1e-8)
 
-    # optim.name=muon (Muon for the hidden matrices, AdamW for the rest): 3 steps uninterrupted, saving after step 2,
-    # against a fresh module and optimizer resumed from that file for the third: weights and both states bitwise.
-    single = run(tmp_path / "muon.ckpt", 1, "single", 1, 1, 3, "-", "optim.name=muon", "optim.lr_peak=0.01",
+    # optim.name=muon (Muon for the hidden matrices, AdamW for the rest) under TP 2, where each matrix is gathered
+    # for its Newton-Schulz step and the momentum is sliced like its matrix: 3 steps uninterrupted, saving after
+    # step 2 (the one-file checkpoint: momentum gathered to single-process names), against a fresh module and
+    # optimizer resumed from that file (sliced again) for the third: weights and both states bitwise.
+    single = run(tmp_path / "muon.ckpt", 2, "tensor", 2, 1, 3, "-", "optim.name=muon", "optim.lr_peak=0.01",
                  "save_at=2")
     resumed = torch.load(tmp_path / "muon.ckpt.resumed", map_location="cpu", weights_only=True)
     assert resumed["global_step"] == single["global_step"] == 3
