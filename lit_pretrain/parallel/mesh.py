@@ -64,6 +64,7 @@ class ParallelModel:
         self.tp = self.pp = self.replicate = self.shard_group = None
         self.t = self.p = 1
         self.tp_rank = 0
+        self._styles: Optional[Dict[int, Optional[str]]] = None  # parameter id -> tensor-parallel style (_style)
         if mesh is not None:
             self.tp, self.pp, self.replicate, self.shard_group = (
                 mesh.get_group(n) for n in ("tensor_parallel", "pipeline", "data_parallel_replicate",
@@ -129,7 +130,7 @@ class ParallelModel:
     def _style(self, p: torch.Tensor) -> Optional[str]:
         # By identity: FSDP2 replaced the parameters after __init__, so the map is built at first use (the optimizer
         # step, after apply_plan has finished).
-        styles = getattr(self, "_styles", None)
+        styles = self._styles
         if styles is None or id(p) not in styles:
             styles = self._styles = {id(q): style_of(n, self.tp_plan) for n, q in self.gpt.named_parameters()}
         return styles[id(p)]
