@@ -240,8 +240,8 @@ def check_ranges(cfg: DictConfig) -> None:
     # exactly what `train` would.
     from lit_pretrain.parallel.plan import build_plan
 
-    plan = build_plan(config)
-    config.optim.check(plan.zero_stage, plan.tensor_parallel)
+    build_plan(config)
+    config.optim.check()
     if cfg.schedule.warmup_steps > cfg.trainer.max_steps:
         raise ConfigError(
             f"schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds trainer.max_steps={cfg.trainer.max_steps}: "

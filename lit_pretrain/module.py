@@ -292,7 +292,7 @@ class PretrainModule(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.optim_cfg
-        optimizer = build_optimizer(self.model, o, self.plan.zero_stage)
+        optimizer = build_optimizer(self.model, o, self.plan.zero_stage, layout=self.parallel)
         schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

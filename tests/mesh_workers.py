@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.optim import build_adamw
+from lit_pretrain.optim import build_adamw, build_optimizer
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.memory import SavedActivations
-from lit_pretrain.parallel.mesh import build_mesh
+from lit_pretrain.parallel.mesh import build_mesh, like
 from lit_pretrain.parallel.plan import ParallelPlan
-from lit_pretrain.parallel.tensor import apply_tensor_parallel
+from lit_pretrain.parallel.tensor import apply_tensor_parallel, plain_name, shard, style_of
 from lit_pretrain.schema import OptimConfig
 
 CFG = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, seq_len=16, tie_embeddings=True)
@@ -37,9 +37,9 @@ def adamw(model):
     return build_adamw(model, OptimConfig(lr_peak=LR, weight_decay=0.1, beta2=0.999), kernel="foreach")
 
 
-def reference(model, xs, ys):
-    """One process: losses, pre-clip norms, first-step gradients by name, final weights and AdamW state."""
-    opt = adamw(model)
+def reference(model, xs, ys, make_opt=adamw):
+    """One process: losses, pre-clip norms, first-step gradients by name, final weights and optimizer state."""
+    opt = make_opt(model)
     losses, norms, grads0 = [], [], None
     for x, y in zip(xs, ys):
         opt.zero_grad()
@@ -64,10 +64,11 @@ def data_parallel_rank(par) -> int:
     return dist.get_rank(par.replicate) * par.plan.data_parallel_shard + dist.get_rank(par.shard_group)
 
 
-def run_layout(plan: ParallelPlan, init, xs, ys):
+def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
+    """`make_opt(model, par)`: the layout's optimizer (default: adamw)."""
     model = copy.deepcopy(init)
     par = apply_plan(model, plan, build_mesh(plan))
-    opt = adamw(model)
+    opt = make_opt(model, par) if make_opt else adamw(model)
     d = plan.data_parallel
     dp_rank = data_parallel_rank(par)
     per = BATCH // d
@@ -175,6 +176,96 @@ def activation_case(out: dict) -> None:
                               "shape": dict(batch=BATCH, **CFG)}
 
 
+MUON = OptimConfig(name="muon", lr_peak=LR, weight_decay=0.1, beta2=0.999)
+
+
+def muon(model, par=None, zero_stage=None):
+    # optim.name=muon as the module builds it: the layout given, for Muon's whole-matrix gather where it shards.
+    return build_optimizer(model, MUON, zero_stage, kernel="foreach", layout=par)
+
+
+def named_state(par, opt, zero_stage):
+    """The whole optimizer state by single-process name on rank 0 (None elsewhere): ParallelModel's gather, or, for
+    ZeRO-1, ZeroRedundancyOptimizer's own consolidation (what Lightning's DDPStrategy saves)."""
+    if zero_stage != 1:
+        return par.full_optimizer_state(opt)
+    opt.consolidate_state_dict(to=0)
+    if dist.get_rank() != 0:
+        return None
+    names = {id(p): n for n, p in par.gpt.named_parameters()}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    return {order[i]: s for i, s in opt.state_dict()["state"].items()}
+
+
+_MUON_REFERENCE: list = []
+
+
+def clone(tree):
+    """A deep copy of a state (None on ranks that hold none): gathered states on one process share storage with
+    the live weights and optimizer state, which the rest of a case goes on to change."""
+    return copy.deepcopy(tree)
+
+
+def muon_case(plan: ParallelPlan, out: dict, name: str, zero_stage=None):
+    """optim.name=muon under `plan` (ZeRO-1 when zero_stage=1) against one process running torch.optim.Muon.
+
+    Training: K steps with clipping, as `case`. Then the step alone: the one-process weights and optimizer state
+    loaded into the layout (the one-file checkpoint's path), the same whole gradient given to both (sliced into
+    the layout), one step each: the same bf16 Newton-Schulz on the same whole matrices."""
+    if not _MUON_REFERENCE:  # the same for every muon case of a spawn: trained once per process
+        torch.manual_seed(0)
+        init = GPT(GPTConfig(**CFG))
+        ref_model = copy.deepcopy(init)
+        ref_losses, _, _, ref_opt = reference(ref_model, *data(), muon)
+        _MUON_REFERENCE.extend([init, ref_model, ref_losses, clone(ref_opt.state_dict())])
+    init, ref_model, ref_losses, ref_saved = clone(_MUON_REFERENCE)
+    ref_opt = muon(ref_model)
+    ref_opt.load_state_dict(ref_saved)
+    xs, ys = data()
+    par, model, opt, losses, _, _ = run_layout(plan, init, xs, ys, lambda m, p: muon(m, p, zero_stage))
+    trained, trained_opt = clone(par.full_state()), clone(named_state(par, opt, zero_stage))
+    ref_names = {id(p): n for n, p in ref_model.named_parameters()}
+    ref_state = {ref_names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in ref_opt.state.items()}
+    ref_trained = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    # Same weights, state and whole gradients on both sides.
+    par.load_full_state(ref_model.state_dict())
+    if zero_stage == 1:
+        # Single-process indices are ZeRO's too (the same groups, the same order); cloned, as a file would be:
+        # state_dict() holds the reference's live tensors, which its own step would then move.
+        opt.load_state_dict(dist_broadcast(clone(ref_opt.state_dict())))
+    else:
+        par.load_full_optimizer_state(opt, ref_state)
+    g = torch.Generator().manual_seed(5)
+    grads = {n: torch.randn(p.shape, generator=g) * 1e-2 for n, p in ref_model.named_parameters()}
+    for n, p in ref_model.named_parameters():
+        p.grad = grads[n].clone()
+    ref_opt.step()
+    for n, p in model.named_parameters():
+        n = plain_name(n)
+        p.grad = like(shard(grads[n], style_of(n, par.tp_plan), par.tp_rank, par.t), p).clone()
+    opt.step()
+    stepped, stepped_opt = par.full_state(), named_state(par, opt, zero_stage)
+    if dist.get_rank() != 0:
+        return
+    ref_after = {ref_names[id(p)]: s for p, s in ref_opt.state.items()}
+    muon_names = {n for n, p in ref_model.named_parameters() if "momentum_buffer" in ref_after[n]}
+
+    def state_diff(a, b):
+        return max((a[n][k] - v).abs().max().item() for n, s in b.items() for k, v in s.items())
+
+    out[name] = {
+        "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "weights": max_diff(trained, ref_trained),
+        "trained_keys": sorted(trained_opt) == sorted(ref_state)
+        and all(trained_opt[n].keys() == ref_state[n].keys() for n in ref_state),
+        "momentum": max((trained_opt[n]["momentum_buffer"] - ref_state[n]["momentum_buffer"]).abs().max().item()
+                        for n in muon_names),
+        "muon_matrices": len(muon_names),
+        "step_weights": max_diff(stepped, ref_model.state_dict()),
+        "step_state": state_diff(stepped_opt, ref_after),
+    }
+
+
 def worker(rank: int, world: int, port: int, cases: list, results, measure_activations: bool = False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -183,7 +274,11 @@ def worker(rank: int, world: int, port: int, cases: list, results, measure_activ
     out = {}
     try:
         for name, plan, *variant in cases:
-            case(plan, out, name, variant[0] if variant else {})
+            variant = variant[0] if variant else {}
+            if variant.get("optim") == "muon":
+                muon_case(plan, out, name, variant.get("zero_stage"))
+            else:
+                case(plan, out, name, variant)
             dist.barrier()
         if measure_activations:
             activation_case(out)

@@ -1,7 +1,8 @@
 """Parallel plans (tensor and pipeline parallelism, ZeRO stages, HSDP, and their products) against one process
 built from the same weights: losses and pre-clip norms over K AdamW steps with clipping active, every first-step
 gradient, the final weights and AdamW moments gathered to single-process names, and a single-process state loaded
-back.
+back. optim.name=muon under DDP, ZeRO-1, ZeRO-3, TP 2 and ZeRO-3 x TP 2 against one process running
+torch.optim.Muon (`check_muon`).
 
 One spawn per world size (2, then 4 processes) runs all its layouts in turn: process start-up is the cost. The
 2-process spawn also measures the activations one block saves under TP 2 with and without sequence parallelism.
@@ -33,6 +34,15 @@ CASES_2 = [
     ("tp2_sp_variants", Plan(tensor_parallel=2, sequence_parallel=True), VARIANTS),
     ("pp2_variants", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4), {**VARIANTS, "n_kv_heads": 1}),
 ]
+# optim.name=muon (mesh_workers.muon_case): data parallelism (our mesh's all-reduce, as DDP), ZeRO-1 (the real
+# ZeroRedundancyOptimizer over that replica group), ZeRO-3 (FSDP2 DTensor shards), TP 2 (our slices).
+MUON = {"optim": "muon"}
+MUON_CASES_2 = [
+    ("muon_ddp2", Plan(data_parallel_replicate=2), MUON),
+    ("muon_zero1", Plan(data_parallel_replicate=2), {**MUON, "zero_stage": 1}),
+    ("muon_zero3", Plan(data_parallel_shard=2, zero_stage=3), MUON),
+    ("muon_tp2", Plan(tensor_parallel=2), MUON),
+]
 CASES_4 = [
     ("dp2_tp2", Plan(data_parallel_replicate=2, tensor_parallel=2)),
     ("dp2_pp2", Plan(data_parallel_replicate=2, pipeline_parallel=2, micro_batches=2)),
@@ -46,6 +56,7 @@ CASES_4 = [
     ("tp2_sp_pp2", Plan(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True, schedule="gpipe",
                         micro_batches=4)),
 ]
+MUON_CASES_4 = [("muon_zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), MUON)]
 
 
 def spawn(world, cases, measure_activations=False):
@@ -88,10 +99,29 @@ def check(results, names):
         assert r["sequence_parallel"] == ("_sp" in name), (name, r)
 
 
+def check_muon(results, names):
+    for name in names:
+        r = results[name]
+        # The step alone (the same whole gradients, weights and state on both sides): every rank runs the one
+        # process's bf16 Newton-Schulz on the same whole matrix and applies its own part, so the bits are the same.
+        # Newton-Schulz on a shard, or the learning-rate adjustment read off a shard's shape, changes the update
+        # by its own size (lr x 0.2 sqrt(64) = 1.6e-2 here).
+        assert r["step_weights"] == 0.0 and r["step_state"] == 0.0, (name, r)
+        assert r["muon_matrices"] == 4 * 7 and r["trained_keys"], (name, r)  # wq wk wv wo w_gate w_up w_down
+        # Training: the gradients differ from one process's in float order (~1e-7 relative, as `check`'s AdamW
+        # cases), and the Newton-Schulz input is rounded to bf16 (8 mantissa bits): where that order crosses a bf16
+        # rounding boundary the update moves by a bf16 ulp of its entries. One process with its gradients perturbed
+        # by 1e-7 relative moved the weights 1.25e-4 to 3.7e-4 after these 3 steps (measured); the layouts measured
+        # 3.0e-4 to 3.6e-4, and the third step's loss 1e-6 to 1e-5. The momentum is fp32 and linear in the
+        # gradients: measured 1.1e-7 to 1.5e-7.
+        assert r["loss"] < 5e-5 and r["weights"] < 1e-3 and r["momentum"] < 1e-6, (name, r)
+
+
 def test_two_process_layouts_match_one_process():
-    results = spawn(2, CASES_2, measure_activations=True)
+    results = spawn(2, CASES_2 + MUON_CASES_2, measure_activations=True)
     print({k: {m: v for m, v in r.items() if isinstance(v, (int, float))} for k, r in results.items()})
     check(results, [c[0] for c in CASES_2])
+    check_muon(results, [c[0] for c in MUON_CASES_2])
     check_activations(results["activations"])
 
 
@@ -112,9 +142,10 @@ def check_activations(measured):
 
 
 def test_four_process_layouts_match_one_process():
-    results = spawn(4, CASES_4)
+    results = spawn(4, CASES_4 + MUON_CASES_4)
     print({k: {m: v for m, v in r.items() if isinstance(v, float)} for k, r in results.items()})
     check(results, [c[0] for c in CASES_4])
+    check_muon(results, [c[0] for c in MUON_CASES_4])
 
 
 CASES_8 = [("zero3_tp2_pp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2, pipeline_parallel=2,

@@ -100,16 +100,18 @@ def test_checkpoint_resumes_in_another_layout(tmp_path):
         assert sb["state"][i]["step"].item() == s["step"].item() == 3
         assert torch.allclose(sb["state"][i]["exp_avg"], s["exp_avg"], rtol=0, atol=1e-8)
 
-    # optim.name=muon (Muon for the hidden matrices, AdamW for the rest): 3 steps uninterrupted, saving after step 2,
-    # against a fresh module and optimizer resumed from that file for the third: weights and both states bitwise.
-    single = run(tmp_path / "muon.ckpt", 1, "single", 1, 1, 3, "-", "optim.name=muon", "optim.lr_peak=0.01",
+    # optim.name=muon (Muon for the hidden matrices, AdamW for the rest) under TP 2, where each matrix is gathered
+    # for its Newton-Schulz step and the momentum is sliced like its matrix: 3 steps uninterrupted, saving after
+    # step 2 (the one-file checkpoint: momentum gathered to single-process names), against a fresh module and
+    # optimizer resumed from that file (sliced again) for the third: weights and both states bitwise.
+    single = run(tmp_path / "muon.ckpt", 2, "tensor", 2, 1, 3, "-", "optim.name=muon", "optim.lr_peak=0.01",
                  "save_at=2")
     resumed = torch.load(tmp_path / "muon.ckpt.resumed", map_location="cpu", weights_only=True)
     assert resumed["global_step"] == single["global_step"] == 3
     for key, value in single["state_dict"].items():
         assert torch.equal(value, resumed["state_dict"][key]), key
     sa, sb = single["optimizer_states"][0], resumed["optimizer_states"][0]
-    assert any(g.get("muon") for g in sa["param_groups"]) and sa["param_groups"] == sb["param_groups"]
+    assert any(g.get("use_muon") for g in sa["param_groups"]) and sa["param_groups"] == sb["param_groups"]
     assert {k for s in sa["state"].values() for k in s} == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
     for i, s in sa["state"].items():
         assert s.keys() == sb["state"][i].keys() and all(torch.equal(v, sb["state"][i][k]) for k, v in s.items())

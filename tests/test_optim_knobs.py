@@ -1,6 +1,7 @@
 """Issue 21's optimizer-side knobs by their meaning: z-loss's gradient, Muon's step against a Newton–Schulz step
 written from the paper, μP's coordinate check, weight-decay exclusions and learning-rate factors by parameter kind,
-the combined Muon/AdamW state's round trip, and the refusals at config load."""
+the combined Muon/AdamW state's round trip, Muon's whole-matrix step against torch.optim.Muon, and the refusals at
+config load (the parallel layouts' Muon parity is in tests/test_mesh_parallel.py)."""
 
 import io
 import math
@@ -14,7 +15,7 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.module import IGNORE_INDEX, lm_losses
-from lit_pretrain.optim import MuonWithAdamW, build_optimizer, param_groups
+from lit_pretrain.optim import MuonWithAdamW, build_optimizer, is_muon_group, param_groups
 from lit_pretrain.schedule import lr_lambda
 from lit_pretrain.schema import OptimConfig, ScheduleConfig
 from tests.conftest import EXPERIMENTS
@@ -176,7 +177,7 @@ def test_muon_takes_hidden_matrices_and_its_state_round_trips_bitwise():
 
     model, opt = build()
     assert isinstance(opt, MuonWithAdamW)
-    muon = set().union(*(names_of(model, g["params"]) for g in opt.param_groups if g.get("muon")))
+    muon = set().union(*(names_of(model, g["params"]) for g in opt.param_groups if g.get("use_muon")))
     assert muon == {n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2}
     for seed in (1, 2):
         step(model, opt, seed)
@@ -193,10 +194,60 @@ def test_muon_takes_hidden_matrices_and_its_state_round_trips_bitwise():
         assert torch.equal(a, b), name
 
 
+class WholeOnEveryRank:
+    """A layout whose matrices are already whole: `whole_matrix_muon_step` must then be torch.optim.Muon's step."""
+
+    shards_matrices = True
+
+    def whole(self, p, value):
+        return value.clone()
+
+    def part(self, p, whole):
+        return whole
+
+
+def test_whole_matrix_step_is_torch_muons_step_bitwise():
+    """The step the sharded layouts run (momentum on the shard, Newton-Schulz on the whole matrix, the update on the
+    shard) against torch.optim.Muon on one process: the same bits when the shard is the whole matrix."""
+    def run(layout):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY))
+        opt = build_optimizer(model, OptimConfig(name="muon", lr_peak=1e-2), layout=layout)
+        for seed in (1, 2):
+            x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(seed))
+            F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    (a, opt_a), (b, opt_b) = run(None), run(WholeOnEveryRank())
+    assert opt_a._layout is None and opt_b._layout is not None
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        assert all(torch.equal(v, opt_b.state[q][k]) for k, v in opt_a.state[p].items())
+
+
+def test_muon_flag_is_not_zero_redundancy_optimizers_settings_key():
+    # ZeroRedundancyOptimizer puts its constructor keywords into every group: MuonWithAdamW's `muon` settings dict
+    # is then on AdamW's groups too, and must not send them to Muon.
+    assert not is_muon_group({"params": [], "muon": {"lr": 1e-3, "momentum": 0.95}})
+    assert is_muon_group({"params": [], "use_muon": True}) and is_muon_group({"params": [], "muon": True})
+
+
+@pytest.mark.parametrize("overrides", [
+    ["strategy=tensor", "trainer.devices=2"],
+    ["strategy=fsdp", "trainer.devices=2"],
+    ["strategy=zero", "strategy.zero_stage=1", "trainer.devices=2"],
+    ["strategy=zero", "strategy.zero_stage=2", "trainer.devices=2"],
+])
+def test_muon_loads_under_sharded_strategies(overrides):
+    c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["optim.name=muon", *overrides]))
+    assert c.optim.name == "muon"
+
+
 @pytest.mark.parametrize("overrides, expected", [
-    (["optim.name=muon", "strategy=tensor", "trainer.devices=2"],
-     r"optim\.name=muon with strategy\.tensor_parallel=2"),
-    (["optim.name=muon", "strategy=fsdp", "trainer.devices=2"], r"optim\.name=muon with strategy\.zero_stage=3"),
     (["model.init=mup"], r"model\.init=mup needs model\.mup_base_width"),
     (["optim.lr_multipliers={embedings: 2}"], r"optim\.lr_multipliers\.embedings: unknown parameter kind"),
 ])

@@ -10,6 +10,8 @@
   this rank's local values (a DTensor's local shard), where a tensor-parallel shard counts on every tensor-parallel
   rank but a parameter replicated over that group only on its rank 0, and the pipeline's tied copy not at all; then
   summed over the FSDP shard, tensor-parallel and pipeline groups. Replicas hold equal gradients after the sync.
+- `whole` / `part`: one matrix's whole value from this rank's shard and back, for Muon's Newton–Schulz step
+  (optim.whole_matrix_muon_step): FSDP's `full_tensor`, then the tensor-parallel slices gathered.
 - `full_state` / `load_full_state` and the optimizer's: layout-independent state by single-process names, gathered
   onto rank 0 (FSDP shards with `full_tensor`, tensor-parallel slices with `tensor.gather`, stages by object
   gather); loading slices a full tensor into this rank's share of any layout.
@@ -62,6 +64,7 @@ class ParallelModel:
         self.tp = self.pp = self.replicate = self.shard_group = None
         self.t = self.p = 1
         self.tp_rank = 0
+        self._styles: Optional[Dict[int, Optional[str]]] = None  # parameter id -> tensor-parallel style (_style)
         if mesh is not None:
             self.tp, self.pp, self.replicate, self.shard_group = (
                 mesh.get_group(n) for n in ("tensor_parallel", "pipeline", "data_parallel_replicate",
@@ -118,6 +121,30 @@ class ParallelModel:
                 dist.all_reduce(sq, group=group)
         return sq.sqrt()
 
+    @property
+    def shards_matrices(self) -> bool:
+        """Whether a rank holds only part of some matrix (ZeRO stages 2/3, tensor parallelism): Muon then needs
+        `whole` and `part`."""
+        return self.plan.uses_fsdp or self.t > 1
+
+    def _style(self, p: torch.Tensor) -> Optional[str]:
+        # By identity: FSDP2 replaced the parameters after __init__, so the map is built at first use (the optimizer
+        # step, after apply_plan has finished).
+        styles = self._styles
+        if styles is None or id(p) not in styles:
+            styles = self._styles = {id(q): style_of(n, self.tp_plan) for n, q in self.gpt.named_parameters()}
+        return styles[id(p)]
+
+    def whole(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The whole matrix of `value` (laid out like parameter p: an FSDP shard of a tensor-parallel slice), a plain
+        tensor on every rank. Collectives over p's FSDP mesh and the tensor-parallel group: all their ranks call it
+        for the same parameters in the same order."""
+        return gather(full(value), self._style(p), self.tp, self.t)
+
+    def part(self, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of whole matrix `whole`, as p's local tensor (sliced, no communication)."""
+        return local(like(shard(whole, self._style(p), self.tp_rank, self.t), p))
+
     def _gather_named(self, named: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         """Full tensors by single-process name on global rank 0 (None elsewhere). Every rank must call it."""
         # Keys are parameter names, or "name\0key" for optimizer state; scalars (AdamW's step) are never sliced.
@@ -153,7 +180,8 @@ class ParallelModel:
                 local(t).copy_(local(like(value, t)))
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
-        """AdamW state by single-process parameter name ({name: {step, exp_avg, exp_avg_sq}}) on rank 0."""
+        """Optimizer state by single-process parameter name on rank 0: AdamW's {name: {step, exp_avg, exp_avg_sq}},
+        Muon's {name: {momentum_buffer}} (sharded like its parameter, so gathered like it)."""
         flat = {}
         for name, p in self.gpt.named_parameters():  # the same order on every rank of a stage
             for key, value in optimizer.state.get(p, {}).items():
