@@ -180,7 +180,7 @@ def whole_matrix_muon_step(group: dict, state, layout) -> None:
     matrix (`layout.whole`) and orthogonalized on every rank of its groups, each then keeping its own part.
 
     Every rank computes the same whole-matrix iteration (Liu et al. 2025, "Muon is Scalable for LLM Training",
-    §2.3, Distributed Muon: DP gather, TP gather, Newton–Schulz, keep the local partition) rather than one owner
+    its Distributed Muon: DP gather, TP gather, Newton–Schulz, keep the local partition) rather than one owner
     rank per matrix sending the result back (owner-centric designs such as DMuon, 2026): one collective per matrix
     instead of a gather and a scatter, no balancing of matrices over owners, and the same bits on every rank (the
     layouts' step equals one process's exactly: tests/test_mesh_parallel.py). The cost is the iteration's FLOPs
