@@ -12,6 +12,7 @@ from typing import Dict
 
 import torch
 
+from lit_pretrain.bench import stats
 from lit_pretrain.module import PretrainModule, adamw_kernel, param_groups
 
 EOD = 0  # any id: the windows are random, only where the EODs sit matters
@@ -45,13 +46,10 @@ def step_seconds(c, masked: bool, steps: int = STEPS, skip: int = SKIP) -> float
 
 
 def run(c, repeats: int) -> Dict:
-    """Alternate unmasked and masked `repeats` times; the fastest of each (noise only ever slows a run)."""
-    plain, masked = [], []
-    for _ in range(max(1, repeats)):
-        plain.append(step_seconds(c, masked=False))
-        masked.append(step_seconds(c, masked=True))
-    return {"case": "document_masking_step_time", "value": min(masked), "reference": min(plain),
-            "ratio": min(masked) / min(plain), "goal": "report", "unit": "s/step",
+    """Alternate unmasked and masked `repeats` times: medians and the spread of masked / unmasked (bench/stats.py)."""
+    plain, masked = stats.alternate(lambda: step_seconds(c, masked=False), lambda: step_seconds(c, masked=True),
+                                    repeats)
+    return {"case": "document_masking_step_time", **stats.summary(plain, masked), "goal": "report", "unit": "s/step",
             "detail": {"masked": masked, "unmasked": plain, "timed_steps": STEPS - SKIP,
                        "mean_document_tokens": MEAN_DOCUMENT_TOKENS,
                        "tokens_per_step": c.trainer.micro_batch_size * c.model.seq_len}}
