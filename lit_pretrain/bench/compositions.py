@@ -5,9 +5,9 @@ of scaling/communication.py.
 One group of 4 spawned gloo processes (1 thread each) builds every composition once from the same weights (the
 experiment's model, the trainer's micro-batch as the global batch), then alternates: the reference (rank 0 alone,
 2 threads, the others waiting in a barrier) and each composition in turn, REPEATS times; each case reports the
-medians and the spread of the per-alternation ratios (bench/stats.py). A step is forward, backward, the plan's gradient sync, the global norm, clipping and AdamW.
-On 2 cores 4 ranks x 1 thread share what 1 process x 2 threads has alone: the ratios report what the split and its
-communication cost here, not a speed-up.
+medians and the spread of the per-alternation ratios (bench/stats.py). A step is forward, backward, the plan's
+gradient sync, the global norm, clipping and AdamW. On 2 cores 4 ranks x 1 thread share what 1 process x 2
+threads has alone: the ratios report what the split and its communication cost here, not a speed-up.
 
 Communication is counted by wrapping torch.distributed's collectives for one step after the timing: the functions
 in torch.distributed.distributed_c10d, and every reference to them held by a loaded torch.distributed or
