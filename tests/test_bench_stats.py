@@ -45,3 +45,7 @@ def test_summary_pairs_each_candidate_with_its_own_alternation():
 def test_single_takes_the_median_and_range_of_each_runs_ratio():
     out = stats.single([100.0, 300.0, 200.0], lambda v: v / 100)
     assert out == {"value": 200.0, "ratio": 2.0, "spread": 2.0, "alternations": 3}
+
+
+def test_one_run_reports_no_spread():
+    assert stats.summary([2.0], [3.0]) == {"value": 3.0, "reference": 2.0, "ratio": 1.5, "alternations": 1}

@@ -48,12 +48,16 @@ def summary(refs: Sequence[float], cands: Sequence[float],
     if len(refs) != len(cands):
         raise ValueError(f"{len(refs)} reference runs but {len(cands)} candidate runs: alternations come in pairs")
     ratios = [ratio_of(c, r) for c, r in zip(cands, refs)]
-    return {"value": median(cands), "reference": median(refs), "ratio": median(ratios), "spread": spread(ratios),
-            "alternations": len(ratios)}
+    return {"value": median(cands), "reference": median(refs), **_median_spread(ratios)}
 
 
 def single(values: Sequence[float], ratio_of: Callable[[float], float]) -> Dict:
     """The same fields for a case whose every run yields its own (value, ratio) (e.g. a candidate timed against a
     fixed figure such as the step's tokens/s): medians of the values and of ratio_of(value), the ratios' range."""
-    ratios = [ratio_of(v) for v in values]
-    return {"value": median(values), "ratio": median(ratios), "spread": spread(ratios), "alternations": len(values)}
+    return {"value": median(values), **_median_spread([ratio_of(v) for v in values])}
+
+
+def _median_spread(ratios: Sequence[float]) -> Dict:
+    # One run has no spread to report (0.0 would claim a noiseless machine): the field is left out.
+    out = {"ratio": median(ratios), "alternations": len(ratios)}
+    return {**out, "spread": spread(ratios)} if len(ratios) > 1 else out
