@@ -58,6 +58,22 @@ def test_change_line(ratio, prev, expected):
     assert line.startswith("trainer_step_tokens_per_s ") and line.endswith(expected)
 
 
+@pytest.mark.parametrize("ratio, spread, prev, expected", [
+    # |1.10 - 1.00| = 0.10 > max(0.04, 0.05): a move neither run's noise explains.
+    (1.10, 0.04, {"ratio": 1.0, "spread": 0.05}, "ratio 1.100 spread 0.040 (previous 1.000, +10.0%: moved more "
+                                                  "than its spread)"),
+    # 0.03 <= the previous run's spread 0.05: the larger spread is the yardstick.
+    (1.03, 0.01, {"ratio": 1.0, "spread": 0.05}, "ratio 1.030 spread 0.010 (previous 1.000, +3.0%: within the "
+                                                  "spread)"),
+    # A line from before spreads were kept: this run's spread alone decides.
+    (0.90, 0.05, {"ratio": 1.0}, "ratio 0.900 spread 0.050 (previous 1.000, -10.0%: moved more than its spread)"),
+    (0.90, None, {"ratio": 1.0}, "ratio 0.900 (previous 1.000, -10.0%)"),  # neither has one: no verdict
+    (0.90, 0.05, None, "ratio 0.900 spread 0.050 (no previous run on this machine)"),
+])
+def test_change_line_says_whether_the_median_moved_more_than_its_spread(ratio, spread, prev, expected):
+    assert history.change_line("compiled_step_tokens_per_s", ratio, prev, spread).endswith(expected)
+
+
 def _row(case, ratio, machine="m1"):
     return {"date": "2026-12-03T00:00:00+00:00", "commit": None, "machine": machine, "case": case,
             "value": ratio, "reference": 1.0, "ratio": ratio}
@@ -83,7 +99,7 @@ def test_previous_is_the_last_line_of_the_same_case_on_the_same_machine():
 
 def test_record_and_compare_appends_and_never_rewrites(tmp_path, capsys):
     path = tmp_path / "bench" / "history.jsonl"
-    cases = [{"case": "a", "value": 10.0, "reference": 10.0, "ratio": 1.02},
+    cases = [{"case": "a", "value": 10.0, "reference": 10.0, "ratio": 1.02, "spread": 0.01, "alternations": 5},
              {"case": "b", "value": 3.0, "reference": 1.0, "ratio": 3.0}]
     history.record_and_compare(path, cases, "abc123", "m1")
     first = path.read_text()
@@ -96,9 +112,12 @@ def test_record_and_compare_appends_and_never_rewrites(tmp_path, capsys):
     new = [json.loads(line) for line in text.splitlines()[-2:]]
     assert [(r["case"], r["ratio"], r["commit"], r["machine"]) for r in new] == [("a", 0.97, None, "m1"),
                                                                                  ("b", 3.0, None, "m1")]
-    assert set(new[0]) == {"date", "commit", "machine", "case", "value", "reference", "ratio"}
+    assert set(new[0]) == {"date", "commit", "machine", "case", "value", "reference", "ratio", "spread",
+                           "alternations"}
+    assert set(new[1]) == {"date", "commit", "machine", "case", "value", "reference", "ratio"}  # none measured
     out, err = capsys.readouterr()
-    assert "ratio 0.970 (previous 1.020, -4.9%)" in out and "ratio 3.000 (previous 3.000, +0.0%)" in out
+    assert "ratio 0.970 spread 0.010 (previous 1.020, -4.9%: moved more than its spread)" in out
+    assert "ratio 3.000 (previous 3.000, +0.0%)" in out
     assert err.strip() == f"warning: {path}:3: not a bench history line, skipped"
 
 

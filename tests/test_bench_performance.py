@@ -33,6 +33,14 @@ def test_mfu_cases_carry_ratio_and_goal():
     assert [c["ratio"] for c in cases] == pytest.approx([0.5, 0.6])
     assert [c["value"] for c in cases] == pytest.approx([6.0, 7.2])  # GFLOP/s
     assert [c["goal"] for c in cases] == ["-", ">= 0.7"]
+    assert all("spread" not in c for c in cases)  # one figure each: no spread to report
+
+
+def test_mfu_cases_of_a_series_report_median_and_spread():
+    # 1000, 1500 and 1200 tokens/s x 6 MFLOP/token over a 12 GFLOP/s peak: MFUs 0.5, 0.75, 0.6.
+    (case,) = mfu.cases({"compiled": [1000.0, 1500.0, 1200.0]}, 6_000_000, 12e9, {})
+    assert case["ratio"] == pytest.approx(0.6) and case["spread"] == pytest.approx(0.25)
+    assert case["value"] == pytest.approx(7.2) and case["alternations"] == 3
 
 
 @pytest.mark.parametrize("name, low, high", [("125m", 100e6, 150e6), ("1b", 0.9e9, 1.1e9)])

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from lit_pretrain.bench import history
+from lit_pretrain.bench import history, stats
 
 # The case modules (and torch, Lightning) are imported inside the functions below, so an unknown --cases name is
 # reported in a fraction of a second and a subset imports only what it runs.
@@ -55,13 +55,13 @@ def _compile(r: _Run) -> List[Dict]:
 def _precision(r: _Run) -> List[Dict]:
     from lit_pretrain.bench import precision
 
-    return [precision.run(r.c)]
+    return [precision.run(r.c, r.args.repeats)]
 
 
 def _datamodule(r: _Run) -> List[Dict]:
     from lit_pretrain.bench import datamodule
 
-    return [datamodule.run(r.c, r.sample, consumed_tokens_per_s=r.step_tokens_per_s())]
+    return [datamodule.run(r.c, r.sample, consumed_tokens_per_s=r.step_tokens_per_s(), repeats=r.args.repeats)]
 
 
 def _tokenize(r: _Run) -> List[Dict]:
@@ -133,7 +133,7 @@ def _generation(r: _Run) -> List[Dict]:
 def _mixture(r: _Run) -> List[Dict]:
     from lit_pretrain.bench import mixture
 
-    return [mixture.run(r.c, r.step_tokens_per_s())]
+    return [mixture.run(r.c, r.step_tokens_per_s(), r.args.repeats)]
 
 
 def _masking(r: _Run) -> List[Dict]:
@@ -155,10 +155,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lit_pretrain.bench", description=__doc__)
     parser.add_argument("run_file", nargs="?", default="experiments/runs/default.yaml")
     parser.add_argument("overrides", nargs="*")
-    # 25 steps (20 timed) keep `make bench` under 10 minutes on 2 cores; 40 gave the same ratios within noise.
-    parser.add_argument("--steps", type=int, default=25, help="optimizer steps per timed run")
-    parser.add_argument("--skip", type=int, default=5, help="first steps left out of the timing")
-    parser.add_argument("--repeats", type=int, default=2, help="alternations of reference and candidate")
+    # 14 steps (10 timed, ~3 s of the default model) a run, 5 alternations a case: `make bench` stays under 12
+    # minutes on 2 cores. The first 4 steps hold the compiled side's compile (and its recompile for backward).
+    parser.add_argument("--steps", type=int, default=14, help="optimizer steps per timed run")
+    parser.add_argument("--skip", type=int, default=4, help="first steps left out of the timing")
+    parser.add_argument("--repeats", type=int, default=stats.ALTERNATIONS,
+                        help="alternations of reference and candidate (each case reports their median and spread)")
     parser.add_argument("--cases", default="", help=f"comma-separated case groups (default all): {', '.join(CASES)}")
     parser.add_argument("--out", default="runs/bench/results.json")
     parser.add_argument("--history", default="runs/bench/history.jsonl",
@@ -191,10 +193,11 @@ def main(argv=None) -> None:
         results = {name: CASES[name](r) for name in chosen}  # chosen is in CASES' order: step comes first
     cases = [case for group in results.values() for case in group]
 
-    print(f"\n{'case':<32} {'value':>14} {'reference':>14} {'ratio':>7}  goal")
+    print(f"\n{'case':<32} {'value':>14} {'reference':>14} {'ratio':>7} {'spread':>7}  goal")
     for case in cases:
-        print(f"{case['case']:<32} {case['value']:>14,.1f} {case['reference']:>14,.1f} {case['ratio']:>7.3f}  "
-              f"{case['goal']}")
+        spread = f"{case['spread']:>7.3f}" if "spread" in case else f"{'-':>7}"
+        print(f"{case['case']:<32} {case['value']:>14,.1f} {case['reference']:>14,.1f} {case['ratio']:>7.3f} "
+              f"{spread}  {case['goal']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fields = history.machine_fields(torch.get_num_threads(), torch.__version__)

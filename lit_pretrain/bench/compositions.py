@@ -4,10 +4,10 @@ of scaling/communication.py.
 
 One group of 4 spawned gloo processes (1 thread each) builds every composition once from the same weights (the
 experiment's model, the trainer's micro-batch as the global batch), then alternates: the reference (rank 0 alone,
-2 threads, the others waiting in a barrier) and each composition in turn, twice; the best of each is kept (noise
-only ever slows a run). A step is forward, backward, the plan's gradient sync, the global norm, clipping and AdamW.
-On 2 cores 4 ranks x 1 thread share what 1 process x 2 threads has alone: the ratios report what the split and its
-communication cost here, not a speed-up.
+2 threads, the others waiting in a barrier) and each composition in turn, REPEATS times; each case reports the
+medians and the spread of the per-alternation ratios (bench/stats.py). A step is forward, backward, the plan's
+gradient sync, the global norm, clipping and AdamW. On 2 cores 4 ranks x 1 thread share what 1 process x 2
+threads has alone: the ratios report what the split and its communication cost here, not a speed-up.
 
 Communication is counted by wrapping torch.distributed's collectives for one step after the timing: the functions
 in torch.distributed.distributed_c10d, and every reference to them held by a loaded torch.distributed or
@@ -30,7 +30,10 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-WORLD, STEPS, SKIP, REPEATS = 4, 4, 1, 2
+from lit_pretrain.bench import stats
+
+WORLD, STEPS, SKIP = 4, 4, 1
+REPEATS = stats.ALTERNATIONS
 TIMED = ("zero3_tp2", "zero2_pp2", "hsdp_2x2", "dp2_tp2_sp")
 GATHER = ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base")
 SCATTER = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base")
@@ -198,16 +201,16 @@ def _worker(rank: int, port: int, c, batch: int, results) -> None:
     if rank == 0:
         ref = copy.deepcopy(base)
         reference = _reference_step(c, ref, build_adamw(ref, c.optim, kernel="foreach"), x, y, max_norm)
-    seconds = defaultdict(lambda: float("inf"))
+    seconds = defaultdict(list)
     try:
         for _ in range(REPEATS):
             if rank == 0:  # rank 0 alone with both threads; the others wait in the barrier
                 torch.set_num_threads(2)
-                seconds["single"] = min(seconds["single"], _timed(reference))
+                seconds["single"].append(_timed(reference))
                 torch.set_num_threads(1)
             dist.barrier()
             for name in TIMED:
-                seconds[name] = min(seconds[name], _timed(steps[name]))
+                seconds[name].append(_timed(steps[name]))
                 dist.barrier()
         comm = {}
         for name in formulas(c.model, batch):
@@ -241,8 +244,7 @@ def run(c) -> list:
                                                          "seq_len")}}
     cases = []
     for name in TIMED:
-        t = results["seconds"][name]
-        cases.append({"case": f"step_seconds_{name}_4proc", "value": t, "reference": single, "ratio": t / single,
+        cases.append({"case": f"step_seconds_{name}_4proc", **stats.summary(single, results["seconds"][name]),
                       "goal": "report (4 ranks x 1 thread vs 1 process x 2 threads)", "unit": "s/step",
                       "detail": detail})
     for name, expected in formulas(c.model, batch).items():

@@ -1,7 +1,8 @@
 """`make bench`'s history: runs/bench/history.jsonl, one JSON line per case per run, appended and never rewritten.
 
 A ratio means little alone (single configurations vary by up to 5% between runs here); against the previous run
-of the same case on the same machine it shows a change. "Same machine" is a fingerprint of what sets the speed:
+of the same case on the same machine it shows a change, and against the spread of the alternations (bench/stats.py)
+whether that change is larger than the noise both runs saw. "Same machine" is a fingerprint of what sets the speed:
 platform, processor, cores, torch threads, Python and torch versions. The functions here are pure (no timing,
 no globals) so tests can drive them with small tables.
 """
@@ -61,7 +62,8 @@ def records(cases: Iterable[Dict], commit: Optional[str], machine: str, date: Op
     """One history line per measured case."""
     date = date or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return [{"date": date, "commit": commit, "machine": machine, "case": case["case"], "value": case["value"],
-             "reference": case["reference"], "ratio": case["ratio"]} for case in cases]
+             "reference": case["reference"], "ratio": case["ratio"],
+             **{k: case[k] for k in ("spread", "alternations") if k in case}} for case in cases]
 
 
 def read(path: Path) -> Tuple[List[Dict], List[str]]:
@@ -100,13 +102,25 @@ def previous(rows: Sequence[Dict], case: str, machine: str) -> Optional[Dict]:
     return None
 
 
-def change_line(case: str, ratio: float, prev: Optional[Dict]) -> str:
-    """`case  ratio 0.970 (previous 1.020, -4.9%)`, or `(no previous run on this machine)`."""
+def moved(ratio: float, spread: Optional[float], prev: Dict) -> Optional[bool]:
+    """Whether the ratio moved further than the larger of the two runs' spreads (a change both runs' noise cannot
+    explain); None when neither run recorded a spread (lines written before spreads were kept)."""
+    spreads = [x for x in (spread, prev.get("spread")) if isinstance(x, (int, float))]
+    if not spreads:
+        return None
+    return abs(ratio - prev["ratio"]) > max(spreads)
+
+
+def change_line(case: str, ratio: float, prev: Optional[Dict], spread: Optional[float] = None) -> str:
+    """`case  ratio 0.970 spread 0.012 (previous 1.020, -4.9%: moved more than its spread)`, `...: within the
+    spread)`, or `(no previous run on this machine)`."""
+    head = f"{case:<32} ratio {ratio:.3f}" + (f" spread {spread:.3f}" if spread is not None else "")
     if prev is None:
-        return f"{case:<32} ratio {ratio:.3f} (no previous run on this machine)"
+        return f"{head} (no previous run on this machine)"
     before = prev["ratio"]
     change = f"{(ratio - before) / before * 100:+.1f}%" if before else "n/a"
-    return f"{case:<32} ratio {ratio:.3f} (previous {before:.3f}, {change})"
+    verdict = {True: ": moved more than its spread", False: ": within the spread", None: ""}[moved(ratio, spread, prev)]
+    return f"{head} (previous {before:.3f}, {change}{verdict})"
 
 
 def record_and_compare(path: Path, cases: Sequence[Dict], commit: Optional[str], machine: str,
@@ -117,6 +131,7 @@ def record_and_compare(path: Path, cases: Sequence[Dict], commit: Optional[str],
     for warning in warnings:
         print(warning, file=sys.stderr)
     for case in cases:
-        print(change_line(case["case"], case["ratio"], previous(rows, case["case"], machine)), file=out)
+        print(change_line(case["case"], case["ratio"], previous(rows, case["case"], machine), case.get("spread")),
+              file=out)
     append(path, records(cases, commit, machine))
     print(f"appended {len(cases)} lines to {path}", file=out)

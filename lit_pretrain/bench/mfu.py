@@ -7,8 +7,9 @@ not count). On a CPU there is no datasheet peak we could trust for this core cou
 the best of a few large fp32 matmuls on the same threads, measured at the start of the run.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Sequence, Union
 
+from lit_pretrain.bench import stats
 from lit_pretrain.callbacks.throughput import measured_cpu_peak_flops
 
 # 2048² fp32 matmuls (2·2048³ = 17.2 GFLOP each, ~0.1 s here) are large enough for the BLAS to reach its peak;
@@ -34,12 +35,20 @@ def cpu_matmul_peak(repeats: int = 5) -> float:
     return measured_cpu_peak_flops(torch.float32, PEAK_MATMUL_N, repeats)
 
 
-def cases(tokens_per_s: Dict[str, float], flops_per_token: int, peak_flops_per_s: float,
+def cases(tokens_per_s: Dict[str, Union[float, Sequence[float]]], flops_per_token: int, peak_flops_per_s: float,
           goals: Dict[str, str]) -> List[Dict]:
-    """One case per measured step (e.g. {"eager": ..., "compiled": ...}): model GFLOP/s over the peak's."""
-    return [{"case": f"mfu_{name}", "value": model_flops_per_s(tps, flops_per_token) / 1e9,
-             "reference": peak_flops_per_s / 1e9, "ratio": mfu(tps, flops_per_token, peak_flops_per_s),
-             "goal": goals.get(name, "-"), "unit": "GFLOP/s",
-             "detail": {"tokens_per_s": tps, "flops_per_token": flops_per_token,
-                        "peak": f"best of fp32 {PEAK_MATMUL_N}x{PEAK_MATMUL_N} matmuls"}}
-            for name, tps in tokens_per_s.items()]
+    """One case per measured step (e.g. {"eager": [...], "compiled": [...]}): model GFLOP/s over the peak's; a
+    series of runs' tokens/s gives the median and spread of their MFUs (bench/stats.py)."""
+    out = []
+    for name, tps in tokens_per_s.items():
+        series = [tps] if isinstance(tps, (int, float)) else list(tps)
+        mfu(series[0], flops_per_token, peak_flops_per_s)  # refuses a non-positive peak before dividing by it
+        summary = stats.single([model_flops_per_s(t, flops_per_token) / 1e9 for t in series],
+                               lambda gflops: gflops * 1e9 / peak_flops_per_s)
+        if len(series) == 1:
+            summary = {k: v for k, v in summary.items() if k in ("value", "ratio")}  # one figure: no spread
+        out.append({"case": f"mfu_{name}", **summary, "reference": peak_flops_per_s / 1e9,
+                    "goal": goals.get(name, "-"), "unit": "GFLOP/s",
+                    "detail": {"tokens_per_s": stats.median(series), "flops_per_token": flops_per_token,
+                               "peak": f"best of fp32 {PEAK_MATMUL_N}x{PEAK_MATMUL_N} matmuls"}})
+    return out

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lit_pretrain.bench import stats
+
 MICRO_BATCHES = (1, 2, 4, 8)
 
 
@@ -34,12 +36,15 @@ def _batch(c, batch: int):
     return w[:, :-1], w[:, 1:]
 
 
-def _time_steps(step, steps: int, skip: int) -> float:
+def _time_steps(step, steps: int, skip: int) -> list:
+    """Seconds of each of steps skip..steps (the first `skip` steps allocate and are left out)."""
+    seconds = []
     for i in range(steps):
-        if i == skip:
-            start = time.perf_counter()
+        start = time.perf_counter()
         step()
-    return (time.perf_counter() - start) / (steps - skip)
+        if i >= skip:
+            seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results) -> None:
@@ -67,7 +72,7 @@ def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results)
                 idle.append(par.runner.last_idle_fraction)
 
             seconds = _time_steps(pp_step, steps, skip)
-            out[f"pp2_m{m}"] = {"seconds": seconds, "idle": sum(idle[skip:]) / len(idle[skip:]),
+            out[f"pp2_m{m}"] = {"seconds": seconds, "idle": idle[skip:],
                                 "formula": par.runner.bubble_formula}
         plan = ParallelPlan(tensor_parallel=2)
         par = apply_plan(copy.deepcopy(base), plan, build_mesh(plan))
@@ -82,7 +87,9 @@ def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results)
         results.update(out)
 
 
-def run(c, steps: int = 4, skip: int = 1) -> list:
+def run(c, steps: int = 1 + stats.ALTERNATIONS, skip: int = 1) -> list:
+    """Spawning the ranks costs more than the steps, so the case's pairs are timed steps, not alternated launches:
+    step i of each layout against step i of the one process (bench/stats.py); the spread is step-to-step noise."""
     import torch.multiprocessing as mp
 
     from lit_pretrain.model import GPT
@@ -97,16 +104,17 @@ def run(c, steps: int = 4, skip: int = 1) -> list:
         mp.start_processes(_worker, args=(_free_port(), c, batch, steps, skip, results), nprocs=2, join=True,
                            start_method="spawn")
         results = dict(results)
-    detail = {"batch": batch, "timed_steps": steps - skip, "forward_backward_only": True}
+    detail = {"batch": batch, "timed_steps": steps - skip, "forward_backward_only": True,
+              "pairs": "timed step i of each side"}
     cases = []
     for m in MICRO_BATCHES:
         r = results[f"pp2_m{m}"]
-        cases.append({"case": f"pipeline_idle_fraction_p2_m{m}", "value": r["idle"], "reference": r["formula"],
-                      "ratio": r["idle"] / r["formula"], "goal": "report (formula (p-1)/(m+p-1))",
+        cases.append({"case": f"pipeline_idle_fraction_p2_m{m}",
+                      **stats.single(r["idle"], lambda idle, f=r["formula"]: idle / f), "reference": r["formula"],
+                      "goal": "report (formula (p-1)/(m+p-1))",
                       "unit": "fraction", "detail": detail})
     for name in [f"pp2_m{m}" for m in MICRO_BATCHES] + ["tp2"]:
-        t = results[name]["seconds"]
-        cases.append({"case": f"step_seconds_{name}", "value": t, "reference": single, "ratio": t / single,
+        cases.append({"case": f"step_seconds_{name}", **stats.summary(single, results[name]["seconds"]),
                       "goal": "report (2 ranks x 1 thread vs 1 process x 2 threads)", "unit": "s/step",
                       "detail": detail})
     return cases

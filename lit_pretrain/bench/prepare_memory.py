@@ -1,4 +1,4 @@
-"""Case: prepare's peak memory on a generated JSON Lines corpus of two sizes (50 MB and 500 MB by default): the
+"""Case: prepare's peak memory on a generated JSON Lines corpus of two sizes (20 MB and 200 MB by default): the
 larger's peak RSS over the smaller's. Streaming keeps it near 1 (goal <= 1.2): the corpus is never held.
 
 Each size is prepared by a child process (`prepare` in a fresh interpreter, one tokenize process) that reports
@@ -19,7 +19,7 @@ from typing import Dict, List
 
 import numpy as np
 
-SIZES_MB = (50, 500)
+SIZES_MB = (20, 200)
 DOC_WORDS = 1400  # ~8 kB a document
 _CHILD = """
 import json, sys

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lit_pretrain.bench import stats
 from lit_pretrain.model import GPT
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.optim import build_adamw, clip_by_global_norm
@@ -23,20 +24,33 @@ from lit_pretrain.schedule import lr_lambda
 class _StepClock(L.Callback):
     """Time from the end of optimizer step `skip` to the end of the last one (warm-up and compile excluded).
 
-    On a GPU the clock waits for the device at those two steps only, so the steps between run asynchronously.
+    On a CPU it also marks the end of every step in between (`step_seconds`: one sample per step, for the cases
+    whose pairs are timed steps). On a GPU the clock waits for the device at the two end steps only, so the steps
+    between run asynchronously and are not marked.
     """
 
     def __init__(self, skip: int):
-        self.skip, self.start, self.end = skip, None, None
+        self.skip, self.start, self.end, self.marks = skip, None, None, []
 
     def on_train_batch_end(self, trainer, pl_module, *args):
-        if trainer.global_step not in (self.skip, trainer.max_steps):
+        step = trainer.global_step
+        if step < self.skip:
             return
+        ends = step in (self.skip, trainer.max_steps)
         if pl_module.device.type == "cuda":
+            if not ends:
+                return
             torch.cuda.synchronize(pl_module.device)
-        if trainer.global_step == self.skip:
-            self.start = time.perf_counter()
-        self.end = time.perf_counter()
+        now = time.perf_counter()
+        if step == self.skip:
+            self.start = now
+        self.end = now
+        if pl_module.device.type != "cuda":
+            self.marks.append(now)
+
+    def step_seconds(self) -> list:
+        """Seconds of each step after `skip` (CPU only)."""
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _data(c, steps: int) -> DataLoader:
@@ -84,14 +98,11 @@ def trainer_loop(c, steps: int, skip: int, compile: bool = False, precision: str
 
 
 def paired_case(case: str, reference, candidate, repeats: int, goal: str, unit: str, names, detail) -> dict:
-    """Alternate reference() and candidate() `repeats` times; compare the best of each (noise only ever slows a
-    run). `names` label the two series in the case's detail."""
-    refs, cands = [], []
-    for _ in range(repeats):
-        refs.append(reference())
-        cands.append(candidate())
-    return {"case": case, "value": max(cands), "reference": max(refs), "ratio": max(cands) / max(refs),
-            "goal": goal, "unit": unit, "detail": {names[1]: cands, names[0]: refs, **detail}}
+    """Alternate reference() and candidate() `repeats` times; report the medians and the spread of the
+    per-alternation ratios (bench/stats.py). `names` label the two series in the case's detail."""
+    refs, cands = stats.alternate(reference, candidate, repeats)
+    return {"case": case, **stats.summary(refs, cands), "goal": goal, "unit": unit,
+            "detail": {names[1]: cands, names[0]: refs, **detail}}
 
 
 def run(c, steps: int, skip: int, repeats: int) -> dict:

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lit_pretrain.bench import stats
+
 STRATEGIES = {"ddp": ("ddp", None), "zero1": ("zero", 1), "zero2": ("zero", 2), "zero3": ("zero", 3)}
 
 
@@ -33,8 +35,8 @@ def _free_port() -> int:
 
 
 def _launch(run_file: str, overrides: list, name: str, devices: int, global_batch: int, steps: int,
-            skip: int) -> float:
-    """Seconds per optimizer step of one strategy, measured in a fresh set of processes."""
+            skip: int) -> list:
+    """Seconds of each timed optimizer step of one strategy, measured in a fresh set of processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
@@ -46,7 +48,7 @@ def _launch(run_file: str, overrides: list, name: str, devices: int, global_batc
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"bench strategy {name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-        return json.loads(out.read_text())["seconds_per_step"]
+        return json.loads(out.read_text())["step_seconds"]
 
 
 def _worker(args) -> None:
@@ -82,11 +84,10 @@ def _worker(args) -> None:
                             use_distributed_sampler=False, default_root_dir=tmp)
         trainer.fit(module, data)
     if trainer.is_global_zero:
-        seconds = (clock.end - clock.start) / (args.steps - args.skip)
-        Path(args.out).write_text(json.dumps({"seconds_per_step": seconds}))
+        Path(args.out).write_text(json.dumps({"step_seconds": clock.step_seconds()}))
 
 
-def activation_checkpointing(c, steps: int = 5, skip: int = 1) -> list:
+def activation_checkpointing(c, steps: int = 4, skip: int = 1, alternations: int = stats.ALTERNATIONS) -> list:
     """Full activation checkpointing against none, one process: seconds per step and saved-activation bytes."""
     from lit_pretrain.model import GPT
     from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -97,8 +98,8 @@ def activation_checkpointing(c, steps: int = 5, skip: int = 1) -> list:
     g = torch.Generator().manual_seed(c.run.seed)
     windows = torch.randint(0, c.model.vocab_size, (c.trainer.micro_batch_size, c.model.seq_len + 1), generator=g)
     x, y = windows[:, :-1], windows[:, 1:]
-    seconds, saved = {}, {}
-    for _ in range(2):  # alternate, keep the best of each (noise only ever slows a run)
+    seconds, saved = {"none": [], "full": []}, {}
+    for _ in range(alternations):  # alternate: medians and spread (bench/stats.py)
         for mode in ("none", "full"):
             model = copy.deepcopy(base)
             apply_activation_checkpointing(model, mode)
@@ -109,20 +110,22 @@ def activation_checkpointing(c, steps: int = 5, skip: int = 1) -> list:
                 if step == skip:
                     start = time.perf_counter()
                 F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
-            elapsed = (time.perf_counter() - start) / (steps - skip)
-            seconds[mode] = min(seconds.get(mode, float("inf")), elapsed)
+            seconds[mode].append((time.perf_counter() - start) / (steps - skip))
     return [
-        {"case": "act_ckpt_full_step_seconds", "value": seconds["full"], "reference": seconds["none"],
-         "ratio": seconds["full"] / seconds["none"], "goal": "report (recompute: ~1.33 expected)", "unit": "s/step",
+        {"case": "act_ckpt_full_step_seconds", **stats.summary(seconds["none"], seconds["full"]),
+         "goal": "report (recompute: ~1.33 expected)", "unit": "s/step",
          "detail": {"forward_backward_only": True, "micro_batch_size": c.trainer.micro_batch_size}},
         {"case": "act_ckpt_full_saved_bytes", "value": saved["full"], "reference": saved["none"],
          "ratio": saved["full"] / saved["none"], "goal": "report (< 1)", "unit": "bytes"},
     ]
 
 
-def run(c, run_file: str = "experiments/runs/default.yaml", overrides=(), devices: int = 2, steps: int = 8,
-        skip: int = 2) -> list:
-    """One case per strategy (seconds per step on `devices` processes / one process), then the two AC cases."""
+def run(c, run_file: str = "experiments/runs/default.yaml", overrides=(), devices: int = 2,
+        steps: int = 2 + stats.ALTERNATIONS, skip: int = 2) -> list:
+    """One case per strategy (seconds per step on `devices` processes / one process), then the two AC cases.
+
+    A launch costs ~10 s of start-up against a fraction of a second a step, so the pairs are timed steps, not
+    alternated launches: step i of the strategy against step i of the one process (bench/stats.py)."""
     global_batch = c.trainer.micro_batch_size
     if global_batch % devices:
         raise ValueError(f"trainer.micro_batch_size={global_batch} must divide by {devices} processes for the bench")
@@ -131,9 +134,10 @@ def run(c, run_file: str = "experiments/runs/default.yaml", overrides=(), device
     cases = []
     for name in STRATEGIES:
         t = _launch(run_file, overrides, name, devices, global_batch, steps, skip)
-        cases.append({"case": f"step_seconds_{name}_{devices}proc", "value": t, "reference": single,
-                      "ratio": t / single, "goal": "report (no speed-up expected on 2 cores)", "unit": "s/step",
-                      "detail": {"global_batch": global_batch, "timed_steps": steps - skip}})
+        cases.append({"case": f"step_seconds_{name}_{devices}proc", **stats.summary(single, t),
+                      "goal": "report (no speed-up expected on 2 cores)", "unit": "s/step",
+                      "detail": {"global_batch": global_batch, "timed_steps": steps - skip,
+                                 "pairs": "timed step i of each side"}})
     return cases + activation_checkpointing(c)
 
 
