@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lit_pretrain.data import lsh
 from lit_pretrain.data.lsh import band_pairs, bands_rows, candidate_pairs, index_basename, minhashlsh_pairs
 from lit_pretrain.data.minhash import compute_signatures, normalize
 from lit_pretrain.errors import DataError
@@ -174,11 +175,11 @@ def test_an_unreachable_ray_address_is_exit_2_and_one_line(corpus, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_numpy_banding_gives_minhashlsh_candidate_pairs(corpus):
+def test_numpy_banding_gives_minhashlsh_candidate_pairs(corpus, monkeypatch):
     """lsh.band_pairs (storage=memory's candidate pairs, and the Ray reducers' grouping) against datasketch's
     MinHashLSH insert-all-then-query, on the planted corpus at the default bands x rows, on generated short
     documents of a small vocabulary (many shared buckets, some of many documents) and on signatures of few distinct
-    values (large shared buckets)."""
+    values (large shared buckets); again with every row hashed alike (bands sorted by lexsort after the collision)."""
     docs, _ = planted_corpus(n_pairs=120, n_singles=30, seed=5, words=120)
     cfg = DeduplicationConfig(processes=1)
     sig, _ = compute_signatures([normalize(d.text, False, True) for d in docs], "word", 5, 128, 1, 1, progress=False)
@@ -197,6 +198,11 @@ def test_numpy_banding_gives_minhashlsh_candidate_pairs(corpus):
             np.testing.assert_array_equal(got, want_left)
         for got in (right, memory_right):
             np.testing.assert_array_equal(got, want_right)
+        with monkeypatch.context() as m:
+            m.setattr(lsh, "_row_hashes", lambda keys: np.zeros(len(keys), dtype=np.uint64))
+            collided = band_pairs(signatures, bands, rows)
+        np.testing.assert_array_equal(collided[0], want_left)
+        np.testing.assert_array_equal(collided[1], want_right)
 
 
 def _listening(pids) -> list:

@@ -29,9 +29,11 @@ from lit_pretrain.workers import WorkerPool
 
 SIGNATURE_DTYPE = np.dtype(np.uint32)  # datasketch's "affine32" hash values
 SCHEME = "affine32"  # the datasketch scheme these values follow (LeanMinHash(scheme=...) in lsh.minhashlsh_pairs)
-# One numpy pass takes the shingles of consecutive documents up to this many: a (shingles, num_perm) uint32 array of
-# 16k x 128 x 4 bytes = 8 MB at most, however long the document (a longer one is taken in slices).
-_UPDATE_BATCH = 1 << 14
+# One numpy pass takes the shingles of consecutive documents up to this many: a (num_perm, shingles) uint32 array of
+# 128 x 8k x 4 bytes = 4 MB at most, however long the document (a longer one is taken in slices). Measured on 420k
+# shingles: 0.05 s in blocks of 8k laid out (num_perm, shingles), against 0.56 s in blocks of 16k laid out
+# (shingles, num_perm): each document's minimum then runs along contiguous memory, and the block stays in cache.
+_UPDATE_BATCH = 1 << 13
 # Work is handed to the pool in chunks of about this many characters: pickling a chunk and its rows costs ~1 ms
 # against ~0.1 s of hashing, while 2 processes still get dozens of chunks each from a few MB, so neither waits long
 # for the other at the end (the tail is one chunk) and the progress bar moves.
@@ -149,9 +151,9 @@ def chunk_signatures(task: Tuple[Sequence[str], str, int, int, int]) -> np.ndarr
     out = np.full((len(texts), num_perm), np.iinfo(np.uint32).max, dtype=SIGNATURE_DTYPE)
     for first, end, hashes, starts in _shingle_blocks(texts, kind, size):
         # One pass over the block: every shingle's mixed hash under every permutation, then each document's minimum.
-        phv = np.multiply.outer(_fmix32(hashes), a)
-        phv += b
-        np.minimum(out[first:end], np.minimum.reduceat(phv, starts, axis=0), out=out[first:end])
+        phv = np.multiply.outer(a, _fmix32(hashes))
+        phv += b[:, None]
+        np.minimum(out[first:end], np.minimum.reduceat(phv, starts, axis=1).T, out=out[first:end])
     return out
 
 
