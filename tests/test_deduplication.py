@@ -190,6 +190,21 @@ def test_numpy_signatures_are_datasketchs_minhash_bit_for_bit(kind, size, num_pe
     assert np.array_equal(np.stack([a, b]), MinHash(num_perm=num_perm, seed=seed).permutations)
 
 
+def test_chunks_shared_by_processes_shrink_near_the_end():
+    """compute_signatures' chunks cover the texts in order; for 2 processes the last ones are small (each at most
+    1/8 of what is left, down to _MIN_CHUNK_CHARS), so one process never computes a whole chunk while the other
+    waits."""
+    texts = ["x" * 1000] * 3000  # 3 MB
+    one, two = list(minhash.chunks(texts, 1 << 20)), list(minhash.chunks(texts, 1 << 20, parts=2))
+    for ranges in (one, two):
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(texts)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert len(one) == 3
+    sizes = [1000 * (b - a) for a, b in two]
+    assert sizes[0] >= 1 << 18 and max(sizes[-3:]) <= 2 * minhash._MIN_CHUNK_CHARS
+    assert sizes == sorted(sizes, reverse=True)
+
+
 def test_a_signature_worker_imports_neither_datasketch_nor_scipy():
     """What a worker loads (lit_pretrain/workers.py imports the target's module): importing datasketch and scipy
     took ~2.5 s per worker (issue 22)."""

@@ -35,9 +35,10 @@ SCHEME = "affine32"  # the datasketch scheme these values follow (LeanMinHash(sc
 # (shingles, num_perm): each document's minimum then runs along contiguous memory, and the block stays in cache.
 _UPDATE_BATCH = 1 << 13
 # Work is handed to the pool in chunks of about this many characters: pickling a chunk and its rows costs ~1 ms
-# against ~0.1 s of hashing, while 2 processes still get dozens of chunks each from a few MB, so neither waits long
-# for the other at the end (the tail is one chunk) and the progress bar moves.
-_CHUNK_CHARS = 1 << 18
+# against ~0.1 s of hashing, and the progress bar moves. compute_signatures' last chunks are smaller (`chunks`), so
+# no process waits long for another at the end.
+_CHUNK_CHARS = 1 << 20
+_MIN_CHUNK_CHARS = 1 << 14  # the smallest chunk `chunks` cuts near the end of the work
 # A chunk takes well under a second; a worker silent for this long is gone.
 _CHUNK_TIMEOUT_S = 600
 _FIX = ("set data.deduplication.processes=1 to compute in this process, or lower it if workers run out of "
@@ -157,13 +158,18 @@ def chunk_signatures(task: Tuple[Sequence[str], str, int, int, int]) -> np.ndarr
     return out
 
 
-def chunks(texts: Sequence[str], max_chars: int = _CHUNK_CHARS) -> Iterator[Tuple[int, int]]:
-    """[start, end) index ranges of consecutive texts of about max_chars characters each."""
+def chunks(texts: Sequence[str], max_chars: int = _CHUNK_CHARS, parts: int = 1) -> Iterator[Tuple[int, int]]:
+    """[start, end) index ranges of consecutive texts of about max_chars characters each. For `parts` processes, the
+    chunks shrink near the end (at most 1/(4 * parts) of the characters left, down to _MIN_CHUNK_CHARS): a worker
+    holds up to 2 queued chunks when this process runs out of work, so small last chunks let every process finish
+    at about the same time (guided scheduling)."""
+    left = sum(len(text) for text in texts) if parts > 1 else 0
     start, size = 0, 0
     for i, text in enumerate(texts):
         size += len(text)
-        if size >= max_chars:
+        if size >= (min(max_chars, max(_MIN_CHUNK_CHARS, left // (4 * parts))) if parts > 1 else max_chars):
             yield start, i + 1
+            left -= size
             start, size = i + 1, 0
     if start < len(texts):
         yield start, len(texts)
@@ -180,8 +186,8 @@ def compute_signatures(texts: Sequence[str], kind: str, size: int, num_perm: int
                        ids: Optional[Sequence[str]] = None) -> Tuple[np.ndarray, int]:
     """Signatures of normalized texts (rows in input order) and the number of processes that computed them
     (this one included). `ids` name the texts in error messages (default: their index)."""
-    ranges = list(chunks(texts, _CHUNK_CHARS))
-    processes = pool_size(processes, len(ranges))
+    processes = pool_size(processes, len(list(chunks(texts, _CHUNK_CHARS))))
+    ranges = list(chunks(texts, _CHUNK_CHARS, processes))
     out = np.empty((len(texts), num_perm), dtype=SIGNATURE_DTYPE)
     bar = _progress(len(texts), progress)
     try:
