@@ -38,8 +38,8 @@ from lit_pretrain.schema import DataConfig, DeduplicationConfig
 from lit_pretrain.workers import WorkerPool
 
 THROUGHPUT_MB = 3
-# ~150 bytes each (25 words): 15 MB, a few seconds on one process.
-SCALE_DOCS, SCALE_WORDS = 100_000, 25
+# ~350 bytes each (50 words): 35 MB, ~3.5 s on one process, against ~0.1 s to start a worker.
+SCALE_DOCS, SCALE_WORDS = 100_000, 50
 _MEMORY_DOCS = 20_000
 # The bench's own processes run in the stage's worker pool (lit_pretrain/workers.py): one that cannot start or dies
 # stops the bench with one line instead of leaving it waiting.
