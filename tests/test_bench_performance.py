@@ -1,10 +1,13 @@
 """The performance benchmark's pure parts: MFU (PaLM appendix B), the GPU models' sizes, the GPU bench's error
 without CUDA, and the table's cases built from measured figures."""
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from lit_pretrain.bench import gpu, mfu
+from lit_pretrain.bench import child, gpu, mfu
 from lit_pretrain.model import GPT, flops_per_token_formula
 
 # PaLM (Chowdhery et al. 2022), §4 and appendix B: PaLM 540B (N = 540.35e9, L = 118, H = 48, Q = 256,
@@ -58,3 +61,20 @@ def test_gpu_bench_without_cuda_says_what_to_do(monkeypatch):
         gpu.require_cuda()
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         gpu.main([])
+
+
+def test_a_childs_series_are_summarized_by_paired_case_in_their_order(monkeypatch):
+    """bench/child.py: the data cases time in a torch-free child; its paired series come back and go through
+    paired_case (the statistics of every other case), replayed in measured order; other cases pass through."""
+    printed = [child.series("c", [1.0, 2.0, 4.0], [2.0, 4.0, 8.0], ">= 2", "docs/s", ("ref", "ours"), {"n": 3}),
+               {"case": "memory", "value": 1.0, "reference": 2.0, "ratio": 0.5}]
+
+    def fake_run(command, **_):
+        assert command[1:] == ["-m", "lit_pretrain.bench.deduplication", "x"]
+        return SimpleNamespace(returncode=0, stdout="a log line\n" + json.dumps(printed) + "\n", stderr="")
+
+    monkeypatch.setattr(child.subprocess, "run", fake_run)
+    paired, passed = child.run("lit_pretrain.bench.deduplication", "x")
+    assert paired["case"] == "c" and paired["ratio"] == pytest.approx(2.0) and paired["goal"] == ">= 2"
+    assert paired["detail"] == {"ref": [1.0, 2.0, 4.0], "ours": [2.0, 4.0, 8.0], "n": 3}
+    assert passed == printed[1]

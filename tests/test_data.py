@@ -8,6 +8,7 @@ import shutil
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -18,7 +19,14 @@ from lit_pretrain.data.corpus import CorpusStats, Document, corpus_fingerprint, 
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.prepare import is_validation, prepare, split_documents, tokenizer_training_texts
 from lit_pretrain.data.shards import load_manifest, open_shard, verify_shards
-from lit_pretrain.data.tokenizer import EOD, load_tokenizer, save_tokenizer, train_tokenizer
+from lit_pretrain.data.tokenizer import (
+    EOD,
+    batch_encoder,
+    encode_texts,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
 from lit_pretrain.errors import DataError
 from lit_pretrain.schema import DataConfig
 
@@ -170,6 +178,11 @@ def test_tokenizer_round_trips_and_requires_eod(tmp_path, corpus_texts):
     for text in corpus_texts[:12]:
         assert loaded.decode(loaded.encode(text).ids) == text
     assert EOD not in [loaded.id_to_token(i) for i in loaded.encode(corpus_texts[7]).ids]
+    # The stage encodes with encode_batch_fast where it exists (no offsets): the ids of encode_batch, the literal EOD
+    # string included; encode_batch where it does not.
+    slow = [enc.ids for enc in loaded.encode_batch(corpus_texts, add_special_tokens=False)]
+    assert encode_texts(loaded, corpus_texts) == slow and loaded.token_to_id(EOD) not in slow[7]
+    assert batch_encoder(SimpleNamespace(encode_batch=len)) is len
     data = json.loads(path.read_text())
     data["added_tokens"] = []
     (tmp_path / "no_eod.json").write_text(json.dumps(data).replace(json.dumps(EOD)[1:-1], "<|other|>"))

@@ -58,6 +58,7 @@ def deadline(monkeypatch):
         raise TimeoutError("the test ran past its 40 s deadline: a worker pool hangs")
 
     monkeypatch.setattr(minhash, "_CHUNK_CHARS", CHUNK_CHARS)
+    monkeypatch.setattr(minhash, "_MIN_CHUNK_CHARS", CHUNK_CHARS)  # chunks of one size: the faults hit known ones
     monkeypatch.setattr(minhash, "_CHUNK_TIMEOUT_S", 20)
     old = signal.signal(signal.SIGALRM, expire)
     signal.alarm(40)

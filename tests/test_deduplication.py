@@ -5,6 +5,7 @@ manifest, bad input, and an index in a real Redis server."""
 import json
 import shutil
 import subprocess
+import sys
 import time
 import unicodedata
 from dataclasses import replace
@@ -23,7 +24,7 @@ from lit_pretrain.data.prepare import prepare
 from lit_pretrain.data.tokenizer import encode_texts, load_tokenizer
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
-from tests.conftest import EXPERIMENTS, free_port
+from tests.conftest import EXPERIMENTS, ROOT, free_port
 from tests.planted import jaccard, planted_corpus
 
 IN_PROCESS = DeduplicationConfig(processes=1)
@@ -166,11 +167,52 @@ def test_same_kept_set_and_signatures_whatever_the_number_of_processes(planted, 
 
 
 def test_a_long_document_is_hashed_in_slices_to_the_same_signature():
-    text = " ".join(f"w{i}" for i in range(40_000))  # 39,996 distinct 5-word shingles: 3 update_batch slices
+    text = " ".join(f"w{i}" for i in range(40_000))  # 39,996 distinct 5-word shingles: 3 slices
     grams = minhash.shingles(text, "word", 5)
     assert len(grams) > 2 * minhash._UPDATE_BATCH
-    sig = minhash.chunk_signatures(([text], "word", 5, 64, 3))
-    assert np.array_equal(sig[0], MinHash.bulk([grams], num_perm=64, seed=3)[0].hashvalues)
+    sig = minhash.chunk_signatures((["a b", text, "c d e"], "word", 5, 64, 3))
+    assert np.array_equal(sig[1], MinHash.bulk([grams], num_perm=64, seed=3)[0].hashvalues)
+
+
+@pytest.mark.parametrize("kind, size, num_perm, seed", [("word", 5, 128, 1), ("char", 3, 64, 7), ("word", 1, 256, 0)])
+def test_numpy_signatures_are_datasketchs_minhash_bit_for_bit(kind, size, num_perm, seed, monkeypatch):
+    """minhash.py computes MinHash without datasketch (workers import numpy only): the same permutations, shingle
+    hash and values as datasketch's MinHash, for texts that are empty, shorter than a shingle, or not ASCII, in
+    blocks that end mid-chunk (_UPDATE_BATCH 50)."""
+    rng = np.random.default_rng(seed)
+    words = np.array(["ab", "cd", "é", "日本", "z", "ünï"])
+    texts = ["", "a", "hello world"] + [" ".join(rng.choice(words, rng.integers(0, 60))) for _ in range(100)]
+    monkeypatch.setattr(minhash, "_UPDATE_BATCH", 50)
+    got = minhash.chunk_signatures((texts, kind, size, num_perm, seed))
+    want = MinHash.bulk([list(minhash.shingles(t, kind, size)) for t in texts], num_perm=num_perm, seed=seed)
+    assert got.dtype == np.uint32 and np.array_equal(got, np.stack([m.hashvalues for m in want]))
+    a, b = minhash.permutations(num_perm, seed)
+    assert np.array_equal(np.stack([a, b]), MinHash(num_perm=num_perm, seed=seed).permutations)
+
+
+def test_chunks_shared_by_processes_shrink_near_the_end():
+    """compute_signatures' chunks cover the texts in order; for 2 processes the last ones are small (each at most
+    1/8 of what is left, down to _MIN_CHUNK_CHARS), so one process never computes a whole chunk while the other
+    waits."""
+    texts = ["x" * 1000] * 3000  # 3 MB
+    one, two = list(minhash.chunks(texts, 1 << 20)), list(minhash.chunks(texts, 1 << 20, parts=2))
+    for ranges in (one, two):
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(texts)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert len(one) == 3
+    sizes = [1000 * (b - a) for a, b in two]
+    assert sizes[0] >= 1 << 18 and max(sizes[-3:]) <= 2 * minhash._MIN_CHUNK_CHARS
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_a_signature_worker_imports_neither_datasketch_nor_scipy():
+    """What a worker loads (lit_pretrain/workers.py imports the target's module): importing datasketch and scipy
+    took ~2.5 s per worker (issue 22)."""
+    code = ("import sys, lit_pretrain.data.minhash, lit_pretrain.data.ray_engine; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'datasketch', 'scipy', 'torch', 'lightning'}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_another_seed_gives_other_signatures_but_finds_the_same_duplicates(planted):

@@ -5,13 +5,13 @@ The numpy banding the Ray reducers use is checked against datasketch's MinHashLS
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lit_pretrain.data.lsh import band_pairs, bands_rows, candidate_pairs, index_basename
+from lit_pretrain.data import lsh
+from lit_pretrain.data.lsh import band_pairs, bands_rows, candidate_pairs, index_basename, minhashlsh_pairs
 from lit_pretrain.data.minhash import compute_signatures, normalize
 from lit_pretrain.errors import DataError
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
@@ -175,20 +175,34 @@ def test_an_unreachable_ray_address_is_exit_2_and_one_line(corpus, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_numpy_banding_gives_minhashlsh_candidate_pairs(corpus):
-    """lsh.band_pairs (the Ray reducers' grouping) against datasketch's MinHashLSH insert-all-then-query, on the
-    planted corpus at the default bands x rows and on signatures of few distinct values (large shared buckets)."""
+def test_numpy_banding_gives_minhashlsh_candidate_pairs(corpus, monkeypatch):
+    """lsh.band_pairs (storage=memory's candidate pairs, and the Ray reducers' grouping) against datasketch's
+    MinHashLSH insert-all-then-query, on the planted corpus at the default bands x rows, on generated short
+    documents of a small vocabulary (many shared buckets, some of many documents) and on signatures of few distinct
+    values (large shared buckets); again with every row hashed alike (bands sorted by lexsort after the collision)."""
     docs, _ = planted_corpus(n_pairs=120, n_singles=30, seed=5, words=120)
     cfg = DeduplicationConfig(processes=1)
     sig, _ = compute_signatures([normalize(d.text, False, True) for d in docs], "word", 5, 128, 1, 1, progress=False)
     rng = np.random.default_rng(0)
+    vocab = np.array([f"w{i}" for i in range(12)])
+    short = [" ".join(rng.choice(vocab, rng.integers(1, 9))) for _ in range(400)]
+    short_sig, _ = compute_signatures(short, "word", 2, 128, 1, 1, progress=False)
     generated = rng.integers(0, 3, size=(200, 128)).astype(sig.dtype)
-    for signatures, (bands, rows) in ((sig, bands_rows(cfg)), (generated, (20, 2)), (generated, (9, 3))):
-        want_left, want_right, _ = candidate_pairs(signatures, replace(cfg), bands, rows, index_basename(cfg))
+    for signatures, (bands, rows) in ((sig, bands_rows(cfg)), (short_sig, bands_rows(cfg)), (generated, (20, 2)),
+                                      (generated, (9, 3))):
+        want_left, want_right = minhashlsh_pairs(signatures, bands, rows, cfg.seed)
         left, right = band_pairs(signatures, bands, rows)
-        assert len(want_left) > 20
-        np.testing.assert_array_equal(left, want_left)
-        np.testing.assert_array_equal(right, want_right)
+        memory_left, memory_right, index = candidate_pairs(signatures, cfg, bands, rows, index_basename(cfg))
+        assert len(want_left) > 20 and index == {"storage": "memory"}
+        for got in (left, memory_left):
+            np.testing.assert_array_equal(got, want_left)
+        for got in (right, memory_right):
+            np.testing.assert_array_equal(got, want_right)
+        with monkeypatch.context() as m:
+            m.setattr(lsh, "_row_hashes", lambda keys: np.zeros(len(keys), dtype=np.uint64))
+            collided = band_pairs(signatures, bands, rows)
+        np.testing.assert_array_equal(collided[0], want_left)
+        np.testing.assert_array_equal(collided[1], want_right)
 
 
 def _listening(pids) -> list:

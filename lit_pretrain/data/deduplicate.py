@@ -6,8 +6,8 @@ Makes Language Models Better"), so removal comes before the split and the tokeni
 1. normalize each document (Unicode NFC; optional lower-casing and whitespace folding, `data.deduplication.*`);
 2. exact: drop a document whose normalized text has the sha256 of an earlier one;
 3. near: MinHash signatures of the survivors' shingle sets (lit_pretrain/data/minhash.py), candidate pairs from
-   datasketch's MinHashLSH, optionally verified by their estimated Jaccard, clusters by union-find
-   (lit_pretrain/data/lsh.py); the first document of each cluster in corpus order is kept.
+   LSH banding (the pairs of datasketch's MinHashLSH), optionally verified by their estimated Jaccard, clusters by
+   union-find (lit_pretrain/data/lsh.py); the first document of each cluster in corpus order is kept.
 
 Every decision depends only on the texts, their order and the config, never on the number of processes.
 

@@ -1,35 +1,50 @@
-"""Normalization, shingles and MinHash signatures (datasketch), computed in a pool of worker processes.
+"""Normalization, shingles and MinHash signatures, computed in numpy in a pool of worker processes.
 
-A signature is one row of a `(documents, num_perm)` numpy array in the dtype of datasketch's permutation scheme
-(uint32 for its default "affine32" since datasketch 2.0: 512 bytes a document at num_perm 128), never one Python
-object per document. Each row depends only on its document's text, num_perm and seed, so the array is the same
-for any pool size and chunking. Shingles are hashed with datasketch's default (SHA-1, first 4 bytes), so these
-signatures agree with any other datasketch MinHash built with the same seed and num_perm.
+A signature is one row of a `(documents, num_perm)` uint32 array (512 bytes a document at num_perm 128), never one
+Python object per document. Each row depends only on its document's text, num_perm and seed, so the array is the
+same for any pool size and chunking. The rows are bit for bit those of datasketch's `MinHash(num_perm, seed)`
+(>= 2.0, its default "affine32" scheme) updated with the same shingles (tests/test_deduplication.py compares them):
+the same shingle hash (SHA-1, first 4 bytes, little-endian), the same MurmurHash3 finalizer, the same permutations
+a * h + b mod 2^32 drawn from np.random.RandomState(seed) in datasketch's order. They are computed here rather than
+by datasketch so that a worker imports only numpy: importing datasketch (and scipy with it) took ~2.5 s per
+worker, a third of a 7 s job (issue 22), and one numpy pass over many documents' shingles at once replaces one
+`update_batch` call (a dozen small numpy calls) per document.
 
-This module imports neither torch nor Lightning: it is what each worker (lit_pretrain/workers.py) loads.
+This module imports neither torch, Lightning, datasketch nor scipy: it is what each worker (lit_pretrain/workers.py)
+loads.
 """
 
+import hashlib
 import os
 import sys
 import unicodedata
+from functools import lru_cache
+from itertools import accumulate
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
-from datasketch import MinHash
 
 from lit_pretrain.workers import WorkerPool
 
-# One update_batch call builds a (shingles, num_perm) array: 16k shingles × 128 × 4 bytes = 8 MB at most, however
-# long the document.
-_UPDATE_BATCH = 1 << 14
-# Work is handed to the pool in chunks of about this many characters: large enough that pickling and scheduling
-# are small next to hashing, small enough that 2 processes get many chunks each and the progress bar moves.
+SIGNATURE_DTYPE = np.dtype(np.uint32)  # datasketch's "affine32" hash values
+SCHEME = "affine32"  # the datasketch scheme these values follow (LeanMinHash(scheme=...) in lsh.minhashlsh_pairs)
+# One numpy pass takes the shingles of consecutive documents up to this many: a (num_perm, shingles) uint32 array of
+# 128 x 8k x 4 bytes = 4 MB at most, however long the document (a longer one is taken in slices). Measured on 420k
+# shingles: 0.05 s in blocks of 8k laid out (num_perm, shingles), against 0.56 s in blocks of 16k laid out
+# (shingles, num_perm): each document's minimum then runs along contiguous memory, and the block stays in cache.
+_UPDATE_BATCH = 1 << 13
+# Work is handed to the pool in chunks of about this many characters: pickling a chunk and its rows costs ~1 ms
+# against ~0.1 s of hashing, and the progress bar moves. compute_signatures' last chunks are smaller (`chunks`), so
+# no process waits long for another at the end.
 _CHUNK_CHARS = 1 << 20
-# A 1 MB chunk takes well under a second; a worker silent for this long is gone.
+_MIN_CHUNK_CHARS = 1 << 14  # the smallest chunk `chunks` cuts near the end of the work
+# A chunk takes well under a second; a worker silent for this long is gone.
 _CHUNK_TIMEOUT_S = 600
 _FIX = ("set data.deduplication.processes=1 to compute in this process, or lower it if workers run out of "
         "memory")
+# MurmurHash3's 32-bit finalizer (fmix32), as datasketch's _fmix: (shift, multiplier, shift, multiplier, shift).
+_FMIX = (np.uint32(16), np.uint32(0x85EBCA6B), np.uint32(13), np.uint32(0xC2B2AE35), np.uint32(16))
 
 
 def normalize(text: str, lowercase: bool, fold_whitespace: bool) -> str:
@@ -49,50 +64,112 @@ def shingles(text: str, kind: str, size: int) -> Set[bytes]:
     shingle (so short documents are compared whole rather than dropped)."""
     if kind == "word":
         words = text.split()
+        data = " ".join(words).encode("utf-8")
         if len(words) <= size:
-            return {" ".join(words).encode("utf-8")}
-        return {" ".join(gram).encode("utf-8") for gram in zip(*(words[i:] for i in range(size)))}
+            return {data}
+        # Shingle i is " ".join(words[i : i + size]).encode(), sliced from the text encoded once (a third of the
+        # time of joining and encoding each): no word holds a space, and no UTF-8 sequence holds byte 0x20, so the
+        # encoded words are data's pieces between spaces. ends[k]: one past the space after word k.
+        ends = list(accumulate(len(w) + 1 for w in data.split(b" ")))
+        return {data[a : b - 1] for a, b in zip([0, *ends], ends[size - 1 :])}
     if kind == "char":
         if len(text) <= size:
             return {text.encode("utf-8")}
+        if text.isascii():  # one byte a character: slice the encoded text
+            data = text.encode("ascii")
+            return {data[i : i + size] for i in range(len(data) - size + 1)}
         return {text[i : i + size].encode("utf-8") for i in range(len(text) - size + 1)}
     raise ValueError(f"shingle kind {kind!r} is not 'word' or 'char'")
 
 
-def template(num_perm: int, seed: int) -> MinHash:
-    """The empty MinHash every signature starts from (its permutations are drawn once per process)."""
-    return MinHash(num_perm=num_perm, seed=seed)
+@lru_cache(maxsize=8)
+def permutations(num_perm: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(a, b) of the num_perm affine permutations h -> a * h + b mod 2^32, drawn as datasketch's MinHash draws them
+    (`_init_permutations`, scheme affine32): from np.random.RandomState(seed), all a first (odd: 2k + 1 with k
+    uniform below 2^31, so each map is a bijection), then all b (uniform below 2^32)."""
+    gen = np.random.RandomState(seed)
+    a = gen.randint(0, 1 << 31, num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+    b = gen.randint(0, 1 << 32, num_perm, dtype=np.uint32)
+    a.flags.writeable = b.flags.writeable = False  # shared by every call through the cache
+    return a, b
 
 
 def signature_dtype(num_perm: int, seed: int) -> np.dtype:
-    return template(num_perm, seed).hashvalues.dtype
+    return SIGNATURE_DTYPE
+
+
+def shingle_hashes(grams) -> np.ndarray:
+    """datasketch's sha1_hash32 of each shingle (the first 4 bytes of its SHA-1, little-endian), as uint32."""
+    sha1 = hashlib.sha1
+    return _as_hashes([sha1(g).digest()[:4] for g in grams])
+
+
+def _as_hashes(digests: List[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(digests), dtype="<u4").astype(np.uint32)  # a writable native-order copy
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's finalizer, in place on a fresh uint32 array (products wrap mod 2^32, as in datasketch)."""
+    s1, m1, s2, m2, s3 = _FMIX
+    h ^= h >> s1
+    h *= m1
+    h ^= h >> s2
+    h *= m2
+    h ^= h >> s3
+    return h
+
+
+def _shingle_blocks(texts: Sequence[str], kind: str, size: int) -> Iterator[Tuple[int, int, np.ndarray, List[int]]]:
+    """(first, end, hashes, starts): the shingle hashes of documents [first, end) and where each document's begin,
+    at most _UPDATE_BATCH hashes a block; a document with more comes alone, in slices of a block each."""
+    sha1 = hashlib.sha1
+    digests: List[bytes] = []
+    starts: List[int] = []
+    first = 0
+    for row, text in enumerate(texts):
+        grams = shingles(text, kind, size)  # never empty: a text shorter than `size` is one shingle
+        if digests and len(digests) + len(grams) > _UPDATE_BATCH:
+            yield first, row, _as_hashes(digests), starts
+            digests, starts = [], []
+        if not digests:
+            first = row
+        if len(grams) > _UPDATE_BATCH:
+            grams = list(grams)
+            for i in range(0, len(grams), _UPDATE_BATCH):
+                yield row, row + 1, shingle_hashes(grams[i : i + _UPDATE_BATCH]), [0]
+            continue
+        starts.append(len(digests))
+        digests += [sha1(g).digest()[:4] for g in grams]
+    if digests:
+        yield first, len(texts), _as_hashes(digests), starts
 
 
 def chunk_signatures(task: Tuple[Sequence[str], str, int, int, int]) -> np.ndarray:
     """Signatures of normalized texts as a (len(texts), num_perm) array; the pool's unit of work."""
     texts, kind, size, num_perm, seed = task
-    empty = template(num_perm, seed)
-    out = np.empty((len(texts), num_perm), dtype=empty.hashvalues.dtype)
-    for row, text in enumerate(texts):
-        m = empty.copy()  # shares the permutation arrays, as MinHash.bulk does
-        grams = shingles(text, kind, size)
-        if len(grams) <= _UPDATE_BATCH:
-            m.update_batch(grams)
-        else:
-            grams = list(grams)
-            for start in range(0, len(grams), _UPDATE_BATCH):
-                m.update_batch(grams[start : start + _UPDATE_BATCH])
-        out[row] = m.hashvalues
+    a, b = permutations(num_perm, seed)
+    # datasketch's empty MinHash holds 2^32 - 1 everywhere; each block lowers its documents' rows.
+    out = np.full((len(texts), num_perm), np.iinfo(np.uint32).max, dtype=SIGNATURE_DTYPE)
+    for first, end, hashes, starts in _shingle_blocks(texts, kind, size):
+        # One pass over the block: every shingle's mixed hash under every permutation, then each document's minimum.
+        phv = np.multiply.outer(a, _fmix32(hashes))
+        phv += b[:, None]
+        np.minimum(out[first:end], np.minimum.reduceat(phv, starts, axis=1).T, out=out[first:end])
     return out
 
 
-def chunks(texts: Sequence[str], max_chars: int = _CHUNK_CHARS) -> Iterator[Tuple[int, int]]:
-    """[start, end) index ranges of consecutive texts of about max_chars characters each."""
+def chunks(texts: Sequence[str], max_chars: int = _CHUNK_CHARS, parts: int = 1) -> Iterator[Tuple[int, int]]:
+    """[start, end) index ranges of consecutive texts of about max_chars characters each. For `parts` processes, the
+    chunks shrink near the end (at most 1/(4 * parts) of the characters left, down to _MIN_CHUNK_CHARS): a worker
+    holds up to 2 queued chunks when this process runs out of work, so small last chunks let every process finish
+    at about the same time (guided scheduling)."""
+    left = sum(len(text) for text in texts) if parts > 1 else 0
     start, size = 0, 0
     for i, text in enumerate(texts):
         size += len(text)
-        if size >= max_chars:
+        if size >= (min(max_chars, max(_MIN_CHUNK_CHARS, left // (4 * parts))) if parts > 1 else max_chars):
             yield start, i + 1
+            left -= size
             start, size = i + 1, 0
     if start < len(texts):
         yield start, len(texts)
@@ -109,9 +186,9 @@ def compute_signatures(texts: Sequence[str], kind: str, size: int, num_perm: int
                        ids: Optional[Sequence[str]] = None) -> Tuple[np.ndarray, int]:
     """Signatures of normalized texts (rows in input order) and the number of processes that computed them
     (this one included). `ids` name the texts in error messages (default: their index)."""
-    ranges = list(chunks(texts, _CHUNK_CHARS))
-    processes = pool_size(processes, len(ranges))
-    out = np.empty((len(texts), num_perm), dtype=signature_dtype(num_perm, seed))
+    processes = pool_size(processes, len(list(chunks(texts, _CHUNK_CHARS))))
+    ranges = list(chunks(texts, _CHUNK_CHARS, processes))
+    out = np.empty((len(texts), num_perm), dtype=SIGNATURE_DTYPE)
     bar = _progress(len(texts), progress)
     try:
         if processes == 1:
@@ -128,7 +205,7 @@ def compute_signatures(texts: Sequence[str], kind: str, size: int, num_perm: int
 
 def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple, label) -> None:
     """Chunks go to `workers` worker processes, up to 2 queued per worker, and this process computes the others:
-    so each worker's start-up (importing datasketch, and scipy with it: about a second) overlaps useful work.
+    so each worker's start-up (a fresh interpreter importing numpy: a fraction of a second) overlaps useful work.
 
     Separate processes, not forked ones: a forked child that runs OpenMP code after the parent did can deadlock
     (shared/CPU-DISTRIBUTED.md, pitfall 6). The workers never import the caller's main module, so a script that
@@ -161,7 +238,7 @@ class SignatureSpill:
     def __init__(self, path: Path, kind: str, size: int, num_perm: int, seed: int, processes: Optional[int] = None,
                  progress: bool = True):
         self.path, self.params = Path(path), (kind, size, num_perm, seed)
-        self.dtype = signature_dtype(num_perm, seed)
+        self.dtype = SIGNATURE_DTYPE
         self.num_perm = num_perm
         self.wanted = processes if processes is not None else (os.cpu_count() or 1)
         self.rows, self.chunks = 0, 0

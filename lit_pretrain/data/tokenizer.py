@@ -8,7 +8,7 @@ beginning-of-document token (data.bos_token) starts each. Any Hugging Face token
 
 import hashlib
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -68,9 +68,16 @@ def eod_id(tokenizer: Tokenizer, eos_token: str = EOD) -> int:
     return tokenizer.token_to_id(eos_token)
 
 
+def batch_encoder(tokenizer: Tokenizer) -> Callable:
+    """The tokenizer's fastest batch encoding that gives the ids: `encode_batch_fast` where the installed tokenizers
+    has it (it skips the character offsets, which we never read: encode_batch ran at 0.74 of its speed, issue 22),
+    else `encode_batch`. Same ids either way; call it with add_special_tokens=False."""
+    return getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+
+
 def encode_texts(tokenizer: Tokenizer, texts: List[str]) -> List[List[int]]:
     """Ids of each text, no special tokens added; the batch is encoded on all cores (Rust threads)."""
-    return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return [enc.ids for enc in batch_encoder(tokenizer)(texts, add_special_tokens=False)]
 
 
 def token_byte_lengths(tokenizer: Tokenizer) -> Optional[np.ndarray]:
