@@ -8,12 +8,16 @@ parameters without a gradient, so neither the parameters nor the optimizer state
 whatever the strategy shards. The optimizer step is still counted (global step, learning-rate schedule): a dropped
 update spends its compute and its data, it only does not apply them.
 
+The decisions taken every step (the non-finite guard, the spike detector) need a few values on the host: each callback
+`offer`s its value as a callable of the step, and the first `host` read evaluates every offer and brings them over in
+one transfer, so the step pays one device sync for all of them, not one per callback.
+
 The norm is whatever `norm_fn(parameters)` returns: the layout decides how the squares of sharded, replicated and
 pipeline-staged gradients add up to the one-process norm (each parameter counted once), so the guard takes it from
 outside rather than knowing any layout. Torch only: no Lightning, no process group of its own.
 """
 
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -31,12 +35,35 @@ class StepGuard:
         """The optimizer step (trainer.global_step) the record below belongs to."""
         self._norm: Optional[torch.Tensor] = None
         self._dropped: Optional[str] = None
+        self._offers: Dict[str, Callable[[], torch.Tensor]] = {}
+        self._host: Dict[str, float] = {}
 
     def begin(self, step: int) -> None:
-        """Enter optimizer step `step`: a new step forgets the last one's norm and drop; the same step keeps them
-        (every micro-batch of an accumulated step calls this)."""
+        """Enter optimizer step `step`: a new step forgets the last one's norm, drop and host values; the same step
+        keeps them (every micro-batch of an accumulated step calls this)."""
         if step != self.step:
             self.step, self._norm, self._dropped = step, None, None
+            self._offers, self._host = {}, {}
+
+    def offer(self, key: str, value: Callable[[], torch.Tensor]) -> None:
+        """Add `value()`, a one-element tensor of this step, to the step's host read (see `host`); the first offer of
+        a key in a step stands. It is called at that read, so it may use what the rest of the step computes before
+        then (every micro-batch's loss, the gradients' norm)."""
+        self._offers.setdefault(key, value)
+
+    def host(self, key: str) -> float:
+        """This step's value of `key` as a Python float (float32 and bool values exactly). The first call evaluates
+        every offer not read yet and reads them in one transfer; a key offered later gets a read of its own."""
+        if key not in self._offers:
+            raise KeyError(f"{key!r} was not offered in optimizer step {self.step}")
+        if key not in self._host:
+            keys = [k for k in self._offers if k not in self._host]
+            values = [self._offers[k]().detach().reshape(()) for k in keys]
+            device = values[0].device
+            # float64 holds every float32 and bool exactly: the host sees the values a .item() of each would give.
+            host = torch.stack([v.to(device=device, dtype=torch.float64) for v in values]).tolist()  # the one sync
+            self._host.update(zip(keys, host))
+        return self._host[key]
 
     @property
     def dropped(self) -> Optional[str]:

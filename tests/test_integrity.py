@@ -1,8 +1,10 @@
 """Atomic checkpoints, retention, the resume resolver, and integrity errors: a truncated or flipped checkpoint, a
 flipped shard byte and a foreign tokenizer each give a DataError naming the file."""
 
+import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from lit_pretrain.data.shards import load_manifest, verify_shards
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.resume import compat, store
-from lit_pretrain.resume.atomic import atomic_open
+from lit_pretrain.resume.atomic import atomic_open, file_sha256
 from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
 from lit_pretrain.resume.verified import load_verified, save_atomic, sidecar_path
 
@@ -64,6 +66,21 @@ def test_crash_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     # A step file written but never given a sidecar (crash between the two) is not trusted.
     torch.save({"w": torch.zeros(1)}, tmp_path / store.step_file(4))
     assert store.newest_valid(tmp_path) == tmp_path / store.step_file(2)
+    # Nor a sidecar whose checkpoint's rename was lost (a crash before the folder's one fsync).
+    save_atomic({"w": torch.zeros(1)}, tmp_path / store.step_file(6))
+    (tmp_path / store.step_file(6)).unlink()
+    assert store.newest_valid(tmp_path) == tmp_path / store.step_file(2)
+
+
+def test_a_save_fsyncs_each_file_once_and_the_folder_once(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    side = save_atomic({"w": torch.arange(1000.0)}, tmp_path / "x.ckpt")
+    # Checkpoint and sidecar (temporary names, before their renames), then the folder once, after both renames.
+    assert [Path(p).name for p in synced] == [f".x.ckpt.{os.getpid()}.tmp",
+                                              f".x.ckpt.json.{os.getpid()}.tmp", tmp_path.name]
+    assert side["sha256"] == file_sha256(tmp_path / "x.ckpt")  # hashed on the way = hashed from the disk
 
 
 def test_retention_keeps_newest_valid_ones(tmp_path):

@@ -47,6 +47,30 @@ def test_norm_is_computed_once_per_step_and_forgotten_on_the_next():
     assert guard.grad_norm(params).item() == 10.0 and norm_fn.calls == 2
 
 
+def test_offered_values_reach_the_host_in_one_read_exactly_and_are_forgotten_on_the_next_step():
+    guard, calls = StepGuard(), []
+
+    def offered(key, value):
+        def read():
+            calls.append(key)
+            return value
+        return read
+
+    guard.begin(3)
+    third = torch.tensor(1 / 3, dtype=torch.float32)
+    guard.offer("loss", offered("loss", third))
+    guard.offer("bad", offered("bad", torch.tensor(True)))
+    guard.offer("norm", offered("norm", torch.tensor(float("inf"))))
+    guard.offer("loss", offered("again", torch.tensor(0.0)))  # the first offer of a key stands
+    assert guard.host("bad") == 1.0 and calls == ["loss", "bad", "norm"]  # every offer evaluated at the first read
+    assert guard.host("loss") == third.item() and guard.host("norm") == float("inf")  # float32 values exactly
+    guard.offer("late", offered("late", torch.tensor(2.0)))
+    assert guard.host("late") == 2.0 and calls == ["loss", "bad", "norm", "late"]  # read alone, nothing re-read
+    guard.begin(4)
+    with pytest.raises(KeyError):
+        guard.host("loss")
+
+
 def test_drop_update_clears_every_gradient_and_keeps_the_first_reason():
     model = torch.nn.Linear(3, 2)
     optimizer = build_adamw(model, OptimConfig())

@@ -137,6 +137,27 @@ def test_manifest_lists_every_file_and_waits_for_them(folders, tmp_path):
     assert sf.is_sharded(folders["whole"]) and not sf.is_sharded(folders["whole"].parent.parent)
 
 
+def test_a_rank_hashes_its_files_as_it_writes_them(source, tmp_path, monkeypatch):
+    """The save path of resume/sharded.py in one process: the manifest's records are taken while writing (nothing
+    is read back to be hashed) and equal the files' sha256 read from the disk."""
+    from lit_pretrain.resume import atomic, sharded
+
+    model, optimizer, _ = source
+    chunks = {**sharded.model_chunks(model, None), **sharded.optimizer_chunks(model, optimizer, None)}
+    folder = tmp_path / "step0000001"
+    sharded._prepare_folder(folder, 0, None)
+
+    def read_back(path, *args):
+        raise AssertionError(f"{path} was read back to be hashed")
+
+    monkeypatch.setattr(atomic, "file_sha256", read_back)
+    written = sharded._save_torch({"global_step": 1}, folder, 0)
+    sharded._save_files(folder, chunks, None, {"step": 1, "meta": {}, "layout": {}, "world_size": 1}, None, written)
+    monkeypatch.undo()
+    manifest = sf.verify_sharded(folder)  # every size and sha256 checked against the files on disk
+    assert set(manifest["files"]) == set(os.listdir(folder)) - {sf.MANIFEST}
+
+
 def test_full_tensors_in_one_process_equal_the_source(folders, source):
     model, optimizer, _ = source
     by_id = {id(p): n for n, p in model.named_parameters()}

@@ -86,11 +86,11 @@ def _worker(rank: int, world: int, port: int, mode: str, model_cfg, optim_cfg, f
             chunks = {k: sharded.Chunk(c.local.clone(), c.size(), c.offsets) for k, c in chunks.items()}
         group = sharded.checkpoint_group()
         sharded._prepare_folder(folder, rank, group)
-        sharded._save_torch({} if rank == 0 else None, folder, rank)
-        return folder, chunks, group, {"step": n, "meta": {}, "layout": {}, "world_size": world}
+        written = sharded._save_torch({} if rank == 0 else None, folder, rank)
+        return folder, chunks, group, {"step": n, "meta": {}, "layout": {}, "world_size": world}, None, written
 
     def save_sharded(n: int):
-        sharded._save_files(*start_sharded(n), None)
+        sharded._save_files(*start_sharded(n))
 
     # Warm-up outside the figures, in both spawns alike: a save of one number in each format (imports, the
     # checkpoint group, first-call set-up: once per run in training too).
@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, port: int, mode: str, model_cfg, optim_cfg, f
         if mode == "sharded":
             start = time.perf_counter()
             job = start_sharded(100 + n, staged=True)
-            future = pool.submit(sharded._save_files, *job, None)
+            future = pool.submit(sharded._save_files, *job)
             out["stall_s"].append(time.perf_counter() - start)
             future.result()
         start = time.perf_counter()

@@ -2,8 +2,9 @@
 
 Both sides run the same `PretrainModule` under the same `L.Trainer` on the same in-memory windows (bench/step.py's
 data and clock); the candidate adds the callbacks the experiment's config turns on (non-finite guard, loss-spike
-detector, gradient-norm and throughput monitors, report). The detector and the guard each read one value per step
-on the host (their decision needs it); the monitors read only at logging intervals.
+detector, gradient-norm and throughput monitors, report). The guard and the detector share one host read per step
+(their decisions need it: StepGuard.host); the monitors read only at logging intervals. Their hooks measured 0.8%
+of the timed steps on this CPU (most of it the gradient norm, which clipping shares, and the rewind points' copies).
 """
 
 import dataclasses

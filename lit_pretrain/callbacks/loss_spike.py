@@ -85,6 +85,13 @@ class LossSpike(Callback):
         loss = loss.detach().float()  # Lightning passes the micro-batch loss divided by the accumulation count
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._micro_batches += 1
+        if self._micro_batches == 1:
+            # Offered once per step, computed at the step's one host read (after every micro-batch's backward), so
+            # the non-finite guard's read brings the loss (and the norm the detector judges) over with its own.
+            guard = pl_module.step_guard
+            guard.offer("loss", lambda: self._loss_sum * (trainer.accumulate_grad_batches / self._micro_batches))
+            if self.detector.on_grad_norm and (self.detector.active() or self.open_event is not None):
+                guard.offer("grad_norm", lambda: guard.grad_norm(pl_module.parameters()))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         step = trainer.global_step
@@ -93,18 +100,21 @@ class LossSpike(Callback):
                 group["lr"] *= self.lr_scale
         if self._loss_sum is None:
             return
-        loss_t = self._loss_sum * (trainer.accumulate_grad_batches / self._micro_batches)
-        self._loss_sum, self._micro_batches = None, 0
-        if pl_module.step_guard.dropped:
-            return  # dropped by the non-finite guard (an agreed decision): its loss is not evidence of a spike
-        if not (self.detector.active() or self.open_event is not None):
-            self.detector.commit(float(loss_t), None, accept=True)  # watching: one host sync, at the window's need
-            return
         guard = pl_module.step_guard
-        grad_t = guard.grad_norm(pl_module.parameters()) if self.detector.on_grad_norm else None
-        # The decision needs the values on the host: one sync per step is unavoidable for a per-step decision.
-        loss = float(loss_t)
-        grad = float(grad_t) if grad_t is not None else None
+        if guard.dropped:
+            self._loss_sum, self._micro_batches = None, 0
+            return  # dropped by the non-finite guard (an agreed decision): its loss is not evidence of a spike
+        # The decision needs the values on the host: one sync per step (shared with the non-finite guard's) is
+        # unavoidable for a per-step decision.
+        loss = guard.host("loss")
+        self._loss_sum, self._micro_batches = None, 0
+        if not (self.detector.active() or self.open_event is not None):
+            self.detector.commit(loss, None, accept=True)  # watching: the window needs every step's loss
+            return
+        grad = None
+        if self.detector.on_grad_norm:
+            guard.offer("grad_norm", lambda: guard.grad_norm(pl_module.parameters()))  # offered already, normally
+            grad = guard.host("grad_norm")
         verdict = self.detector.check(loss, grad)
         hit = trainer.strategy.reduce_boolean_decision(verdict.hit, all=False)  # any rank flags → all act
         if self.open_event is not None:

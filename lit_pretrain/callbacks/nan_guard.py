@@ -7,6 +7,7 @@ and optimizer state stay finite throughout. A finite gradient whose norm overflo
 clipping it would turn it into zeros or NaN.
 """
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -31,14 +32,19 @@ class NanGuard(Callback):
         self._bad = bad if self._bad is None else self._bad | bad
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        bad = self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)
-        self._bad = None
+        guard = pl_module.step_guard
+        bad, self._bad = self._bad, None
+        if bad is not None:
+            guard.offer("loss_non_finite", lambda: bad)
         if self.check_gradients:
-            # A NaN or Inf in any gradient makes the global norm non-finite, so one reduction covers them all.
-            norm = pl_module.step_guard.grad_norm(pl_module.parameters())
-            bad = bad.to(pl_module.device) | ~torch.isfinite(norm)
-        # The decision must be known before the update: one host sync per step, unavoidable.
-        nonfinite = trainer.strategy.reduce_boolean_decision(bool(bad.item()), all=False)
+            # A NaN or Inf in any gradient makes the global norm non-finite, so one reduction covers them all; the
+            # norm itself goes to the host (what the spike detector and the monitors read too), its test is there.
+            guard.offer("grad_norm", lambda: guard.grad_norm(pl_module.parameters()))
+        # The decision must be known before the update: the step's one host read (StepGuard.host), shared with the
+        # spike detector's values.
+        local = (bad is not None and guard.host("loss_non_finite") > 0) or \
+            (self.check_gradients and not math.isfinite(guard.host("grad_norm")))
+        nonfinite = trainer.strategy.reduce_boolean_decision(local, all=False)
         if not nonfinite:
             self.consecutive = 0
             return

@@ -245,33 +245,46 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _own_files(folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
+def _own_files(folder: Path, rank: int, written: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Size and sha256 of the files this rank wrote (its DCP data files and rank file; rank 0 also `.metadata` and
-    trainer_state.pt)."""
+    trainer_state.pt): the records taken while writing them (`written`), the file read back only where there is
+    none (or its size differs from what was written)."""
     from lit_pretrain.resume.atomic import file_sha256
 
     names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + [rank_file(rank)]
     if rank == 0:
         names += [".metadata", TRAINER_STATE]
-    return {n: {"bytes": (folder / n).stat().st_size, "sha256": file_sha256(folder / n)} for n in sorted(names)}
+    out = {}
+    for n in sorted(names):
+        size, record = (folder / n).stat().st_size, written.get(n)
+        sha = record["sha256"] if record is not None and record["bytes"] == size else file_sha256(folder / n)
+        out[n] = {"bytes": size, "sha256": sha}
+    return out
 
 
-def _save_files(folder: Path, chunks: Dict[str, Chunk], group, manifest: Dict[str, Any], on_complete) -> None:
-    """DCP's write of every rank's chunks, then the hashes, then (rank 0) the manifest and `on_complete`."""
-    from torch.distributed.checkpoint import FileSystemWriter
+def _save_files(folder: Path, chunks: Dict[str, Chunk], group, manifest: Dict[str, Any], on_complete,
+                written: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+    """DCP's write of every rank's chunks, hashed as they are written, then this rank's folder fsync, then the
+    hashes gathered, then (rank 0) the manifest and `on_complete`. `written`: the records of the files this rank
+    wrote before (_save_torch's)."""
     from torch.distributed.checkpoint import save as dcp_save
 
+    from lit_pretrain.resume.atomic import fsync_dir
     from lit_pretrain.resume.sharded_format import write_manifest
+    from lit_pretrain.resume.sharded_writer import HashingFileSystemWriter
 
     if WRITE_DELAY:
         time.sleep(WRITE_DELAY)
     save_planner, _ = _planners()
+    writer = HashingFileSystemWriter(folder)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp_save(chunks, storage_writer=FileSystemWriter(folder, thread_count=1), planner=save_planner(),
-                 process_group=group, no_dist=group is None)
+        dcp_save(chunks, storage_writer=writer, planner=save_planner(), process_group=group, no_dist=group is None)
+    # Every file of this rank was fsynced as it was written; one fsync of the folder makes their names durable
+    # before the manifest can list them (rank 0's manifest write fsyncs the folder once more, after itself).
+    fsync_dir(folder)
     rank = _rank()
-    files = _own_files(folder, rank)
+    files = _own_files(folder, rank, {**(written or {}), **writer.records})
     if group is not None:
         every: List[Optional[dict]] = [None] * _world()
         dist.all_gather_object(every, files, group=group)
@@ -313,14 +326,14 @@ class ShardedSaver:
             chunks = {k: Chunk(c.local.clone(), c.size(), c.offsets) for k, c in chunks.items()}
         group, rank = checkpoint_group(), _rank()
         _prepare_folder(folder, rank, group)
-        _save_torch(checkpoint if rank == 0 else None, folder, rank)
+        written = _save_torch(checkpoint if rank == 0 else None, folder, rank)
         manifest = {"step": step, "meta": checkpoint.get(META_KEY, {}), "layout": layout, "world_size": _world()}
         if self.async_save:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sharded-checkpoint")
-            self._future = self._pool.submit(_save_files, folder, chunks, group, manifest, on_complete)
+            self._future = self._pool.submit(_save_files, folder, chunks, group, manifest, on_complete, written)
         else:
-            _save_files(folder, chunks, group, manifest, on_complete)
+            _save_files(folder, chunks, group, manifest, on_complete, written)
         self.last_stall = time.perf_counter() - started
 
 
@@ -337,15 +350,21 @@ def _prepare_folder(folder: Path, rank: int, group) -> None:
         dist.barrier(group=group)
 
 
-def _save_torch(checkpoint: Optional[dict], folder: Path, rank: int) -> None:
-    from lit_pretrain.resume.atomic import atomic_open
+def _save_torch(checkpoint: Optional[dict], folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
+    """This rank's rank file (and rank 0's trainer_state.pt), each hashed as it is written; returns their records.
+    Their folder's fsync is _save_files' (one per rank and save)."""
+    from lit_pretrain.resume.atomic import HashingWriter, atomic_open
     from lit_pretrain.resume.rank_state import capture
 
-    with atomic_open(folder / rank_file(rank)) as f:
-        torch.save({"rng": capture()}, f)
-    if checkpoint is not None:
-        with atomic_open(folder / TRAINER_STATE) as f:
-            torch.save(checkpoint, f)
+    records = {}
+    for name, obj in ((rank_file(rank), {"rng": capture()}), (TRAINER_STATE, checkpoint)):
+        if obj is None:
+            continue
+        with atomic_open(folder / name, sync_folder=False) as f:
+            writer = HashingWriter(f)
+            torch.save(obj, writer)
+        records[name] = writer.record()
+    return records
 
 
 # Reading into a layout.

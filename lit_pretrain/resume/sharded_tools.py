@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import metadata as dcp_meta
 from lit_pretrain.errors import DataError
 from lit_pretrain.resume import sharded_format as sf
 from lit_pretrain.resume.atomic import HashingWriter, atomic_open, atomic_write_bytes
-from lit_pretrain.resume.verified import META_KEY, sidecar_path
+from lit_pretrain.resume.verified import META_KEY, sidecar_path, zip_writer
 
 MODEL, OPTIM = "model.", "optim."
 try:
@@ -148,20 +148,20 @@ def _write_checkpoint(folder: Path, reader, saved: Dict, trainer: Dict, out: Pat
     pickler = _Pickler(buf)
     pickler.dump(ckpt)
     data, alignment = buf.getvalue(), str(torch.serialization._get_storage_alignment())
-    with atomic_open(out) as f:
+    with atomic_open(out, sync_folder=False) as f:  # the sidecar's folder fsync follows (resume/verified.py)
         writer = HashingWriter(f)
-        with torch.serialization._open_zipfile_writer(writer) as zip_file:  # the records torch.save writes
-            for name, value in (("data.pkl", data), (".format_version", "1"), (".storage_alignment", alignment),
-                                ("byteorder", sys.byteorder)):
-                zip_file.write_record(name, value, len(value))
-            for key, source in pickler.storages.items():
-                storage = _read(reader, source.key, source.saved).untyped_storage() \
-                    if isinstance(source, _PendingStorage) else source
-                zip_file.write_record(f"data/{key}", storage, storage.nbytes())
-                del storage  # one tensor in memory at a time
-                _release()
-    side = {"file": out.name, "sha256": writer.sha256.hexdigest(), "bytes": writer.bytes,
-            "meta": ckpt.get(META_KEY, {})}  # the sidecar resume/verified.py save_atomic writes
+        zip_file = zip_writer(writer)  # the records torch.save writes (verified.py torch_save), without CRC-32s
+        for name, value in (("data.pkl", data), (".format_version", "1"), (".storage_alignment", alignment),
+                            ("byteorder", sys.byteorder)):
+            zip_file.write_record(name, value, len(value))
+        for key, source in pickler.storages.items():
+            storage = _read(reader, source.key, source.saved).untyped_storage() \
+                if isinstance(source, _PendingStorage) else source
+            zip_file.write_record(f"data/{key}", storage, storage.nbytes())
+            del storage  # one tensor in memory at a time
+            _release()
+        zip_file.write_end_of_file()
+    side = {"file": out.name, **writer.record(), "meta": ckpt.get(META_KEY, {})}  # save_atomic's sidecar
     atomic_write_bytes(sidecar_path(out), (json.dumps(side, indent=1) + "\n").encode())
 
 

@@ -86,8 +86,10 @@ def publish(folder: Path, path: Path) -> None:
         safe_unlink(folder / LAST, folder, re.compile(re.escape(LAST)))
         safe_unlink(sidecar_path(folder / LAST), folder, re.compile(re.escape(LAST + ".json")))
     else:
-        atomic_link(path, folder / LAST)
-        atomic_link(sidecar_path(path), sidecar_path(folder / LAST))
+        # The folder's one fsync is `latest`'s, after both links (resume/atomic.py): a crash before it can lose a
+        # link, never leave one naming a half-written file, and `latest` is read first anyway.
+        atomic_link(path, folder / LAST, sync_folder=False)
+        atomic_link(sidecar_path(path), sidecar_path(folder / LAST), sync_folder=False)
     atomic_write_bytes(folder / LATEST, (path.name + "\n").encode())
 
 
