@@ -23,6 +23,7 @@ from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.data.mixture import MixtureMetrics
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
+from lit_pretrain.parallel import compile_policy
 from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.plan import build_plan
@@ -133,12 +134,15 @@ def train(cfg: DictConfig) -> dict:
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
-                            compile=c.trainer.compile, plan=parallel_plan,
+                            compile=parallel_plan.compile, plan=parallel_plan,
                             eod_id=datamodule.eod_id if c.data.document_masking else None)
     if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
         from lit_pretrain.hf import load_init  # needs safetensors (the hf extra): only when asked for
 
         load_init(module.model, c.run.init_from, datamodule.tokenizer_path)
+    if is_primary_process():  # why this run compiles or not: "auto" is resolved from the run and the machine
+        print(compile_policy.decide(c.trainer.compile, c.trainer.max_steps, parallel_plan.tensor_parallel,
+                                    parallel_plan.pipeline_parallel).note(), flush=True)
     timer = Timer()
     callbacks = [
         timer,

@@ -22,9 +22,10 @@ group exists (a layout that fails inside a collective hangs its peers until the 
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.parallel.compile_policy import decide
 
 MESH_DIMS = ("pipeline", "data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
 DEGREE_KEYS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "pipeline_parallel")
@@ -103,10 +104,10 @@ def _resolve(world: int, degrees: dict) -> dict:
     return degrees
 
 
-def plan_from(strategy, trainer, model=None, compile: Optional[bool] = None) -> ParallelPlan:
+def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]] = None) -> ParallelPlan:
     """The plan a `strategy` section asks for on trainer.devices x trainer.num_nodes processes, or a ConfigError
     naming the key to change. `model` (a GPTConfig) adds the checks of the model's shape; `compile` defaults to
-    trainer.compile."""
+    trainer.compile, and "auto" is resolved here (compile_policy.decide)."""
     world = trainer.devices * trainer.num_nodes
     name = strategy.name
     stage = strategy.zero_stage if strategy.zero_stage is not None else (3 if name in ("zero", "fsdp") else 0)
@@ -132,7 +133,8 @@ def plan_from(strategy, trainer, model=None, compile: Optional[bool] = None) -> 
         micro_batches=pc.micro_batches, stages_per_rank=pc.stages_per_rank,
         activation_checkpointing=model.activation_checkpointing if model is not None else "none",
         activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
-        compile=bool(trainer.compile if compile is None else compile))
+        compile=decide(trainer.compile if compile is None else compile, trainer.max_steps,
+                       degrees["tensor_parallel"], degrees["pipeline_parallel"]).compile)
     check_plan(plan, trainer, model)
     return plan
 
