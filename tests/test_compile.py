@@ -144,18 +144,22 @@ def test_missing_compiler_stops_apply_plan_before_compiling(monkeypatch):
     assert not any(is_compiled(b) for b in model.blocks)
 
 
-@pytest.mark.parametrize("setting, max_steps, degrees, compiler, expected, words", [
-    (True, 10, (1, 1), None, True, "trainer.compile=true"),  # as given; check_toolchain stops it without a compiler
-    (False, 10**6, (1, 1), "/usr/bin/c++", False, "trainer.compile=false"),
-    ("auto", AUTO_MIN_STEPS, (1, 1), "/usr/bin/c++", True, "/usr/bin/c++"),
-    ("auto", AUTO_MIN_STEPS - 1, (1, 1), "/usr/bin/c++", False, f"under the {AUTO_MIN_STEPS} steps"),
-    ("auto", 10**6, (1, 1), None, False, "no C++ compiler"),
-    ("auto", 10**6, (2, 1), "/usr/bin/c++", False, "tensor and pipeline parallelism"),
-    ("auto", 10**6, (1, 2), "/usr/bin/c++", False, "tensor and pipeline parallelism"),
+NO_CXX = "no C++ compiler was found"
+
+
+@pytest.mark.parametrize("setting, max_steps, degrees, missing, expected, words", [
+    (True, 10, (1, 1), NO_CXX, True, "trainer.compile=true"),  # as given; check_toolchain stops it where it is applied
+    (False, 10**6, (1, 1), None, False, "trainer.compile=false"),
+    ("auto", AUTO_MIN_STEPS, (1, 1), None, True, f">= {AUTO_MIN_STEPS} steps"),
+    ("auto", AUTO_MIN_STEPS - 1, (1, 1), None, False, f"under the {AUTO_MIN_STEPS} steps"),
+    ("auto", 10**6, (1, 1), NO_CXX, False, NO_CXX),
+    ("auto", 10**6, (1, 1), "Python's headers are missing", False, "Python's headers"),
+    ("auto", 10**6, (2, 1), None, False, "tensor and pipeline parallelism"),
+    ("auto", 10**6, (1, 2), None, False, "tensor and pipeline parallelism"),
 ])
-def test_auto_compiles_where_a_compiler_the_plan_and_the_run_length_allow(setting, max_steps, degrees, compiler,
-                                                                          expected, words):
-    decision = decide(setting, max_steps, *degrees, compiler=compiler)
+def test_auto_compiles_where_the_toolchain_the_plan_and_the_run_length_allow(setting, max_steps, degrees, missing,
+                                                                             expected, words):
+    decision = decide(setting, max_steps, *degrees, missing=missing)
     assert decision.compile is expected and words in decision.note()
     assert decision.note().startswith(f"trainer.compile: {'compiling' if expected else 'not compiling'} (")
 
@@ -168,4 +172,4 @@ def test_the_tiny_runs_tests_train_stay_eager_under_auto():
 
     tiny = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml"))
     assert tiny.trainer.compile == "auto" and tiny.trainer.max_steps < AUTO_MIN_STEPS
-    assert not decide(tiny.trainer.compile, tiny.trainer.max_steps, compiler="/usr/bin/c++").compile
+    assert not decide(tiny.trainer.compile, tiny.trainer.max_steps, missing=None).compile

@@ -24,9 +24,11 @@ def tiny_cfg(tmp_path, data_dir, *extra):
     ])
 
 
-def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir):
+def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir, capsys):
     summary = train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.tokens_per_step=1024",
                              "trainer.checkpoint_every_n_steps=30"))
+    # trainer.compile=auto, the default, says why this short run stays eager.
+    assert "trainer.compile: not compiling (auto: trainer.max_steps=60 is under" in capsys.readouterr().out
     run_dir = tmp_path / "runs" / "tiny"
     on_disk = json.loads((run_dir / "summary.json").read_text())
     for key in ("params", "non_embedding_params", "tokens_seen", "tokens_per_param", "steps", "final_train_loss",

@@ -7,13 +7,14 @@ Two shapes, by what wraps the model (`compile_model`, chosen in parallel/apply.p
   are a few fused passes over the (B·T, V) logits instead of log-softmax's, NLL's and their backwards' separate
   ones.
 - data parallelism (DDP, ZeRO stage 1), FSDP (ZeRO stages 2 and 3, on any number of processes) or activation
-  checkpointing: each block's forward (regional compile: torchtitan's `apply_compile`, PyTorch's "regional compilation" recipe), and the loss
-  as a graph of its own. One block graph serves every block, and the block boundary is where FSDP2's per-block
-  all-gathers and reduce-scatters and DDP's gradient buckets already cut the step; a whole-model graph would hand
-  back every gradient at the end of one backward graph, leaving nothing to overlap their communication with.
-  FSDP2's hooks stay outside the compiled region (they sit on the module, not in `forward`), and the root's
-  parameters (embedding, head) are gathered only while the GPT's own forward runs: the loss takes the logits. A
-  checkpointed block is compiled inside its wrapper, so the recomputation in backward runs the compiled forward.
+  checkpointing: each block's forward (regional compile: torchtitan's `apply_compile`, PyTorch's "regional
+  compilation" recipe), and the loss as a graph of its own. One block graph serves every block, and the block
+  boundary is where FSDP2's per-block all-gathers and reduce-scatters and DDP's gradient buckets already cut the
+  step; a whole-model graph would hand back every gradient at the end of one backward graph, leaving nothing to
+  overlap their communication with. FSDP2's hooks stay outside the compiled region (they sit on the module, not in
+  `forward`), and the root's parameters (embedding, head) are gathered only while the GPT's own forward runs: the
+  loss takes the logits. A checkpointed block is compiled inside its wrapper, so the recomputation in backward runs
+  the compiled forward.
 
 Measured on the default model (2 shared cores, torch 2.13, raw steps alternated in one process; README
 "Performance"): eager 344 ms a step, regional blocks alone 308 ms, regional blocks and the compiled loss 280 ms,
@@ -37,7 +38,7 @@ from torch import nn
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.losses import lm_losses
-from lit_pretrain.parallel.compile_policy import cxx_compiler
+from lit_pretrain.parallel.compile_policy import missing_toolchain
 
 _COMPILED = "_lit_pretrain_compiled"
 
@@ -45,14 +46,16 @@ _COMPILED = "_lit_pretrain_compiled"
 def check_toolchain() -> None:
     """Raise a ConfigError naming trainer.compile when torch.compile cannot build its kernels here.
 
-    Inductor writes C++ for CPU kernels and builds a C launcher for Triton's GPU kernels: either way it calls the
-    system compiler at the first step, so a missing one is reported before training starts.
+    Inductor writes C++ for CPU kernels (Python extension modules: Python.h) and builds a C launcher for Triton's GPU
+    kernels: either way it calls the system compiler at the first step, so a missing toolchain is reported before
+    training starts.
     """
-    if cxx_compiler() is None:
+    missing = missing_toolchain()
+    if missing is not None:
         raise ConfigError(
-            "trainer.compile=true needs a C++ compiler (torch.compile's inductor backend builds the kernels it "
-            "generates with it) and none was found ($CXX, c++, g++, clang++): install one (e.g. `apt-get install "
-            "g++`) or set trainer.compile=false"
+            f"trainer.compile=true needs a C++ compiler and Python's headers (torch.compile's inductor backend "
+            f"builds the kernels it generates with them), but {missing}: install them (e.g. `apt-get install g++ "
+            f"python3-dev`) or set trainer.compile=false (or auto, which then runs eager)"
         )
 
 
@@ -124,4 +127,4 @@ def compile_model(gpt: nn.Module, whole: bool) -> Callable:
 
 def compiler_available() -> bool:
     """Whether `torch.compile` can run on CPU here (used by tests to skip where no C++ compiler exists)."""
-    return cxx_compiler() is not None and hasattr(torch, "compile")
+    return missing_toolchain() is None and hasattr(torch, "compile")

@@ -3,8 +3,9 @@
 No torch here: `show` and `plan` resolve the config without importing it (tests/test_fast_commands.py).
 
 auto compiles when all three hold:
-1. inductor can build its kernels here: a C++ compiler is found ($CXX, c++, g++, clang++). Inductor writes C++ for
-   CPU kernels and builds a launcher for Triton's GPU kernels, both with the system compiler, at the first step;
+1. inductor can build its kernels here: a C++ compiler is found ($CXX, c++, g++, clang++) and Python's headers
+   (Python.h). Inductor writes C++ for CPU kernels, each built as a Python extension module, and builds a launcher
+   for Triton's GPU kernels, all with the system compiler, at the first step;
 2. the plan allows it: no tensor or pipeline parallelism (our tensor-parallel layers call process-group
    collectives inside the block, which a fullgraph compile cannot trace; pipeline stages run under torch's
    schedule);
@@ -13,6 +14,7 @@ auto compiles when all three hold:
 
 import os
 import shutil
+import sysconfig
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -37,6 +39,22 @@ def cxx_compiler() -> Optional[str]:
     return None
 
 
+def python_headers() -> Optional[str]:
+    """The folder holding Python.h, which inductor's CPU kernels include (each is built as a Python extension
+    module), or None where this Python was installed without its headers (e.g. no python3-dev)."""
+    folder = sysconfig.get_paths().get("include")
+    return folder if folder and os.path.isfile(os.path.join(folder, "Python.h")) else None
+
+
+def missing_toolchain() -> Optional[str]:
+    """What inductor lacks here to build its kernels, in words, or None when nothing is missing."""
+    if cxx_compiler() is None:
+        return "no C++ compiler was found ($CXX, c++, g++, clang++)"
+    if python_headers() is None:
+        return f"Python's headers are missing (no Python.h in {sysconfig.get_paths().get('include')})"
+    return None
+
+
 @dataclass(frozen=True)
 class CompileDecision:
     compile: bool
@@ -48,22 +66,22 @@ class CompileDecision:
 
 
 def decide(setting: Union[bool, str], max_steps: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-           compiler: Optional[str] = "lookup") -> CompileDecision:
-    """What trainer.compile=`setting` means for this run. `compiler`: the C++ compiler's path, None for none; by
-    default looked up (cxx_compiler). true and false are taken as given (true's requirements are checked where it is
-    applied: check_plan for the layout, check_toolchain for the compiler)."""
+           missing: Optional[str] = "lookup") -> CompileDecision:
+    """What trainer.compile=`setting` means for this run. `missing`: what the toolchain lacks (missing_toolchain's
+    answer; None: nothing), looked up by default. true and false are taken as given (true's requirements are
+    checked where it is applied: check_plan for the layout, compile.check_toolchain for the toolchain)."""
     if setting is True or setting is False:
         return CompileDecision(setting, f"trainer.compile={str(setting).lower()}")
     if setting != "auto":
         raise ValueError(f"trainer.compile={setting!r}: expected true, false or auto")
     if tensor_parallel > 1 or pipeline_parallel > 1:
         return CompileDecision(False, "auto: tensor and pipeline parallelism run eager")
-    if compiler == "lookup":
-        compiler = cxx_compiler()
-    if compiler is None:
-        return CompileDecision(False, "auto: no C++ compiler found ($CXX, c++, g++, clang++), which inductor needs")
+    if missing == "lookup":
+        missing = missing_toolchain()
+    if missing is not None:
+        return CompileDecision(False, f"auto: {missing}, which inductor needs to build its kernels")
     if max_steps < AUTO_MIN_STEPS:
         return CompileDecision(False, f"auto: trainer.max_steps={max_steps} is under the {AUTO_MIN_STEPS} steps "
                                       "that pay back the compile time")
     return CompileDecision(True, f"auto: trainer.max_steps={max_steps} >= {AUTO_MIN_STEPS} steps pay back the "
-                                 f"compile time; C++ compiler {compiler}")
+                                 "compile time, and a C++ compiler and Python's headers are here")
