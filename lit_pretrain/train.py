@@ -23,10 +23,9 @@ from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.data.mixture import MixtureMetrics
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
-from lit_pretrain.parallel import compile_policy
 from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
-from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, compile_decision, sized_model
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume.compat import run_meta as resume_meta
@@ -112,6 +111,9 @@ def train(cfg: DictConfig) -> dict:
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
     parallel_plan = build_plan(c)
+    if is_primary_process():  # why this run compiles or not ("auto" weighs the run and the toolchain): the plan's own
+        degrees = {k: getattr(parallel_plan, k) for k in DEGREE_KEYS}
+        print(compile_decision(c.trainer, sized_model(c), degrees).note(), flush=True)
     strategy = build_strategy(c.strategy, c.trainer, parallel_plan)
     # Everything that can be checked is checked before the run folder is made, so a refused start leaves nothing
     # behind that would block its retry: the run name and folder, the checkpoint to resume from, the data (prepared
@@ -140,9 +142,6 @@ def train(cfg: DictConfig) -> dict:
         from lit_pretrain.hf import load_init  # needs safetensors (the hf extra): only when asked for
 
         load_init(module.model, c.run.init_from, datamodule.tokenizer_path)
-    if is_primary_process():  # why this run compiles or not: "auto" is resolved from the run and the machine
-        print(compile_policy.decide(c.trainer.compile, c.trainer.max_steps, parallel_plan.tensor_parallel,
-                                    parallel_plan.pipeline_parallel).note(), flush=True)
     timer = Timer()
     callbacks = [
         timer,

@@ -12,8 +12,8 @@ from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.parallel.activation_checkpointing import is_checkpointed
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.compile import check_toolchain, compile_blocks, compiler_available, is_compiled
-from lit_pretrain.parallel.compile_policy import AUTO_MIN_STEPS, decide
-from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.parallel.compile_policy import AUTO_MIN_FLOPS, decide
+from lit_pretrain.parallel.plan import DEGREE_KEYS, ParallelPlan, build_plan, compile_decision, sized_model
 
 needs_compiler = pytest.mark.skipif(not compiler_available(), reason="torch.compile on CPU needs a C++ compiler")
 
@@ -145,31 +145,45 @@ def test_missing_compiler_stops_apply_plan_before_compiling(monkeypatch):
 
 
 NO_CXX = "no C++ compiler was found"
+BIG, SMALL = AUTO_MIN_FLOPS, AUTO_MIN_FLOPS * 0.99
 
 
-@pytest.mark.parametrize("setting, max_steps, degrees, missing, expected, words", [
-    (True, 10, (1, 1), NO_CXX, True, "trainer.compile=true"),  # as given; check_toolchain stops it where it is applied
-    (False, 10**6, (1, 1), None, False, "trainer.compile=false"),
-    ("auto", AUTO_MIN_STEPS, (1, 1), None, True, f">= {AUTO_MIN_STEPS} steps"),
-    ("auto", AUTO_MIN_STEPS - 1, (1, 1), None, False, f"under the {AUTO_MIN_STEPS} steps"),
-    ("auto", 10**6, (1, 1), NO_CXX, False, NO_CXX),
-    ("auto", 10**6, (1, 1), "Python's headers are missing", False, "Python's headers"),
-    ("auto", 10**6, (2, 1), None, False, "tensor and pipeline parallelism"),
-    ("auto", 10**6, (1, 2), None, False, "tensor and pipeline parallelism"),
+@pytest.mark.parametrize("setting, flops, degrees, missing, expected, words", [
+    (True, 1.0, (1, 1), NO_CXX, True, "trainer.compile=true"),  # as given; check_toolchain stops it where applied
+    (False, 1e30, (1, 1), None, False, "trainer.compile=false"),
+    ("auto", BIG, (1, 1), None, True, "pay back the compile time"),
+    ("auto", SMALL, (1, 1), None, False, "under the"),
+    ("auto", None, (1, 1), None, False, "unknown"),
+    ("auto", 1e30, (1, 1), NO_CXX, False, NO_CXX),
+    ("auto", 1e30, (1, 1), "Python's headers are missing", False, "Python's headers"),
+    ("auto", 1e30, (2, 1), None, False, "tensor and pipeline parallelism"),
+    ("auto", 1e30, (1, 2), None, False, "tensor and pipeline parallelism"),
 ])
-def test_auto_compiles_where_the_toolchain_the_plan_and_the_run_length_allow(setting, max_steps, degrees, missing,
-                                                                             expected, words):
-    decision = decide(setting, max_steps, *degrees, missing=missing)
+def test_auto_compiles_where_the_toolchain_the_plan_and_the_run_size_allow(setting, flops, degrees, missing,
+                                                                           expected, words):
+    decision = decide(setting, flops, *degrees, missing=missing)
     assert decision.compile is expected and words in decision.note()
     assert decision.note().startswith(f"trainer.compile: {'compiling' if expected else 'not compiling'} (")
 
 
-def test_the_tiny_runs_tests_train_stay_eager_under_auto():
-    """Tests train experiments/runs/tiny.yaml (100 steps) through `train`: auto must not compile them (tens of
-    seconds each), nor the default run's smaller overrides."""
+def test_auto_weighs_each_process_s_training_flops():
+    """The default run (200 steps of 2,048 tokens, 35.0 MFLOPs a token) compiles; the tiny runs the tests train
+    through `train`, the ablations and the CPU sweep's runs stay eager; a data-parallel process counts its share."""
     from lit_pretrain import config
     from tests.conftest import EXPERIMENTS
 
-    tiny = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml"))
-    assert tiny.trainer.compile == "auto" and tiny.trainer.max_steps < AUTO_MIN_STEPS
-    assert not decide(tiny.trainer.compile, tiny.trainer.max_steps, missing=None).compile
+    def flops(run, *overrides):
+        c = config.to_object(config.load(EXPERIMENTS / "runs" / run, list(overrides)))
+        plan = build_plan(c)
+        degrees = {k: getattr(plan, k) for k in DEGREE_KEYS}
+        assert c.trainer.compile == "auto"
+        return compile_decision(c.trainer, sized_model(c), degrees, missing=None)
+
+    default = flops("default.yaml")
+    assert default.compile and "1.4e+13 training FLOPs a process" in default.reason
+    assert not flops("tiny.yaml").compile and not flops("tiny.yaml", "trainer.max_steps=1000").compile
+    assert not flops("default.yaml", "trainer.max_steps=100").compile
+    # ZeRO-3 over 2 processes: each computes half of a global batch of 4,096 tokens, the default's FLOPs again.
+    assert flops("default.yaml", "strategy=zero", "trainer.devices=2", "trainer.tokens_per_step=4096").compile
+    assert not flops("default.yaml", "strategy=zero", "trainer.devices=4", "trainer.micro_batch_size=4",
+                     "trainer.tokens_per_step=4096").compile
