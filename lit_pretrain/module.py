@@ -147,11 +147,12 @@ class PretrainModule(L.LightningModule):
             task = runner.loss(batch, training=self.training)
             return task, runner.last_z_loss if self.optim_cfg.z_loss > 0 else None
         x, y = batch  # (B, T) inputs and (B, T) next-token targets
-        if self.eod_id is None:
-            logits = self.model(x)  # (B, T, V)
-        else:
-            logits = self.model(x, document_ids=document_ids(x, self.eod_id))  # (B, T, V)
-            y = loss_targets(x, y, self.eod_id)
+        docs = None
+        if self.eod_id is not None:
+            docs, y = document_ids(x, self.eod_id), loss_targets(x, y, self.eod_id)  # (B, T) each
+        if self.parallel is not None and self.parallel.forward_losses is not None:  # trainer.compile
+            return self.parallel.forward_losses(x, y, docs, self.optim_cfg.z_loss)
+        logits = self.model(x) if docs is None else self.model(x, document_ids=docs)  # (B, T, V)
         return lm_losses(logits, y, self.optim_cfg.z_loss)
 
     def on_fit_start(self):

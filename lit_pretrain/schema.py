@@ -6,7 +6,7 @@ string must match, with `rule` saying it in words) for names.
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model_config import GPTConfig
@@ -354,9 +354,12 @@ class TrainerConfig:
     """Save a checkpoint every this many optimizer steps (0: only the final one)."""
     progress_bar: bool = True
     """Show Lightning's progress bar."""
-    compile: bool = False
-    """Regional compile: torch.compile each block's forward (parallel/compile.py). On CPU it needs a C++ compiler;
-    the first steps pay the compile time (tens of seconds), later ones run faster."""
+    compile: Union[bool, str] = field(default="auto", metadata={"choices": [True, False, "auto"]})
+    """torch.compile of the training step (parallel/compile.py: each block's forward and the loss). The first steps
+    pay the compile time (tens of seconds on a cold cache), later ones run faster. auto: compile when a C++
+    compiler is found (inductor builds its kernels with it), no tensor or pipeline parallelism is used and
+    max_steps is long enough to pay the compile time back (parallel/compile_policy.py); `train` prints which and
+    why. true needs a C++ compiler."""
     loggers: List[str] = field(default_factory=lambda: ["csv", "tensorboard"])
     """Where metrics go: csv (runs/<name>/metrics.csv, required: resume and the summary read it), tensorboard
     (runs/<name>/tensorboard/; skipped with a notice when tensorboard is not installed), wandb (Weights & Biases,

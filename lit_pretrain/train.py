@@ -25,7 +25,7 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
-from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, compile_decision, sized_model
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume.compat import run_meta as resume_meta
@@ -111,6 +111,9 @@ def train(cfg: DictConfig) -> dict:
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
     parallel_plan = build_plan(c)
+    if is_primary_process():  # why this run compiles or not ("auto" weighs the run and the toolchain): the plan's own
+        degrees = {k: getattr(parallel_plan, k) for k in DEGREE_KEYS}
+        print(compile_decision(c.trainer, sized_model(c), degrees).note(), flush=True)
     strategy = build_strategy(c.strategy, c.trainer, parallel_plan)
     # Everything that can be checked is checked before the run folder is made, so a refused start leaves nothing
     # behind that would block its retry: the run name and folder, the checkpoint to resume from, the data (prepared
@@ -133,7 +136,7 @@ def train(cfg: DictConfig) -> dict:
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
-                            compile=c.trainer.compile, plan=parallel_plan,
+                            compile=parallel_plan.compile, plan=parallel_plan,
                             eod_id=datamodule.eod_id if c.data.document_masking else None)
     if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
         from lit_pretrain.hf import load_init  # needs safetensors (the hf extra): only when asked for

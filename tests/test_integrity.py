@@ -127,10 +127,10 @@ def test_flipped_shard_byte_and_foreign_tokenizer(data_copy):
 def test_resume_compatibility_rules():
     manifest = {"tokenizer": {"sha256": "t"}, "splits": {"train": {"shards": [{"file": "a", "tokens": 1,
                                                                               "sha256": "s"}]}}}
-    cfg = {"model": {"d_model": 64}, "optim": {"lr_peak": 1e-3}, "trainer": {"devices": 1}}
+    cfg = {"model": {"d_model": 64}, "optim": {"lr_peak": 1e-3}, "trainer": {"devices": 1, "compile": False}}
     saved = compat.run_meta(cfg, manifest, 512)
-    moved = {**cfg, "optim": {"lr_peak": 2e-3}, "trainer": {"devices": 2}}
-    # devices is free; lr_peak only when allowed; the model shape never.
+    moved = {**cfg, "optim": {"lr_peak": 2e-3}, "trainer": {"devices": 2, "compile": "auto"}}
+    # devices and compile are free; lr_peak only when allowed; the model shape never.
     assert compat.check_resume(saved, compat.run_meta(moved, manifest, 512), ["optim.lr_peak"], "c", "t") == \
         ["optim.lr_peak"]
     with pytest.raises(ConfigError, match=r"optim.lr_peak .*resume_allow_changes=\[optim.lr_peak\]"):

@@ -1,6 +1,7 @@
 """End to end: `lit-pretrain train` on a tiny model learns, fills its run folder, and protects it."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -24,9 +25,12 @@ def tiny_cfg(tmp_path, data_dir, *extra):
     ])
 
 
-def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir):
+def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir, capsys):
     summary = train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.tokens_per_step=1024",
                              "trainer.checkpoint_every_n_steps=30"))
+    # trainer.compile=auto, the default, says why this tiny run stays eager.
+    assert re.search(r"trainer\.compile: not compiling \(auto: [0-9.e+]+ training FLOPs a process, under",
+                     capsys.readouterr().out)
     run_dir = tmp_path / "runs" / "tiny"
     on_disk = json.loads((run_dir / "summary.json").read_text())
     for key in ("params", "non_embedding_params", "tokens_seen", "tokens_per_param", "steps", "final_train_loss",

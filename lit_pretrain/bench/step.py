@@ -17,7 +17,8 @@ from lit_pretrain.bench import stats
 from lit_pretrain.model import GPT
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.optim import build_adamw, clip_by_global_norm
-from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.parallel.apply import apply_plan
+from lit_pretrain.parallel.plan import ParallelPlan, build_plan
 from lit_pretrain.schedule import lr_lambda
 
 
@@ -60,15 +61,21 @@ def _data(c, steps: int) -> DataLoader:
     return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=c.trainer.micro_batch_size)
 
 
-def raw_loop(c, steps: int, skip: int) -> float:
-    """Tokens/s of the plain loop over steps skip..steps."""
+def raw_loop(c, steps: int, skip: int, compile: bool = False) -> float:
+    """Tokens/s of the plain loop over steps skip..steps. `compile`: the compiled twin, compiled as
+    `trainer.compile: true` compiles the module's step on one process (parallel/compile.py, the same function), so
+    the Trainer / raw ratio compares like with like both ways; its first steps (left out by `skip`) compile."""
     torch.manual_seed(c.run.seed)
     model = GPT(c.model)
+    forward_losses = apply_plan(model, ParallelPlan(compile=True)).forward_losses if compile else None
     opt = build_adamw(model, c.optim, build_plan(c).zero_stage)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(c.schedule, c.optim.lr_peak, steps))
     start = None
     for step, (x, y) in enumerate(_data(c, steps)):
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        if forward_losses is not None:
+            loss = forward_losses(x, y)[0]
+        else:
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         clip_by_global_norm(model.parameters(), c.optim.grad_clip_norm)
         opt.step()
@@ -103,6 +110,13 @@ def paired_case(case: str, reference, candidate, repeats: int, goal: str, unit: 
     refs, cands = stats.alternate(reference, candidate, repeats)
     return {"case": case, **stats.summary(refs, cands), "goal": goal, "unit": unit,
             "detail": {names[1]: cands, names[0]: refs, **detail}}
+
+
+def run_compiled(c, steps: int, skip: int, repeats: int) -> dict:
+    """The same comparison with both sides compiled (`trainer.compile: true` and raw_loop's compiled twin)."""
+    return paired_case("trainer_step_compiled_tokens_per_s", lambda: raw_loop(c, steps, skip, compile=True),
+                       lambda: trainer_loop(c, steps, skip, compile=True), repeats, ">= 0.97", "tokens/s",
+                       ("raw_loop_compiled", "trainer_compiled"), {"steps": steps, "timed_steps": steps - skip})
 
 
 def run(c, steps: int, skip: int, repeats: int) -> dict:

@@ -18,7 +18,9 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     2. tensor parallelism (and sequence parallelism): swap the planned linears for our column/row layers, on the
        plain module names (before any wrapper prefixes them);
     3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
-    4. compile: each block's forward (torchtitan's regional compile), inside its checkpoint wrapper;
+    4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
+       with data parallelism, FSDP or checkpointing each block's forward (torchtitan's regional compile, inside its
+       checkpoint wrapper) and the loss apart;
     5. FSDP2 (ZeRO stages 2 and 3; HSDP with replicas): each block, then the root — the GPT, or each pipeline
        stage's forward, whose hooks are the ones the schedule calls. Last, because it shards whatever parameters
        the steps before left (TP slices included) and its hooks must sit outside checkpointing and compile.
@@ -44,10 +46,13 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         apply_tensor_parallel(gpt, par.tp, sequence_parallel=plan.sequence_parallel)
     apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
     if plan.compile:
-        from lit_pretrain.parallel.compile import check_toolchain, compile_blocks
+        from lit_pretrain.parallel.compile import check_toolchain, compile_model
 
         check_toolchain()
-        compile_blocks(gpt)
+        # One graph where nothing works per block: no FSDP2 (its hooks gather each block), no peers to overlap
+        # with, no checkpoint wrappers (regional compile inside them is the composition torchtitan uses and tests).
+        whole = plan.world_size == 1 and not plan.uses_fsdp and plan.activation_checkpointing == "none"
+        par.forward_losses = compile_model(gpt, whole)
     if par.runner is not None:
         par.runner.refresh_blocks()
     if plan.uses_fsdp:

@@ -61,6 +61,7 @@ class ParallelModel:
         self.full_keys = list(gpt.state_dict().keys())  # before pruning: the single-process names and order
         self.tp_plan = plan_of(gpt)  # each linear's tensor-parallel role, read off the model (model.py marks them)
         self.runner = None
+        self.forward_losses = None  # trainer.compile's compiled forward and loss (parallel/compile.py compile_model)
         self.tp = self.pp = self.replicate = self.shard_group = None
         self.t = self.p = 1
         self.tp_rank = 0

@@ -22,9 +22,10 @@ group exists (a layout that fails inside a collective hangs its peers until the 
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.parallel.compile_policy import CompileDecision, decide, run_flops
 
 MESH_DIMS = ("pipeline", "data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
 DEGREE_KEYS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "pipeline_parallel")
@@ -103,10 +104,10 @@ def _resolve(world: int, degrees: dict) -> dict:
     return degrees
 
 
-def plan_from(strategy, trainer, model=None, compile: Optional[bool] = None) -> ParallelPlan:
+def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]] = None) -> ParallelPlan:
     """The plan a `strategy` section asks for on trainer.devices x trainer.num_nodes processes, or a ConfigError
     naming the key to change. `model` (a GPTConfig) adds the checks of the model's shape; `compile` defaults to
-    trainer.compile."""
+    trainer.compile, and "auto" is resolved here (compile_policy.decide)."""
     world = trainer.devices * trainer.num_nodes
     name = strategy.name
     stage = strategy.zero_stage if strategy.zero_stage is not None else (3 if name in ("zero", "fsdp") else 0)
@@ -132,9 +133,26 @@ def plan_from(strategy, trainer, model=None, compile: Optional[bool] = None) -> 
         micro_batches=pc.micro_batches, stages_per_rank=pc.stages_per_rank,
         activation_checkpointing=model.activation_checkpointing if model is not None else "none",
         activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
-        compile=bool(trainer.compile if compile is None else compile))
+        compile=compile_decision(trainer, model, degrees, compile).compile)
     check_plan(plan, trainer, model)
     return plan
+
+
+def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool, str]] = None,
+                     missing: Optional[str] = "lookup") -> CompileDecision:
+    """trainer.compile (or `compile`) resolved for this run (compile_policy.decide, which `missing` is passed to):
+    "auto" weighs each process's training FLOPs, known when `model` is given with its vocabulary size. `degrees`:
+    the plan's (or the dict of them plan_from resolves)."""
+    setting = trainer.compile if compile is None else compile
+    flops = None
+    if model is not None and model.vocab_size is not None:
+        from lit_pretrain.scaling.shapes import flops_per_token  # pure arithmetic, no torch
+
+        replicas = degrees["data_parallel_replicate"] * degrees["data_parallel_shard"]
+        tokens = trainer.tokens_per_step // replicas if trainer.tokens_per_step else \
+            trainer.micro_batch_size * model.seq_len
+        flops = run_flops(trainer.max_steps, tokens, flops_per_token(model))
+    return decide(setting, flops, degrees["tensor_parallel"], degrees["pipeline_parallel"], missing)
 
 
 def check_plan(plan: ParallelPlan, trainer, model=None) -> None:
@@ -206,9 +224,18 @@ def _check_model(plan: ParallelPlan, trainer, model) -> None:
                           "choose a seq_len that is a multiple of tensor_parallel")
 
 
+def sized_model(config):
+    """config.model with its vocabulary size, taken from data.vocab_size (the tokenizer's target size) until the
+    prepared tokenizer's own replaces it (train.resolve_vocab): what the run's FLOPs are estimated with."""
+    from dataclasses import replace
+
+    model = config.model
+    return model if model.vocab_size is not None else replace(model, vocab_size=config.data.vocab_size)
+
+
 def build_plan(config) -> ParallelPlan:
     """The plan of a whole config (schema.Config): `show` and `train` both call this when the config loads."""
-    plan = plan_from(config.strategy, config.trainer, config.model, config.trainer.compile)
+    plan = plan_from(config.strategy, config.trainer, sized_model(config), config.trainer.compile)
     if config.data.document_masking and plan.pipeline_parallel > 1:
         raise ConfigError(f"data.document_masking=true is not supported with strategy.pipeline_parallel="
                           f"{plan.pipeline_parallel}: the pipeline stages call the blocks without the document mask "

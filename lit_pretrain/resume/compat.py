@@ -21,6 +21,9 @@ FREE_KEYS = {
     "trainer.progress_bar", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "data.num_workers",
     "run.name", "data.prepared_dir", "model.activation_checkpointing", "model.activation_checkpointing_k",
     "trainer.loggers", "trainer.profile",
+    # Compiled and eager steps compute the same math (tests/test_compile.py); its default changed from false to auto,
+    # so a run written before then must resume under the new default.
+    "trainer.compile",
 }
 
 
