@@ -81,7 +81,9 @@ def test_logits_match_transformers_llama(tmp_path, tokenizer_file, tied):
             diff = (theirs(idx).logits - ours).abs().max().item()
         print(f"max |logit difference| ({'tied' if tied else 'untied'}, {attention}): {diff:.3g}")
         # Same operations in the same order up to the attention kernel's summation order: fp32 rounding only.
-        assert diff <= 1e-5, attention
+        # Measured: 0 (sdpa) and up to 1.01e-5 (eager, untied) on an AMX Xeon, under 1e-5 on the CPU before;
+        # 5e-5 leaves that margin, while an export error (a swapped or transposed weight) moves logits by O(1).
+        assert diff <= 5e-5, attention
 
 
 def greedy(model: GPT, idx: torch.Tensor, new_tokens: int) -> torch.Tensor:
