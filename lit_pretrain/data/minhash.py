@@ -34,10 +34,10 @@ SCHEME = "affine32"  # the datasketch scheme these values follow (LeanMinHash(sc
 # shingles: 0.05 s in blocks of 8k laid out (num_perm, shingles), against 0.56 s in blocks of 16k laid out
 # (shingles, num_perm): each document's minimum then runs along contiguous memory, and the block stays in cache.
 _UPDATE_BATCH = 1 << 13
-# Work is handed to the pool in chunks of about this many characters: pickling a chunk and its rows costs ~1 ms
-# against ~0.1 s of hashing, and the progress bar moves. compute_signatures' last chunks are smaller (`chunks`), so
-# no process waits long for another at the end.
-_CHUNK_CHARS = 1 << 20
+# Work is handed to the pool in chunks of about this many characters: pickling a chunk and its rows costs ~0.5 ms
+# against ~25 ms of hashing, and a worker holds at most 2 queued chunks (~50 ms) when this process runs out of
+# work (the streaming SignatureSpill's tail); compute_signatures' last chunks are smaller still (`chunks`).
+_CHUNK_CHARS = 1 << 18
 _MIN_CHUNK_CHARS = 1 << 14  # the smallest chunk `chunks` cuts near the end of the work
 # A chunk takes well under a second; a worker silent for this long is gone.
 _CHUNK_TIMEOUT_S = 600
