@@ -67,8 +67,8 @@ def shingles(text: str, kind: str, size: int) -> Set[bytes]:
         data = " ".join(words).encode("utf-8")
         if len(words) <= size:
             return {data}
-        # Shingle i is " ".join(words[i : i + size]).encode(), sliced from the text encoded once (a third of the
-        # time of joining and encoding each): no word holds a space, and no UTF-8 sequence holds byte 0x20, so the
+        # Shingle i is " ".join(words[i : i + size]).encode(), sliced from the text encoded once rather than joined
+        # and encoded shingle by shingle: no word holds a space, and no UTF-8 sequence holds byte 0x20, so the
         # encoded words are data's pieces between spaces. ends[k]: one past the space after word k.
         ends = list(accumulate(len(w) + 1 for w in data.split(b" ")))
         return {data[a : b - 1] for a, b in zip([0, *ends], ends[size - 1 :])}
