@@ -34,10 +34,10 @@ SCHEME = "affine32"  # the datasketch scheme these values follow (LeanMinHash(sc
 # shingles: 0.05 s in blocks of 8k laid out (num_perm, shingles), against 0.56 s in blocks of 16k laid out
 # (shingles, num_perm): each document's minimum then runs along contiguous memory, and the block stays in cache.
 _UPDATE_BATCH = 1 << 13
-# Work is handed to the pool in chunks of about this many characters: pickling a chunk and its rows costs ~1 ms
-# against ~0.1 s of hashing, and the progress bar moves. compute_signatures' last chunks are smaller (`chunks`), so
-# no process waits long for another at the end.
-_CHUNK_CHARS = 1 << 20
+# Work is handed to the pool in chunks of about this many characters: pickling a chunk and its rows costs ~0.5 ms
+# against ~25 ms of hashing, and a worker holds at most 2 queued chunks (~50 ms) when this process runs out of
+# work (the streaming SignatureSpill's tail); compute_signatures' last chunks are smaller still (`chunks`).
+_CHUNK_CHARS = 1 << 18
 _MIN_CHUNK_CHARS = 1 << 14  # the smallest chunk `chunks` cuts near the end of the work
 # A chunk takes well under a second; a worker silent for this long is gone.
 _CHUNK_TIMEOUT_S = 600
@@ -67,8 +67,8 @@ def shingles(text: str, kind: str, size: int) -> Set[bytes]:
         data = " ".join(words).encode("utf-8")
         if len(words) <= size:
             return {data}
-        # Shingle i is " ".join(words[i : i + size]).encode(), sliced from the text encoded once (a third of the
-        # time of joining and encoding each): no word holds a space, and no UTF-8 sequence holds byte 0x20, so the
+        # Shingle i is " ".join(words[i : i + size]).encode(), sliced from the text encoded once rather than joined
+        # and encoded shingle by shingle: no word holds a space, and no UTF-8 sequence holds byte 0x20, so the
         # encoded words are data's pieces between spaces. ends[k]: one past the space after word k.
         ends = list(accumulate(len(w) + 1 for w in data.split(b" ")))
         return {data[a : b - 1] for a, b in zip([0, *ends], ends[size - 1 :])}
