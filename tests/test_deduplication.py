@@ -205,6 +205,16 @@ def test_chunks_shared_by_processes_shrink_near_the_end():
     assert sizes == sorted(sizes, reverse=True)
 
 
+@pytest.mark.parametrize("lengths, max_chars, expected", [
+    ([5, 0, 5, 10, 1], 10, [(0, 3), (3, 4), (4, 5)]),  # a chunk ends at the text that brings it to max_chars
+    ([0, 0, 3], 1, [(0, 3)]),  # empty texts join the chunk of the next text
+    ([30], 10, [(0, 1)]),  # a text longer than max_chars is a chunk of its own
+    ([], 10, []),
+])
+def test_chunks_end_at_the_first_text_that_reaches_the_size(lengths, max_chars, expected):
+    assert minhash.chunks(["x" * n for n in lengths], max_chars) == expected
+
+
 def test_a_signature_worker_imports_neither_datasketch_nor_scipy():
     """What a worker loads (lit_pretrain/workers.py imports the target's module): importing datasketch and scipy
     took ~2.5 s per worker (issue 22)."""
