@@ -2,23 +2,14 @@
 imported (the data stages run that way in `lit-pretrain prepare`): the child alternates reference and candidate and
 prints the series; this process summarizes each with step.paired_case, so they are reported like every other case.
 
-This module imports neither torch nor Lightning at import time: the children import it for `alternate`.
+This module imports neither torch nor Lightning at import time: the children import it for `series` (and
+bench/stats.py, pure Python, for `alternate`).
 """
 
 import json
 import subprocess
 import sys
-from typing import Callable, Dict, List, Tuple
-
-
-def alternate(reference: Callable[[], float], candidate: Callable[[], float], repeats: int
-              ) -> Tuple[List[float], List[float]]:
-    """reference(), candidate(), `repeats` times (a slow drift of the machine falls on both alike)."""
-    refs, cands = [], []
-    for _ in range(repeats):
-        refs.append(reference())
-        cands.append(candidate())
-    return refs, cands
+from typing import Dict, List
 
 
 def series(case: str, refs: List[float], cands: List[float], goal: str, unit: str, names, detail: Dict) -> Dict:

@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from lit_pretrain.bench import child
-from lit_pretrain.bench.child import alternate, series
+from lit_pretrain.bench.child import series
+from lit_pretrain.bench.stats import alternate
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
 
 _DOCS = 8_000  # originals and copies; ~1 kB each
