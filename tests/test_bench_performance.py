@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_pretrain.bench import child, gpu, mfu
+from lit_pretrain.bench import child, gpu, mfu, profile_step
 from lit_pretrain.model import GPT, flops_per_token_formula
+from tests.conftest import EXPERIMENTS
 
 # PaLM (Chowdhery et al. 2022), §4 and appendix B: PaLM 540B (N = 540.35e9, L = 118, H = 48, Q = 256,
 # T = 2048) trained at 238.3K tokens/s on 6144 TPU v4 chips of 275 TFLOP/s bf16 peak each: 46.2% MFU (Table 3).
@@ -78,3 +79,28 @@ def test_a_childs_series_are_summarized_by_paired_case_in_their_order(monkeypatc
     assert paired["case"] == "c" and paired["ratio"] == pytest.approx(2.0) and paired["goal"] == ">= 2"
     assert paired["detail"] == {"ref": [1.0, 2.0, 4.0], "ours": [2.0, 4.0, 8.0], "n": 3}
     assert passed == printed[1]
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("aten::mm", "matmul"), ("aten::addmm", "matmul"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+    ("graph_0_cpp_fused__log_softmax_nll_loss_forward_view_6", "compiled kernels"),  # inductor's kernel profile
+    ("aten::_fused_adamw_", "optimizer"), ("aten::_foreach_mul_", "optimizer"),
+    ("aten::copy_", "other"), ("## Call CompiledFxGraph abc ##", "other"),
+])
+def test_profile_step_sorts_operators_by_kind(name, kind):
+    assert profile_step.kind_of(name) == kind
+
+
+def test_profile_step_counts_every_matmul_flop_of_the_step():
+    """The eager step of a tiny model: the profiler's matmul FLOPs are exactly 6 x tokens x the weights of every
+    nn.Linear (forward 2, backward 4: the input's and the weight's gradients; the first block's input needs its
+    gradient for the embedding), so no matmul is missed or counted in another kind."""
+    from lit_pretrain import config
+
+    c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model.vocab_size=512"]))
+    rows = profile_step.profile(c, steps=1, warmup=1, compile=False)
+    linear_weights = sum(m.weight.numel() for m in GPT(c.model).modules() if isinstance(m, torch.nn.Linear))
+    tokens = c.trainer.micro_batch_size * c.model.seq_len
+    assert rows["matmul"]["flops"] == 6 * tokens * linear_weights
+    assert rows["matmul"]["seconds"] > 0 and rows["attention"]["seconds"] > 0
