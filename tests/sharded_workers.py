@@ -21,6 +21,7 @@ from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.resume import sharded
+from lit_pretrain.resume.sharded_manifest import STEP_FOLDER
 from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, data, data_parallel_rank
 
 K1 = 2  # steps before the checkpoint; the data has mesh_workers.STEPS = 3
@@ -72,7 +73,7 @@ def save(folder: Path, par, model, opt) -> None:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     sharded._save_torch({"optimizer_states": [{"state": {}, "param_groups": groups}]} if rank == 0 else None,
                         folder, rank)
-    named = sharded.STEP_DIR.match(folder.name)
+    named = STEP_FOLDER.match(folder.name)
     step = int(named.group(1)) if named else K1
     sharded._save_files(folder, chunks, group, {"step": step, "meta": {}, "layout": {}, "world_size": sharded._world()},
                         None)

@@ -157,12 +157,14 @@ def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):
     run, _ = train("ddp", *DDP, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}], rc=-signal.SIGKILL)
     assert latest(run) == "step0000004"
     # A checkpoint after every step, written in the background; step 5's write sleeps (SlowWrite) and every rank is
-    # killed during it: the folder has no manifest, `latest` still names step 4.
+    # killed during it: only its hidden staging folder exists, without a manifest; `latest` still names step 4.
     train("ddp", *DDP, "run.resume=auto", "checkpoint.async_save=true", "trainer.checkpoint_every_n_steps=1",
           faults=[{"step": 5, "micro_batch": 1}], slow_write=5, rc=-signal.SIGKILL)
-    assert latest(run) == "step0000004" and not (run / "checkpoints" / "step0000005" / "manifest.json").exists()
-    _, out = train("ddp", *DDP, "run.resume=auto")
-    assert "skipped checkpoints/step0000005 (no manifest.json (incomplete))" in out.stdout, out.stdout
+    staging = run / "checkpoints" / ".step0000005.saving"
+    assert latest(run) == "step0000004" and not (run / "checkpoints" / "step0000005").exists()
+    assert staging.is_dir() and not (staging / "manifest.json").exists()
+    train("ddp", *DDP, "run.resume=auto")
+    assert not staging.exists()  # the next save tidied it
     assert_same_run(ref, run, first_step=2)
     back, _ = train("ddp-to-single", f"run.resume={ref / 'checkpoints' / store.step_dir(4)}", record=True)
     assert_same_windows(single_ref, back, (4, 5))

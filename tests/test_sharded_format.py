@@ -363,3 +363,72 @@ def test_inspect_and_the_cli(folders, folder, tmp_path, capsys):
     assert cli.main(["checkpoint", "consolidate", str(folder), str(tmp_path / "d.ckpt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is truncated or overwritten" in err and not (tmp_path / "d.ckpt").exists()
+
+
+def _sharded_save(folder, source, step: int, fail_manifest: bool = False, monkeypatch=None):
+    """resume/sharded.py's save path in one process, as ShardedSaver runs it; fail_manifest: the process dies
+    (an error) after every file is written, before the manifest."""
+    from lit_pretrain.resume import sharded
+
+    model, optimizer, _ = source
+    chunks = {**sharded.model_chunks(model, None), **sharded.optimizer_chunks(model, optimizer, None)}
+    sharded._prepare_folder(folder, 0, None)
+    written = sharded._save_torch({"global_step": step}, folder, 0)
+    if fail_manifest:
+        def die(*args, **kwargs):
+            raise KeyboardInterrupt("killed before the manifest")
+
+        monkeypatch.setattr(sf, "write_manifest", die)
+        with pytest.raises(KeyboardInterrupt):
+            sharded._save_files(folder, chunks, None, {"step": step, "meta": {}, "layout": {}, "world_size": 1},
+                                None, written)
+        monkeypatch.undo()
+        return
+    sharded._save_files(folder, chunks, None, {"step": step, "meta": {}, "layout": {}, "world_size": 1}, None,
+                        written)
+
+
+def test_saving_a_step_again_keeps_its_complete_checkpoint_until_the_new_one_is(source, tmp_path, monkeypatch):
+    """A run resumed from an earlier step saves a step it had saved before: a save cut short leaves the complete
+    folder of that step as it was (only a hidden staging folder beside it), and the next save of the step replaces
+    it whole and tidies the leftovers."""
+    folder = tmp_path / "step0000001"
+    _sharded_save(folder, source, 1)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    _sharded_save(folder, source, 1, fail_manifest=True, monkeypatch=monkeypatch)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    sf.verify_sharded(folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step0000001.saving", "step0000001"]
+    _sharded_save(folder, source, 1)
+    sf.verify_sharded(folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step0000001"]  # no staging, no replaced folder left
+
+
+def test_a_crash_between_the_two_renames_loses_no_checkpoint(source, tmp_path):
+    """_install renames the old folder aside, then the new one into place: cut between the two, the next save
+    renames the old complete folder back before tidying."""
+    from lit_pretrain.resume import sharded
+
+    folder = tmp_path / "step0000001"
+    _sharded_save(folder, source, 1)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    os.rename(folder, tmp_path / ".step0000001.replaced")
+    (tmp_path / ".step0000001.saving").mkdir()
+    sharded._prepare_folder(tmp_path / "step0000002", 0, None)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step0000002.saving", "step0000001"]
+
+
+def test_a_link_named_like_the_step_folder_is_refused_and_its_target_kept(source, tmp_path):
+    from lit_pretrain.errors import RunFolderError
+    from lit_pretrain.resume import sharded
+
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("user data")
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "step0000001").symlink_to(target)
+    with pytest.raises(RunFolderError, match="symbolic link"):
+        sharded._prepare_folder(checkpoints / "step0000001", 0, None)
+    assert (target / "keep.txt").read_text() == "user data"

@@ -8,8 +8,9 @@ written through the strategy's checkpoint_io (AtomicCheckpointIO), then rank 0 p
 `latest`) and applies retention.
 
 With the sharded format (`sharded_layout` given: checkpoint.format) every rank writes its share into the folder
-`step0000012/` (resume/sharded.ShardedSaver); rank 0 publishes after the manifest, from the writer's thread when
-`async_save`, and the next save, the end of training and a preemption wait for that write.
+`step0000012/` (resume/sharded.ShardedSaver: through a hidden staging folder renamed once complete); rank 0
+publishes after the manifest, from the writer's thread when `async_save`, and the next save, the end of training
+and a preemption wait for that write.
 """
 
 from pathlib import Path

@@ -18,11 +18,18 @@ Asynchronous save (`checkpoint.async_save`): the local tensors are copied (the s
 rank), then a background thread writes them, hashes each rank's own files, gathers the hashes and, on rank 0, writes
 the manifest, points `latest` at the folder and applies retention, in that order; the collectives of the writer run
 on a process group of their own (gloo), so they never interleave with training's. The next save, the end of
-training and a preemption wait for the writer. A crash before the manifest leaves an incomplete folder that resume
-skips: the previous checkpoint stays the newest valid one.
+training and a preemption wait for the writer.
+
+Every save is written into a hidden sibling, `.step0000012.saving`, and renamed to `step0000012` only once its
+manifest is written: a crash mid-save leaves no step folder (the previous checkpoint stays the newest valid one),
+and a complete checkpoint of the same step (a run resumed from an earlier step saves it again) stays whole until
+its replacement is, as the one-file format's atomic rename keeps a step file. The replaced folder is renamed aside
+to `.step0000012.replaced`, then deleted; the next save tidies what a crash left of these (`_tidy`).
 """
 
 import concurrent.futures
+import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -32,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.resume.sharded_manifest import STEP_FOLDER as STEP_DIR
 from lit_pretrain.resume.sharded_manifest import TRAINER_STATE
 
 MODEL, OPTIM = "model.", "optim."
+SAVING, REPLACED = ".saving", ".replaced"
+HIDDEN_STEP_DIR = re.compile(r"^\.(step\d{7,})(\.saving|\.replaced)$")  # staging_folder's and _install's names
 SHARDED_KEY = "lit_pretrain_sharded"  # set in the dict load_checkpoint returns: model and optimizer already loaded
 WRITE_DELAY = 0.0  # seconds the background writer sleeps before writing: a test hook for a crash mid-write
 
@@ -264,15 +272,16 @@ def _own_files(folder: Path, rank: int, written: Dict[str, Dict[str, Any]]) -> D
 
 def _save_files(folder: Path, chunks: Dict[str, Chunk], group, manifest: Dict[str, Any], on_complete,
                 written: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
-    """DCP's write of every rank's chunks, hashed as they are written, then this rank's folder fsync, then the
-    hashes gathered, then (rank 0) the manifest and `on_complete`. `written`: the records of the files this rank
-    wrote before (_save_torch's)."""
+    """DCP's write of every rank's chunks into `folder`'s staging folder, hashed as they are written, then this
+    rank's folder fsync, then the hashes gathered, then (rank 0) the manifest, the rename to `folder` and
+    `on_complete`. `written`: the records of the files this rank wrote before (_save_torch's)."""
     from torch.distributed.checkpoint import save as dcp_save
 
     from lit_pretrain.resume.atomic import fsync_dir
     from lit_pretrain.resume.sharded_format import write_manifest
     from lit_pretrain.resume.sharded_writer import HashingFileSystemWriter
 
+    final, folder = folder, staging_folder(folder)
     if WRITE_DELAY:
         time.sleep(WRITE_DELAY)
     save_planner, _ = _planners()
@@ -291,6 +300,7 @@ def _save_files(folder: Path, chunks: Dict[str, Chunk], group, manifest: Dict[st
         files = {k: v for part in every for k, v in part.items()}
     if rank == 0:
         write_manifest(folder, files=files, **manifest)
+        _install(folder, final)
         if on_complete is not None:
             on_complete()
 
@@ -337,22 +347,70 @@ class ShardedSaver:
         self.last_stall = time.perf_counter() - started
 
 
-def _prepare_folder(folder: Path, rank: int, group) -> None:
-    """Rank 0 empties the step's folder (a leftover of a crash, or of a session that saved this step and was never
-    published) inside the checkpoints folder only, then every rank may write into it."""
-    if rank == 0:
-        if folder.is_dir():
-            from lit_pretrain.paths import safe_rmtree
+def staging_folder(folder: Path) -> Path:
+    """Where the save of the step folder `folder` is written until it is complete (module docstring)."""
+    return folder.with_name(f".{folder.name}{SAVING}")
 
-            safe_rmtree(folder, folder.parent, lambda p: STEP_DIR.match(p.name) is not None, "checkpoint folder")
-        folder.mkdir(parents=True)
+
+def _prepare_folder(folder: Path, rank: int, group) -> None:
+    """Rank 0 tidies the checkpoints folder and makes `folder`'s empty staging folder, then every rank may write
+    into it (_save_torch and _save_files take `folder` and write into its staging folder)."""
+    if rank == 0:
+        from lit_pretrain.errors import RunFolderError
+        from lit_pretrain.paths import confined
+
+        if folder.exists() or folder.is_symlink():
+            confined(folder.parent, folder, "checkpoint folder")  # refuses a link: its target is not ours to replace
+            if not folder.is_dir():
+                raise RunFolderError(f"checkpoint folder {folder} is a file, not a folder: refusing to replace it; "
+                                     "move it away or choose another run.root_dir")
+        _tidy(folder.parent)
+        staging_folder(folder).mkdir(parents=True)
     if group is not None:
         dist.barrier(group=group)
 
 
+def _remove(path: Path) -> None:
+    from lit_pretrain.paths import safe_rmtree
+
+    safe_rmtree(path, path.parent, lambda p: HIDDEN_STEP_DIR.match(p.name) is not None, "checkpoint folder")
+
+
+def _tidy(root: Path) -> None:
+    """What a save cut short left, with no save in flight (every rank waited for its last): staging folders go
+    (none was complete and renamed); a replaced folder goes once its replacement is in place, and is renamed back
+    where the crash fell between _install's two renames, so a complete checkpoint is never lost."""
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        named = HIDDEN_STEP_DIR.match(path.name)
+        if named is None or path.is_symlink() or not path.is_dir():
+            continue
+        step_folder = root / named.group(1)
+        if named.group(2) == REPLACED and not (step_folder.exists() or step_folder.is_symlink()):
+            os.rename(path, step_folder)
+        else:
+            _remove(path)
+
+
+def _install(staging: Path, folder: Path) -> None:
+    """Rename the complete staging folder to `folder`; a folder already there (a complete or cut-short save of the
+    same step) is renamed aside first and deleted once the new one is in place (module docstring)."""
+    from lit_pretrain.resume.atomic import fsync_dir
+
+    aside = folder.with_name(f".{folder.name}{REPLACED}")
+    replaced = folder.is_dir()  # a real folder: _prepare_folder refused a link or a file of this name
+    if replaced:
+        if aside.exists() or aside.is_symlink():
+            _remove(aside)
+        os.rename(folder, aside)
+    os.rename(staging, folder)
+    fsync_dir(folder.parent)  # both renames durable before the old checkpoint goes
+    if replaced:
+        _remove(aside)
+
+
 def _save_torch(checkpoint: Optional[dict], folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
-    """This rank's rank file (and rank 0's trainer_state.pt), each hashed as it is written; returns their records.
-    Their folder's fsync is _save_files' (one per rank and save)."""
+    """This rank's rank file (and rank 0's trainer_state.pt) in `folder`'s staging folder, each hashed as it is
+    written; returns their records. Their folder's fsync is _save_files' (one per rank and save)."""
     from lit_pretrain.resume.atomic import HashingWriter, atomic_open
     from lit_pretrain.resume.rank_state import capture
 
@@ -360,7 +418,7 @@ def _save_torch(checkpoint: Optional[dict], folder: Path, rank: int) -> Dict[str
     for name, obj in ((rank_file(rank), {"rng": capture()}), (TRAINER_STATE, checkpoint)):
         if obj is None:
             continue
-        with atomic_open(folder / name, sync_folder=False) as f:
+        with atomic_open(staging_folder(folder) / name, sync_folder=False) as f:
             writer = HashingWriter(f)
             torch.save(obj, writer)
         records[name] = writer.record()
