@@ -91,7 +91,7 @@ def _deduplication(r: _Run) -> List[Dict]:
 def _data_engines(r: _Run) -> List[Dict]:
     from lit_pretrain.bench import data_engines
 
-    return data_engines.run()
+    return data_engines.run(r.args.repeats)
 
 
 def _strategies(r: _Run) -> List[Dict]:
