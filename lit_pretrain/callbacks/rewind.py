@@ -18,16 +18,25 @@ import torch
 from lit_pretrain.optim import local_optimizer
 
 
-def clone_tree(obj: Any, to_host: bool = True) -> Any:
-    """A deep copy of nested dicts/lists/tuples whose tensors share no storage with the originals."""
+def clone_tree(obj: Any, to_host: bool = True, reuse: Any = None) -> Any:
+    """A deep copy of nested dicts/lists/tuples whose tensors share no storage with the originals.
+
+    `reuse`: an earlier copy of the same structure that nothing references any more (a pruned rewind point); a
+    plain tensor of it with the same shape and dtype, on the host, is overwritten in place instead of allocated
+    anew, so a point taken every few steps does not map and fault in fresh memory for the whole state each time."""
     if isinstance(obj, torch.Tensor):
         if hasattr(obj, "full_tensor") or not to_host:  # DTensor: keep it on its mesh
             return obj.detach().clone()
+        if isinstance(reuse, torch.Tensor) and not hasattr(reuse, "full_tensor") and reuse.device.type == "cpu" \
+                and reuse.shape == obj.shape and reuse.dtype == obj.dtype:
+            return reuse.copy_(obj.detach())
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: clone_tree(v, to_host) for k, v in obj.items()}
+        reuse = reuse if isinstance(reuse, dict) else {}
+        return {k: clone_tree(v, to_host, reuse.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_tree(v, to_host) for v in obj)
+        reuse = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        return type(obj)(clone_tree(v, to_host, r) for v, r in zip(obj, reuse))
     return obj
 
 
@@ -52,16 +61,22 @@ class RewindPoints:
         return (not self.points or self.points[-1].step < step) and step % self.every_n_steps == 0
 
     def take(self, step: int, pl_module, optimizers, extra: Optional[Dict] = None) -> None:
-        self.points.append(RewindPoint(step, clone_tree(pl_module.state_dict()),
-                                       [clone_tree(local_optimizer(o).state_dict()) for o in optimizers],
+        # The points this one makes unneeded go first, and the newest of them is written over (clone_tree's reuse).
+        spare = self.prune(step)
+        spare = spare[-1] if spare else RewindPoint(step, {}, [])
+        reused = spare.optimizers + [None] * (len(optimizers) - len(spare.optimizers))
+        self.points.append(RewindPoint(step, clone_tree(pl_module.state_dict(), reuse=spare.module),
+                                       [clone_tree(local_optimizer(o).state_dict(), reuse=r)
+                                        for o, r in zip(optimizers, reused)],
                                        clone_tree(extra or {})))
         self.prune(step)
 
-    def prune(self, step: int) -> None:
-        """Keep the newest point at least back_steps before `step` and every newer one."""
+    def prune(self, step: int) -> List[RewindPoint]:
+        """Keep the newest point at least back_steps before `step` and every newer one; return the others."""
         reach = [i for i, p in enumerate(self.points) if p.step <= step - self.back_steps]
-        if reach:
-            del self.points[: reach[-1]]
+        dropped = self.points[: reach[-1]] if reach else []
+        del self.points[: len(dropped)]
+        return dropped
 
     def target(self, spike_step: int) -> Optional[RewindPoint]:
         """The newest point at least back_steps before the spike; the oldest one if none reaches that far."""
