@@ -188,3 +188,29 @@ def test_detector_on_gradient_norm_flags_a_norm_spike_with_a_normal_loss():
     assert with_norm.hit and with_norm.metric == "grad_norm"
     assert with_norm.loss_baseline == pytest.approx(4.0, abs=0.05)  # recovery is still judged on the loss
     assert not loss_only.hit
+
+
+def test_a_rewind_point_is_written_into_the_storage_of_the_one_it_makes_unneeded():
+    """Points every step reaching 1 step back: taking step 3 prunes step 1's point, and step 3's copy lands in its
+    memory (no fresh allocation of the whole state); every kept point still holds the values of its own step."""
+    from types import SimpleNamespace
+
+    from lit_pretrain.callbacks.rewind import RewindPoints
+
+    layer = torch.nn.Linear(4, 4)
+    module = SimpleNamespace(state_dict=layer.state_dict)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    points, seen = RewindPoints(every_n_steps=1, back_steps=1), {}
+    for step in (1, 2, 3):
+        layer(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        seen[step] = {k: v.clone() for k, v in layer.state_dict().items()}
+        if step == 3:
+            storage = points.points[0].module["weight"].data_ptr()  # step 1's, about to be pruned
+        points.take(step, module, [optimizer])
+    assert [p.step for p in points.points] == [2, 3]
+    assert points.points[1].module["weight"].data_ptr() == storage
+    for point in points.points:
+        assert all(torch.equal(point.module[k], v) for k, v in seen[point.step].items())
+        assert point.module["weight"].data_ptr() != layer.weight.data_ptr()
+    assert torch.equal(points.points[1].optimizers[0]["state"][0]["exp_avg"], optimizer.state[layer.weight]["exp_avg"])
