@@ -40,39 +40,22 @@ def shares(events: Iterable[Tuple[str, float, float]]) -> Dict[str, Dict[str, fl
 
 
 def profile(c, steps: int, warmup: int, compile: bool) -> Dict:
+    """{kind: {"seconds", "flops"}} per step of bench/step.py's raw step, profiled after `warmup` steps."""
     import torch
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from lit_pretrain.model import GPT
-    from lit_pretrain.optim import build_adamw, clip_by_global_norm
-    from lit_pretrain.parallel.apply import apply_plan
-    from lit_pretrain.parallel.plan import ParallelPlan
+    from lit_pretrain.bench.step import raw_step
 
     torch._inductor.config.cpp.enable_kernel_profile = True  # names each generated kernel in the profile
-    torch.manual_seed(c.run.seed)
-    model = GPT(c.model)
-    forward_losses = apply_plan(model, ParallelPlan(compile=True)).forward_losses if compile else None
-    opt = build_adamw(model, c.optim)
+    _, step = raw_step(c, compile)
     g = torch.Generator().manual_seed(c.run.seed)
     x, y = torch.randint(0, c.model.vocab_size, (2, c.trainer.micro_batch_size, c.model.seq_len), generator=g)
-
-    def step() -> None:
-        if forward_losses is not None:
-            loss = forward_losses(x, y)[0]
-        else:
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        clip_by_global_norm(model.parameters(), c.optim.grad_clip_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     for _ in range(warmup):
-        step()
+        step(x, y)
     with torch_profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         for _ in range(steps):
-            step()
+            step(x, y)
     # Self times of the main thread's operators: each microsecond counted once, however deep the call.
     events = [(e.key, e.self_cpu_time_total / 1e6, float(e.flops or 0)) for e in prof.key_averages()]
     return {kind: {k: v / steps for k, v in row.items()} for kind, row in shares(events).items()}

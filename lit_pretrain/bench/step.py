@@ -61,17 +61,17 @@ def _data(c, steps: int) -> DataLoader:
     return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=c.trainer.micro_batch_size)
 
 
-def raw_loop(c, steps: int, skip: int, compile: bool = False) -> float:
-    """Tokens/s of the plain loop over steps skip..steps. `compile`: the compiled twin, compiled as
-    `trainer.compile: true` compiles the module's step on one process (parallel/compile.py, the same function), so
-    the Trainer / raw ratio compares like with like both ways; its first steps (left out by `skip`) compile."""
+def raw_step(c, compile: bool = False):
+    """The hand-written training step on the experiment's GPT: (its AdamW, step(x, y)), where a step is forward,
+    fp32 cross-entropy, backward, global-norm clipping, AdamW and zeroing the gradients. `compile`: the forward and
+    loss compiled as `trainer.compile: true` compiles the module's step on one process (parallel/compile.py, the
+    same function)."""
     torch.manual_seed(c.run.seed)
     model = GPT(c.model)
     forward_losses = apply_plan(model, ParallelPlan(compile=True)).forward_losses if compile else None
     opt = build_adamw(model, c.optim, build_plan(c).zero_stage)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(c.schedule, c.optim.lr_peak, steps))
-    start = None
-    for step, (x, y) in enumerate(_data(c, steps)):
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
         if forward_losses is not None:
             loss = forward_losses(x, y)[0]
         else:
@@ -79,8 +79,21 @@ def raw_loop(c, steps: int, skip: int, compile: bool = False) -> float:
         loss.backward()
         clip_by_global_norm(model.parameters(), c.optim.grad_clip_norm)
         opt.step()
-        sched.step()
         opt.zero_grad(set_to_none=True)
+
+    return opt, step
+
+
+def raw_loop(c, steps: int, skip: int, compile: bool = False) -> float:
+    """Tokens/s of the plain loop (raw_step and the learning-rate schedule) over steps skip..steps. `compile`: the
+    compiled twin, so the Trainer / raw ratio compares like with like both ways; its first steps (left out by
+    `skip`) compile."""
+    opt, train_step = raw_step(c, compile)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(c.schedule, c.optim.lr_peak, steps))
+    start = None
+    for step, (x, y) in enumerate(_data(c, steps)):
+        train_step(x, y)
+        sched.step()
         if step + 1 == skip:
             start = time.perf_counter()
     return (steps - skip) * c.trainer.micro_batch_size * c.model.seq_len / (time.perf_counter() - start)
