@@ -13,13 +13,13 @@ of each kind first (the hashing thread, the files' first allocation).
 """
 
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from lit_pretrain.bench import stats
 from lit_pretrain.bench.step import paired_case
 from lit_pretrain.model import GPT
 from lit_pretrain.optim import build_adamw
@@ -63,7 +63,7 @@ def run(c, repeats: int) -> dict:
         case["detail"]["bytes"] = atomic.stat().st_size
         floor = [_mb_per_s(_save_fsync, checkpoint, Path(tmp) / "fsync.ckpt") for _ in range(repeats)]
         case["detail"].update(torch_save_fsync=floor,
-                              torch_save_fsync_vs_torch_save=statistics.median(floor) / case["reference"])
+                              torch_save_fsync_vs_torch_save=stats.median(floor) / case["reference"])
         start = time.perf_counter()
         # The reference: a plain weights-only load of the file this case has just written (what the project's
         # readers do after the checksum); the project itself opens checkpoints only through load_verified.

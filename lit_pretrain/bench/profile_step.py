@@ -34,8 +34,9 @@ def shares(events: Iterable[Tuple[str, float, float]]) -> Dict[str, Dict[str, fl
     """{kind: {"seconds", "flops"}} from (operator name, self seconds, FLOPs) triples."""
     out: Dict[str, Dict[str, float]] = defaultdict(lambda: {"seconds": 0.0, "flops": 0.0})
     for name, seconds, flops in events:
-        out[kind_of(name)]["seconds"] += seconds
-        out[kind_of(name)]["flops"] += flops
+        row = out[kind_of(name)]
+        row["seconds"] += seconds
+        row["flops"] += flops
     return dict(out)
 
 
