@@ -19,9 +19,7 @@ training loss against tokens seen, one line per arm) and <root>/ablations.md (fi
 import argparse
 import json
 import math
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -30,6 +28,7 @@ import yaml
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
 from lit_pretrain.paths import confined, is_safe_name
+from lit_pretrain.resume.atomic import atomic_open
 from lit_pretrain.runs import read_metrics, series
 
 ABLATIONS = Path("experiments") / "ablations"
@@ -102,22 +101,13 @@ def table(results: Dict[str, Dict[str, dict]], descriptions: Dict[str, str]) -> 
 
 
 def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, then replace `path`: one of this module's two output
-    names, confined to the root folder (never through a symbolic link: paths.confined)."""
+    """Write one of this module's two output names through resume.atomic's atomic_open (a reader sees the old file
+    or the new one), confined to the root folder and never through a symbolic link (paths.confined)."""
     confined(path.parent.parent, path.parent, "ablation root")
     if path.is_symlink():
         raise RunFolderError(f"{path} is a symbolic link: the project never writes through a link; remove it")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it 0600; the outputs are ordinary files
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_open(path) as f:
+        write(f)
 
 
 def plot(curves: Dict[str, Dict[str, list]], out: Path) -> None:
@@ -136,7 +126,7 @@ def plot(curves: Dict[str, Dict[str, list]], out: Path) -> None:
         ax.set_xlabel("tokens seen")
         ax.set_ylabel("train/loss (nats/token)")
         ax.legend()
-    _atomic_write(out, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    _atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 def run(names: Sequence[str] = (), folder: Path = ABLATIONS, root: Path = ROOT, log=print) -> str:
@@ -162,7 +152,7 @@ def run(names: Sequence[str] = (), folder: Path = ABLATIONS, root: Path = ROOT, 
                 "steps": summary.get("steps"), "tokens": summary.get("tokens_seen")}
     root.mkdir(parents=True, exist_ok=True)
     text = table(results, {a.name: a.description for a in ablations})
-    _atomic_write(root / "ablations.md", lambda tmp: tmp.write_text(text))
+    _atomic_write(root / "ablations.md", lambda f: f.write(text.encode()))
     plot(curves, root / "ablations.png")
     log(f"wrote {root / 'ablations.md'} and {root / 'ablations.png'}")
     return text

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lit_pretrain.parallel.collectives import all_reduce_flat
 from lit_pretrain.parallel.pipeline import is_tied_copy, tied_grad_sync
 from lit_pretrain.parallel.plan import MESH_DIMS, ParallelPlan
 from lit_pretrain.parallel.tensor import gather, plain_name, plan_of, shard, style_of, sync_partial_grads
@@ -91,16 +92,8 @@ class ParallelModel:
             sync_sequence_parallel_grads(self.gpt, self.tp)
         if self.plan.uses_fsdp or self.plan.data_parallel_replicate == 1:
             return
-        grads = [local(p.grad) for p in self.gpt.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, group=self.replicate)
-        flat /= self.plan.data_parallel_replicate
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_flat([local(p.grad) for p in self.gpt.parameters() if p.grad is not None], self.replicate,
+                        divide_by=self.plan.data_parallel_replicate)
 
     def grad_norm(self, parameters=None) -> torch.Tensor:
         """The pre-clip global norm (StepGuard's norm_fn). Without our mesh: of `parameters` (default: the GPT's),

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_pretrain.parallel.collectives import all_reduce_flat
+
 SEQ_DIM = 1  # activations are (B, T, d_model)
 
 # The real collectives, so a step moves what the communication formula counts: on torch 2.13 gloo runs
@@ -194,9 +196,4 @@ def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
     grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_flat(grads, group)

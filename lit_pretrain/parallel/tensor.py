@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lit_pretrain.parallel.collectives import all_reduce_flat
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel
 
 SHARD_DIM = {"column": 0, "row": 1}  # which dim of an nn.Linear weight (out, in) each style splits
@@ -202,10 +203,4 @@ def sync_partial_grads(model: nn.Module, group) -> None:
     grads = [p.grad for p in partial_params(model) if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
-    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_flat([g.to_local() if hasattr(g, "to_local") else g for g in grads], group)
