@@ -3,7 +3,7 @@
 A checkpoint is one of two formats (checkpoint.format). One file, the same under every strategy: single and ddp
 as Lightning always does; ZeRO stage 1 consolidates ZeroRedundancyOptimizer's shards on rank 0 first; ZeRO stages
 2 and 3 and our mesh strategy gather the full model and optimizer state to rank 0. Or a sharded folder
-(resume/sharded.py), each rank's share under single-process names, read here whole into one process. Either way a
+(resume/sharded/save.py), each rank's share under single-process names, read here whole into one process. Either way a
 checkpoint written under any strategy reads into one process for evaluation, or to continue under another.
 
 Checkpoints are opened by `resume.checkpoint_io.load_verified`: checked against their sha256 sidecar, then
@@ -53,7 +53,7 @@ def checkpoint_path(source: str | Path, checkpoint: str = "last.ckpt") -> Path:
     """`source` itself when it is a checkpoint file or a sharded checkpoint folder, else
     `source/checkpoints/<checkpoint>` of a run folder; for the default last.ckpt of a run whose newest checkpoint is
     a sharded folder (no last.ckpt then), the folder its `latest` pointer names."""
-    from lit_pretrain.resume.sharded_manifest import STEP_FOLDER, is_sharded
+    from lit_pretrain.resume.sharded.manifest import STEP_FOLDER, is_sharded
 
     source = Path(source)
     if source.is_file() or is_sharded(source):
@@ -77,9 +77,9 @@ def checkpoint_path(source: str | Path, checkpoint: str = "last.ckpt") -> Path:
 
 def _read(path: Path) -> dict:
     """A one-file checkpoint verified against its sidecar, or a sharded folder verified against its manifest and
-    read whole into this process (resume/sharded.as_single_checkpoint): the same dict either way."""
+    read whole into this process (resume/sharded/save.py as_single_checkpoint): the same dict either way."""
     if path.is_dir():
-        from lit_pretrain.resume.sharded import as_single_checkpoint
+        from lit_pretrain.resume.sharded.save import as_single_checkpoint
 
         return as_single_checkpoint(path)
     return load_verified(path)

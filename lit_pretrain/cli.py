@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _checkpoint_commands(sub) -> None:
-    """`checkpoint inspect | consolidate` (lit_pretrain/resume/sharded_inspect.py, sharded_tools.py): one process, no
+    """`checkpoint inspect | consolidate` (lit_pretrain/resume/sharded/inspect.py, tools.py): one process, no
     process group."""
     text = "look into a checkpoint, or write a sharded one as one file"
     actions = sub.add_parser("checkpoint", help=text, description=text).add_subparsers(dest="action", required=True)
@@ -98,7 +98,7 @@ def _checkpoint_commands(sub) -> None:
 def _checkpoint(args) -> int:
     try:
         if args.action == "inspect":
-            from lit_pretrain.resume.sharded_inspect import format_inspect, inspect
+            from lit_pretrain.resume.sharded.inspect import format_inspect, inspect
 
             report = inspect(args.ckpt)
             print(format_inspect(args.ckpt, report))
@@ -106,7 +106,7 @@ def _checkpoint(args) -> int:
                 raise DataError(f"checkpoint {args.ckpt} fails its checksums ({len(report['failures'])} lines "
                                 "above): choose another checkpoint")
         else:
-            from lit_pretrain.resume.sharded_tools import consolidate
+            from lit_pretrain.resume.sharded.tools import consolidate
 
             print(f"wrote {consolidate(args.ckpt, args.out)}")
     except USAGE_ERRORS as err:

@@ -82,7 +82,7 @@ class PretrainModule(L.LightningModule):
                              weights_only=None, **kwargs):
         """Lightning's load, weights-only always, after the file is checked against its sha256 sidecar when it has
         one (a plain Lightning Trainer writes none: pass `plugins=[AtomicCheckpointIO()]` to it for one), or a
-        sharded checkpoint folder, verified and read whole (resume/sharded.as_single_checkpoint). The module comes
+        sharded checkpoint folder, verified and read whole (resume/sharded/save.py). The module comes
         back unwrapped, on one process, whatever strategy wrote the checkpoint."""
         if weights_only is False:
             raise ValueError("PretrainModule.load_from_checkpoint reads checkpoints weights-only (they hold plain "
@@ -90,7 +90,7 @@ class PretrainModule(L.LightningModule):
         if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
             import io
 
-            from lit_pretrain.resume.sharded import as_single_checkpoint
+            from lit_pretrain.resume.sharded.save import as_single_checkpoint
 
             buffer = io.BytesIO()  # Lightning's load reads a file or a buffer: the folder as one file, in memory
             torch.save(as_single_checkpoint(Path(checkpoint_path)), buffer)

@@ -582,7 +582,7 @@ class RunConfig:
 class CheckpointConfig:
     format: Optional[str] = field(default=None, metadata={"choices": [None, "sharded", "single"]})
     """How a checkpoint is written. sharded: a folder checkpoints/step*/ in which every rank writes only the state it
-    holds (torch.distributed.checkpoint), read back into any layout or one process (lit_pretrain/resume/sharded.py);
+    holds (torch.distributed.checkpoint), read back into any layout or one process (lit_pretrain/resume/sharded/);
     single: one file checkpoints/step*.ckpt gathered onto rank 0. null: sharded when the run has more than one
     process, single for one. Where and how often: trainer.checkpoint_every_n_steps, run.keep_last_checkpoints."""
     async_save: bool = False

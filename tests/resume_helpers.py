@@ -42,7 +42,7 @@ class RecordIndices(Callback):
 
 
 class SlowWrite(Callback):
-    """Makes the background writer of sharded checkpoints (resume/sharded.py WRITE_DELAY) sleep a minute before
+    """Makes the background writer of sharded checkpoints (resume/sharded/save.py WRITE_DELAY) sleep a minute before
     writing the checkpoint of optimizer step `step`, so that a Fault can kill every rank in the middle of it."""
 
     def __init__(self, step: int):
@@ -50,6 +50,6 @@ class SlowWrite(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            from lit_pretrain.resume import sharded
+            from lit_pretrain.resume.sharded import save as sharded
 
             sharded.WRITE_DELAY = 60.0

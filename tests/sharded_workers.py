@@ -20,8 +20,8 @@ from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
-from lit_pretrain.resume import sharded
-from lit_pretrain.resume.sharded_manifest import STEP_FOLDER
+from lit_pretrain.resume.sharded import save as sharded
+from lit_pretrain.resume.sharded.manifest import STEP_FOLDER
 from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, data, data_parallel_rank
 
 K1 = 2  # steps before the checkpoint; the data has mesh_workers.STEPS = 3

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (resume/sharded.py) written under one layout and read into another: the issue's matrix.
+"""Sharded checkpoints (resume/sharded/save.py) written under one layout and read into another: the issue's matrix.
 
 One spawn per world size runs its cases in turn (process start-up is the cost): on 2 processes ZeRO-3 x2 -> TP 2,
 TP 2 -> ZeRO-3 x2 and PP 2 -> ZeRO-2 x2; on 4, ZeRO-3 x TP 2 written (then read here, in one process) and a
@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from lit_pretrain.errors import DataError
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
-from lit_pretrain.resume import sharded
+from lit_pretrain.resume.sharded import save as sharded
 from tests.conftest import free_port
 from tests.sharded_workers import K1, adamw, compare, data, full, init_model, save, train_steps, worker
 

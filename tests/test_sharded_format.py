@@ -28,9 +28,9 @@ from lit_pretrain.errors import DataError
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.optim import build_adamw, param_groups
-from lit_pretrain.resume import sharded_format as sf
-from lit_pretrain.resume.sharded_inspect import inspect
-from lit_pretrain.resume.sharded_tools import _release, consolidate
+from lit_pretrain.resume.sharded import format as sf
+from lit_pretrain.resume.sharded.inspect import inspect
+from lit_pretrain.resume.sharded.tools import _release, consolidate
 from lit_pretrain.resume.verified import META_KEY, load_verified, verify
 from lit_pretrain.schema import OptimConfig
 
@@ -138,9 +138,10 @@ def test_manifest_lists_every_file_and_waits_for_them(folders, tmp_path):
 
 
 def test_a_rank_hashes_its_files_as_it_writes_them(source, tmp_path, monkeypatch):
-    """The save path of resume/sharded.py in one process: the manifest's records are taken while writing (nothing
+    """The save path of resume/sharded/save.py in one process: the manifest's records are taken while writing (nothing
     is read back to be hashed) and equal the files' sha256 read from the disk."""
-    from lit_pretrain.resume import atomic, sharded
+    from lit_pretrain.resume import atomic
+    from lit_pretrain.resume.sharded import save as sharded
 
     model, optimizer, _ = source
     chunks = {**sharded.model_chunks(model, None), **sharded.optimizer_chunks(model, optimizer, None)}
@@ -366,9 +367,9 @@ def test_inspect_and_the_cli(folders, folder, tmp_path, capsys):
 
 
 def _sharded_save(folder, source, step: int, fail_manifest: bool = False, monkeypatch=None):
-    """resume/sharded.py's save path in one process, as ShardedSaver runs it; fail_manifest: the process dies
+    """resume/sharded/save.py's save path in one process, as ShardedSaver runs it; fail_manifest: the process dies
     (an error) after every file is written, before the manifest."""
-    from lit_pretrain.resume import sharded
+    from lit_pretrain.resume.sharded import save as sharded
 
     model, optimizer, _ = source
     chunks = {**sharded.model_chunks(model, None), **sharded.optimizer_chunks(model, optimizer, None)}
@@ -407,7 +408,7 @@ def test_saving_a_step_again_keeps_its_complete_checkpoint_until_the_new_one_is(
 def test_a_crash_between_the_two_renames_loses_no_checkpoint(source, tmp_path):
     """_install renames the old folder aside, then the new one into place: cut between the two, the next save
     renames the old complete folder back before tidying."""
-    from lit_pretrain.resume import sharded
+    from lit_pretrain.resume.sharded import save as sharded
 
     folder = tmp_path / "step0000001"
     _sharded_save(folder, source, 1)
@@ -421,7 +422,7 @@ def test_a_crash_between_the_two_renames_loses_no_checkpoint(source, tmp_path):
 
 def test_a_link_named_like_the_step_folder_is_refused_and_its_target_kept(source, tmp_path):
     from lit_pretrain.errors import RunFolderError
-    from lit_pretrain.resume import sharded
+    from lit_pretrain.resume.sharded import save as sharded
 
     target = tmp_path / "elsewhere"
     target.mkdir()

@@ -1,4 +1,4 @@
-"""Cases: sharded against one-file checkpoints of a 2-process ZeRO-3 run of the experiment's model (resume/sharded.py).
+"""Cases: sharded against one-file checkpoints of a 2-process ZeRO-3 run of the experiment's model (resume/sharded/).
 
 Two spawned processes (gloo) hold the GPT under FSDP2 with AdamW state after one step; one spawn per format:
 - one file: the state gathered onto rank 0 (ParallelModel.full_state / full_optimizer_state, what the one-file
@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, port: int, mode: str, model_cfg, optim_cfg, f
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
     from lit_pretrain.parallel.plan import ParallelPlan
-    from lit_pretrain.resume import sharded
+    from lit_pretrain.resume.sharded import save as sharded
     from lit_pretrain.resume.verified import load_verified, save_atomic
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

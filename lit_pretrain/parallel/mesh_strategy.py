@@ -14,7 +14,7 @@ What it changes in Lightning's step, and why:
 - checkpoints: with checkpoint.format=single, rank 0 writes one file through `self.checkpoint_io` holding the
   single-process state dict and a single-process AdamW state, so it loads into one process or into any other
   layout; with the sharded format (the default on several processes) each rank writes its own share instead
-  (resume/sharded.py) and `load_checkpoint` reads a folder into this layout (resume/sharded_load.py).
+  (resume/sharded/save.py) and `load_checkpoint` reads a folder into this layout (resume/sharded/load.py).
 """
 
 from datetime import timedelta
@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
-from lit_pretrain.resume.sharded_load import ShardedLoad
+from lit_pretrain.resume.sharded.load import ShardedLoad
 
 MODULE_PREFIX = "model."
 
@@ -142,7 +142,7 @@ class MeshStrategy(ShardedLoad, ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = self.broadcast(checkpoint_path)
-        if Path(path).is_dir():  # a sharded folder: each rank reads its share (resume/sharded_load.py)
+        if Path(path).is_dir():  # a sharded folder: each rank reads its share (resume/sharded/load.py)
             return super().load_checkpoint(path)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True)
         weights = {k[len(MODULE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()

@@ -21,7 +21,7 @@ from typing import Optional
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 from lit_pretrain.parallel.plan import ParallelPlan, plan_from
-from lit_pretrain.resume.sharded_load import ShardedDDPStrategy, ShardedLoad
+from lit_pretrain.resume.sharded.load import ShardedDDPStrategy, ShardedLoad
 from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
@@ -29,7 +29,7 @@ from lit_pretrain.schema import StrategyConfig, TrainerConfig
 class VerifiedModelParallelStrategy(ShardedLoad, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy loads a one-file checkpoint with its own torch.load, not through
     checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only. A
-    sharded folder: ShardedLoad (resume/sharded_load.py)."""
+    sharded folder: ShardedLoad (resume/sharded/load.py)."""
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         path = self.broadcast(checkpoint_path)

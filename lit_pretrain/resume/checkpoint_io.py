@@ -33,7 +33,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None):
         if Path(path).is_dir():  # a sharded folder into one process (strategies.ShardedLoad reads it in a layout)
-            from lit_pretrain.resume.sharded import as_single_checkpoint
+            from lit_pretrain.resume.sharded.save import as_single_checkpoint
 
             return as_single_checkpoint(Path(path))
         return load_verified(path)

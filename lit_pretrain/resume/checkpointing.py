@@ -8,7 +8,7 @@ written through the strategy's checkpoint_io (AtomicCheckpointIO), then rank 0 p
 `latest`) and applies retention.
 
 With the sharded format (`sharded_layout` given: checkpoint.format) every rank writes its share into the folder
-`step0000012/` (resume/sharded.ShardedSaver: through a hidden staging folder renamed once complete); rank 0
+`step0000012/` (resume/sharded/save.py ShardedSaver: through a hidden staging folder renamed once complete); rank 0
 publishes after the manifest, from the writer's thread when `async_save`, and the next save, the end of training
 and a preemption wait for that write.
 """
@@ -40,7 +40,7 @@ class StepCheckpoint(Callback):
         self.sharded_layout = sharded_layout
         self.saver = None
         if sharded_layout is not None:
-            from lit_pretrain.resume.sharded import ShardedSaver
+            from lit_pretrain.resume.sharded.save import ShardedSaver
 
             self.saver = ShardedSaver(async_save)
 

@@ -1,4 +1,4 @@
-"""The checkpoints folder of a run: step files, step folders (the sharded format, resume/sharded.py), the `latest`
+"""The checkpoints folder of a run: step files, step folders (the sharded format, resume/sharded/save.py), the `latest`
 pointer, `last.ckpt`, retention, and the resolver for `run.resume`.
 
 A step file `step0000012.ckpt` counts when its sha256 sidecar agrees; a step folder `step0000012/` when its
@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.paths import confined, safe_rmtree, safe_unlink
 from lit_pretrain.resume.atomic import atomic_link, atomic_write_bytes, fsync_dir
-from lit_pretrain.resume.sharded_manifest import read_manifest, verify_sharded
+from lit_pretrain.resume.sharded.manifest import read_manifest, verify_sharded
 from lit_pretrain.resume.verified import read_sidecar, sidecar_path, verify
 from lit_pretrain.runs import is_primary_process
 

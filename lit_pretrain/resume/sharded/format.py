@@ -1,9 +1,9 @@
-"""Reading a sharded checkpoint folder (the format: resume/sharded_manifest.py, and the contract in the README's
+"""Reading a sharded checkpoint folder (the format: resume/sharded/manifest.py, and the contract in the README's
 resume section): verified first, then DCP's `.metadata`, a pickle, through a restricted unpickler that builds only
 the classes DCP's Metadata is made of (torch 2.13's FileSystemReader calls plain `pickle.load`; DCP has no safe path
 for it), and non-tensor items only with `torch.load(weights_only=True)` (DCP's default planner unpickles them with
 weights_only=False). FileSystemReader reads tensor items with weights_only=True already. `load_sharded_full` gives
-the full tensors in one process, without a process group; resume/sharded_tools.py consolidates and inspects.
+the full tensors in one process, without a process group; resume/sharded/tools.py consolidates and inspects.
 """
 
 import io
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.resume.sharded_manifest import (  # noqa: F401 (re-exported: the format's one import place)
+from lit_pretrain.resume.sharded.manifest import (  # noqa: F401 (re-exported: the format's one import place)
     FIX,
     FORMAT,
     MANIFEST,

@@ -1,5 +1,5 @@
 """`lit-pretrain checkpoint consolidate`: a sharded checkpoint folder as one file, in one process without a process
-group (`inspect`: resume/sharded_inspect.py).
+group (`inspect`: resume/sharded/inspect.py).
 
 consolidate writes the dict a one-process run would have written (resume/verified.py's one-file format: the file and
 its sha256 sidecar), or a `.safetensors` of the weights (the file `lit-pretrain import --out` writes, for
@@ -24,8 +24,8 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.resume import sharded_format as sf
 from lit_pretrain.resume.atomic import HashingWriter, atomic_open, atomic_write_bytes
+from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.verified import META_KEY, sidecar_path, zip_writer
 
 MODEL, OPTIM = "model.", "optim."
@@ -48,7 +48,7 @@ def _release() -> None:
 def _read(reader: sf.VerifiedFileSystemReader, key: str, saved) -> Any:
     if isinstance(saved, dcp_meta.TensorStorageMetadata):
         return reader.read_tensor(key)
-    state = {key: None}  # a non-tensor item: through DCP (weights-only, see sharded_format)
+    state = {key: None}  # a non-tensor item: through DCP (weights-only, see format.py)
     sf.dcp_load(state, reader)
     return state[key]
 

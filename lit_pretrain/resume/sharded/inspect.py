@@ -1,6 +1,6 @@
 """`lit-pretrain checkpoint inspect`: step, layout, tensors, bytes and whether every checksum holds, of a sharded
 checkpoint folder or a one-file checkpoint. A sharded folder's `.metadata` (a pickle) is parsed only once every
-file's checksum holds, and then through the restricted unpickler (resume/sharded_format.py)."""
+file's checksum holds, and then through the restricted unpickler (resume/sharded/format.py)."""
 
 from pathlib import Path
 from typing import Any, Dict, List
@@ -9,8 +9,8 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.resume import sharded_format as sf
 from lit_pretrain.resume.atomic import file_sha256
+from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.verified import META_KEY, load_verified, verify
 
 MODEL, OPTIM = "model.", "optim."

@@ -1,7 +1,7 @@
 """The sharded checkpoint of a distributed run: every rank writes what it holds, any layout reads it back.
 
 Format (the folder `checkpoints/step0000012/`, /work/notes/i17_contract.md; manifest, verification and the safe
-`.metadata` reader in resume/sharded_format.py): torch.distributed.checkpoint (DCP) files keyed by single-process
+`.metadata` reader in resume/sharded/format.py): torch.distributed.checkpoint (DCP) files keyed by single-process
 names, `model.<name>` and `optim.<name>.<state key>`, with the single-process (global) shapes; `trainer_state.pt`
 (rank 0's Lightning checkpoint without model and optimizer tensors); `rank{r:05d}.pt` per rank; `manifest.json` last.
 
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.resume.sharded_manifest import TRAINER_STATE
+from lit_pretrain.resume.sharded.manifest import TRAINER_STATE
 
 MODEL, OPTIM = "model.", "optim."
 SAVING, REPLACED = ".saving", ".replaced"
@@ -278,8 +278,8 @@ def _save_files(folder: Path, chunks: Dict[str, Chunk], group, manifest: Dict[st
     from torch.distributed.checkpoint import save as dcp_save
 
     from lit_pretrain.resume.atomic import fsync_dir
-    from lit_pretrain.resume.sharded_format import write_manifest
-    from lit_pretrain.resume.sharded_writer import HashingFileSystemWriter
+    from lit_pretrain.resume.sharded.format import write_manifest
+    from lit_pretrain.resume.sharded.writer import HashingFileSystemWriter
 
     final, folder = folder, staging_folder(folder)
     if WRITE_DELAY:
@@ -428,9 +428,9 @@ def _save_torch(checkpoint: Optional[dict], folder: Path, rank: int) -> Dict[str
 # Reading into a layout.
 
 def reader(folder: Path, check_sha256: bool = True):
-    """The verified reader of a folder (resume/sharded_format.py): manifest checked on construction, `.metadata`
+    """The verified reader of a folder (resume/sharded/format.py): manifest checked on construction, `.metadata`
     read with the restricted unpickler. check_sha256=False where rank 0 has just hashed every file."""
-    from lit_pretrain.resume.sharded_format import VerifiedFileSystemReader
+    from lit_pretrain.resume.sharded.format import VerifiedFileSystemReader
 
     return VerifiedFileSystemReader(folder, check_sha256=check_sha256)
 
@@ -503,7 +503,7 @@ def as_single_checkpoint(folder: Path) -> Dict[str, Any]:
     """The folder as the one-file checkpoint of one process would hold it (single-process state dict under
     `model.`, AdamW state by position in the groups), in one process without a process group: what
     load_gpt / load_optimizer_state and a one-process resume read. The whole state passes through memory."""
-    from lit_pretrain.resume.sharded_format import load_sharded_full
+    from lit_pretrain.resume.sharded.format import load_sharded_full
 
     weights = load_sharded_full(folder, MODEL)  # verifies the whole folder first (trainer_state.pt included)
     checkpoint = read_trainer_state(folder)

@@ -2,7 +2,7 @@
 
 `manifest.json` lists every other file of the folder with its size and sha256; rank 0 writes it atomically once
 every rank's files are complete, so a folder without one is an incomplete save and is never read. `verify_sharded`
-checks that every listed file is present, none unlisted, and each size and sha256. resume/sharded_format.py reads
+checks that every listed file is present, none unlisted, and each size and sha256. resume/sharded/format.py reads
 the folder after it (and re-exports these names).
 """
 

@@ -1,4 +1,4 @@
-"""Resuming a Lightning run from a sharded checkpoint folder (resume/sharded.py), under any strategy.
+"""Resuming a Lightning run from a sharded checkpoint folder (resume/sharded/save.py), under any strategy.
 
 `ShardedLoad` goes first in a strategy's bases: a folder is verified (rank 0 hashes every file against the
 manifest, the others wait for its answer), `trainer_state.pt` becomes the checkpoint dict Lightning restores loops,
@@ -17,12 +17,12 @@ from typing import Any, Dict, Optional
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.resume import sharded
+from lit_pretrain.resume.sharded import save as sharded
 
 
 def verify_everywhere(strategy, folder: Path) -> None:
     """The folder's manifest and every file's sha256 checked once (rank 0), its verdict shared by every rank."""
-    from lit_pretrain.resume.sharded_manifest import verify_sharded
+    from lit_pretrain.resume.sharded.manifest import verify_sharded
 
     error = None
     if strategy.is_global_zero:
