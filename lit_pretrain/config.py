@@ -224,17 +224,17 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), c
     _token_budget(cfg, steps_given)
     check_ranges(cfg)
     if check_memory:
-        from lit_pretrain.scaling.run_memory import check_fits
+        from lit_pretrain.scaling.run_plan import check_fits
 
         check_fits(to_object(cfg))
     return cfg
 
 
 def _token_budget(cfg: DictConfig, steps_given: List[str]) -> None:
-    """trainer.tokens_per_param: max_steps from the tokens-per-parameter ratio (scaling/run_memory.budget_steps)."""
+    """trainer.tokens_per_param: max_steps from the tokens-per-parameter ratio (scaling/run_plan.budget_steps)."""
     if cfg.trainer.tokens_per_param is None:
         return
-    from lit_pretrain.scaling.run_memory import budget_steps
+    from lit_pretrain.scaling.run_plan import budget_steps
 
     steps = budget_steps(to_object(cfg))
     if steps_given and cfg.trainer.max_steps != steps:

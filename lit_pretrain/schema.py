@@ -375,8 +375,8 @@ class TrainerConfig:
     e.g. {start_step: 5, steps: 3}. null: no profiling."""
     device_memory_gb: Optional[float] = field(default=None, metadata={"gt": 0.0})
     """Memory of one device in GB (1e9 bytes), e.g. 141 for an H200, 80 for an H100. When set, the run's per-device
-    memory plan (scaling/run_memory.py: model states, autocast's weight copies, activations, logits, transient
-    buffers) must leave scaling.run_memory.MIN_HEADROOM of it free, checked when the config loads (`show`, `train`,
+    memory plan (scaling/run_plan.py: model states, autocast's weight copies, activations, logits, transient
+    buffers) must leave scaling.run_plan.MIN_HEADROOM of it free, checked when the config loads (`show`, `train`,
     `lit-pretrain memory --run`); the error says what to change. null: not checked."""
 
     def __post_init__(self):

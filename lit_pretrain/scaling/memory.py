@@ -23,7 +23,7 @@ s×s scores); ours (RMSNorm, no dropout, SwiGLU, fused attention storing no scor
 `block_activation_bytes` and used by `memory_plan` without recomputation. The table still gives the recomputation
 rows: full keeps each block's input (2sbh, as ours does); selective has no counterpart in our model.
 Under "bf16-mixed" / "16-mixed" (autocast) our block saves a mix, counted by `block_activation_bytes(autocast=True)`
-and measured under CPU autocast by tests/test_run_memory.py: the residual stream stays fp32 (the embedding is fp32
+and measured under CPU autocast by tests/test_run_plan.py: the residual stream stays fp32 (the embedding is fp32
 and each block adds a 16-bit output to it), so both norms run and save in fp32; every linear saves its own 16-bit
 cast of its input (autocast caches casts of weights only: q, k and v each cast the attention norm's output, gate and
 up the MLP norm's); the linears' outputs, RoPE'd q and k (rotated in fp32, cast back) and the MLP are 16-bit.
@@ -37,7 +37,7 @@ final norm, head), gathered for the whole forward and again from the start of th
 parameters of the block computed and the next one prefetched (Zhao et al. 2023, "PyTorch FSDP" §3.3-3.4);
 under ZeRO-2 and 3 the unsharded gradients of one block and of the root's head before their reduce-scatter.
 Not counted: the CUDA context, NCCL buffers, the allocator's fragmentation, the optimizer step's temporaries (they
-come after the activations are freed): what `run_memory.MIN_HEADROOM` is kept free for.
+come after the activations are freed): what `run_plan.MIN_HEADROOM` is kept free for.
 Under 1F1B pipeline parallelism the first stage keeps p micro-batches of its L/p layers in flight, i.e. L layers'
 worth whatever p is (§4.2.3); it also holds the input embedding. Logits for the cross-entropy are stored in fp32,
 4·s·b·v/t bytes (§4.3), on the last stage. For fp32 activations ("32-true") the 16-bit formulas are doubled (for the

@@ -75,3 +75,43 @@ def budget_steps(config) -> int:
                           "which needs trainer.tokens_per_step (the global batch in tokens) to become steps: set it")
     tokens = trainer.tokens_per_param * shapes.params(sized_model(config))
     return max(1, math.ceil(tokens / trainer.tokens_per_step))
+
+
+def run_plan(config, law) -> dict:
+    """The run's budget (parameters, tokens, tokens-per-parameter ratio, FLOPs) beside `law`'s compute-optimal
+    split of the same compute (scaling/plan.py), and its memory (`run_memory`)."""
+    from lit_pretrain.parallel.plan import build_plan, sized_model
+    from lit_pretrain.scaling.plan import plan
+
+    model, trainer = sized_model(config), config.trainer
+    tokens_per_step = trainer.tokens_per_step or (
+        trainer.micro_batch_size * model.seq_len * build_plan(config).data_parallel)
+    n, d = shapes.params(model), trainer.max_steps * tokens_per_step
+    optimum = plan(law, flops=6.0 * n * d, vocab_size=model.vocab_size, seq_len=model.seq_len,
+                   tokens_per_step=tokens_per_step)
+    return {"run": config.run.name, "params": n, "tokens": d, "tokens_per_param": d / n, "steps": trainer.max_steps,
+            "tokens_per_step": tokens_per_step, "flops_6nd": 6.0 * n * d,
+            "flops": float(shapes.flops_per_token(model)) * d, "optimum": optimum, "memory": run_memory(config)}
+
+
+def format_run_plan(r: dict) -> str:
+    m = r["memory"]
+    o = r["optimum"]
+    lines = [f"run {r['run']}: {r['params']:,} parameters, {r['steps']:,} steps x {r['tokens_per_step']:,} tokens = "
+             f"{r['tokens']:,} tokens, tokens_per_param {r['tokens_per_param']:.2f}",
+             f"  compute: 6ND = {r['flops_6nd']:.3g} FLOPs ({r['flops']:.3g} with attention, PaLM appendix B)",
+             f"  {o['law']}'s compute-optimal split of 6ND: {o['params']:.3g} parameters x {o['tokens']:.3g} tokens, "
+             f"tokens_per_param {o['tokens_per_param']:.2f}",
+             f"  memory: {format_fit(m)}"]
+    return "\n".join(lines)
+
+
+def format_fit(m: dict) -> str:
+    """One line: the per-device total and, with a stated device memory, the headroom and whether it fits."""
+    text = f"{m['total_bytes'] / 1e9:.1f} GB per device ({m['layout']}, activation_checkpointing " \
+           f"{m['activation_checkpointing']}, micro_batch {m['micro_batch']} x seq_len {m['seq_len']})"
+    if "headroom_fraction" in m:
+        text += (f" of {m['device_memory'] / 1e9:g} GB: headroom {m['headroom_bytes'] / 1e9:.1f} GB "
+                 f"({m['headroom_fraction']:.0%}, at least {m['min_headroom']:.0%} kept): "
+                 f"{'fits' if m['fits'] else 'does NOT fit'}")
+    return text
