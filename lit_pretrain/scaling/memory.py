@@ -246,7 +246,7 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     # gathered in full under ZeRO-3, and saves the copy for the backward
     matmul_params = layers_here * (local_block - norms) + (v * d / t if p == 1 else 0)
     cast = b.cast_weight * matmul_params
-    transient = _transient_bytes(b, cfg, zero_stage, data_parallel, t, p, local_block, logits, tokens)
+    transient = _transient_bytes(b, cfg, zero_stage, t, p, local_block, logits, tokens)
     total = states["model_state_bytes"] + cast + activations + logits + recompute + transient
     out = {
         "params": shapes.params(cfg), "params_per_device": local, "precision": precision,
@@ -263,20 +263,18 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     return out
 
 
-def _transient_bytes(b: StateBytes, cfg: GPTConfig, zero_stage: int, data_parallel: int, t: int, p: int,
-                     local_block: float, logits: float, tokens: int) -> float:
+def _transient_bytes(b: StateBytes, cfg: GPTConfig, zero_stage: int, t: int, p: int, local_block: float,
+                     logits: float, tokens: int) -> float:
     """Buffers live at the start of the backward besides the saved activations (see the module docstring)."""
     out = 0.0
     if p == 1:  # the fp32 gradient of the logits; under autocast also its 16-bit cast, the head matmul's input
         out += logits + (2.0 * tokens * cfg.vocab_size / t if b.autocast else 0.0)
-    if data_parallel > 1:
+    # FSDP2 (also on one rank) all-gathers into a full buffer beside the rank's shard, reduce-scatters from a full one
+    if zero_stage >= 3:  # gathered: the root (embedding, final norm, untied head), the block computed, the prefetched
         root = cfg.vocab_size * cfg.d_model / t * (1 if cfg.tie_embeddings or p > 1 else 2) + cfg.d_model
-        # FSDP2 all-gathers into a full buffer beside the rank's shard, and reduce-scatters from a full one
-        if zero_stage >= 3:  # gathered: the root, the block computed and the one prefetched
-            out += b.param * (root + 2 * local_block)
-        if zero_stage >= 2:  # one block's and the head's gradient, unsharded until their reduce-scatter
-            head = cfg.vocab_size * cfg.d_model / t if p == 1 else 0.0
-            out += b.grad * (local_block + head)
+        out += b.param * (root + 2 * local_block)
+    if zero_stage >= 2:  # one block's and the head's gradient, unsharded until their reduce-scatter
+        out += b.grad * (local_block + (cfg.vocab_size * cfg.d_model / t if p == 1 else 0.0))
     return out
 
 
