@@ -117,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--pipeline-parallel", type=int, default=1)
     mem.add_argument("--sequence-parallel", action="store_true")
     mem.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING)
+    mem.add_argument("--activation-checkpointing-k", type=int, default=2, help="every_k: one block in k checkpointed")
     mem.add_argument("--precision", default="zero-mixed-adam", choices=list(PRECISIONS),
                      help="zero-mixed-adam: the ZeRO paper's 2 + 2 + 12 bytes/param; 32-true, bf16-mixed, "
                           "16-mixed, bf16-true: what our runs hold under that Lightning precision")
@@ -209,7 +210,8 @@ def _memory(args) -> dict:
     device = parse_bytes(args.device_memory) if args.device_memory else None
     result = memory_plan(cfg, args.micro_batch, args.data_parallel, args.zero_stage, args.tensor_parallel,
                          args.pipeline_parallel, args.sequence_parallel, args.activation_checkpointing,
-                         args.precision, device, exact=args.exact)
+                         args.precision, device, exact=args.exact,
+                         activation_checkpointing_k=args.activation_checkpointing_k)
     return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                       "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings,
                       **{k: getattr(cfg, k) for k in VARIANT_KEYS}}, **result}

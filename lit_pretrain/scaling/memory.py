@@ -203,6 +203,8 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     if activation_checkpointing not in CHECKPOINTING:
         raise ConfigError(f"--activation-checkpointing must be one of {', '.join(CHECKPOINTING)}, got "
                           f"{activation_checkpointing!r}")
+    if activation_checkpointing == "every_k" and activation_checkpointing_k < 1:
+        raise ConfigError(f"--activation-checkpointing-k must be at least 1, got {activation_checkpointing_k}")
     layers_here = math.ceil(L / p)
     d, v = cfg.d_model, cfg.vocab_size
     block = shapes.block_params(cfg)
