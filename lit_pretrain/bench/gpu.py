@@ -62,6 +62,7 @@ def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, i
     """(model as run, micro-batch, what was chosen and why) for a preset on one device of `device_memory` bytes: the
     largest micro-batch of PRESET_MICRO_BATCHES whose plan (bf16-mixed, FSDP on one rank) leaves MIN_HEADROOM free,
     without activation checkpointing, else with it (full); else the most layers that fit at micro-batch 1."""
+    from lit_pretrain.scaling import shapes
     from lit_pretrain.scaling.memory import memory_plan
     from lit_pretrain.scaling.run_plan import MIN_HEADROOM
 
@@ -87,8 +88,6 @@ def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, i
     if not layers:
         raise SystemExit(f"error: not one layer of the preset fits {where}: nothing to benchmark")
     cfg = dataclasses.replace(model, n_layers=layers, activation_checkpointing=ac)
-    from lit_pretrain.scaling import shapes
-
     states = 16 * shapes.params(model)  # fp32 weights, gradients and AdamW moments (scaling/memory.py)
     return cfg, 1, (f"{model.n_layers} layers do not fit {where} (their model states alone are {states / 1e9:.3g} GB; "
                     f"FSDP on one GPU shards nothing): running {layers} of the {model.n_layers} layers, micro-batch 1, "
