@@ -185,10 +185,12 @@ def _base_file(roots: Sequence[Path], name: str, source: Path) -> Path:
     return path
 
 
-def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> DictConfig:
-    """Compose the run file with its defaults and the overrides into a checked, struct-mode config."""
+def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), check_memory: bool = True) -> DictConfig:
+    """Compose the run file with its defaults and the overrides into a checked, struct-mode config.
+    check_memory=False: leave trainer.device_memory_gb unchecked (`lit-pretrain memory --run` shows why it fails)."""
     cfg = OmegaConf.structured(Config)
     groups, key_overrides = _parse_overrides(list(overrides))
+    steps_given = [COMMAND_LINE for o in key_overrides if o.split("=", 1)[0].strip() == "trainer.max_steps"]
     if run_file is not None:
         run_path = Path(run_file)
         roots = search_path(run_path)
@@ -206,6 +208,8 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = ()) -
             path = _group_file(roots, group, name, COMMAND_LINE)
             cfg = _merge(cfg, {group: _read_yaml(path)}, str(path))
         cfg = _merge(cfg, data, str(run_path))
+        if "max_steps" in (data.get("trainer") or {}):
+            steps_given.append(str(run_path))
     elif groups:
         raise ConfigError(f"group choices {groups} on the command line need a run file to find experiments/")
     if key_overrides:
@@ -217,8 +221,27 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = ()) -
                               f"{_first_line(err)}; quote a value that YAML reads as syntax") from None
         cfg = _merge(cfg, OmegaConf.to_container(dot), COMMAND_LINE)
     OmegaConf.set_struct(cfg, True)
+    _token_budget(cfg, steps_given)
     check_ranges(cfg)
+    if check_memory:
+        from lit_pretrain.scaling.run_plan import check_fits
+
+        check_fits(to_object(cfg))
     return cfg
+
+
+def _token_budget(cfg: DictConfig, steps_given: List[str]) -> None:
+    """trainer.tokens_per_param: max_steps from the tokens-per-parameter ratio (scaling/run_plan.budget_steps)."""
+    if cfg.trainer.tokens_per_param is None:
+        return
+    from lit_pretrain.scaling.run_plan import budget_steps
+
+    steps = budget_steps(to_object(cfg))
+    if steps_given and cfg.trainer.max_steps != steps:
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} in {steps_given[-1]} and "
+                          f"trainer.tokens_per_param={cfg.trainer.tokens_per_param:g} (= {steps} steps) both set the "
+                          "run's length: drop one (trainer.tokens_per_param=null to give steps)")
+    cfg.trainer.max_steps = steps
 
 
 def _defaults_free(path: Path) -> dict:

@@ -334,6 +334,12 @@ class TrainerConfig:
     tokens_per_step: Optional[int] = field(default=None, metadata={"ge": 1})
     """Global tokens per optimizer step. null: one micro-batch per device, no accumulation. Otherwise it must be a
     multiple of micro_batch_size * model.seq_len * devices * num_nodes; the quotient is the accumulation count."""
+    tokens_per_param: Optional[float] = field(default=None, metadata={"gt": 0.0})
+    """The token budget as a tokens-per-parameter ratio (Hoffmann et al. 2022: about 20 is compute-optimal): the run
+    trains for ceil(tokens_per_param x parameters / tokens_per_step) optimizer steps, which replace max_steps; the
+    parameters are counted from the architecture table (model.vocab_size, or data.vocab_size while it is null).
+    Needs tokens_per_step; a run file or command line that sets max_steps as well is refused (set
+    trainer.tokens_per_param=null to give steps instead). null: max_steps as given."""
     accelerator: str = field(default="auto", metadata={"choices": ["auto", "cpu", "gpu", "cuda"]})
     """Lightning accelerator."""
     devices: int = field(default=1, metadata={"ge": 1})
@@ -367,6 +373,11 @@ class TrainerConfig:
     profile: Optional[ProfileConfig] = None
     """Record a PyTorch profiler trace of a few optimizer steps into runs/<name>/profile/ (callbacks/profile.py),
     e.g. {start_step: 5, steps: 3}. null: no profiling."""
+    device_memory_gb: Optional[float] = field(default=None, metadata={"gt": 0.0})
+    """Memory of one device in GB (1e9 bytes), e.g. 141 for an H200, 80 for an H100. When set, the run's per-device
+    memory plan (scaling/run_plan.py: model states, autocast's weight copies, activations, logits, transient
+    buffers) must leave scaling.run_plan.MIN_HEADROOM of it free, checked when the config loads (`show`, `train`,
+    `lit-pretrain memory --run`); the error says what to change. null: not checked."""
 
     def __post_init__(self):
         self.check()

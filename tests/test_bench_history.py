@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lit_pretrain.bench import history
-from tests.conftest import run_module
+from tests.conftest import ROOT, run_module
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -128,6 +128,35 @@ def test_gpu_bench_dry_run_runs_the_code_path_on_cpu(tmp_path):
                      timeout=120)
     assert "gpu_125m_compiled_step_tokens_per_s" in out.stdout and "mfu_gpu_125m_compiled" in out.stdout
     assert "dry run" in out.stdout and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_gpu_bench_dry_run_of_a_preset_fits_it_to_the_device(tmp_path):
+    """`make bench-gpu PRESET=llama3_1_8b DRY_RUN=1`: the preset shrunk to 4 tiny layers and a 3 MB "device", so the
+    layer-dropping path of the fit runs too (the full-size choices are test_preset_fit_on_one_h200's)."""
+    out = run_module("lit_pretrain.bench.gpu", "--dry-run", "--preset", "llama3_1_8b", "--device-memory", "3MB",
+                     "--out", str(tmp_path / "r.json"), timeout=120)
+    assert "llama3_1_8b: 4 layers do not fit one 0.003 GB device" in out.stdout
+    assert "running 1 of the 4 layers" in out.stdout
+    assert "gpu_llama3_1_8b_compiled_step_tokens_per_s" in out.stdout and "mfu_gpu_llama3_1_8b_compiled" in out.stdout
+    assert "dry run" in out.stdout and not (tmp_path / "r.json").exists()
+
+
+def test_preset_fit_on_one_h200():
+    """What `make bench-gpu PRESET=...` runs on one 141 GB H200, decided by the memory planner (bf16-mixed, FSDP on one
+    rank, 10% headroom): the 1B whole without activation checkpointing, the 8B only in part (its model states alone,
+    16 bytes x 8.03B = 128 GB, pass 90% of 141 GB)."""
+    from lit_pretrain import config
+    from lit_pretrain.bench.gpu import fit_one_device
+
+    def preset(name):
+        return config.to_object(config.load(ROOT / "experiments" / "runs" / "default.yaml", [f"model={name}"])).model
+
+    model, micro_batch, note = fit_one_device(preset("llama3_2_1b"), 141e9)
+    assert (model.n_layers, micro_batch, model.activation_checkpointing) == (16, 2, "none")
+    model, micro_batch, note = fit_one_device(preset("llama3_1_8b"), 141e9)
+    assert (model.n_layers, micro_batch, model.activation_checkpointing) == (21, 1, "full")
+    assert "their model states alone are 128 GB" in note and "running 21 of the 32 layers" in note
 
 
 def test_gpu_bench_without_cuda_and_without_dry_run_still_says_so():

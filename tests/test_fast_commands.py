@@ -46,6 +46,9 @@ COMMANDS = [
     ["show", str(EXPERIMENTS / "runs" / "default.yaml")],
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "strategy=tensor", "trainer.devices=2"],
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "trainer.max_stepz=3"],  # the error path too (exit 2)
+    ["memory", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x8.yaml")],  # issue 30: a run file's fit
+    ["plan", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x32.yaml")],
+    ["show", str(EXPERIMENTS / "runs" / "llama3_2_1b_h200x8.yaml")],
     ["runs", str(EXPERIMENTS)],  # `lit-pretrain runs [ROOT]` (issue 20, item 5), where the parser has it
 ]
 

@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--flops", type=count, help="training compute C in FLOPs (C = 6·N·D)")
     group.add_argument("--params", type=count, help="parameter count N (the law's convention)")
     group.add_argument("--tokens", type=count, help="training tokens D")
+    group.add_argument("--run", metavar="RUN_FILE", help="an experiment: its parameters, tokens and FLOPs beside the "
+                                                         "law's optimum for that compute, and its memory fit")
+    plan.add_argument("overrides", nargs="*", help="with --run: key=value or group=name, as for train")
     plan.add_argument("--law", default="chinchilla", help=f"{', '.join(PUBLISHED)}, or a law.json from fit")
     plan.add_argument("--vocab", type=int, default=32000, help="vocabulary size of the shape (default 32000)")
     plan.add_argument("--seq-len", type=int, default=2048, help="sequence length of the shape (default 2048)")
@@ -97,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
                          description="Per-device bytes: model states (Rajbhandari et al. 2019) and activations "
                                      "(our block's saved tensors; with recomputation, Korthikanti et al. "
                                      "2022, Table 2).")
+    mem.add_argument("--run", metavar="RUN_FILE", help="an experiment: its model, layout, precision, micro-batch, "
+                                                       "checkpointing and trainer.device_memory_gb (no other option)")
+    mem.add_argument("overrides", nargs="*", help="with --run: key=value or group=name, as for train")
     mem.add_argument("--params", type=count, help="parameter count: picks a shape of our family near it")
     mem.add_argument("--layers", type=int, help="transformer layers")
     mem.add_argument("--hidden", type=int, help="hidden size d_model")
@@ -111,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--pipeline-parallel", type=int, default=1)
     mem.add_argument("--sequence-parallel", action="store_true")
     mem.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING)
+    mem.add_argument("--activation-checkpointing-k", type=int, default=2, help="every_k: one block in k checkpointed")
     mem.add_argument("--precision", default="zero-mixed-adam", choices=list(PRECISIONS),
                      help="zero-mixed-adam: the ZeRO paper's 2 + 2 + 12 bytes/param; 32-true, bf16-mixed, "
                           "16-mixed, bf16-true: what our runs hold under that Lightning precision")
@@ -131,9 +138,16 @@ def main(argv=None) -> int:
             plots = Path(args.plots) if args.plots else out.parent / "plots"
             fit_sources(args.sources, out=out, plots_dir=plots, bootstrap=args.bootstrap,
                         drop_highest=args.drop_highest, seed=args.seed)
+        elif args.command == "plan" and args.run:
+            from lit_pretrain.scaling.plan import load_law
+            from lit_pretrain.scaling.run_plan import format_run_plan, run_plan
+
+            result = run_plan(_run_config(args), load_law(args.law))
+            print(json.dumps(result, indent=2) if args.json else format_run_plan(result))
         elif args.command == "plan":
             from lit_pretrain.scaling.plan import format_plan, load_law, plan
 
+            _no_overrides(args)
             result = plan(load_law(args.law), flops=args.flops, params=args.params, tokens=args.tokens,
                           vocab_size=args.vocab, seq_len=args.seq_len, tokens_per_step=int(args.tokens_per_step),
                           head_dim=args.head_dim, aspect_ratio=args.aspect_ratio, template=variant(args.model))
@@ -147,12 +161,34 @@ def main(argv=None) -> int:
     return 0
 
 
+def _run_config(args):
+    """The config of --run with its overrides, trainer.device_memory_gb left unchecked: these commands report it."""
+    from lit_pretrain import config
+
+    return config.to_object(config.load(args.run, args.overrides, check_memory=False))
+
+
+def _no_overrides(args) -> None:
+    if args.overrides:
+        raise ConfigError(f"{' '.join(args.overrides)}: overrides need --run RUN_FILE")
+
+
 def _memory(args) -> dict:
     from dataclasses import replace
 
     from lit_pretrain.scaling import shapes
     from lit_pretrain.scaling.memory import memory_plan, parse_bytes
 
+    if args.run:
+        given = [f"--{k.replace('_', '-')}" for k in ("params", "layers", "hidden", "heads", "device_memory")
+                 if getattr(args, k) is not None]
+        if given:
+            raise ConfigError(f"--run RUN_FILE takes the shape and layout from the experiment: drop {', '.join(given)}"
+                              " (override a key instead, e.g. trainer.device_memory_gb=80)")
+        from lit_pretrain.scaling.run_plan import run_memory
+
+        return run_memory(_run_config(args))
+    _no_overrides(args)
     shape_args = (args.layers, args.hidden, args.heads)
     if (args.params is None) == all(v is None for v in shape_args) or (
             args.params is None and any(v is None for v in shape_args)):
@@ -174,7 +210,8 @@ def _memory(args) -> dict:
     device = parse_bytes(args.device_memory) if args.device_memory else None
     result = memory_plan(cfg, args.micro_batch, args.data_parallel, args.zero_stage, args.tensor_parallel,
                          args.pipeline_parallel, args.sequence_parallel, args.activation_checkpointing,
-                         args.precision, device, exact=args.exact)
+                         args.precision, device, exact=args.exact,
+                         activation_checkpointing_k=args.activation_checkpointing_k)
     return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                       "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings,
                       **{k: getattr(cfg, k) for k in VARIANT_KEYS}}, **result}
@@ -194,7 +231,14 @@ def format_memory(r: dict) -> str:
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes", "cast_weight_bytes",
                 "activation_bytes_per_layer", "activation_bytes", "total_bytes"):
         lines.append(f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gib:>10.3f} GiB")
-    if "fits" in r:
+    for key in ("recompute_bytes", "transient_bytes"):
+        if key in r:
+            lines.insert(-1, f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gib:>10.3f} GiB")
+    if "run" in r:
+        from lit_pretrain.scaling.run_plan import format_fit
+
+        lines.insert(0, f"run {r['run']}: {format_fit(r)}")
+    elif "fits" in r:
         lines.append(f"fits in {r['device_memory'] / gib:.1f} GiB: {'yes' if r['fits'] else 'NO'}")
     return "\n".join(lines)
 

@@ -22,6 +22,22 @@ That table describes the paper's GPT block (LayerNorm, dropout, GELU MLP of 4h, 
 s×s scores); ours (RMSNorm, no dropout, SwiGLU, fused attention storing no scores) saves other tensors, counted by
 `block_activation_bytes` and used by `memory_plan` without recomputation. The table still gives the recomputation
 rows: full keeps each block's input (2sbh, as ours does); selective has no counterpart in our model.
+Under "bf16-mixed" / "16-mixed" (autocast) our block saves a mix, counted by `block_activation_bytes(autocast=True)`
+and measured under CPU autocast by tests/test_run_plan.py: the residual stream stays fp32 (the embedding is fp32
+and each block adds a 16-bit output to it), so both norms run and save in fp32; every linear saves its own 16-bit
+cast of its input (autocast caches casts of weights only: q, k and v each cast the attention norm's output, gate and
+up the MLP norm's); the linears' outputs, RoPE'd q and k (rotated in fp32, cast back) and the MLP are 16-bit.
+With full activation checkpointing our block keeps only its input, in the residual stream's dtype (fp32 under
+autocast), and the backward recomputes one block at a time, whose activations are then live on top: one block's
+worth (`recompute_bytes`).
+Transient buffers at the peak (the start of the backward, when every saved activation is still held), counted in
+`transient_bytes`: the fp32 gradient of the logits (and under autocast its 16-bit cast for the head's matmul);
+under ZeRO-3 (FSDP2, parallel/zero.py: one group per block and one for the root) the root's parameters (embedding,
+final norm, head), gathered for the whole forward and again from the start of the backward, and the gathered
+parameters of the block computed and the next one prefetched (Zhao et al. 2023, "PyTorch FSDP" §3.3-3.4);
+under ZeRO-2 and 3 the unsharded gradients of one block and of the root's head before their reduce-scatter.
+Not counted: the CUDA context, NCCL buffers, the allocator's fragmentation, the optimizer step's temporaries (they
+come after the activations are freed): what `run_plan.MIN_HEADROOM` is kept free for.
 Under 1F1B pipeline parallelism the first stage keeps p micro-batches of its L/p layers in flight, i.e. L layers'
 worth whatever p is (§4.2.3); it also holds the input embedding. Logits for the cross-entropy are stored in fp32,
 4·s·b·v/t bytes (§4.3), on the last stage. For fp32 activations ("32-true") the 16-bit formulas are doubled (for the
@@ -46,16 +62,18 @@ class StateBytes:
     optimizer: int
     cast_weight: int  # 16-bit weight copies autocast keeps from forward to backward
     activation_factor: float  # multiplier of Korthikanti et al.'s 16-bit activation formulas
+    residual: int = 2  # bytes of a residual-stream element (a fully checkpointed block keeps its input)
+    autocast: bool = False  # forward under torch.autocast: our block's mixed count (block_activation_bytes)
 
 
 PRECISIONS: Dict[str, StateBytes] = {
     "zero-mixed-adam": StateBytes(2, 2, 12, 0, 1.0),  # Rajbhandari et al. 2019 §3.1, K = 12
-    "32-true": StateBytes(4, 4, 8, 0, 2.0),
-    "bf16-mixed": StateBytes(4, 4, 8, 2, 1.0),
-    "16-mixed": StateBytes(4, 4, 8, 2, 1.0),
+    "32-true": StateBytes(4, 4, 8, 0, 2.0, residual=4),
+    "bf16-mixed": StateBytes(4, 4, 8, 2, 1.0, residual=4, autocast=True),
+    "16-mixed": StateBytes(4, 4, 8, 2, 1.0, residual=4, autocast=True),
     "bf16-true": StateBytes(2, 2, 4, 0, 1.0),
 }
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full", "every_k")
 
 
 def model_state_bytes(params: float, data_parallel: int = 1, zero_stage: int = 0,
@@ -97,8 +115,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                sequence_parallel: bool = False, activation_checkpointing: str = "none") -> float:
     """Korthikanti et al. 2022, Table 2: bytes of one transformer layer's stored activations (16-bit)."""
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tensor_parallel
-    if activation_checkpointing not in CHECKPOINTING:
-        raise ConfigError(f"--activation-checkpointing must be one of {', '.join(CHECKPOINTING)}, got "
+    if activation_checkpointing not in CHECKPOINTING[:3]:
+        raise ConfigError(f"--activation-checkpointing must be one of {', '.join(CHECKPOINTING[:3])}, got "
                           f"{activation_checkpointing!r}")
     if sequence_parallel and t == 1:
         raise ConfigError("--sequence-parallel splits activations over the tensor-parallel group: it needs "
@@ -114,7 +132,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, mlp_hidden: int,
                            tensor_parallel: int = 1, sequence_parallel: bool = False,
                            bytes_per_element: float = 4.0, *, kv_heads: Optional[int] = None, mlp: str = "swiglu",
-                           norm: str = "rmsnorm", qk_norm: bool = False) -> float:
+                           norm: str = "rmsnorm", qk_norm: bool = False, autocast: bool = False) -> float:
     """Bytes one of OUR blocks (model.py: pre-norms, RoPE, fused causal attention, MLP; no dropout, no biases)
     saves for backward on one tensor-parallel rank, without recomputation, counted by storage as
     parallel/memory.py's SavedActivations measures (a tensor saved by several ops counts once; weights and the RoPE
@@ -138,6 +156,9 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.
+    autocast (bf16-mixed, 16-mixed; e = 2): the norm region is fp32 (4 bytes: the residual stream is fp32), and each
+    column-parallel linear saves its own cast of its input: 3Nh (q, k, v) + 2Nh (SwiGLU's gate, up; GELU: Nh) in
+    place of 2Nh.
     """
     n, h, f, a, t = seq_len * micro_batch, hidden, mlp_hidden, heads, tensor_parallel
     g = heads if kv_heads is None else kv_heads
@@ -152,15 +173,22 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     if qk_norm:
         attention += 2 * n * h + n * a + 2 * n * kv + n * g
     sharded = (attention + (4 if mlp == "swiglu" else 2) * n * f) / t
+    if autocast:
+        column_inputs = (3 + (2 if mlp == "swiglu" else 1)) * n * h
+        return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + 4.0 * n * a / t
     return bytes_per_element * (norm_region + column_inputs + sharded) + 4.0 * n * a / t
 
 
 def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_stage: int = 0,
                 tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False,
                 activation_checkpointing: str = "none", precision: str = "zero-mixed-adam",
-                device_memory: Optional[float] = None, exact: bool = False) -> dict:
+                device_memory: Optional[float] = None, exact: bool = False,
+                activation_checkpointing_k: int = 2) -> dict:
     """Per-device bytes of the most loaded rank: the first pipeline stage (all layers' worth of activations under
     1F1B, plus the embedding); with a single stage it also holds the fp32 logits.
+    data_parallel: the ranks that shard model state at zero_stage (under HSDP the shard group, not the replicas).
+    activation_checkpointing: none (our block's count), selective or full (Korthikanti et al.'s rows; full keeps our
+    block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others none).
     exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only."""
     b = _precision(precision)
     _check_parallel(data_parallel, zero_stage)
@@ -172,13 +200,19 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
                           f"{cfg.kv_heads} (tensor parallelism splits whole heads)")
     if p > L:
         raise ConfigError(f"--pipeline-parallel {p} exceeds --layers {L}: every stage needs at least one layer")
+    if activation_checkpointing not in CHECKPOINTING:
+        raise ConfigError(f"--activation-checkpointing must be one of {', '.join(CHECKPOINTING)}, got "
+                          f"{activation_checkpointing!r}")
+    if activation_checkpointing == "every_k" and activation_checkpointing_k < 1:
+        raise ConfigError(f"--activation-checkpointing-k must be at least 1, got {activation_checkpointing_k}")
     layers_here = math.ceil(L / p)
     d, v = cfg.d_model, cfg.vocab_size
     block = shapes.block_params(cfg)
     norms = shapes.block_norm_params(cfg)  # norm weights are replicated across the tensor-parallel group
     # The first stage holds its layers and the (vocab-parallel) embedding; with one stage also the final norm and,
     # untied, the head. Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits).
-    local = layers_here * ((block - norms) / t + norms) + v * d / t
+    local_block = (block - norms) / t + norms
+    local = layers_here * local_block + v * d / t
     if p == 1:
         local += d + (0 if cfg.tie_embeddings else v * d / t)
     if exact and (t > 1 or p > 1):
@@ -188,31 +222,61 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         states = per_rank_model_state_bytes(cfg, data_parallel, zero_stage, precision, exact=True)
     else:
         states = model_state_bytes(local, data_parallel, zero_stage, precision)
-    if activation_checkpointing == "none":  # our block's own count (16-bit: 2 bytes, times the precision's factor)
-        per_layer = block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t,
-                                           sequence_parallel, 2.0 * b.activation_factor, kv_heads=cfg.kv_heads,
-                                           mlp=cfg.mlp, norm=cfg.norm, qk_norm=cfg.qk_norm)
+    whole = block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel,
+                                   2.0 * b.activation_factor, kv_heads=cfg.kv_heads, mlp=cfg.mlp, norm=cfg.norm,
+                                   qk_norm=cfg.qk_norm, autocast=b.autocast)
+    # What a fully checkpointed block keeps: its input, in the residual stream's dtype (sharded along the sequence
+    # under sequence parallelism).
+    kept = b.residual * cfg.seq_len * micro_batch * d / (t if sequence_parallel else 1)
+    if activation_checkpointing == "none":  # our block's own count
+        per_layer = whole
+    elif activation_checkpointing == "full":
+        per_layer = kept
+    elif activation_checkpointing == "every_k":
+        checkpointed = math.ceil(layers_here / activation_checkpointing_k)  # blocks 0, k, 2k, ...
+        per_layer = (checkpointed * kept + (layers_here - checkpointed) * whole) / layers_here
     else:
         per_layer = b.activation_factor * activation_bytes_per_layer(cfg.seq_len, micro_batch, d, cfg.n_heads, t,
                                                                      sequence_parallel, activation_checkpointing)
+    # The backward recomputes one checkpointed block at a time: its activations are live on top of the kept ones.
+    recompute = 0.0 if activation_checkpointing == "none" else whole
     # 1F1B: the first stage has p micro-batches of its L/p layers in flight (Korthikanti et al. §4.2.3)
     activations = per_layer * layers_here * p
-    logits = 4.0 * cfg.seq_len * micro_batch * v / t if p == 1 else 0.0
-    matmul_params = local - layers_here * norms - (d if p == 1 else 0)
-    # autocast casts the weight a matmul reads, gathered in full under ZeRO-3, and saves the copy for the backward
+    tokens = cfg.seq_len * micro_batch
+    logits = 4.0 * tokens * v / t if p == 1 else 0.0
+    # autocast casts the weight a matmul reads (the blocks' linears and the head, not the embedding's lookup),
+    # gathered in full under ZeRO-3, and saves the copy for the backward
+    matmul_params = layers_here * (local_block - norms) + (v * d / t if p == 1 else 0)
     cast = b.cast_weight * matmul_params
-    total = states["model_state_bytes"] + cast + activations + logits
+    transient = _transient_bytes(b, cfg, zero_stage, t, p, local_block, logits, tokens)
+    total = states["model_state_bytes"] + cast + activations + logits + recompute + transient
     out = {
         "params": shapes.params(cfg), "params_per_device": local, "precision": precision,
         "data_parallel": data_parallel, "zero_stage": zero_stage, "tensor_parallel": t, "pipeline_parallel": p,
         "sequence_parallel": sequence_parallel, "activation_checkpointing": activation_checkpointing,
         "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,
-        "activation_bytes": activations + logits, "logits_bytes": logits, "total_bytes": total,
+        "activation_bytes": activations + logits, "logits_bytes": logits, "recompute_bytes": recompute,
+        "transient_bytes": transient, "total_bytes": total,
     }
     if device_memory is not None:
         out["device_memory"] = device_memory
         out["fits"] = total <= device_memory
+    return out
+
+
+def _transient_bytes(b: StateBytes, cfg: GPTConfig, zero_stage: int, t: int, p: int, local_block: float,
+                     logits: float, tokens: int) -> float:
+    """Buffers live at the start of the backward besides the saved activations (see the module docstring)."""
+    out = 0.0
+    if p == 1:  # the fp32 gradient of the logits; under autocast also its 16-bit cast, the head matmul's input
+        out += logits + (2.0 * tokens * cfg.vocab_size / t if b.autocast else 0.0)
+    # FSDP2 (also on one rank) all-gathers into a full buffer beside the rank's shard, reduce-scatters from a full one
+    if zero_stage >= 3:  # gathered: the root (embedding, final norm, untied head), the block computed, the prefetched
+        root = cfg.vocab_size * cfg.d_model / t * (1 if cfg.tie_embeddings or p > 1 else 2) + cfg.d_model
+        out += b.param * (root + 2 * local_block)
+    if zero_stage >= 2:  # one block's and the head's gradient, unsharded until their reduce-scatter
+        out += b.grad * (local_block + (cfg.vocab_size * cfg.d_model / t if p == 1 else 0.0))
     return out
 
 

@@ -1,0 +1,140 @@
+"""The shipped GPU run files fit their stated device memory (scaling/run_plan.py, what `lit-pretrain memory --run`,
+`plan --run`, `show` and `train` use), their token budget is tokens-per-parameter x parameters, and the planner's
+bf16-mixed count is what a block saves under autocast."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from lit_pretrain import config
+from lit_pretrain.cli import main
+from lit_pretrain.errors import ConfigError
+from lit_pretrain.model import GPT
+from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.scaling import memory, shapes
+from lit_pretrain.scaling.run_plan import MIN_HEADROOM, run_memory
+from tests.conftest import EXPERIMENTS
+
+RUNS = EXPERIMENTS / "runs"
+SIZED = sorted(p for p in RUNS.glob("*.yaml") if "device_memory_gb" in p.read_text())
+
+
+def test_the_large_presets_have_run_files_for_one_and_four_nodes_of_h200():
+    names = {p.stem for p in SIZED}
+    for model in ("llama3_2_1b", "llama3_2_3b", "llama3_1_8b"):
+        assert {f"{model}_h200x8", f"{model}_h200x32"} <= names
+
+
+@pytest.mark.parametrize("run_file", SIZED, ids=lambda p: p.stem)
+def test_every_sized_run_file_loads_and_fits_its_device_memory(run_file):
+    c = config.to_object(config.load(run_file))  # the load itself refuses a run that does not fit
+    r = run_memory(c)
+    assert r["fits"] and r["headroom_fraction"] >= MIN_HEADROOM
+    assert r["total_bytes"] + r["headroom_bytes"] == c.trainer.device_memory_gb * 1e9
+    # the comment states what the planner prints, so it cannot drift from it
+    stated = f"{r['total_bytes'] / 1e9:.1f} GB of {c.trainer.device_memory_gb:g} GB a GPU, " \
+             f"{r['headroom_fraction']:.0%} headroom"
+    assert stated in run_file.read_text()
+    assert (c.trainer.precision, c.trainer.compile, c.schedule.kind) == ("bf16-mixed", True, "wsd")
+    # the budget: ceil(tokens_per_param x N / tokens_per_step) steps
+    n = shapes.params(c.model)
+    assert c.trainer.max_steps == math.ceil(c.trainer.tokens_per_param * n / c.trainer.tokens_per_step)
+
+
+def test_budget_of_the_8b_run_and_its_refusals():
+    run = RUNS / "llama3_1_8b_h200x8.yaml"
+    c = config.to_object(config.load(run))
+    assert (c.trainer.tokens_per_param, c.trainer.max_steps) == (20, 38_292)  # 20 x 8,030,261,248 / 2^22
+    assert c.trainer.max_steps * c.trainer.tokens_per_step >= 20 * 8_030_261_248
+    assert config.load(run, ["trainer.tokens_per_param=40"]).trainer.max_steps == 76_583
+    assert config.load(run, ["trainer.tokens_per_param=null", "trainer.max_steps=2000"]).trainer.max_steps == 2000
+    assert config.load(run, ["trainer.max_steps=38292"]).trainer.max_steps == 38_292  # the same length: no conflict
+    with pytest.raises(ConfigError, match="trainer.max_steps=10 in the command line and trainer.tokens_per_param"):
+        config.load(run, ["trainer.max_steps=10"])
+    with pytest.raises(ConfigError, match="trainer.tokens_per_param=20 .* needs trainer.tokens_per_step"):
+        config.load(RUNS / "tiny.yaml", ["trainer.tokens_per_param=20"])
+    with pytest.raises(ConfigError, match="trainer.device_memory_gb=141: the run needs 187.8 GB"):
+        config.load(run, ["trainer.micro_batch_size=2"])
+    # the fix the error names
+    fixed = config.load(run, ["trainer.micro_batch_size=2", "model.activation_checkpointing=full"])
+    assert run_memory(config.to_object(fixed))["fits"]
+
+
+def test_a_fixed_vocabulary_smaller_than_the_tokenizer_is_refused_by_name():
+    from lit_pretrain.train import resolve_vocab
+
+    c = config.to_object(config.load(RUNS / "llama3_2_1b_h200x8.yaml"))
+    assert resolve_vocab(c, 8192).model.vocab_size == 128256  # a smaller tokenizer leaves rows unused
+    with pytest.raises(ConfigError, match="model.vocab_size=128256 is smaller than the tokenizer's 200000"):
+        resolve_vocab(c, 200_000)
+
+
+def test_memory_and_plan_commands_read_a_run_file(capsys):
+    run = str(RUNS / "llama3_1_8b_h200x32.yaml")
+    assert main(["memory", "--run", run, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["data_parallel"] == 8 and out["zero_stage"] == 3  # HSDP: shards over a node's 8
+    assert out["precision"] == "bf16-mixed" and out["world_size"] == 32
+    assert main(["memory", "--run", run]) == 0
+    assert "headroom" in capsys.readouterr().out.splitlines()[0]
+    assert main(["plan", "--run", run, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens_per_param"] == pytest.approx(20, rel=1e-4) and out["memory"]["fits"]
+    assert main(["memory", "--run", run, "--layers", "2"]) == 2
+    assert "drop --layers" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e9", "trainer.max_steps=3"]) == 2
+    assert "overrides need --run" in capsys.readouterr().err
+
+
+def test_autocast_block_count_is_what_a_block_saves_under_bf16_autocast():
+    """block_activation_bytes(autocast=True) against the saved-tensor hooks of one block under CPU bf16 autocast:
+    exact (fp32 norms, one 16-bit input cast per linear, 16-bit q/k/v/attention output/MLP, fp32 log-sum-exp). The
+    meter also sees autocast's cast weights (not leaves): the planner's cast_weight_bytes, 2 bytes a matmul weight."""
+    from lit_pretrain.parallel.memory import SavedActivations
+
+    cfg = GPTConfig(vocab_size=64, n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, d_ff=160, seq_len=16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    h = model.tok_embeddings(torch.randint(0, 64, (3, 16)))  # (B, T, d): fp32, as the residual stream under autocast
+    with SavedActivations(model) as meter, torch.autocast("cpu", dtype=torch.bfloat16):
+        model.blocks[0](h, model.rope_cos, model.rope_sin)
+    planned = memory.block_activation_bytes(16, 3, 64, 4, 160, bytes_per_element=2, kv_heads=2, autocast=True)
+    n = 48  # tokens: fp32 norm region 4·(4Nh + 2N); bf16 5Nh inputs + q, out 2Nh + k, v 2N·32 + 4Nf; fp32 lse 4Na
+    assert planned == 4 * (4 * n * 64 + 2 * n) + 2 * (5 * n * 64 + 2 * n * 64 + 2 * n * 32 + 4 * n * 160) + 4 * n * 4
+    cast = 2 * (shapes.block_params(cfg) - shapes.block_norm_params(cfg))
+    assert meter.bytes == planned + cast
+    plan = memory.memory_plan(cfg, 3, precision="bf16-mixed")
+    assert plan["activation_bytes_per_layer"] == planned
+    assert plan["cast_weight_bytes"] == cast + 2 * 64 * 64  # the blocks' linears and the (tied) head, not the lookup
+
+
+def test_checkpointing_keeps_the_residual_dtype_and_recomputes_one_block():
+    cfg = GPTConfig(vocab_size=1000, n_layers=6, d_model=256, n_heads=4, seq_len=128)
+    none = memory.memory_plan(cfg, 2, precision="bf16-mixed")
+    full = memory.memory_plan(cfg, 2, precision="bf16-mixed", activation_checkpointing="full")
+    # the block input is the fp32 residual stream under autocast: 4 bytes x 128 x 2 x 256
+    assert full["activation_bytes_per_layer"] == 4 * 128 * 2 * 256
+    assert full["recompute_bytes"] == none["activation_bytes_per_layer"] and none["recompute_bytes"] == 0
+    every = memory.memory_plan(cfg, 2, precision="bf16-mixed", activation_checkpointing="every_k",
+                               activation_checkpointing_k=4)  # blocks 0 and 4 checkpointed, 4 saved whole
+    assert every["activation_bytes_per_layer"] * 6 == pytest.approx(
+        2 * full["activation_bytes_per_layer"] + 4 * none["activation_bytes_per_layer"])
+    true16 = memory.memory_plan(cfg, 2, precision="bf16-true", activation_checkpointing="full")
+    assert true16["activation_bytes_per_layer"] == 2 * 128 * 2 * 256
+
+
+def test_fsdp_transients_gather_the_root_and_two_blocks():
+    cfg = GPTConfig(vocab_size=1000, n_layers=4, d_model=64, n_heads=4, seq_len=32, tie_embeddings=False)
+    block, tokens = shapes.block_params(cfg), 32 * 2
+    logits_grad = 4 * tokens * 1000 + 2 * tokens * 1000  # fp32 gradient and its bf16 cast
+    one = memory.memory_plan(cfg, 2, precision="bf16-mixed")
+    assert one["transient_bytes"] == logits_grad  # one process: nothing gathered
+    z3 = memory.memory_plan(cfg, 2, data_parallel=8, zero_stage=3, precision="bf16-mixed")
+    root = 2 * 1000 * 64 + 64  # embedding, untied head, final norm
+    assert z3["transient_bytes"] == logits_grad + 4 * (root + 2 * block) + 4 * (block + 1000 * 64)
+    z2 = memory.memory_plan(cfg, 2, data_parallel=8, zero_stage=2, precision="bf16-mixed")
+    assert z2["transient_bytes"] == logits_grad + 4 * (block + 1000 * 64)  # parameters stay gathered: states
+    assert z3["total_bytes"] == (z3["model_state_bytes"] + z3["cast_weight_bytes"] + z3["activation_bytes"]
+                                 + z3["transient_bytes"])
