@@ -47,6 +47,7 @@ COMMANDS = [
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "strategy=tensor", "trainer.devices=2"],
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "trainer.max_stepz=3"],  # the error path too (exit 2)
     ["runs", str(EXPERIMENTS)],  # `lit-pretrain runs [ROOT]` (issue 20, item 5), where the parser has it
+    ["ladder", "--plan", "--small"],  # the ladder's grid and time estimate (issue 30): trains nothing
 ]
 
 
