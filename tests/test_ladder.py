@@ -79,6 +79,8 @@ def write_grid(tmp_path: Path, data_dir: Path = None, extra=(), **changes) -> Pa
      ["models[0].tokens_per_param", "under min_steps=5"]),
     ({"bootstrap": 1}, ["bootstrap=1"]),
     ({"budgets": [1]}, ["unknown keys ['budgets']"]),
+    ({"models": [{"n_layers": "2", "d_model": 16, "n_heads": 2, "tokens_per_param": [1]}]},
+     ["models[0].n_layers='2'", "integer"]),
 ])
 def test_a_grid_that_cannot_fit_is_refused_before_anything_runs(tmp_path, capsys, changes, words):
     path = write_grid(tmp_path, **changes)
@@ -124,6 +126,12 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
     assert [p["name"] for p in held] == [names[-1]]
     assert held[0]["measured_loss"] == json.loads((root / names[-1] / "summary.json").read_text())["final_val_loss"]
     assert math.isfinite(held[0]["relative_error"])
+    # the prediction was written down before the held-out rung trained, and the report's is the same (seeded fit)
+    prediction = json.loads((root / "prediction.json").read_text())["predictions"][0]
+    assert prediction["predicted_loss"] == pytest.approx(held[0]["predicted_loss"], rel=1e-12)
+    assert any(line.startswith(f"predicted {names[-1]} before training it") for line in lines)
+    assert lines.index(next(x for x in lines if x.startswith("predicted "))) < lines.index(
+        next(x for x in lines if x.startswith(f"rung 7 of 7 {names[-1]}")))
     assert all((root / f).is_file() for f in ("report.json", "report.md", "ladder.png"))
 
     # a finished ladder trains nothing: every rung is reused and only the report is written again

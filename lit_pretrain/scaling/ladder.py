@@ -4,8 +4,9 @@ fit L(N, D) = E + A/N^alpha + B/D^beta to the rungs below a compute limit, predi
 A grid file is data (yaml.safe_load). Each rung is a normal `lit-pretrain train` run in <root_dir>/<rung name>,
 trained in order of compute. The ladder resumes rung by rung: a rung whose summary.json records its planned steps
 and parameter count is finished and never trained again; a rung folder with a checkpoint continues from it
-(run.resume=auto); a rung folder without one (killed before its first checkpoint) starts again. The fit, the
-predictions and the picture are lit_pretrain/scaling/ladder_report.py.
+(run.resume=auto); a rung folder without one (killed before its first checkpoint) starts again. Before the first
+held-out rung trains, the law is fitted and its predictions written to prediction.json (kept once written). The fit,
+the predictions and the picture are lit_pretrain/scaling/ladder_report.py.
 
 Compute is C = 6·N·D throughout (N all parameters, D training tokens: Hoffmann et al. 2022 §3.3), so the compute
 limit and the law's compute-optimal allocation (eq. 4) count alike; the time estimate uses each rung's
@@ -111,6 +112,10 @@ def load_grid(path: str | Path) -> LadderGrid:
         except (TypeError, AttributeError) as err:
             raise ConfigError(f"{path}: models[{i}]: {err}; a model is {{n_layers, d_model, n_heads, "
                               "tokens_per_param: [ratio, ...]}}") from None
+        bad = [k for k in ("n_layers", "d_model", "n_heads") if not isinstance(getattr(models[-1], k), int)
+               or isinstance(getattr(models[-1], k), bool) or getattr(models[-1], k) < 1]
+        if bad:
+            raise ConfigError(f"{path}: models[{i}].{bad[0]}={getattr(models[-1], bad[0])!r}: expected an integer >= 1")
         if not ratios or any(r <= 0 for r in ratios):
             raise ConfigError(f"{path}: models[{i}].tokens_per_param must list positive ratios, one per rung")
     grid = LadderGrid(**{**data, "models": models,
@@ -267,6 +272,10 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
         if max_rungs is not None and trained >= max_rungs:
             log(f"stopping after {trained} rungs (--max-rungs {max_rungs}): run the same command again to continue")
             return None
+        if rung["role"] == "held_out":
+            from lit_pretrain.scaling.ladder_report import write_prediction
+
+            write_prediction(grid, rungs, log)  # every fitted rung is finished: rungs run in order of compute
         log(f"{head}: {'resuming from its checkpoint' if state == 'partial' else 'training'}")
         rung_started = time.perf_counter()
         summary = train_rung(grid, rung, state)

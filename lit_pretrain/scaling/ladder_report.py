@@ -68,33 +68,63 @@ def ratio_at(fitted: Dict, flops: float, level: float) -> Dict:
             "chinchilla_tokens_per_param": CHINCHILLA_TOKENS_PER_PARAM}
 
 
+def _row(root: Path, rung: dict) -> dict:
+    s = json.loads((root / rung["name"] / "summary.json").read_text())
+    return {**{k: rung[k] for k in ("name", "role", "shape", "params", "steps", "tokens", "tokens_per_param", "flops")},
+            "final_val_loss": s["final_val_loss"], "train_seconds": s.get("train_seconds"),
+            "tokens_per_second": s.get("tokens_per_second")}
+
+
+def fit_rungs(grid, rungs: List[dict]) -> Dict:
+    """The law fitted to the finished rungs at or below the compute limit (their summary.json), with its bootstrap."""
+    rows = [_row(Path(grid.root_dir), r) for r in rungs if r["role"] == "fit"]
+    n, d, loss = (np.array([r[k] for r in rows], dtype=float) for k in ("params", "tokens", "final_val_loss"))
+    return {**fit_ladder(n, d, loss, grid.bootstrap, grid.interval), "rows": rows}
+
+
+def predictions_of(grid, fitted: Dict, rungs: List[dict]) -> List[dict]:
+    largest_fit = max(r["flops"] for r in fitted["rows"])
+    out = []
+    for r in (r for r in rungs if r["role"] == "held_out"):
+        p = predict(fitted["law"], fitted["samples"], r["params"], r["tokens"], grid.interval)
+        lo, hi = p["interval"] or (math.nan, math.nan)
+        out.append({"name": r["name"], "params": r["params"], "tokens": r["tokens"], "flops": r["flops"],
+                    "compute_over_largest_fitted": r["flops"] / largest_fit, **p,
+                    "interval_relative": [(lo - p["predicted_loss"]) / p["predicted_loss"],
+                                          (hi - p["predicted_loss"]) / p["predicted_loss"]]})
+    return out
+
+
+def write_prediction(grid, rungs: List[dict], log: Callable = print) -> None:
+    """<root_dir>/prediction.json: the held-out rungs' predicted losses, written once the fitted rungs are done and
+    before the first held-out rung trains; kept as it is afterwards (the record that the prediction came first)."""
+    from lit_pretrain.resume.atomic import atomic_write_bytes
+
+    path = Path(grid.root_dir) / "prediction.json"
+    if path.is_file():
+        return
+    fitted = fit_rungs(grid, rungs)
+    record = {"predictions": predictions_of(grid, fitted, rungs),
+              "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
+    for p in record["predictions"]:
+        log(f"predicted {p['name']} before training it: {p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}")
+
+
 def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print) -> dict:
     """Read every rung's summary, fit, predict the held-out rungs; write report.json, report.md, ladder.png."""
     from lit_pretrain.resume.atomic import atomic_write_bytes
 
     root = Path(grid.root_dir)
-    rows = []
-    for r in rungs:
-        s = json.loads((root / r["name"] / "summary.json").read_text())
-        rows.append({**{k: r[k] for k in ("name", "role", "shape", "params", "steps", "tokens", "tokens_per_param",
-                                          "flops")},
-                     "final_val_loss": s["final_val_loss"], "train_seconds": s.get("train_seconds"),
-                     "tokens_per_second": s.get("tokens_per_second")})
-    fit_rows = [r for r in rows if r["role"] == "fit"]
-    n, d, loss = (np.array([r[k] for r in fit_rows], dtype=float) for k in ("params", "tokens", "final_val_loss"))
-    fitted = fit_ladder(n, d, loss, grid.bootstrap, grid.interval)
-    law = fitted["law"]
-    largest_fit = max(r["flops"] for r in fit_rows)
-    predictions = []
-    for r in (r for r in rows if r["role"] == "held_out"):
-        p = predict(law, fitted["samples"], r["params"], r["tokens"], grid.interval)
-        measured = r["final_val_loss"]
-        lo, hi = p["interval"] or (math.nan, math.nan)
-        predictions.append({"name": r["name"], "params": r["params"], "tokens": r["tokens"], "flops": r["flops"],
-                            "compute_over_largest_fitted": r["flops"] / largest_fit, **p, "measured_loss": measured,
-                            "relative_error": (p["predicted_loss"] - measured) / measured,
-                            "interval_relative": [(lo - p["predicted_loss"]) / p["predicted_loss"],
-                                                  (hi - p["predicted_loss"]) / p["predicted_loss"]]})
+    rows = [_row(root, r) for r in rungs]
+    fitted = fit_rungs(grid, rungs)
+    law, fit_rows = fitted["law"], fitted["rows"]
+    measured = {r["name"]: r["final_val_loss"] for r in rows}
+    predictions = [{**p, "measured_loss": measured[p["name"]],
+                    "relative_error": (p["predicted_loss"] - measured[p["name"]]) / measured[p["name"]]}
+                   for p in predictions_of(grid, fitted, rungs)]
+    written = root / "prediction.json"
+    predicted_at = json.loads(written.read_text()).get("written_at") if written.is_file() else None
     largest_held = max(p["flops"] for p in predictions)
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
@@ -107,7 +137,7 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print) -> d
                 "starts_at_best": fitted["fit"]["starts_at_best"], "degenerate_resamples": fitted["degenerate"]},
         "compute_optimal": {"at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval),
                             "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval)},
-        "predictions": predictions, "goal": GOAL, "rungs": rows,
+        "predictions": predictions, "prediction_written_at": predicted_at, "goal": GOAL, "rungs": rows,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     root.mkdir(parents=True, exist_ok=True)
