@@ -183,7 +183,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {p['name']} | {p['flops']:.3g} | {p['compute_over_largest_fitted']:.1f} | "
                      f"{p['predicted_loss']:.4f} | {_interval(p['interval'], '.4f')} | {p['measured_loss']:.4f} | "
                      f"{100 * p['relative_error']:+.2f}% |")
-    lines += ["", f"Goal: {result['goal']}.", "", "| rung | role | N | D | tokens/param | C | val loss | train s |",
+    far = max(result["predictions"], key=lambda p: p["flops"])
+    lo, hi = far["interval_relative"]
+    lines += ["", f"Goal: {result['goal']}. Measured on {far['name']} ({far['compute_over_largest_fitted']:.1f}x): "
+              f"relative error {100 * far['relative_error']:+.2f}%, interval {100 * lo:+.2f}% .. {100 * hi:+.2f}% "
+              "of the prediction.", "", "| rung | role | N | D | tokens/param | C | val loss | train s |",
               "|---|---|---|---|---|---|---|---|"]
     for r in result["rungs"]:
         seconds = f"{r['train_seconds']:.0f}" if r.get("train_seconds") is not None else "-"
