@@ -139,12 +139,12 @@ def load_grid(path: str | Path) -> LadderGrid:
     return grid
 
 
-def plan_rungs(grid: LadderGrid, path: Path, overrides=()) -> List[dict]:
+def plan_rungs(grid: LadderGrid, path: Path) -> List[dict]:
     """Every rung of the grid, in order of compute: name, shape, N, steps, D, C = 6ND, flops_per_token, role."""
     from lit_pretrain import config as config_lib
     from lit_pretrain.scaling import shapes
 
-    c = config_lib.to_object(config_lib.load(grid.run_file, [*grid.overrides, *overrides]))
+    c = config_lib.to_object(config_lib.load(grid.run_file, grid.overrides))
     tokens_per_step = c.trainer.tokens_per_step or c.trainer.micro_batch_size * c.model.seq_len
     base = dataclasses.replace(c.model, vocab_size=c.model.vocab_size or c.data.vocab_size)
     rungs = []
@@ -214,7 +214,7 @@ def rung_state(folder: Path, rung: dict) -> str:
     return "partial" if checkpoints.is_dir() and step_files(checkpoints) else "new"
 
 
-def train_rung(grid: LadderGrid, rung: dict, state: str, overrides=()) -> dict:
+def train_rung(grid: LadderGrid, rung: dict, state: str) -> dict:
     """Train one rung through `lit-pretrain train`'s entry point; return its summary."""
     from lit_pretrain import config as config_lib
     from lit_pretrain.train import train
@@ -229,7 +229,7 @@ def train_rung(grid: LadderGrid, rung: dict, state: str, overrides=()) -> dict:
         "trainer.progress_bar=false", "run.resume=auto",
         # a folder killed before its first checkpoint holds nothing to resume: it starts again
         f"run.overwrite={str(state == 'new' and folder.exists()).lower()}"]
-    return train(config_lib.load(grid.run_file, [*grid.overrides, *overrides, *rung_overrides]))
+    return train(config_lib.load(grid.run_file, [*grid.overrides, *rung_overrides]))
 
 
 def _duration(seconds: float) -> str:
