@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lit_pretrain.errors import ConfigError
+from lit_pretrain.errors import ConfigError, RunFolderError
 from lit_pretrain.scaling import ladder
 from lit_pretrain.scaling.ladder_report import fit_ladder, optimal_tokens_per_param, predict, ratio_at
 from lit_pretrain.scaling.laws import ParametricLaw
@@ -92,6 +92,25 @@ def test_a_grid_that_cannot_fit_is_refused_before_anything_runs(tmp_path, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and str(path) in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_rung_state_reads_the_run_folder(tmp_path):
+    rung = {"name": "L1_d16_tpp1", "params": 12336, "steps": 20}
+    folder = tmp_path / rung["name"]
+    assert ladder.rung_state(folder, rung) == "new"
+    (folder / "checkpoints").mkdir(parents=True)
+    assert ladder.rung_state(folder, rung) == "new"  # killed before its first checkpoint: nothing to resume
+    (folder / "checkpoints" / "step0000010.ckpt").write_bytes(b"")
+    assert ladder.rung_state(folder, rung) == "partial"
+    # a summary of fewer steps (a preempted session writes one) still resumes; the planned steps finish the rung
+    (folder / "summary.json").write_text(json.dumps({"params": 12336, "steps": 10, "final_val_loss": 6.0}))
+    assert ladder.rung_state(folder, rung) == "partial"
+    (folder / "summary.json").write_text(json.dumps({"params": 12336, "steps": 20, "final_val_loss": 6.0}))
+    assert ladder.rung_state(folder, rung) == "finished"
+    # another run in the rung's folder is never trained over
+    (folder / "summary.json").write_text(json.dumps({"params": 999, "steps": 20, "final_val_loss": 6.0}))
+    with pytest.raises(RunFolderError, match=f"{folder} holds a run of 999 parameters"):
+        ladder.rung_state(folder, rung)
 
 
 @pytest.mark.slow
