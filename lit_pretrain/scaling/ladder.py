@@ -260,7 +260,7 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
     if plan_only:
         return None
     root = Path(grid.root_dir)
-    started, trained, done_flops = time.perf_counter(), 0, 0.0
+    started, trained, done_flops, fitted = time.perf_counter(), 0, 0.0, None
     for k, rung in enumerate(rungs, start=1):
         folder = root / rung["name"]
         state = rung_state(folder, rung)
@@ -275,7 +275,8 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
         if rung["role"] == "held_out":
             from lit_pretrain.scaling.ladder_report import write_prediction
 
-            write_prediction(grid, rungs, log)  # every fitted rung is finished: rungs run in order of compute
+            # every fitted rung is finished (rungs run in order of compute): predict before training this one
+            fitted = write_prediction(grid, rungs, log) or fitted
         log(f"{head}: {'resuming from its checkpoint' if state == 'partial' else 'training'}")
         rung_started = time.perf_counter()
         summary = train_rung(grid, rung, state)
@@ -291,7 +292,7 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
             f"({rate:.3g} FLOP/s so far)")
     from lit_pretrain.scaling.ladder_report import report
 
-    return report(grid, path, rungs, log=log)
+    return report(grid, path, rungs, log=log, fitted=fitted)
 
 
 def main(argv=None) -> int:

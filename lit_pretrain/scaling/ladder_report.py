@@ -95,29 +95,32 @@ def predictions_of(grid, fitted: Dict, rungs: List[dict]) -> List[dict]:
     return out
 
 
-def write_prediction(grid, rungs: List[dict], log: Callable = print) -> None:
+def write_prediction(grid, rungs: List[dict], log: Callable = print) -> Optional[Dict]:
     """<root_dir>/prediction.json: the held-out rungs' predicted losses, written once the fitted rungs are done and
-    before the first held-out rung trains; kept as it is afterwards (the record that the prediction came first)."""
+    before the first held-out rung trains; kept as it is afterwards (the record that the prediction came first).
+    Returns the fit it made (None when the file was there), which `report` reuses: the fit is seeded."""
     from lit_pretrain.resume.atomic import atomic_write_bytes
 
     path = Path(grid.root_dir) / "prediction.json"
     if path.is_file():
-        return
+        return None
     fitted = fit_rungs(grid, rungs)
     record = {"predictions": predictions_of(grid, fitted, rungs),
               "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
     for p in record["predictions"]:
         log(f"predicted {p['name']} before training it: {p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}")
+    return fitted
 
 
-def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print) -> dict:
-    """Read every rung's summary, fit, predict the held-out rungs; write report.json, report.md, ladder.png."""
+def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitted: Optional[Dict] = None) -> dict:
+    """Read every rung's summary, fit (or take `fitted`, write_prediction's fit in this call), predict the held-out
+    rungs; write report.json, report.md, ladder.png."""
     from lit_pretrain.resume.atomic import atomic_write_bytes
 
     root = Path(grid.root_dir)
     rows = [_row(root, r) for r in rungs]
-    fitted = fit_rungs(grid, rungs)
+    fitted = fitted or fit_rungs(grid, rungs)
     law, fit_rows = fitted["law"], fitted["rows"]
     measured = {r["name"]: r["final_val_loss"] for r in rows}
     predictions = [{**p, "measured_loss": measured[p["name"]],
