@@ -7,9 +7,10 @@ RUN ?= experiments/runs/default.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 SWEEP ?= experiments/sweep/cpu/sweep.yaml
+LADDER ?= experiments/ladder/default.yaml
 
 .DEFAULT_GOAL := help
-.PHONY: help install prepare train test test-fast lint bench clean sweep launch ablate
+.PHONY: help install prepare train test test-fast lint bench clean sweep launch ablate ladder
 
 help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -56,6 +57,9 @@ bench-gpu: $(STAMP) ## the step on one CUDA GPU (~125M, ~1B; PRESET=llama3_1_8b:
 
 sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
 	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)
+
+ladder: $(STAMP) ## model ladder on this CPU (LADDER=<grid yaml>): rungs, fit below the compute limit, predict above (runs/ladder/report.md)
+	$(BIN)/lit-pretrain ladder $(LADDER)
 
 ABLATIONS ?=
 ablate: $(STAMP) ## CPU ablations (AdamW vs Muon, QK-norm, GQA; ABLATIONS=adamw_vs_muon for one): runs/ablations/ablations.{md,png}

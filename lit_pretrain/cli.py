@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
+    sub.add_parser("ladder", help="train a ladder of rungs, fit L(N, D) below a compute limit, predict the rungs "
+                                  "above it: lit-pretrain ladder --help")  # parsed by lit_pretrain/scaling/ladder.py
     _add_run_views(sub)
     _checkpoint_commands(sub)
     return parser
@@ -190,6 +192,10 @@ def main(argv=None) -> int:
         from lit_pretrain.scaling.cli import main as scaling_main
 
         return scaling_main(argv)
+    if argv and argv[0] == "ladder":  # the model ladder: lit_pretrain/scaling/ladder.py
+        from lit_pretrain.scaling.ladder import main as ladder_main
+
+        return ladder_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command in ("compare", "runs"):
         return _run_views(args)

@@ -50,6 +50,7 @@ COMMANDS = [
     ["plan", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x32.yaml")],
     ["show", str(EXPERIMENTS / "runs" / "llama3_2_1b_h200x8.yaml")],
     ["runs", str(EXPERIMENTS)],  # `lit-pretrain runs [ROOT]` (issue 20, item 5), where the parser has it
+    ["ladder", "--plan", "--small"],  # the ladder's grid and time estimate (issue 30): trains nothing
 ]
 
 

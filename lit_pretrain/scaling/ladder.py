@@ -1,0 +1,315 @@
+"""`lit-pretrain ladder [GRID.yaml] [--small]` / `make ladder`: train a ladder of rungs (model sizes × token budgets),
+fit L(N, D) = E + A/N^alpha + B/D^beta to the rungs below a compute limit, predict the rungs above it, and report.
+
+A grid file is data (yaml.safe_load). Each rung is a normal `lit-pretrain train` run in <root_dir>/<rung name>,
+trained in order of compute. The ladder resumes rung by rung: a rung whose summary.json records its planned steps
+and parameter count is finished and never trained again; a rung folder with a checkpoint continues from it
+(run.resume=auto); a rung folder without one (killed before its first checkpoint) starts again. Before the first
+held-out rung trains, the law is fitted and its predictions written to prediction.json (kept once written). The fit,
+the predictions and the picture are lit_pretrain/scaling/ladder_report.py.
+
+Compute is C = 6·N·D throughout (N all parameters, D training tokens: Hoffmann et al. 2022 §3.3), so the compute
+limit and the law's compute-optimal allocation (eq. 4) count alike; the time estimate uses each rung's
+flops_per_token (6N + 12LHQT, PaLM appendix B), closer to what a step costs.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import yaml
+
+from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+
+DEFAULT_GRID = Path("experiments") / "ladder" / "default.yaml"
+SMALL_GRID = Path("experiments") / "ladder" / "tiny.yaml"
+LAW_PARAMETERS = 5  # E, A, B, alpha, beta
+
+
+@dataclass
+class LadderModel:
+    n_layers: int
+    """Transformer blocks of this model size."""
+    d_model: int
+    """Residual stream width."""
+    n_heads: int
+    """Attention heads (must divide d_model)."""
+    tokens_per_param: List[float]
+    """This size's token budgets as tokens-per-parameter ratios: one rung each, D = ratio × N rounded to whole
+    optimizer steps."""
+
+
+@dataclass
+class LadderGrid:
+    run_file: str
+    """Experiment file every rung starts from (data, optimizer, batch, sequence length), relative to the grid file."""
+    models: List[LadderModel]
+    """The model sizes, each with its token budgets."""
+    compute_limit_flops: float
+    """Rungs with C = 6·N·D at or below this are fitted; the rungs above it are held out and predicted."""
+    root_dir: str = "runs/ladder"
+    """Folder of the rung run folders, report.json, report.md and ladder.png."""
+    precision: str = "32-true"
+    """trainer.precision of every rung (32-true or bf16-mixed on CPU: the fastest that trains correctly here)."""
+    overrides: List[str] = field(default_factory=list)
+    """More key=value overrides every rung shares, applied after the run file and before each rung's own."""
+    warmup_fraction: float = 0.1
+    """Learning rate warmup as a fraction of each rung's steps; the run file's schedule decays over the rest."""
+    checkpoints_per_rung: int = 4
+    """Checkpoints written over each rung (an interrupted rung continues from the newest); the last one is kept."""
+    min_steps: int = 10
+    """Refuse a rung of fewer optimizer steps than this."""
+    bootstrap: int = 200
+    """Bootstrap resamples of the fitted rungs (drawn with replacement, refitted) for the intervals."""
+    interval: float = 0.9
+    """Coverage of the bootstrap percentile intervals (0.9: the 5th to the 95th percentile)."""
+    flops_per_second: float = 2.0e10
+    """Training FLOPs per second assumed for the time estimate until the first rung of a call has finished (then the
+    measured rate of this call)."""
+
+
+def _number(value, key: str, path: Path) -> float:
+    # PyYAML reads 1.0e12 without an exponent sign (YAML 1.1) as a string: numbers are converted here.
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}: {key}={value!r} is not a number") from None
+
+
+def load_grid(path: str | Path) -> LadderGrid:
+    """Read and check a grid file; every error names the file and the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"grid file {path} does not exist: pass e.g. {DEFAULT_GRID}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+    names = {f.name for f in dataclasses.fields(LadderGrid)}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of the keys {sorted(names)}")
+    unknown = sorted(set(data) - names)
+    missing = sorted(n for n in ("run_file", "models", "compute_limit_flops") if n not in data)
+    if unknown or missing:
+        raise ConfigError(f"{path}: unknown keys {unknown} / missing keys {missing}; the keys are {sorted(names)}")
+    for key in ("compute_limit_flops", "flops_per_second", "warmup_fraction", "interval"):
+        if key in data:
+            data[key] = _number(data[key], key, path)
+    if not isinstance(data["models"], list) or not data["models"]:
+        raise ConfigError(f"{path}: models must be a non-empty list of {{n_layers, d_model, n_heads, "
+                          "tokens_per_param: [...]}}")
+    models = []
+    for i, m in enumerate(data["models"]):
+        try:
+            ratios = [_number(r, f"models[{i}].tokens_per_param", path) for r in m.get("tokens_per_param") or []]
+            models.append(LadderModel(**{**m, "tokens_per_param": ratios}))
+        except (TypeError, AttributeError) as err:
+            raise ConfigError(f"{path}: models[{i}]: {err}; a model is {{n_layers, d_model, n_heads, "
+                              "tokens_per_param: [ratio, ...]}}") from None
+        bad = [k for k in ("n_layers", "d_model", "n_heads") if not isinstance(getattr(models[-1], k), int)
+               or isinstance(getattr(models[-1], k), bool) or getattr(models[-1], k) < 1]
+        if bad:
+            raise ConfigError(f"{path}: models[{i}].{bad[0]}={getattr(models[-1], bad[0])!r}: expected an integer >= 1")
+        if not ratios or any(r <= 0 for r in ratios):
+            raise ConfigError(f"{path}: models[{i}].tokens_per_param must list positive ratios, one per rung")
+    grid = LadderGrid(**{**data, "models": models,
+                         "run_file": str((path.parent / str(data["run_file"])).resolve()),
+                         "overrides": [str(o) for o in data.get("overrides") or []]})
+    checks = (("compute_limit_flops", grid.compute_limit_flops > 0, "a positive FLOP count"),
+              ("precision", grid.precision in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"),
+               "one of 32-true, bf16-mixed, 16-mixed, bf16-true"),
+              ("warmup_fraction", 0 <= grid.warmup_fraction < 1, "in [0, 1)"),
+              ("checkpoints_per_rung", isinstance(grid.checkpoints_per_rung, int) and grid.checkpoints_per_rung >= 1,
+               "an integer >= 1"),
+              ("min_steps", isinstance(grid.min_steps, int) and grid.min_steps >= 1, "an integer >= 1"),
+              ("bootstrap", isinstance(grid.bootstrap, int) and grid.bootstrap >= 2, "an integer >= 2"),
+              ("interval", 0 < grid.interval < 1, "in (0, 1)"),
+              ("flops_per_second", grid.flops_per_second > 0, "positive"))
+    for key, ok, rule in checks:
+        if not ok:
+            raise ConfigError(f"{path}: {key}={getattr(grid, key)!r}: expected {rule}")
+    if not Path(grid.run_file).is_file():
+        raise ConfigError(f"{path}: run_file={data['run_file']!r}: no such file (resolved to {grid.run_file})")
+    return grid
+
+
+def plan_rungs(grid: LadderGrid, path: Path) -> List[dict]:
+    """Every rung of the grid, in order of compute: name, shape, N, steps, D, C = 6ND, flops_per_token, role."""
+    from lit_pretrain import config as config_lib
+    from lit_pretrain.scaling import shapes
+
+    c = config_lib.to_object(config_lib.load(grid.run_file, grid.overrides))
+    tokens_per_step = c.trainer.tokens_per_step or c.trainer.micro_batch_size * c.model.seq_len
+    base = dataclasses.replace(c.model, vocab_size=c.model.vocab_size or c.data.vocab_size)
+    rungs = []
+    for i, m in enumerate(grid.models):
+        cfg = shapes.with_shape(base, m.n_layers, m.d_model, m.n_heads)
+        try:
+            cfg.check()
+        except ValueError as err:
+            raise ConfigError(f"{path}: models[{i}]: {err}") from None
+        n, fpt = shapes.params(cfg), shapes.flops_per_token(cfg)
+        for ratio in m.tokens_per_param:
+            steps = max(1, round(ratio * n / tokens_per_step))
+            name = f"L{m.n_layers}_d{m.d_model}_tpp{ratio:g}"
+            if steps < grid.min_steps:
+                raise ConfigError(f"{path}: models[{i}].tokens_per_param: rung {name} would train {steps} steps "
+                                  f"({tokens_per_step:,} tokens a step), under min_steps={grid.min_steps}: raise the "
+                                  "ratio or lower min_steps")
+            d = steps * tokens_per_step
+            rungs.append({"name": name, "shape": {"n_layers": m.n_layers, "d_model": m.d_model,
+                                                  "n_heads": m.n_heads},
+                          "params": n, "steps": steps, "tokens": d, "tokens_per_param": d / n, "flops": 6.0 * n * d,
+                          "flops_per_token": fpt, "train_flops": float(fpt * d),
+                          "warmup_steps": max(1, round(grid.warmup_fraction * steps)),
+                          "checkpoint_every": max(1, math.ceil(steps / grid.checkpoints_per_rung)),
+                          "role": "fit" if 6.0 * n * d <= grid.compute_limit_flops else "held_out"})
+    names = [r["name"] for r in rungs]
+    twice = sorted({x for x in names if names.count(x) > 1})
+    if twice:
+        raise ConfigError(f"{path}: models: rungs {twice} appear twice (same shape and tokens_per_param)")
+    check_fittable(rungs, grid, path)
+    return sorted(rungs, key=lambda r: (r["flops"], r["name"]))
+
+
+def check_fittable(rungs: List[dict], grid: LadderGrid, path: Path) -> None:
+    """Refuse, before anything runs, a grid whose fitted rungs cannot determine the law or that predicts nothing."""
+    fit = [r for r in rungs if r["role"] == "fit"]
+    limit = f"compute_limit_flops={grid.compute_limit_flops:.3g}"
+    if len(fit) < LAW_PARAMETERS + 1:
+        raise ConfigError(f"{path}: {limit}: {len(fit)} rungs fall at or below it, but L(N, D) has {LAW_PARAMETERS} "
+                          f"free parameters and needs at least {LAW_PARAMETERS + 1} fitted rungs: raise the limit or "
+                          "add token budgets (models[].tokens_per_param) below it")
+    if len({r["params"] for r in fit}) < 2:
+        raise ConfigError(f"{path}: models: the rungs at or below {limit} have one model size only; the law needs "
+                          "at least 2 sizes to separate A/N^alpha from B/D^beta")
+    if len({r["tokens"] for r in fit}) < 2:
+        raise ConfigError(f"{path}: models[].tokens_per_param: the fitted rungs have one token count only; the law "
+                          "needs at least 2")
+    if not any(r["role"] == "held_out" for r in rungs):
+        raise ConfigError(f"{path}: {limit}: no rung lies above it, so nothing is held out to predict: lower the "
+                          "limit or add a rung above it")
+
+
+def rung_state(folder: Path, rung: dict) -> str:
+    """finished (summary.json of the planned steps and size), partial (a checkpoint to resume), or new."""
+    summary = folder / "summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        if s.get("params") != rung["params"] or (s.get("steps") or 0) > rung["steps"]:
+            raise RunFolderError(f"{folder} holds a run of {s.get('params')} parameters and {s.get('steps')} steps, "
+                                 f"not the rung's {rung['params']} and {rung['steps']}: move it away or set another "
+                                 "root_dir in the grid file (a rung folder is never overwritten)")
+        if s.get("steps") == rung["steps"] and s.get("final_val_loss") is not None:
+            return "finished"
+    from lit_pretrain.resume.store import step_files
+
+    checkpoints = folder / "checkpoints"
+    return "partial" if checkpoints.is_dir() and step_files(checkpoints) else "new"
+
+
+def train_rung(grid: LadderGrid, rung: dict, state: str) -> dict:
+    """Train one rung through `lit-pretrain train`'s entry point; return its summary."""
+    from lit_pretrain import config as config_lib
+    from lit_pretrain.train import train
+
+    folder = Path(grid.root_dir) / rung["name"]
+    shape = rung["shape"]
+    rung_overrides = [
+        f"run.name={rung['name']}", f"run.root_dir={grid.root_dir}", f"trainer.precision={grid.precision}",
+        f"trainer.max_steps={rung['steps']}", f"schedule.warmup_steps={rung['warmup_steps']}",
+        f"model.n_layers={shape['n_layers']}", f"model.d_model={shape['d_model']}", f"model.n_heads={shape['n_heads']}",
+        f"trainer.checkpoint_every_n_steps={rung['checkpoint_every']}", "run.keep_last_checkpoints=1",
+        "trainer.progress_bar=false", "run.resume=auto",
+        # a folder killed before its first checkpoint holds nothing to resume: it starts again
+        f"run.overwrite={str(state == 'new' and folder.exists()).lower()}"]
+    return train(config_lib.load(grid.run_file, [*grid.overrides, *rung_overrides]))
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def estimate_seconds(rungs: List[dict], flops_per_second: float) -> float:
+    return sum(r["train_flops"] for r in rungs) / flops_per_second
+
+
+def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only: bool = False,
+               log: Callable = print) -> Optional[dict]:
+    """Train every unfinished rung (at most `max_rungs` in this call), then fit, predict and write the report."""
+    path = Path(grid_file)
+    grid = load_grid(path)
+    rungs = plan_rungs(grid, path)
+    fitted = [r for r in rungs if r["role"] == "fit"]
+    held = [r for r in rungs if r["role"] == "held_out"]
+    log(f"ladder {path}: {len(rungs)} rungs ({len(fitted)} fitted at C <= {grid.compute_limit_flops:.3g} FLOPs, "
+        f"{len(held)} held out, the largest at {held[-1]['flops'] / fitted[-1]['flops']:.1f}x the largest fitted "
+        f"compute), {sum(r['train_flops'] for r in rungs):.3g} training FLOPs; estimated "
+        f"{_duration(estimate_seconds(rungs, grid.flops_per_second))} at {grid.flops_per_second:.3g} FLOP/s")
+    for r in rungs:
+        log(f"  {r['name']:<18} {r['role']:<8} N {r['params']:>9,}  steps {r['steps']:>5}  D {r['tokens']:>10,}  "
+            f"tokens_per_param {r['tokens_per_param']:>6.3g}  C {r['flops']:.3g}")
+    if plan_only:
+        return None
+    root = Path(grid.root_dir)
+    started, trained, done_flops, fitted = time.perf_counter(), 0, 0.0, None
+    for k, rung in enumerate(rungs, start=1):
+        folder = root / rung["name"]
+        state = rung_state(folder, rung)
+        head = f"rung {k} of {len(rungs)} {rung['name']} ({rung['role']}, C {rung['flops']:.3g})"
+        if state == "finished":
+            loss = json.loads((folder / "summary.json").read_text())["final_val_loss"]
+            log(f"{head}: finished earlier, val loss {loss:.4f}, not trained again")
+            continue
+        if max_rungs is not None and trained >= max_rungs:
+            log(f"stopping after {trained} rungs (--max-rungs {max_rungs}): run the same command again to continue")
+            return None
+        if rung["role"] == "held_out":
+            from lit_pretrain.scaling.ladder_report import write_prediction
+
+            # every fitted rung is finished (rungs run in order of compute): predict before training this one
+            fitted = write_prediction(grid, rungs, log) or fitted
+        log(f"{head}: {'resuming from its checkpoint' if state == 'partial' else 'training'}")
+        rung_started = time.perf_counter()
+        summary = train_rung(grid, rung, state)
+        trained += 1
+        # a resumed rung trained only its remaining part in this call
+        share = summary["session_train_seconds"] / summary["train_seconds"] if summary.get("train_seconds") else 1.0
+        done_flops += rung["train_flops"] * share
+        elapsed = time.perf_counter() - started
+        rate = done_flops / elapsed if done_flops > 0 else grid.flops_per_second
+        left = [r for r in rungs[k:] if rung_state(root / r["name"], r) != "finished"]
+        log(f"{head}: val loss {summary['final_val_loss']:.4f} in {_duration(time.perf_counter() - rung_started)}; "
+            f"elapsed {_duration(elapsed)}, estimated time left {_duration(estimate_seconds(left, rate))} "
+            f"({rate:.3g} FLOP/s so far)")
+    from lit_pretrain.scaling.ladder_report import report
+
+    return report(grid, path, rungs, log=log, fitted=fitted)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="lit-pretrain ladder", description=__doc__.split("\n\n")[0])
+    parser.add_argument("grid", nargs="?", help=f"grid file (default {DEFAULT_GRID}; --small: {SMALL_GRID})")
+    parser.add_argument("--small", action="store_true", help=f"the small grid of seconds-long rungs ({SMALL_GRID})")
+    parser.add_argument("--max-rungs", type=int, help="train at most this many rungs in this call, then stop")
+    parser.add_argument("--plan", action="store_true", help="print the rungs and the time estimate; train nothing")
+    args = parser.parse_args(argv)
+    grid = args.grid or (SMALL_GRID if args.small else DEFAULT_GRID)
+    try:
+        run_ladder(grid, max_rungs=args.max_rungs, plan_only=args.plan, log=lambda *a: print(*a, flush=True))
+    except (ConfigError, DataError, RunFolderError) as err:
+        print(f"lit-pretrain ladder: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
