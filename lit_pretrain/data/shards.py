@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -212,8 +212,9 @@ def verify_shards(prepared_dir, manifest: Dict, checksums: bool = True) -> None:
                 raise DataError(f"shard {path} is corrupted (sha256 differs from the manifest's): {_REPREPARE}")
 
 
-def open_shard(path, dtype) -> np.ndarray:
-    return np.memmap(path, dtype=dtype, mode="r")
+def open_shard(path, dtype, offset: int = 0, tokens: Optional[int] = None) -> np.ndarray:
+    """`tokens` ids (default: to the end of the file) from byte `offset`, memory-mapped."""
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=None if tokens is None else (tokens,))
 
 
 def _file_sha256(path: Path) -> str:
