@@ -57,7 +57,7 @@ class ShardWindows(Dataset):
         offset = (index - self.starts[shard]) * self.seq_len
         if shard not in self._maps:
             byte_offset, tokens, dtype = self.spans[shard]
-            self._maps[shard] = open_shard(self.paths[shard], dtype, byte_offset, tokens)
+            self._maps[shard] = open_shard(self.paths[shard], dtype, byte_offset, tokens, random_access=True)
         window = torch.from_numpy(self._maps[shard][offset : offset + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]  # (T,) inputs, (T,) next-token targets
 
