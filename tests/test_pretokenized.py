@@ -277,3 +277,16 @@ def test_cold_reads_fetch_only_the_pages_the_windows_touch(tmp_path, tokenizer, 
         pytest.skip("this filesystem reports no reads (tmpfs?)")
     # The floor counts pages; the kernel may fault one page more at a mapping's edge: 1% slack.
     assert got["page_floor_bytes_per_token"] <= got["bytes_per_token"] <= 1.01 * got["page_floor_bytes_per_token"]
+
+
+def test_a_run_on_a_pretokenized_corpus_names_its_tokenizer_for_generate_and_export(tmp_path, tiny_data_dir,
+                                                                                     tokenizer, eod):
+    from lit_pretrain.data.shards import run_tokenizer_entry
+
+    folder, tok = run_tokenizer_entry(data_config("megatron", [tmp_path / "c"], tokenizer))
+    assert (folder / tok["file"], tok["eod_id"]) == (tokenizer.resolve(), eod)
+    mixed = replace(DataConfig(), tokenizer_path=str(tokenizer), sources=[
+        SourceConfig(name="mega", corpus="megatron", paths=["x"]), SourceConfig(name="ours")])
+    assert run_tokenizer_entry(mixed)[1] == tok
+    ours = run_tokenizer_entry(replace(DataConfig(), prepared_dir=str(tiny_data_dir)))
+    assert ours[1] == load_manifest(tiny_data_dir)["tokenizer"]

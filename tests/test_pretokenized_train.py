@@ -42,6 +42,9 @@ def test_megatron_corpus_trains_the_prepared_folders_losses_bitwise(tmp_path, ti
         assert a and a == b, key  # exact floats
     first, last = series(rows["megatron"], "train/loss")[0][1], series(rows["megatron"], "train/loss")[-1][1]
     assert last < first  # it learns: 4 steps at lr warmed up from step 1 take the tiny model's loss down
+    from lit_pretrain.generate import run_tokenizer
+
+    assert run_tokenizer(tmp_path / "megatron")[1] == run_tokenizer(tmp_path / "prepared")[1]  # generate's EOD id
 
 
 def test_mixture_with_a_megatron_source_resumes_bitwise_after_sigkill(tmp_path, tiny_data_dir, exported):

@@ -39,11 +39,10 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from lit_pretrain.data.shards import FORMAT_VERSION, token_dtype
+from lit_pretrain.data.shards import FORMAT_VERSION, PRETOKENIZED, token_dtype
 from lit_pretrain.data.tokenizer import load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import DataError
 
-PRETOKENIZED = ("megatron", "numpy", "nanogpt")
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
                    8: np.uint16}
