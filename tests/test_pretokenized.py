@@ -290,3 +290,26 @@ def test_a_run_on_a_pretokenized_corpus_names_its_tokenizer_for_generate_and_exp
     assert run_tokenizer_entry(mixed)[1] == tok
     ours = run_tokenizer_entry(replace(DataConfig(), prepared_dir=str(tiny_data_dir)))
     assert ours[1] == load_manifest(tiny_data_dir)["tokenizer"]
+
+
+def test_paths_take_folders_globs_and_either_megatron_file(tmp_path, tokenizer, eod):
+    from lit_pretrain.data.pretokenized import expand
+
+    for name in ("b", "a"):
+        megatron_by_spec(tmp_path / name, documents(eod=eod), np.uint16, 8)
+    assert expand("megatron", [str(tmp_path)]) == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert expand("megatron", [str(tmp_path / "b.bin"), str(tmp_path / "*.idx")]) == [str(tmp_path / "b"),
+                                                                                    str(tmp_path / "a")]
+    with pytest.raises(DataError, match=r"matches no .idx file"):
+        expand("megatron", [str(tmp_path / "z*")])
+    dm = datamodule(data_config("megatron", [tmp_path], tokenizer))
+    assert len(dm.manifest["splits"]["train"]["shards"]) == 2
+
+
+def test_export_data_command(tmp_path, tiny_data_dir, capsys):
+    from lit_pretrain.cli import main
+
+    assert main(["export-data", "--to", "numpy", str(tiny_data_dir), str(tmp_path / "n")]) == 0
+    assert f"wrote {tmp_path / 'n' / 'train.npy'}" in capsys.readouterr().out
+    assert main(["export-data", "--to", "numpy", str(tiny_data_dir), str(tmp_path / "n")]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err

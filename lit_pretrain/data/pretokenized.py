@@ -28,6 +28,7 @@ Validation: data.val_paths when given, else the last data.val_fraction of each f
 boundary where the format has them (Megatron's own splits are contiguous document ranges too).
 """
 
+import glob
 import gzip
 import hashlib
 import json
@@ -182,18 +183,32 @@ def read_nanogpt(path: str) -> TokenFile:
     return TokenFile(str(p), np.dtype(np.uint16), 0, size // 2, None)
 
 
-def token_files(cfg, paths: List[str], dtype: np.dtype) -> List[TokenFile]:
-    out = []
-    for entry in paths:
-        entry = str(entry)
-        if cfg.corpus == "megatron":
-            prefix = entry[:-4] if entry.endswith((".bin", ".idx")) else entry
-            out.append(read_megatron(prefix))
-        elif cfg.corpus == "numpy":
-            out.append(read_numpy(entry, dtype))
+_SUFFIX = {"megatron": ".idx", "numpy": ".npy", "nanogpt": ".bin"}
+
+
+def expand(corpus: str, entries: List[str]) -> List[str]:
+    """data.paths entries as files (Megatron: prefixes), in the order given: a folder contributes its files of the
+    format's suffix (.idx, .npy, .bin) beneath it, a glob pattern its matches, each sorted; a Megatron entry may
+    name the prefix or either of its files."""
+    out: Dict[str, None] = {}  # insertion-ordered, each file once
+    for entry in map(str, entries):
+        if Path(entry).is_dir():
+            found = sorted(str(p) for p in Path(entry).rglob(f"*{_SUFFIX[corpus]}"))
+        elif glob.has_magic(entry):
+            found = sorted(glob.glob(entry))
         else:
-            out.append(read_nanogpt(entry))
-    return out
+            found = [entry]
+        if not found:
+            raise DataError(f"data.paths entry {entry!r} matches no {_SUFFIX[corpus]} file: fix data.paths")
+        if corpus == "megatron":
+            found = [f[:-4] if f.endswith((".bin", ".idx")) else f for f in found]
+        out.update(dict.fromkeys(found))
+    return list(out)
+
+
+def token_files(cfg, paths: List[str], dtype: np.dtype) -> List[TokenFile]:
+    read = {"megatron": read_megatron, "numpy": lambda p: read_numpy(p, dtype), "nanogpt": read_nanogpt}[cfg.corpus]
+    return [read(path) for path in expand(cfg.corpus, paths)]
 
 
 def check_ids(tf: TokenFile, vocab_size: int, eod: int, tokenizer: str, cut: int) -> tuple:
