@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from lit_pretrain import config
 from lit_pretrain.data.datamodule import TokenShardDataModule
@@ -80,8 +81,8 @@ def data_config(corpus, paths, tokenizer, **kw) -> DataConfig:
     return DataConfig(corpus=corpus, paths=[str(p) for p in paths], tokenizer_path=str(tokenizer), **kw)
 
 
-def datamodule(data, **kw):
-    dm = TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=2, seed=0, val_batches=2, **kw)
+def datamodule(data, micro_batch_size=2, **kw):
+    dm = TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=micro_batch_size, seed=0, val_batches=2, **kw)
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -313,3 +314,14 @@ def test_export_data_command(tmp_path, tiny_data_dir, capsys):
     assert f"wrote {tmp_path / 'n' / 'train.npy'}" in capsys.readouterr().out
     assert main(["export-data", "--to", "numpy", str(tiny_data_dir), str(tmp_path / "n")]) == 2
     assert "exists and is not an empty folder" in capsys.readouterr().err
+
+
+def test_ranks_split_each_global_batch_of_a_pretokenized_corpus_as_one_process_reads_it(tmp_path, tokenizer, eod):
+    megatron_by_spec(tmp_path / "c", documents(n=200, eod=eod), np.uint16, 8)
+    data = data_config("megatron", [tmp_path / "c"], tokenizer)
+    one = [b[0] for b, _ in zip(datamodule(replace(data), micro_batch_size=4).train_dataloader(), range(3))]
+    two = [[b[0] for b, _ in zip(datamodule(replace(data), rank=r, world_size=2).train_dataloader(), range(3))]
+           for r in range(2)]
+    for k in range(3):  # global batch k: rank 0 reads positions 0, 2, ..., rank 1 positions 1, 3, ...
+        merged = torch.stack([two[r][k][i] for i in range(2) for r in range(2)])
+        assert torch.equal(merged, one[k])

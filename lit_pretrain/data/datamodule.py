@@ -343,10 +343,8 @@ def source_configs(data) -> List:
                    if hasattr(data, f.name) and getattr(src, f.name) is not None}
         changes.update(prepared_dir=src.prepared_dir or str(Path(data.prepared_dir) / src.name), sources=[],
                        mixture_schedule=[])
-        if out and data.tokenizer_path is None:  # a pretokenized first source names its tokenizer itself
-            first = out[0]
-            changes["tokenizer_path"] = (first.tokenizer_path if is_pretokenized(first) else
-                                         str(Path(first.prepared_dir) / TOKENIZER_FILE))
+        if out and data.tokenizer_path is None:  # (a pretokenized first source needs data.tokenizer_path: schema)
+            changes["tokenizer_path"] = str(Path(out[0].prepared_dir) / TOKENIZER_FILE)
         out.append(dataclasses.replace(data, **changes))
     return out
 
