@@ -3,9 +3,11 @@ bit for bit after SIGKILL: real `lit-pretrain train` runs in subprocesses (tests
 
 import signal
 
+import numpy as np
 import pytest
 
 from lit_pretrain.data.export import export_data
+from lit_pretrain.generate import run_tokenizer
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
 from tests.test_resume import COMMON, assert_same_run, extra, latest
@@ -42,8 +44,6 @@ def test_megatron_corpus_trains_the_prepared_folders_losses_bitwise(tmp_path, ti
         assert a and a == b, key  # exact floats
     first, last = series(rows["megatron"], "train/loss")[0][1], series(rows["megatron"], "train/loss")[-1][1]
     assert last < first  # it learns: 4 steps at lr warmed up from step 1 take the tiny model's loss down
-    from lit_pretrain.generate import run_tokenizer
-
     assert run_tokenizer(tmp_path / "megatron")[1] == run_tokenizer(tmp_path / "prepared")[1]  # generate's EOD id
 
 
@@ -63,3 +63,14 @@ def test_mixture_with_a_megatron_source_resumes_bitwise_after_sigkill(tmp_path, 
     assert_same_run(tmp_path / "ref", tmp_path / "run")
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
     assert any(r.get("data/mega/tokens_seen", 0) > 0 for r in rows)  # the Megatron source was trained on
+
+
+def test_an_id_past_the_vocabulary_stops_train_before_the_run_folder(tmp_path, tiny_data_dir, exported):
+    ids = np.fromfile(exported / "train.bin", dtype=np.uint16)
+    ids[1000] = 700  # the tiny tokenizer has 512 ids
+    ids.tofile(tmp_path / "bad.bin")
+    out = run_module(*train_args(tiny_data_dir, tmp_path, "bad"), "data.corpus=nanogpt",
+                     f"data.paths=['{tmp_path / 'bad.bin'}']", f"data.tokenizer_path={exported / 'tokenizer.json'}",
+                     rc=2)
+    assert f"{tmp_path / 'bad.bin'}: id 700 at token offset 1000 (byte 2000) is outside the vocabulary" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "bad").exists()
