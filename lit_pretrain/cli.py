@@ -1,5 +1,5 @@
-"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`, `checkpoint inspect | consolidate`:
-parse, load the config, call one function."""
+"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`, `export-data`, `checkpoint inspect |
+consolidate`: parse, load the config, call one function."""
 
 import argparse
 import dataclasses
@@ -124,6 +124,12 @@ def _hf_commands(sub) -> None:
     cmd.add_argument("source", metavar="RUN_OR_CKPT", help="a run folder (its last.ckpt) or a checkpoint file in one")
     cmd.add_argument("--to", choices=["hf"], required=True, help="the format: hf (Hugging Face transformers)")
     cmd.add_argument("out", metavar="OUT", help="the folder to write; it must not exist or be empty")
+    text = ("write a prepared folder's token shards in another pipeline's format: megatron (.bin + .idx) or numpy "
+            "(OLMo-core's flat ids + .csv.gz document offsets), with its tokenizer.json")
+    cmd = sub.add_parser("export-data", help=text, description=text)
+    cmd.add_argument("--to", choices=["megatron", "numpy"], required=True, help="the format")
+    cmd.add_argument("prepared_dir", metavar="PREPARED_DIR", help="a folder `lit-pretrain prepare` wrote")
+    cmd.add_argument("out", metavar="OUT", help="the folder to write; it must not exist or be empty")
     text = "start a run from a transformers Llama folder's weights (continued pretraining)"
     cmd = sub.add_parser("import", help=text, description=text)
     cmd.add_argument("hf_folder", metavar="HF_FOLDER", help="config.json (LlamaForCausalLM) and model.safetensors")
@@ -212,6 +218,12 @@ def main(argv=None) -> int:
         if args.command in ("export", "import"):
             _run_hf(args)
             return 0
+        if args.command == "export-data":
+            from lit_pretrain.data.export import export_data
+
+            for path in export_data(args.prepared_dir, args.out, args.to):
+                print(f"wrote {path}")
+            return 0
         from lit_pretrain import config
 
         cfg = config.load(args.run_file, args.overrides)
@@ -222,10 +234,13 @@ def main(argv=None) -> int:
         elif args.command == "prepare":
             from lit_pretrain.data.datamodule import prepare_sources
             from lit_pretrain.data.prepare import prepare
+            from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
 
             data = config.to_object(cfg).data
             if data.sources:  # a mixture: each source's own folder
                 prepare_sources(data)
+            elif is_pretokenized(data):  # nothing to write: the files are checked where they lie
+                open_corpus(data)
             else:
                 prepare(data)
         else:

@@ -147,13 +147,12 @@ def resolve(source) -> Tuple[Path, str]:
 def run_tokenizer(run_dir: Path):
     """The tokenizer a run trained on, from its config's data.prepared_dir, and its end-of-document id."""
     from lit_pretrain import config as config_lib
-    from lit_pretrain.data.shards import load_manifest, tokenizer_folder
+    from lit_pretrain.data.shards import run_tokenizer_entry
     from lit_pretrain.data.tokenizer import load_tokenizer
 
-    prepared = tokenizer_folder(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
-    manifest = load_manifest(prepared)
+    folder, tok = run_tokenizer_entry(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
     # eos_token=None: prepare checked the folder's end-of-document token (data.eos_token, any name); its id is here.
-    return load_tokenizer(prepared / manifest["tokenizer"]["file"], eos_token=None), manifest["tokenizer"]["eod_id"]
+    return load_tokenizer(folder / tok["file"], eos_token=None), tok["eod_id"]
 
 
 def main(args) -> None:

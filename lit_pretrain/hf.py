@@ -23,7 +23,7 @@ import torch
 
 from lit_pretrain import config as config_lib
 from lit_pretrain.checkpoints import load_gpt
-from lit_pretrain.data.shards import load_manifest, tokenizer_folder
+from lit_pretrain.data.shards import pretokenized_run, run_tokenizer_entry, tokenizer_folder
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.llama import (
@@ -72,12 +72,13 @@ def resolve_source(source: str | Path) -> Tuple[Path, str]:
 
 def run_tokenizer(run_dir: Path) -> Path:
     """The tokenizer.json a run trained with: its data.prepared_dir's, checked against the manifest's sha256."""
-    prepared = tokenizer_folder(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
-    if not prepared.is_dir():
+    data = config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data
+    prepared = tokenizer_folder(data)
+    if not pretokenized_run(data) and not prepared.is_dir():
         raise DataError(f"data.prepared_dir {prepared} in {run_dir / 'config.yaml'} does not exist: export copies the "
                         "run's tokenizer from there; run from the folder the run was trained in")
-    tok = load_manifest(prepared)["tokenizer"]
-    path = prepared / tok["file"]
+    folder, tok = run_tokenizer_entry(data)  # a pretokenized corpus: data.tokenizer_path itself
+    path = folder / tok["file"]
     if not path.is_file() or tokenizer_sha256(path) != tok["sha256"]:
         raise DataError(f"{path} is missing or differs from the one {prepared / 'manifest.json'} records (sha256)")
     return path

@@ -106,6 +106,8 @@ class SourceConfig:
     """As data.corpus (null: data.corpus)."""
     paths: Optional[List[str]] = None
     """As data.paths (null: data.paths)."""
+    val_paths: Optional[List[str]] = None
+    """As data.val_paths (null: data.val_paths)."""
     text_field: Optional[str] = None
     """As data.text_field (null: data.text_field)."""
     max_documents: Optional[int] = None
@@ -131,13 +133,22 @@ class MixturePhase:
 
 @dataclass
 class DataConfig:
-    corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl", "parquet"]})
+    corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl", "parquet", "megatron",
+                                                                "numpy", "nanogpt"]})
     """Where documents come from. stdlib: the Python standard library's own .py files (on every machine,
     no download); text: plain text files, one document per file; jsonl: one JSON object per line, in .jsonl,
     .jsonl.gz or .jsonl.zst files; parquet: one row per document, text in column data.text_field. All are read as
-    streams (data/readers.py); jsonl.zst and parquet need `pip install lit-pretrain[data]`."""
+    streams (data/readers.py); jsonl.zst and parquet need `pip install lit-pretrain[data]`.
+    Corpora tokenized elsewhere, memory-mapped where they lie and trained on as they are (no prepare, no
+    data.prepared_dir; data/pretokenized.py): megatron: Megatron-LM's PREFIX.bin + PREFIX.idx; numpy: OLMo-core's
+    flat uint16/uint32 id files, with NAME.csv.gz document offsets beside them when present; nanogpt: nanoGPT's
+    uint16 .bin files or llm.c's headed ones. They need data.tokenizer_path (the tokenizer the ids came from)."""
     paths: List[str] = field(default_factory=list)
-    """Files, directories or glob patterns of the corpus (text and jsonl); directories are searched recursively."""
+    """Files, directories or glob patterns of the corpus (text and jsonl); directories are searched recursively.
+    megatron: prefixes (or their .bin/.idx files); numpy, nanogpt: the id files."""
+    val_paths: List[str] = field(default_factory=list)
+    """megatron, numpy, nanogpt only: files of the validation split (e.g. nanoGPT's val.bin). Empty: the last
+    data.val_fraction of each file of data.paths (cut at a document boundary where the format has them)."""
     text_field: str = "text"
     """For jsonl: the key holding a document's text; for parquet: the column."""
     prepared_dir: str = "data/stdlib"
@@ -151,7 +162,8 @@ class DataConfig:
     tokenizer_train_bytes: int = field(default=16_000_000, metadata={"ge": 1})
     """Train the tokenizer on at most this many bytes of training documents (in corpus order)."""
     val_fraction: float = field(default=0.02, metadata={"gt": 0.0, "lt": 1.0})
-    """Fraction of documents held out for validation, chosen by a seeded hash of the document id."""
+    """Fraction of documents held out for validation, chosen by a seeded hash of the document id (pretokenized
+    corpora: the last fraction of each file's tokens, unless data.val_paths is set)."""
     split_seed: int = 1234
     """Seed of the document-level train/validation split."""
     max_documents: Optional[int] = field(default=None, metadata={"ge": 1})
@@ -204,6 +216,12 @@ class DataConfig:
 
     def __post_init__(self):
         self.check_mixture()
+        if self.corpus in ("megatron", "numpy", "nanogpt") and not self.sources and self.tokenizer_path is None:
+            raise ConfigError(f"data.corpus={self.corpus} holds ids of another pipeline's tokenizer: set "
+                              "data.tokenizer_path to that tokenizer.json (the ids are checked against it)")
+        if self.val_paths and self.corpus not in ("megatron", "numpy", "nanogpt"):
+            raise ConfigError(f"data.val_paths is for pretokenized corpora (megatron, numpy, nanogpt), not "
+                              f"data.corpus={self.corpus}: unset it (data.val_fraction holds documents out)")
 
     def check_mixture(self) -> None:
         """The mixture's own rules, at config load (ranges of list items are not reached by config.check_ranges)."""

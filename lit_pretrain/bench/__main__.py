@@ -59,9 +59,11 @@ def _precision(r: _Run) -> List[Dict]:
 
 
 def _datamodule(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import datamodule
+    from lit_pretrain.bench import datamodule, pretokenized
 
-    return [datamodule.run(r.c, r.sample, consumed_tokens_per_s=r.step_tokens_per_s(), repeats=r.args.repeats)]
+    consumed = r.step_tokens_per_s()
+    return [datamodule.run(r.c, r.sample, consumed_tokens_per_s=consumed, repeats=r.args.repeats),
+            *pretokenized.run(r.c, r.sample, consumed, r.args.repeats, r.tmp)]  # the same over a Megatron corpus
 
 
 def _tokenize(r: _Run) -> List[Dict]:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from lit_pretrain.data.mixture import MixtureOrder, MixtureSampler, MixtureWindows, val_batches
 from lit_pretrain.data.prepare import prepare
+from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
 from lit_pretrain.data.shards import SPLITS, TOKENIZER_FILE, check_config, load_manifest, open_shard, verify_shards
 from lit_pretrain.data.tokenizer import load_tokenizer, token_byte_lengths
 from lit_pretrain.data.train_loader import TrainLoader
@@ -32,10 +33,12 @@ from lit_pretrain.errors import DataError
 
 class ShardWindows(Dataset):
     """The windows of one split's shards. Memmaps open on first use in each process, so the dataset pickles small
-    into spawned DataLoader workers (a pickled np.memmap would copy its whole shard)."""
+    into spawned DataLoader workers (a pickled np.memmap would copy its whole shard). A shard may be a span of a
+    file in another format (data/pretokenized.py): its entry then holds the byte "offset" and the "dtype"."""
 
     def __init__(self, folder, shards: List[Dict], dtype: str, seq_len: int):
         self.paths = [str(Path(folder) / s["file"]) for s in shards]
+        self.spans = [(s.get("offset", 0), s["tokens"], s.get("dtype", dtype)) for s in shards]
         self.dtype, self.seq_len = dtype, seq_len
         # A shard of n tokens holds (n - 1) // seq_len windows of seq_len + 1 tokens at stride seq_len.
         counts = [max(0, (s["tokens"] - 1) // seq_len) for s in shards]
@@ -53,7 +56,8 @@ class ShardWindows(Dataset):
         shard = bisect.bisect_right(self.starts, index) - 1  # skips shards with no window (equal starts)
         offset = (index - self.starts[shard]) * self.seq_len
         if shard not in self._maps:
-            self._maps[shard] = open_shard(self.paths[shard], self.dtype)
+            byte_offset, tokens, dtype = self.spans[shard]
+            self._maps[shard] = open_shard(self.paths[shard], dtype, byte_offset, tokens, random_access=True)
         window = torch.from_numpy(self._maps[shard][offset : offset + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]  # (T,) inputs, (T,) next-token targets
 
@@ -148,9 +152,9 @@ class TokenShardDataModule(L.LightningDataModule):
         """The prepared folder's manifest; for a mixture, combined_manifest of the sources'."""
         if self._manifest is None:
             if self.data.sources:
-                self._use_sources([load_manifest(cfg.prepared_dir) for cfg in source_configs(self.data)])
+                self._use_sources([read_source(cfg) for cfg in source_configs(self.data)])
             else:
-                self._manifest = load_manifest(self.prepared_dir)
+                self._manifest = read_source(self.data)
         return self._manifest
 
     @property
@@ -182,13 +186,13 @@ class TokenShardDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         if self._manifest is None:  # once per process: train() prepares before Lightning calls this again
             if not self.data.sources:
-                self._manifest = prepare(self.data)
+                self._manifest = open_corpus(self.data) if is_pretokenized(self.data) else prepare(self.data)
                 return
             self._use_sources(prepare_sources(self.data))
 
     def _use_sources(self, manifests: List[Dict]) -> None:
-        for i, cfg in enumerate(source_configs(self.data)[1:], start=1):
-            check_tokenizer(cfg.prepared_dir, manifests[0], i)
+        for i, m in enumerate(manifests[1:], start=1):
+            same_tokenizer(m, manifests[0], i)
         self.source_manifests = manifests
         self._manifest = combined_manifest(self.source_names, manifests)
 
@@ -196,19 +200,11 @@ class TokenShardDataModule(L.LightningDataModule):
         if self.train_dataset is not None:  # fit then validate calls setup twice
             return
         if self.data.sources:
-            manifests = []
-            for cfg in source_configs(self.data):
-                manifests.append(load_manifest(cfg.prepared_dir))
-                check_config(manifests[-1], cfg, cfg.prepared_dir)
-                verify_shards(cfg.prepared_dir, manifests[-1])
-            self._use_sources(manifests)
+            self._use_sources([read_source(cfg, verify=True) for cfg in source_configs(self.data)])
             _, world_size = self.rank_and_world_size()
             self.train_dataset, self.val_dataset = self.windows(self._manifest, world_size)
             return
-        manifest = load_manifest(self.prepared_dir)
-        check_config(manifest, self.data, self.prepared_dir)
-        verify_shards(self.prepared_dir, manifest)
-        self._manifest = manifest
+        manifest = self._manifest = read_source(self.data, verify=True)
         _, world_size = self.rank_and_world_size()
         self.train_dataset, self.val_dataset = self.windows(manifest, world_size)
 
@@ -347,7 +343,7 @@ def source_configs(data) -> List:
                    if hasattr(data, f.name) and getattr(src, f.name) is not None}
         changes.update(prepared_dir=src.prepared_dir or str(Path(data.prepared_dir) / src.name), sources=[],
                        mixture_schedule=[])
-        if out and data.tokenizer_path is None:
+        if out and data.tokenizer_path is None:  # (a pretokenized first source needs data.tokenizer_path: schema)
             changes["tokenizer_path"] = str(Path(out[0].prepared_dir) / TOKENIZER_FILE)
         out.append(dataclasses.replace(data, **changes))
     return out
@@ -357,10 +353,35 @@ def prepare_sources(data) -> List[Dict]:
     """Prepare (or reuse) every source's folder, the first first (the others may take its tokenizer)."""
     manifests = []
     for i, cfg in enumerate(source_configs(data)):
+        if is_pretokenized(cfg):
+            manifests.append(open_corpus(cfg))
+            continue
         if manifests:
             check_tokenizer(cfg.prepared_dir, manifests[0], i)  # before prepare() calls it a changed file
         manifests.append(prepare(cfg))
     return manifests
+
+
+def read_source(cfg, verify: bool = False) -> Dict:
+    """The manifest of a corpus already prepared (checked against cfg and its shards when `verify`), or of a
+    pretokenized corpus (data/pretokenized.py, checked once per process)."""
+    if is_pretokenized(cfg):
+        return open_corpus(cfg)
+    manifest = load_manifest(cfg.prepared_dir)
+    if verify:
+        check_config(manifest, cfg, cfg.prepared_dir)
+        verify_shards(cfg.prepared_dir, manifest)
+    return manifest
+
+
+def same_tokenizer(manifest: Dict, first: Dict, index: int) -> None:
+    """A DataError when data.sources[index] was tokenized by another tokenizer than the first source."""
+    sha = manifest["tokenizer"]["sha256"]
+    if sha != first["tokenizer"]["sha256"]:
+        raise DataError(
+            f"data.sources[{index}] was tokenized with another tokenizer ({manifest['tokenizer']['file']}, sha256 "
+            f"{sha[:12]}; the first source's is {first['tokenizer']['sha256'][:12]}): all sources share one "
+            "tokenizer; give it a new prepared_dir, or data.tokenizer_path for a pretokenized source")
 
 
 def check_tokenizer(prepared_dir, first: Dict, index: int) -> None:

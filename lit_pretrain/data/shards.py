@@ -7,9 +7,10 @@ with `np.memmap`, so a shard is never loaded whole.
 
 import hashlib
 import json
+import mmap
 import os
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -20,6 +21,7 @@ MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
+PRETOKENIZED = ("megatron", "numpy", "nanogpt")  # data.corpus kinds trained on in place (data/pretokenized.py)
 # DataConfig fields that decide what a prepared folder holds; num_workers and prepared_dir do not.
 CONTENT_FIELDS = (
     "corpus",
@@ -212,8 +214,15 @@ def verify_shards(prepared_dir, manifest: Dict, checksums: bool = True) -> None:
                 raise DataError(f"shard {path} is corrupted (sha256 differs from the manifest's): {_REPREPARE}")
 
 
-def open_shard(path, dtype) -> np.ndarray:
-    return np.memmap(path, dtype=dtype, mode="r")
+def open_shard(path, dtype, offset: int = 0, tokens: Optional[int] = None, random_access: bool = False) -> np.ndarray:
+    """`tokens` ids (default: to the end of the file) from byte `offset`, memory-mapped. `random_access`: the
+    windows are read in shuffled order, so the kernel is told not to read ahead (MADV_RANDOM): with its default
+    readahead a cold read of one 257-id window fetched 109 bytes per id, 55x the ids and 6.5x the 4 KiB pages the
+    window touches (bench/pretokenized.py, seq_len 256, uint16)."""
+    ids = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=None if tokens is None else (tokens,))
+    if random_access and hasattr(mmap, "MADV_RANDOM") and ids.size:
+        ids._mmap.madvise(mmap.MADV_RANDOM)  # numpy keeps the mmap it maps the file with here; no public handle
+    return ids
 
 
 def _file_sha256(path: Path) -> str:
@@ -222,6 +231,26 @@ def _file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def pretokenized_run(data) -> bool:
+    """Whether a run's tokenizer comes from data.tokenizer_path as is: its (first source's) corpus is pretokenized."""
+    first = data.sources[0] if getattr(data, "sources", None) else data
+    return (first.corpus or data.corpus) in PRETOKENIZED
+
+
+def run_tokenizer_entry(data) -> Tuple[Path, Dict]:
+    """(folder, tokenizer entry of its manifest) of a run's tokenizer, the file being folder / entry["file"]: the
+    prepared folder's (tokenizer_folder), or for a pretokenized corpus (of the first source, for a mixture)
+    data.tokenizer_path itself, with its data.eos_token id, as data/pretokenized.py records it."""
+    if not pretokenized_run(data):
+        folder = tokenizer_folder(data)
+        return folder, load_manifest(folder)["tokenizer"]
+    from lit_pretrain.data.tokenizer import load_tokenizer
+
+    path = Path(data.tokenizer_path).resolve()
+    return path.parent, {"file": path.name, "sha256": tokenizer_sha256(path),
+                         "eod_id": load_tokenizer(path, data.eos_token).token_to_id(data.eos_token)}
 
 
 def tokenizer_folder(data) -> Path:

@@ -45,11 +45,11 @@ def parse_limit(text: Optional[str]) -> Optional[float]:
 def load_run_tokenizer(run_dir: Path):
     """The tokenizer the run trained with: tokenizer.json of its config's data.prepared_dir."""
     from lit_pretrain import config as config_lib
-    from lit_pretrain.data.shards import load_manifest, tokenizer_folder
+    from lit_pretrain.data.shards import run_tokenizer_entry
     from lit_pretrain.data.tokenizer import load_tokenizer
 
-    prepared = tokenizer_folder(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
-    return load_tokenizer(prepared / load_manifest(prepared)["tokenizer"]["file"], eos_token=None)
+    folder, tok = run_tokenizer_entry(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
+    return load_tokenizer(folder / tok["file"], eos_token=None)
 
 
 def checkpoint_step(run_dir: Path, checkpoint: str) -> Optional[int]:
