@@ -56,8 +56,13 @@ def open_run(run) -> Plan:
         check_run_dir(run.root_dir, run.name, run.overwrite)  # refused now, before any data is prepared
         return Plan(run_dir, None, [])
     if run.overwrite:
-        raise RunFolderError(f"run.resume={run.resume} and run.overwrite=true contradict each other (overwrite "
-                             f"deletes {run_dir}): drop one")
+        if run_dir.is_dir() and not is_empty(run_dir):
+            raise RunFolderError(f"run.resume={run.resume} and run.overwrite=true contradict each other (overwrite "
+                                 f"would delete {run_dir}, which the resume continues in): drop one")
+        # Nothing there to delete: say so, rather than name a deletion that would not happen.
+        state = "is empty" if run_dir.is_dir() else "does not exist yet"
+        raise RunFolderError(f"run.overwrite=true has nothing to delete: run folder {run_dir} {state}, and "
+                             f"run.resume={run.resume} starts it from that checkpoint: drop run.overwrite")
     if not (run_dir.is_dir() and holds_results(run_dir)):
         check_run_dir(run.root_dir, run.name, overwrite=False)  # a resume into a new run folder (make_run_dir)
     os.environ[RESOLVED_ENV] = str(checkpoint.resolve())
