@@ -188,6 +188,7 @@ def train(cfg: DictConfig) -> dict:
         # confined to run.root_dir, marker checked), so the retry after fixing the cause is not refused.
         if plan.created and remove_failed_start(c.run.root_dir, run_dir):
             print(f"removed {run_dir} again: the run failed before writing a checkpoint or a metric", flush=True)
+        resume_session.release(plan)  # after the removal: no other start can have claimed the folder in between
         raise
     # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -243,6 +244,7 @@ def train(cfg: DictConfig) -> dict:
         for logger in trainer.loggers:
             if type(logger).__name__ == "WandbLogger":
                 logger.experiment.finish()  # else a second train() in this process would log into this run
+    resume_session.release(plan)
     return summary
 
 
