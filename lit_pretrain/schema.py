@@ -346,8 +346,11 @@ class TrainerConfig:
     """torch intra-op threads per process. null: the cores divided by the processes on this node."""
     val_every_n_steps: int = field(default=200, metadata={"ge": 1})
     """Run validation every this many optimizer steps (and once at the end)."""
-    val_batches: int = field(default=20, metadata={"ge": 1})
-    """Validation micro-batches per device each time (a fixed, deterministic subset of the validation split)."""
+    val_windows: int = field(default=160, metadata={"ge": 1})
+    """Validation windows (of model.seq_len + 1 tokens) each time, in all: the first val_windows of the validation
+    split (fewer if it is smaller; of each source, for a mixture), one fixed set for any number of processes and any
+    layout, split across the data-parallel ranks (data/validation.py). val/loss is the mean over all their predicted
+    tokens. Replaces trainer.val_batches (batches per device, so the set grew with the processes)."""
     log_every_n_steps: int = field(default=10, metadata={"ge": 1})
     """Write metrics every this many optimizer steps."""
     checkpoint_every_n_steps: int = field(default=500, metadata={"ge": 0})

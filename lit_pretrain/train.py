@@ -122,7 +122,7 @@ def train(cfg: DictConfig) -> dict:
     run_dir = plan.run_dir
 
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
-                                      seed=c.run.seed, val_batches=c.trainer.val_batches)
+                                      seed=c.run.seed, val_windows=c.trainer.val_windows)
     # Prepared here, before the Trainer, because the model's vocabulary size comes from the tokenizer. Under the
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
@@ -164,8 +164,8 @@ def train(cfg: DictConfig) -> dict:
         accumulate_grad_batches=accumulate,
         # Lightning counts validation intervals in micro-batches; ours are optimizer steps.
         val_check_interval=c.trainer.val_every_n_steps * accumulate, check_val_every_n_epoch=None,
-        # A mixture validates val_batches of each source (data/mixture.py val_batches).
-        limit_val_batches=c.trainer.val_batches * max(1, len(c.data.sources)), num_sanity_val_steps=0,
+        # The validation loader is the fixed set (trainer.val_windows, data/validation.py): all of it.
+        limit_val_batches=1.0, num_sanity_val_steps=0,
         log_every_n_steps=c.trainer.log_every_n_steps, logger=loggers(run_dir, c), callbacks=callbacks,
         enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
         enable_checkpointing=False,  # resume.checkpointing.StepCheckpoint writes the checkpoints

@@ -25,7 +25,7 @@ from lit_pretrain.train import train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
 OVERRIDES = ["trainer.progress_bar=false", "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=1",
-             "trainer.val_every_n_steps=2", "trainer.val_batches=1", "schedule.warmup_steps=1"]
+             "trainer.val_every_n_steps=2", "trainer.val_windows=8", "schedule.warmup_steps=1"]
 
 
 def tiny(root, data_dir, *extra):

@@ -180,7 +180,7 @@ class FailOnFitStart(Callback):
 def tiny(tmp_path, data_dir, name, *extra):
     return config.load(RUN_FILE, [*tiny_data_overrides(data_dir), f"run.root_dir={tmp_path / 'runs'}",
                                   f"run.name={name}", "trainer.progress_bar=false", "trainer.max_steps=2",
-                                  "schedule.warmup_steps=1", "trainer.val_every_n_steps=2", "trainer.val_batches=1",
+                                  "schedule.warmup_steps=1", "trainer.val_every_n_steps=2", "trainer.val_windows=8",
                                   *extra])
 
 
