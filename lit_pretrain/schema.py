@@ -356,7 +356,8 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = field(default=500, metadata={"ge": 0})
     """Save a checkpoint every this many optimizer steps (0: only the final one)."""
     progress_bar: bool = True
-    """Show Lightning's progress bar."""
+    """Show Lightning's progress bar when stdout is a terminal; otherwise (a log file) print one line per validation,
+    step and losses, instead of the bar's redraws (lit_pretrain/console.py)."""
     compile: Union[bool, str] = field(default="auto", metadata={"choices": [True, False, "auto"]})
     """torch.compile of the training step (parallel/compile.py: each block's forward and the loss). The first steps
     pay the compile time (tens of seconds on a cold cache), later ones run faster. auto: compile when a C++

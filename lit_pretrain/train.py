@@ -10,11 +10,12 @@ from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Timer, TQDMProgressBar
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config as config_lib
+from lit_pretrain import console
 from lit_pretrain.callbacks import build_callbacks
 from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
@@ -107,6 +108,7 @@ def loggers(run_dir: Path, c: Config) -> list:
 def train(cfg: DictConfig) -> dict:
     """Run one experiment; return its summary (also written to runs/<name>/summary.json)."""
     started = time.perf_counter()
+    console.quiet()
     c = config_lib.to_object(cfg)
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
@@ -156,18 +158,17 @@ def train(cfg: DictConfig) -> dict:
         *([ProfileSteps(run_dir, c.trainer.profile.start_step, c.trainer.profile.steps)] if c.trainer.profile else []),
         *([MixtureMetrics()] if c.data.sources else []),  # data/<source>/tokens_seen and epochs
     ]
-    if c.trainer.progress_bar:
-        callbacks.append(TQDMProgressBar(refresh_rate=max(1, accumulate)))
+    callbacks += console.progress_callbacks(c.trainer.progress_bar, refresh_rate=max(1, accumulate))
     trainer = L.Trainer(
         accelerator=c.trainer.accelerator, devices=c.trainer.devices, num_nodes=c.trainer.num_nodes,
         strategy=strategy, precision=c.trainer.precision, max_steps=c.trainer.max_steps,
         accumulate_grad_batches=accumulate,
         # Lightning counts validation intervals in micro-batches; ours are optimizer steps.
         val_check_interval=c.trainer.val_every_n_steps * accumulate, check_val_every_n_epoch=None,
-        # The validation loader is the fixed set (trainer.val_windows, data/validation.py): all of it.
-        limit_val_batches=1.0, num_sanity_val_steps=0,
+        # limit_val_batches left unset: the validation loader is the fixed set (data/validation.py), all of it.
+        num_sanity_val_steps=0,
         log_every_n_steps=c.trainer.log_every_n_steps, logger=loggers(run_dir, c), callbacks=callbacks,
-        enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
+        enable_progress_bar=console.has_bar(callbacks), enable_model_summary=False,
         enable_checkpointing=False,  # resume.checkpointing.StepCheckpoint writes the checkpoints
         # Our sampler defines one global order for any number of ranks; Lightning's would replace it.
         use_distributed_sampler=False, default_root_dir=str(run_dir), plugins=resume_session.plugins(run_dir),

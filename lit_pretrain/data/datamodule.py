@@ -29,6 +29,7 @@ from lit_pretrain.data.tokenizer import load_tokenizer, token_byte_lengths
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.data.validation import PaddedWindows, val_batches
 from lit_pretrain.errors import DataError
+from lit_pretrain.runs import is_primary_process
 
 
 class ShardWindows(Dataset):
@@ -182,10 +183,13 @@ class TokenShardDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self._manifest is None:  # once per process: train() prepares before Lightning calls this again
+            # Every rank prepares (train() calls this before the launcher starts the others, which then verify and
+            # reuse); rank 0 alone says so.
+            log = print if is_primary_process() else _silent
             if not self.data.sources:
-                self._manifest = prepare(self.data)
+                self._manifest = prepare(self.data, log=log)
                 return
-            self._use_sources(prepare_sources(self.data))
+            self._use_sources(prepare_sources(self.data, log))
 
     def _use_sources(self, manifests: List[Dict]) -> None:
         for i, cfg in enumerate(source_configs(self.data)[1:], start=1):
@@ -349,13 +353,17 @@ def source_configs(data) -> List:
     return out
 
 
-def prepare_sources(data) -> List[Dict]:
+def _silent(*_) -> None:
+    pass
+
+
+def prepare_sources(data, log=print) -> List[Dict]:
     """Prepare (or reuse) every source's folder, the first first (the others may take its tokenizer)."""
     manifests = []
     for i, cfg in enumerate(source_configs(data)):
         if manifests:
             check_tokenizer(cfg.prepared_dir, manifests[0], i)  # before prepare() calls it a changed file
-        manifests.append(prepare(cfg))
+        manifests.append(prepare(cfg, log=log))
     return manifests
 
 
