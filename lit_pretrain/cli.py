@@ -87,7 +87,8 @@ def _checkpoint_commands(sub) -> None:
             "a sharded folder's manifest.json, every file it lists (size, sha256), then DCP's .metadata; or a .ckpt "
             "and its .ckpt.json sidecar")
     cmd = actions.add_parser("inspect", help=text.split(". ")[0], description=text)
-    cmd.add_argument("ckpt", metavar="CKPT", help="a sharded checkpoint folder (checkpoints/step0000012/) or a .ckpt")
+    cmd.add_argument("ckpt", metavar="CKPT", help="a run folder (runs/<name>: its newest checkpoint, as load_gpt "
+                     "reads), a sharded checkpoint folder (checkpoints/step0000012/) or a .ckpt")
     text = ("write a sharded checkpoint folder as one single-process file, in memory near its largest tensor: a .ckpt "
             "(the one-file format, with its sha256 sidecar .ckpt.json; load_gpt and resume read it) or a "
             ".safetensors (the weights, for run.init_from). Reads manifest.json, verifies every file it lists, "
@@ -105,7 +106,7 @@ def _checkpoint(args) -> int:
             report = inspect(args.ckpt)
             print(format_inspect(args.ckpt, report))
             if report["failures"]:
-                raise DataError(f"checkpoint {args.ckpt} fails its checksums ({len(report['failures'])} lines "
+                raise DataError(f"checkpoint {report['path']} fails its checksums ({len(report['failures'])} lines "
                                 "above): choose another checkpoint")
         else:
             from lit_pretrain.resume.sharded.tools import consolidate

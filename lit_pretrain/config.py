@@ -99,6 +99,14 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
+# Keys that were replaced, and what to write instead (a key that only vanished would read as a typo).
+RENAMED = {
+    "trainer.val_batches": "set trainer.val_windows, the validation windows in all (the same set for any number of "
+                           "processes; val_batches counted batches per device): val_batches × micro_batch_size × "
+                           "data-parallel processes gives the windows it validated",
+}
+
+
 def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
     """Every key must exist in the schema; say which one is wrong, where it came from and what was meant."""
     if not dataclasses.is_dataclass(schema) or not isinstance(data, dict):
@@ -106,6 +114,8 @@ def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if full in RENAMED:
+            raise ConfigError(f"config key '{full}' in {source} was replaced: {RENAMED[full]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys here: {', '.join(fields)}"

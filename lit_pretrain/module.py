@@ -9,7 +9,6 @@ from typing import Optional
 
 import lightning as L
 import torch
-from torchmetrics.aggregation import MeanMetric
 
 from lit_pretrain import losses
 from lit_pretrain.checkpoints import from_plain
@@ -54,7 +53,6 @@ class PretrainModule(L.LightningModule):
         if seed is not None:
             torch.manual_seed(seed)  # the initial weights depend on the run seed alone, not on what ran before
         self.model = GPT(model_cfg)
-        self.val_loss = MeanMetric()
         self.step_guard = StepGuard()
         """This optimizer step's pre-clip norm, dropped update and clipping, read by the stability callbacks."""
         self._plan = plan  # the config's plan (train.py); else the strategy's, see `plan`
@@ -222,61 +220,59 @@ class PretrainModule(L.LightningModule):
         if batch_idx == 0:
             self._val_started = time.perf_counter()
         x, y = batch
-        if self.eod_id is None:
-            predicted = y.numel()  # from the shape, on the host
-        else:
+        if self.eod_id is not None:
             # Under document masking the targets after an EOD are not predicted: neither their nats nor their bytes
-            # count, and the mean over batches weighs each by the targets it predicted (summed on the device).
-            kept = loss_targets(x, y, self.eod_id) != IGNORE_INDEX  # (B, T)
-            predicted, y = kept.sum(), y[kept]
-        loss = self.loss(batch)
-        self.val_loss.update(loss, weight=predicted)
+            # count.
+            y = loss_targets(x, y, self.eod_id)
+        # A padding window's targets (data/validation.py) are not predicted either. Counted on the device.
+        kept = y != IGNORE_INDEX  # (B, T)
+        predicted = kept.sum()
+        loss = self.loss(batch)  # the mean over this batch's predicted targets; NaN for a batch of padding alone
+        # Totals, not a mean of batch means: nats and predicted tokens (and their UTF-8 bytes), in float64 on the
+        # device (token counts stay exact), summed over the batches here and over the ranks at the epoch's end.
+        nats = torch.where(predicted > 0, loss.detach().double() * predicted, 0.0)
         table = token_bytes_table(self)
-        batch_bytes = None
-        if table is not None:
-            # Bytes of the predicted tokens, summed on the device and read once, at the epoch's end.
-            tokens, n_bytes = getattr(self, "_val_counts", None) or (0, 0)
-            batch_bytes = table[y].sum()
-            self._val_counts = (tokens + predicted, n_bytes + batch_bytes)
+        n_bytes = table[y[kept]].sum().double() if table is not None else torch.full((), -1.0, dtype=torch.float64)
+        batch_totals = torch.stack([nats, predicted.double(), n_bytes.to(nats.device)])
+        if getattr(self, "_val_totals", None) is None:
+            self._val_totals = torch.zeros(3, dtype=torch.float64, device=loss.device)
+        self._val_totals += batch_totals
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         sources = getattr(datamodule, "val_batch_sources", None)
         if sources:
-            # A mixture: every validation batch holds one source's windows (data/mixture.py val_batches); total
-            # nats, tokens and bytes per source, in float64 on the device (token counts stay exact).
+            # A mixture: every validation batch holds one source's windows (data/validation.py val_batches).
             if getattr(self, "_val_by_source", None) is None:
                 self._val_by_source = torch.zeros(len(datamodule.source_names), 3, dtype=torch.float64,
                                                   device=loss.device)
-            totals, n = self._val_by_source[sources[batch_idx]], torch.as_tensor(predicted, dtype=torch.float64)
-            totals[0] += loss.detach().double() * n
-            totals[1] += n
-            totals[2] += batch_bytes.double() if batch_bytes is not None else -1.0  # -1: no byte count
+            self._val_by_source[sources[batch_idx]] += batch_totals
 
     def on_validation_epoch_end(self):
-        val_loss = self.val_loss.compute()  # torchmetrics reduces across ranks
-        self.val_loss.reset()
-        self.log("val/loss", val_loss, prog_bar=True)
-        self.log("val/perplexity", torch.exp(val_loss))
-        counts, self._val_counts = getattr(self, "_val_counts", None), None
-        if counts is not None:
-            # Summed over every rank: tensor/pipeline ranks of one replica count its batch t·p times, in tokens and
-            # bytes alike, so the ratio is unchanged.
-            counts = torch.stack([torch.as_tensor(counts[0], device=counts[1].device), counts[1]])
-            tokens, n_bytes = (int(v) for v in self.trainer.strategy.reduce(counts, reduce_op="sum").tolist())
-            if n_bytes > 0:
-                # val_loss is the mean over tokens, so val_loss × tokens is the total nats.
-                self.log("val/bits_per_byte", bits_per_byte(float(val_loss) * tokens, n_bytes))
+        totals, self._val_totals = getattr(self, "_val_totals", None), None
+        if totals is None:
+            return
+        # Summed over every rank: tensor/pipeline ranks of one replica count its batches t·p times, in nats, tokens
+        # and bytes alike, so the ratios are unchanged.
+        nats, tokens, n_bytes = self.trainer.strategy.reduce(totals, reduce_op="sum").tolist()
+        val_loss = nats / tokens if tokens > 0 else math.nan
+        values = {"val/loss": val_loss, "val/perplexity": perplexity(val_loss)}
+        if n_bytes > 0:  # negative without a byte-level tokenizer (-1 per batch): no bits per byte
+            values["val/bits_per_byte"] = bits_per_byte(nats, n_bytes)
         by_source, self._val_by_source = getattr(self, "_val_by_source", None), None
         if by_source is not None:
-            # Summed over ranks like the counts above (tensor/pipeline ranks repeat a replica's totals alike).
             by_source = self.trainer.strategy.reduce(by_source, reduce_op="sum").tolist()
             for name, (nats, tokens, n_bytes) in zip(self.trainer.datamodule.source_names, by_source):
                 if tokens > 0:
-                    self.log(f"val/{name}/loss", nats / tokens)
-                if n_bytes > 0:  # negative without a byte-level tokenizer: no bits per byte
-                    self.log(f"val/{name}/bits_per_byte", bits_per_byte(nats, n_bytes))
+                    values[f"val/{name}/loss"] = nats / tokens
+                if n_bytes > 0:
+                    values[f"val/{name}/bits_per_byte"] = bits_per_byte(nats, n_bytes)
         started, self._val_started = getattr(self, "_val_started", None), None
         if started is not None:  # validation's own time, kept apart from the training step's (throughput monitor)
-            self.log("val/seconds", time.perf_counter() - started)
+            values["val/seconds"] = time.perf_counter() - started
+        for key, value in values.items():
+            # Every rank holds the same reduced value (val/seconds: its own clock; the slowest rank's is the time
+            # validation took). sync_dist with max returns it bit for bit, and tells Lightning it is not one rank's
+            # value alone (else it warns "use sync_dist=True" for each key).
+            self.log(key, value, prog_bar=key == "val/loss", sync_dist=True, reduce_fx="max")
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # The stability callbacks may already have taken this step's pre-clip norm: one reduction per step, not two.

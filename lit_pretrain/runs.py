@@ -1,6 +1,8 @@
 """The run folder: created once, never silently overwritten; holds config, metrics, checkpoints, plots, summary."""
 
+import contextlib
 import csv
+import fcntl
 import json
 import math
 import os
@@ -16,6 +18,7 @@ from lit_pretrain.paths import SAFE_NAME_RULE, confined, is_safe_name, safe_rmtr
 # Written into every run folder when it is made: `run.overwrite` and the clean-up after a failed start delete only
 # folders holding it (or, from versions before it, a config.yaml naming the run).
 MARKER = ".lit-pretrain-run"
+CLAIMS_LOCK = ".lit-pretrain-claims"  # in run.root_dir: see _claiming
 
 
 def is_primary_process() -> bool:
@@ -98,19 +101,93 @@ def check_run_dir(root_dir: str, name: str, overwrite: bool) -> Path:
     return run_dir
 
 
-def create_run_dir(root_dir: str, name: str, overwrite: bool) -> Path:
-    """Make root_dir/name with its checkpoints/ folder and our marker (on rank 0; other ranks get the path). An
-    existing folder is refused unless check_run_dir allows it; a non-empty allowed one is deleted first."""
+class Claim:
+    """A run folder held by this start: an exclusive flock on its marker, from the claim to release() (or the
+    process's end, whatever ends it: the kernel drops the lock with the process). Another start finds the folder
+    in use (in_use) and is refused, where before two starts at the same moment both passed the "already exists"
+    check and wrote into one folder."""
+
+    def __init__(self, run_dir: Path, lock=None):
+        self.run_dir, self._lock = run_dir, lock
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file drops its flock
+            self._lock = None
+
+
+@contextlib.contextmanager
+def _claiming(root_dir: str):
+    """Claims of run folders under root_dir one at a time: an exclusive flock on root_dir/.lit-pretrain-claims, held
+    for the milliseconds a claim takes (check, delete, make, mark, hold). A lock file, not the folder itself: flock
+    on NFS locks files opened for writing only."""
+    Path(root_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(root_dir) / CLAIMS_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def in_use(run_dir: Path) -> bool:
+    """Whether a live start holds the run folder (a Claim on its marker)."""
+    if not has_marker(run_dir):
+        return False
+    with open(run_dir / MARKER, "a") as probe:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    return False  # closing the probe dropped the lock it took
+
+
+def refuse_in_use(run_dir: Path) -> None:
+    if in_use(run_dir):
+        raise _in_use_error(run_dir)
+
+
+def _in_use_error(run_dir: Path) -> RunFolderError:
+    return RunFolderError(f"run folder {run_dir} is in use by another start of run.name={run_dir.name} (it holds the "
+                          f"lock on {MARKER}): wait for that run to end, or choose another run.name")
+
+
+def _hold(run_dir: Path) -> Claim:
+    lock = open(run_dir / MARKER, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise _in_use_error(run_dir) from None
+    return Claim(run_dir, lock)
+
+
+def claim_run_dir(root_dir: str, name: str, overwrite: bool, resume: bool = False) -> Claim:
+    """On rank 0: make root_dir/name with its checkpoints/ folder and our marker, and hold it (Claim); or, with
+    `resume`, hold the existing folder as it is. Other ranks get the path unheld. Check, delete, make and hold run
+    under one lock (_claiming), so of starts at the same moment exactly one gets the folder and the others a
+    RunFolderError. An existing folder is refused unless check_run_dir allows it; a non-empty allowed one is deleted
+    first; one in use by another start is refused always."""
     run_dir = run_dir_path(root_dir, name)
     if not is_primary_process():
-        return run_dir
-    check_run_dir(root_dir, name, overwrite)
-    if run_dir.is_dir() and not is_empty(run_dir):
-        remove_run_dir(root_dir, run_dir)
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    marker = {"lit_pretrain": "run folder", "name": name, "created_unix": round(time.time(), 3)}
-    (run_dir / MARKER).write_text(json.dumps(marker) + "\n")
-    return run_dir
+        return Claim(run_dir)
+    with _claiming(root_dir):
+        refuse_in_use(run_dir)
+        if resume:
+            (run_dir / "checkpoints").mkdir(exist_ok=True)
+            # A folder of a version before the marker holds none: held by nothing then, as it was.
+            return _hold(run_dir) if has_marker(run_dir) else Claim(run_dir)
+        check_run_dir(root_dir, name, overwrite)
+        if run_dir.is_dir() and not is_empty(run_dir):
+            remove_run_dir(root_dir, run_dir)
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        marker = {"lit_pretrain": "run folder", "name": name, "created_unix": round(time.time(), 3)}
+        (run_dir / MARKER).write_text(json.dumps(marker) + "\n")
+        return _hold(run_dir)
+
+
+def create_run_dir(root_dir: str, name: str, overwrite: bool) -> Path:
+    """claim_run_dir for a start that does not train (tools, tests): the folder made, its claim released."""
+    claim = claim_run_dir(root_dir, name, overwrite)
+    claim.release()
+    return claim.run_dir
 
 
 def remove_run_dir(root_dir: str, run_dir: Path) -> None:

@@ -370,14 +370,18 @@ class TrainerConfig:
     """torch intra-op threads per process. null: the cores divided by the processes on this node."""
     val_every_n_steps: int = field(default=200, metadata={"ge": 1})
     """Run validation every this many optimizer steps (and once at the end)."""
-    val_batches: int = field(default=20, metadata={"ge": 1})
-    """Validation micro-batches per device each time (a fixed, deterministic subset of the validation split)."""
+    val_windows: int = field(default=160, metadata={"ge": 1})
+    """Validation windows (of model.seq_len + 1 tokens) each time, in all: the first val_windows of the validation
+    split (fewer if it is smaller; of each source, for a mixture), one fixed set for any number of processes and any
+    layout, split across the data-parallel ranks (data/validation.py). val/loss is the mean over all their predicted
+    tokens. Replaces trainer.val_batches (batches per device, so the set grew with the processes)."""
     log_every_n_steps: int = field(default=10, metadata={"ge": 1})
     """Write metrics every this many optimizer steps."""
     checkpoint_every_n_steps: int = field(default=500, metadata={"ge": 0})
     """Save a checkpoint every this many optimizer steps (0: only the final one)."""
     progress_bar: bool = True
-    """Show Lightning's progress bar."""
+    """Show Lightning's progress bar when stdout is a terminal; otherwise (a log file) print one line per validation,
+    step and losses, instead of the bar's redraws (lit_pretrain/console.py)."""
     compile: Union[bool, str] = field(default="auto", metadata={"choices": [True, False, "auto"]})
     """torch.compile of the training step (parallel/compile.py: each block's forward and the loss). The first steps
     pay the compile time (tens of seconds on a cold cache), later ones run faster. auto: compile when a C++

@@ -10,11 +10,12 @@ from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Timer, TQDMProgressBar
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config as config_lib
+from lit_pretrain import console
 from lit_pretrain.callbacks import build_callbacks
 from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
@@ -107,6 +108,7 @@ def loggers(run_dir: Path, c: Config) -> list:
 def train(cfg: DictConfig) -> dict:
     """Run one experiment; return its summary (also written to runs/<name>/summary.json)."""
     started = time.perf_counter()
+    console.quiet()
     c = config_lib.to_object(cfg)
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
@@ -122,7 +124,7 @@ def train(cfg: DictConfig) -> dict:
     run_dir = plan.run_dir
 
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
-                                      seed=c.run.seed, val_batches=c.trainer.val_batches)
+                                      seed=c.run.seed, val_windows=c.trainer.val_windows)
     # Prepared here, before the Trainer, because the model's vocabulary size comes from the tokenizer. Under the
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
@@ -156,18 +158,17 @@ def train(cfg: DictConfig) -> dict:
         *([ProfileSteps(run_dir, c.trainer.profile.start_step, c.trainer.profile.steps)] if c.trainer.profile else []),
         *([MixtureMetrics()] if c.data.sources else []),  # data/<source>/tokens_seen and epochs
     ]
-    if c.trainer.progress_bar:
-        callbacks.append(TQDMProgressBar(refresh_rate=max(1, accumulate)))
+    callbacks += console.progress_callbacks(c.trainer.progress_bar, refresh_rate=max(1, accumulate))
     trainer = L.Trainer(
         accelerator=c.trainer.accelerator, devices=c.trainer.devices, num_nodes=c.trainer.num_nodes,
         strategy=strategy, precision=c.trainer.precision, max_steps=c.trainer.max_steps,
         accumulate_grad_batches=accumulate,
         # Lightning counts validation intervals in micro-batches; ours are optimizer steps.
         val_check_interval=c.trainer.val_every_n_steps * accumulate, check_val_every_n_epoch=None,
-        # A mixture validates val_batches of each source (data/mixture.py val_batches).
-        limit_val_batches=c.trainer.val_batches * max(1, len(c.data.sources)), num_sanity_val_steps=0,
+        # limit_val_batches left unset: the validation loader is the fixed set (data/validation.py), all of it.
+        num_sanity_val_steps=0,
         log_every_n_steps=c.trainer.log_every_n_steps, logger=loggers(run_dir, c), callbacks=callbacks,
-        enable_progress_bar=c.trainer.progress_bar, enable_model_summary=False,
+        enable_progress_bar=console.has_bar(callbacks), enable_model_summary=False,
         enable_checkpointing=False,  # resume.checkpointing.StepCheckpoint writes the checkpoints
         # Our sampler defines one global order for any number of ranks; Lightning's would replace it.
         use_distributed_sampler=False, default_root_dir=str(run_dir), plugins=resume_session.plugins(run_dir),
@@ -188,6 +189,7 @@ def train(cfg: DictConfig) -> dict:
         # confined to run.root_dir, marker checked), so the retry after fixing the cause is not refused.
         if plan.created and remove_failed_start(c.run.root_dir, run_dir):
             print(f"removed {run_dir} again: the run failed before writing a checkpoint or a metric", flush=True)
+        resume_session.release(plan)  # after the removal: no other start can have claimed the folder in between
         raise
     # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -243,6 +245,7 @@ def train(cfg: DictConfig) -> dict:
         for logger in trainer.loggers:
             if type(logger).__name__ == "WandbLogger":
                 logger.experiment.finish()  # else a second train() in this process would log into this run
+    resume_session.release(plan)
     return summary
 
 

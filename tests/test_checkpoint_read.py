@@ -25,7 +25,7 @@ from lit_pretrain.train import train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
 OVERRIDES = ["trainer.progress_bar=false", "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=1",
-             "trainer.val_every_n_steps=2", "trainer.val_batches=1", "schedule.warmup_steps=1"]
+             "trainer.val_every_n_steps=2", "trainer.val_windows=8", "schedule.warmup_steps=1"]
 
 
 def tiny(root, data_dir, *extra):
@@ -152,3 +152,42 @@ def test_zero_stage_2_and_3_resume_checks_the_checkpoint_first(tmp_path):
         strategy = build_strategy(StrategyConfig(name="zero", zero_stage=stage), TrainerConfig(devices=2))
         with pytest.raises(DataError, match=f"checkpoint {re.escape(str(path))} is corrupted"):
             strategy.load_checkpoint(path)
+
+
+@pytest.mark.slow  # the module's tiny training run
+def test_inspect_follows_a_run_folder_like_load_gpt(run_dir, capsys):
+    """`checkpoint inspect runs/<name>` reads the checkpoint load_gpt(runs/<name>) reads (it refused the folder
+    before): both resolve it through checkpoints.checkpoint_path."""
+    from lit_pretrain import cli
+    from lit_pretrain.checkpoints import checkpoint_path
+    from lit_pretrain.resume.sharded.inspect import inspect
+
+    report = inspect(run_dir)
+    assert report["path"] == str(checkpoint_path(run_dir)) == str(run_dir / "checkpoints" / "last.ckpt")
+    assert report["step"] == 2 and not report["failures"]
+    assert report["tensors"]["model"] == len(load_gpt(run_dir).state_dict())
+    assert cli.main(["checkpoint", "inspect", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint {run_dir / 'checkpoints' / 'last.ckpt'} (single file)" in out and "step: 2" in out
+    # A folder that is neither a run folder nor a sharded checkpoint: one line naming what to give.
+    assert cli.main(["checkpoint", "inspect", str(run_dir.parent)]) == 2
+    assert "nor a run folder (no checkpoints/)" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the module's tiny training run
+def test_resume_from_a_file_with_overwrite_names_no_deletion_that_would_not_happen(trained, tmp_path, tiny_data_dir):
+    from lit_pretrain.errors import RunFolderError
+    from lit_pretrain.resume.session import open_run
+
+    step1 = trained / "checkpoints" / "step0000001.ckpt"
+    new = config.to_object(tiny(tmp_path, tiny_data_dir, "run.name=fork", f"run.resume={step1}",
+                                "run.overwrite=true")).run
+    with pytest.raises(RunFolderError, match=r"nothing to delete: run folder .*fork does not exist yet") as err:
+        open_run(new)
+    assert "delete" not in str(err.value).replace("nothing to delete", "")
+    assert not (tmp_path / "fork").exists()
+    # A run folder that holds results: overwrite would delete it, and the message says so.
+    existing = config.to_object(tiny(trained.parent, tiny_data_dir, f"run.resume={step1}",
+                                     "run.overwrite=true")).run
+    with pytest.raises(RunFolderError, match=r"contradict each other \(overwrite would delete .*tiny"):
+        open_run(existing)

@@ -67,6 +67,13 @@ def test_unknown_key_on_command_line_names_key_source_and_closest():
         config.load(ROOT / "runs" / "tiny.yaml", ["optim.lr_pek=1e-3"])
 
 
+def test_a_replaced_key_names_its_replacement():
+    """trainer.val_batches (batches per device) became trainer.val_windows (windows in all, issue 31)."""
+    with pytest.raises(ConfigError, match=r"config key 'trainer\.val_batches' in the command line was replaced: set "
+                                          r"trainer\.val_windows, the validation windows in all"):
+        config.load(ROOT / "runs" / "tiny.yaml", ["trainer.val_batches=4"])
+
+
 def test_unknown_key_in_a_file_names_that_file(tmp_path):
     run = tmp_path / "experiments" / "runs" / "bad.yaml"
     run.parent.mkdir(parents=True)

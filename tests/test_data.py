@@ -28,6 +28,7 @@ from lit_pretrain.data.tokenizer import (
     train_tokenizer,
 )
 from lit_pretrain.errors import DataError
+from lit_pretrain.losses import IGNORE_INDEX
 from lit_pretrain.schema import DataConfig
 
 WORDS = (
@@ -310,7 +311,7 @@ def test_a_different_tokenizer_does_not_match_the_shards(prepared, tmp_path):
                    Path(cfg.prepared_dir) / "tokenizer.json")
     with pytest.raises(DataError, match=r"tokenizer\.json.*does not match the shards"):
         prepare(cfg, log=lambda _: None)
-    dm = TokenShardDataModule(cfg, seq_len=16, micro_batch_size=4, seed=0, val_batches=2)
+    dm = TokenShardDataModule(cfg, seq_len=16, micro_batch_size=4, seed=0, val_windows=8)
     with pytest.raises(DataError, match="tokenizer.json"):
         dm.setup()
 
@@ -318,9 +319,9 @@ def test_a_different_tokenizer_does_not_match_the_shards(prepared, tmp_path):
 # DataModule
 
 
-def make_dm(cfg, seed=0, micro_batch_size=4, rank=None, world_size=None, seq_len=16, val_batches=3):
+def make_dm(cfg, seed=0, micro_batch_size=4, rank=None, world_size=None, seq_len=16, val_windows=12):
     dm = TokenShardDataModule(cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, seed=seed,
-                              val_batches=val_batches, rank=rank, world_size=world_size)
+                              val_windows=val_windows, rank=rank, world_size=world_size)
     dm.setup()
     return dm
 
@@ -393,12 +394,41 @@ def test_ranks_split_each_global_step_of_the_single_process_order(prepared):
 
 def test_val_loader_is_fixed_and_split_across_ranks(prepared):
     cfg, _ = prepared
-    dm = make_dm(cfg, val_batches=3)
+    dm = make_dm(cfg, val_windows=12)
     first, second = batches(dm.val_dataloader(), 10), batches(dm.val_dataloader(), 10)
     assert len(first) == 3 and all(torch.equal(p[0], q[0]) for p, q in zip(first, second))
     assert torch.equal(first[0][0], torch.stack([dm.val_dataset[i][0] for i in range(4)]))
-    assert [make_dm(cfg, rank=r, world_size=2, val_batches=3).val_indices() for r in (0, 1)] == [
-        list(range(0, 24, 2)), list(range(1, 24, 2))]
+    # 2 ranks validate the same 12 windows (trainer.val_windows counts them in all), every other one each, in full
+    # batches of 4 (the places left hold a window that predicts nothing); so do 5 ranks.
+    assert [list(make_dm(cfg, rank=r, world_size=2).val_dataloader().batch_sampler) for r in (0, 1)] == [
+        [[0, 2, 4, 6], [8, 10, None, None]], [[1, 3, 5, 7], [9, 11, None, None]]]
+    padded = make_dm(cfg, rank=4, world_size=5).val_dataloader()
+    assert list(padded.batch_sampler) == [[4, 9, None, None]]
+    (x, y), = list(padded)
+    assert torch.equal(x[:2], torch.stack([dm.val_dataset[i][0] for i in (4, 9)]))
+    assert (y[2:] == IGNORE_INDEX).all() and (y[:2] != IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize("sizes, windows", [([10], 5), ([10], 40), ([3, 10], 4), ([7, 1, 12], 6)])
+def test_the_validation_set_is_the_same_for_every_world_size(sizes, windows):
+    """data/validation.py: the windows validated (padding aside) are the first min(windows, size) of each source
+    for any number of ranks; every rank runs the same number of full batches, each from one source."""
+    from lit_pretrain.data.validation import PAD, val_batches
+
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    expected = sorted(o + i for o, size in zip(offsets, sizes) for i in range(min(windows, size)))
+    for world_size in range(1, 6):
+        for micro_batch_size in (1, 2, 4):
+            ranks = [val_batches(sizes, offsets, windows, micro_batch_size, r, world_size) for r in range(world_size)]
+            assert sorted(i for b, _ in ranks for batch in b for i in batch if i is not PAD) == expected
+            assert all(len(batch) == micro_batch_size for b, _ in ranks for batch in b)
+            assert len({tuple(s) for _, s in ranks}) == 1
+            for b, src in ranks:
+                for batch, k in zip(b, src):
+                    assert all(offsets[k] <= i < offsets[k] + sizes[k] for i in batch if i is not PAD)
+    # The table of one case: 5 windows on 2 ranks in batches of 2.
+    assert val_batches([10], [0], 5, 2, 0, 2) == ([[0, 2], [4, PAD]], [0, 0])
+    assert val_batches([10], [0], 5, 2, 1, 2) == ([[1, 3], [PAD, PAD]], [0, 0])
 
 
 def test_too_few_windows_name_the_keys_to_change(prepared, tmp_path):
@@ -441,7 +471,7 @@ class _Tiny(L.LightningModule):
 
 def test_trainer_keeps_our_sampler_and_advances_its_epoch(prepared, tmp_path):
     cfg, _ = prepared
-    dm = TokenShardDataModule(cfg, seq_len=128, micro_batch_size=16, seed=3, val_batches=1)
+    dm = TokenShardDataModule(cfg, seq_len=128, micro_batch_size=16, seed=3, val_windows=16)
     module = _Tiny(400)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, use_distributed_sampler=False, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

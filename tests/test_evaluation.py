@@ -269,7 +269,7 @@ def test_downstream_eval_runs_at_validation_off_the_throughput_clock(tmp_path, t
     monkeypatch.setattr(evaluation, "evaluate", slow_evaluate)
     c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", [*tiny_data_overrides(tiny_data_dir),
                                                                           "model.vocab_size=512"]))
-    data = TokenShardDataModule(c.data, seq_len=64, micro_batch_size=2, seed=0, val_batches=1)
+    data = TokenShardDataModule(c.data, seq_len=64, micro_batch_size=2, seed=0, val_windows=2)
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=4, tokens_per_step=128, seed=0)
     throughput, timer = ThroughputMonitor(log_every_n_steps=1), Timer()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, val_check_interval=2, limit_val_batches=1,

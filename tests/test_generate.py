@@ -116,7 +116,7 @@ def test_cli_generates_from_a_tiny_run(tmp_path, tiny_data_dir, capsys):
 
     train(config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
         *tiny_data_overrides(tiny_data_dir), f"run.root_dir={tmp_path}", "trainer.progress_bar=false",
-        "trainer.max_steps=2", "trainer.val_batches=1", "schedule.warmup_steps=1", "trainer.num_threads=1"]))
+        "trainer.max_steps=2", "trainer.val_windows=8", "schedule.warmup_steps=1", "trainer.num_threads=1"]))
     run_dir = tmp_path / "tiny"
     capsys.readouterr()
     assert cli.main(["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "12", "--seed", "1",

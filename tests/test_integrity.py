@@ -138,6 +138,14 @@ def test_resume_compatibility_rules():
     with pytest.raises(ConfigError, match="model.d_model .*cannot change"):
         compat.check_resume(saved, compat.run_meta({**cfg, "model": {"d_model": 32}}, manifest, 512),
                             ["model.d_model"], "c", "t")
+    # A checkpoint written before trainer.val_batches became trainer.val_windows resumes; a changed val_windows
+    # of a checkpoint that has it is an experiment change like any other.
+    before_rename = compat.run_meta({**cfg, "trainer": {**cfg["trainer"], "val_batches": 20}}, manifest, 512)
+    windows = compat.run_meta({**cfg, "trainer": {**cfg["trainer"], "val_windows": 160}}, manifest, 512)
+    assert compat.check_resume(before_rename, windows, [], "c", "t") == []
+    with pytest.raises(ConfigError, match=r"trainer.val_windows is 80 here but 160"):
+        compat.check_resume(windows, compat.run_meta({**cfg, "trainer": {**cfg["trainer"], "val_windows": 80}},
+                                                     manifest, 512), [], "c", "t")
     other = {"tokenizer": {"sha256": "u"}, "splits": manifest["splits"]}
     with pytest.raises(DataError, match="tokenizer tok.json differs"):
         compat.check_resume(saved, compat.run_meta(cfg, other, 512), [], "c", "tok.json")

@@ -70,7 +70,7 @@ def test_tensorboard_wandb_and_profile_in_one_tiny_run(tmp_path, tiny_data_dir, 
         monkeypatch.setenv(var, value)
     cfg = config.load(RUN_FILE, [
         *tiny_data_overrides(tiny_data_dir), f"run.root_dir={tmp_path / 'runs'}", "run.name=logged",
-        "trainer.progress_bar=false", "trainer.max_steps=3", "trainer.val_every_n_steps=3", "trainer.val_batches=1",
+        "trainer.progress_bar=false", "trainer.max_steps=3", "trainer.val_every_n_steps=3", "trainer.val_windows=8",
         "trainer.log_every_n_steps=1", "schedule.warmup_steps=1", "callbacks.throughput.peak_flops_per_s=1e11",
         "trainer.loggers=[csv,tensorboard,wandb]", "trainer.profile={start_step: 1, steps: 1}",
     ])

@@ -90,12 +90,12 @@ def mixture(tmp_path_factory):
                                SourceConfig(name="b", corpus="text", paths=[str(root / "corpus-b")], weight=3.0)],
                       mixture_schedule=[MixturePhase(step=4, weights={"a": 3.0, "b": 1.0})])
     data = replace(data, deduplication=replace(data.deduplication, processes=1))
-    TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=4, seed=0, val_batches=2).prepare_data()
+    TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=4, seed=0, val_windows=8).prepare_data()
     return data, root
 
 
 def make_dm(data, rank=0, world_size=1, micro_batch_size=4, accumulate=2):
-    dm = TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=micro_batch_size, seed=5, val_batches=2,
+    dm = TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=micro_batch_size, seed=5, val_windows=12,
                               rank=rank, world_size=world_size, accumulate_grad_batches=accumulate)
     dm.setup()
     return dm
@@ -165,7 +165,7 @@ def test_a_source_prepared_with_another_tokenizer_is_refused(mixture, tmp_path):
     prepare(other, log=lambda *_: None)  # its own tokenizer
     mixed = replace(data, sources=[data.sources[0], replace(data.sources[1], prepared_dir=other.prepared_dir)])
     with pytest.raises(DataError, match=r"data.sources\[1\].prepared_dir .* another tokenizer"):
-        TokenShardDataModule(mixed, seq_len=SEQ_LEN, micro_batch_size=4, seed=0, val_batches=2).prepare_data()
+        TokenShardDataModule(mixed, seq_len=SEQ_LEN, micro_batch_size=4, seed=0, val_windows=8).prepare_data()
 
 
 @pytest.mark.parametrize("overrides, message", [

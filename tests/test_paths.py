@@ -180,7 +180,7 @@ class FailOnFitStart(Callback):
 def tiny(tmp_path, data_dir, name, *extra):
     return config.load(RUN_FILE, [*tiny_data_overrides(data_dir), f"run.root_dir={tmp_path / 'runs'}",
                                   f"run.name={name}", "trainer.progress_bar=false", "trainer.max_steps=2",
-                                  "schedule.warmup_steps=1", "trainer.val_every_n_steps=2", "trainer.val_batches=1",
+                                  "schedule.warmup_steps=1", "trainer.val_every_n_steps=2", "trainer.val_windows=8",
                                   *extra])
 
 
@@ -240,3 +240,90 @@ def test_a_refused_resume_under_a_new_name_leaves_no_folder(tmp_path, tiny_data_
     summary = train(tiny(tmp_path, tiny_data_dir, "fork", f"run.resume={step1}"))
     assert summary["steps"] == 2 and (fork / "checkpoints" / "step0000002.ckpt").is_file()
     assert (fork / ".lit-pretrain-run").is_file()
+
+
+# Starts at the same moment (issue 31): both passed the "already exists" check and wrote into one folder.
+
+# One start's claim in its own process: ready, then wait for `go`, claim, report, and hold the folder until `end`.
+CLAIMER = """
+import sys, time
+from pathlib import Path
+from lit_pretrain.errors import RunFolderError
+from lit_pretrain.runs import claim_run_dir
+root, name, i, mode = sys.argv[1:]
+flags = Path(root).parent
+(flags / f"ready{i}").touch()
+while not (flags / "go").exists():
+    time.sleep(0.001)
+try:
+    claim = claim_run_dir(root, name, overwrite=mode == "overwrite", resume=mode == "resume")  # held till end
+    result = "won"
+except RunFolderError as err:
+    result = f"refused: {err}"
+(flags / f"result{i}").write_text(result)
+while not (flags / "end").exists():
+    time.sleep(0.01)
+"""
+
+
+def claim_at_once(tmp_path, name: str, modes: list) -> list:
+    """Each start of `modes` claims root/name in its own process, released together by one flag file; the results."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT, launcher_env
+
+    root = tmp_path / "runs"
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIMER, str(root), name, str(i), mode], cwd=ROOT,
+                              env=launcher_env()) for i, mode in enumerate(modes)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{i}").exists() for i in range(len(modes))):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a claimer did not start"
+            time.sleep(0.01)
+        (tmp_path / "go").touch()
+        while not all((tmp_path / f"result{i}").exists() for i in range(len(modes))):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a claimer did not report"
+            time.sleep(0.01)
+        return [(tmp_path / f"result{i}").read_text() for i in range(len(modes))]
+    finally:
+        (tmp_path / "end").touch()
+        for p in procs:
+            p.wait(timeout=60)
+
+
+@pytest.mark.parametrize("modes", [["new"] * 4, ["overwrite"] * 3])
+def test_of_starts_at_the_same_moment_exactly_one_gets_the_run_folder(modes, tmp_path):
+    if "overwrite" in modes:  # a finished run started again (run.overwrite=true) by several at once
+        done = create_run_dir(str(tmp_path / "runs"), "same", overwrite=False)
+        (done / "checkpoints" / "step0000010.ckpt").write_bytes(b"done")
+    results = claim_at_once(tmp_path, "same", modes)
+    assert sorted(r.split(":")[0] for r in results) == ["refused"] * (len(modes) - 1) + ["won"], results
+    assert all("is in use by another start of run.name=same" in r for r in results if r != "won")
+    run_dir = tmp_path / "runs" / "same"
+    assert json.loads((run_dir / ".lit-pretrain-run").read_text())["name"] == "same"
+    assert not any((run_dir / "checkpoints").iterdir())  # made once, by the winner (the old run deleted once)
+
+
+def test_a_run_folder_in_use_is_refused_to_resume_overwrite_and_the_cli(tmp_path, capsys):
+    """A start (here a claim in this process) holds its folder until it ends: a resume, an overwrite and a CLI start
+    of the same name are refused (the CLI in one line, exit 2, before any data is prepared); once released, the
+    folder is free again."""
+    from lit_pretrain.runs import claim_run_dir, in_use
+
+    root = tmp_path / "runs"
+    claim = claim_run_dir(str(root), "busy", overwrite=False)
+    (claim.run_dir / "checkpoints" / "step0000001.ckpt").write_bytes(b"training")
+    assert in_use(claim.run_dir)
+    for kwargs in ({"overwrite": True}, {"overwrite": False, "resume": True}):
+        with pytest.raises(RunFolderError, match=r"in use by another start of run\.name=busy"):
+            claim_run_dir(str(root), "busy", **kwargs)
+    assert cli.main(["train", RUN_FILE, *tiny_data_overrides(tmp_path / "never-prepared"), f"run.root_dir={root}",
+                     "run.name=busy", "run.resume=auto"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is in use by another start of run.name=busy" in err
+    assert not (tmp_path / "never-prepared").exists()
+    claim.release()
+    assert not in_use(claim.run_dir)
+    claim_run_dir(str(root), "busy", overwrite=False, resume=True).release()

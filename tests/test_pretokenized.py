@@ -82,7 +82,8 @@ def data_config(corpus, paths, tokenizer, **kw) -> DataConfig:
 
 
 def datamodule(data, micro_batch_size=2, **kw):
-    dm = TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=micro_batch_size, seed=0, val_batches=2, **kw)
+    dm = TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=micro_batch_size, seed=0,
+                             val_windows=2 * micro_batch_size, **kw)
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -158,7 +159,7 @@ def test_an_id_past_the_vocabulary_is_refused_with_file_and_offset(tmp_path, tok
     bad[77] = 600  # the tiny tokenizer has 512 ids
     bad.astype(np.uint16).tofile(tmp_path / "train.bin")
     dm = TokenShardDataModule(data_config("nanogpt", [tmp_path / "train.bin"], tokenizer), seq_len=SEQ_LEN,
-                              micro_batch_size=2, seed=0, val_batches=2)
+                              micro_batch_size=2, seed=0, val_windows=4)
     with pytest.raises(DataError, match=r"train.bin: id 600 at token offset 77 \(byte 154\) is outside the "
                                         r"vocabulary of .*tokenizer.json \(512 ids\)"):
         dm.prepare_data()

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 STEPS = 6  # optimizer steps
 COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every_n_steps=3", "trainer.log_every_n_steps=1",
           "schedule.warmup_steps=2", "trainer.tokens_per_step=1024", "trainer.checkpoint_every_n_steps=2",
-          "trainer.progress_bar=false", "strategy.timeout_seconds=60", "trainer.val_batches=2"]
+          "trainer.progress_bar=false", "strategy.timeout_seconds=60", "trainer.val_windows=16"]
 DDP = ["strategy=ddp", "trainer.devices=2", "trainer.micro_batch_size=4"]
 
 

@@ -24,7 +24,7 @@ def fit(tmp_path, data_dir, callbacks, max_steps, accumulate=1):
     c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
         *tiny_data_overrides(data_dir), f"trainer.max_steps={max_steps}", "schedule.warmup_steps=5",
         "optim.lr_peak=3e-3"]))
-    dm = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=8, seed=c.run.seed, val_batches=1)
+    dm = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=8, seed=c.run.seed, val_windows=8)
     dm.prepare_data()
     c = resolve_vocab(c, dm.manifest["tokenizer"]["vocab_size"])
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=max_steps, tokens_per_step=512 * accumulate,

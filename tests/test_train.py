@@ -54,7 +54,7 @@ def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir, capsy
     # The last checkpoint reads back (weights only) into a plain GPT that gives the run's final validation loss.
     model = load_gpt(run_dir)
     datamodule = TokenShardDataModule(config.to_object(saved).data, seq_len=64, micro_batch_size=8, seed=1337,
-                                      val_batches=4)
+                                      val_windows=32)
     datamodule.setup()
     losses, tokens = 0.0, 0
     with torch.no_grad():

@@ -36,7 +36,7 @@ def prepare_sample(data, folder: Path):
 def delivered_tokens_per_s(data, seq_len: int, micro_batch_size: int, seed: int, num_workers: int) -> float:
     """Tokens/s of the train loader over TIMED_BATCHES batches (the first batch, which starts workers, untimed)."""
     dm = TokenShardDataModule(dataclasses.replace(data, num_workers=num_workers), seq_len=seq_len,
-                              micro_batch_size=micro_batch_size, seed=seed, val_batches=1)
+                              micro_batch_size=micro_batch_size, seed=seed, val_windows=1)
     dm.setup("fit")
     loader = dm.train_dataloader()
     if len(loader) <= TIMED_BATCHES:

@@ -3,7 +3,7 @@
 Three costs are measured on the experiment's model (random weights: the cost does not depend on them) and the
 datamodule case's sample of its corpus, and combined for the experiment's schedule:
 - a training step: the step case's tokens/s of our Trainer (passed in);
-- one validation: trainer.val_batches micro-batches through the module's own validation (loss and bits per byte),
+- one validation: trainer.val_windows windows through the module's own validation (loss and bits per byte),
   timed as `val/seconds` is logged;
 - one downstream evaluation (callbacks.downstream_eval with its config's batch size), on a local multiple-choice
   task made from held-out documents of the sample: QUESTIONS questions, each a document's lines before a line as
@@ -12,7 +12,7 @@ datamodule case's sample of its corpus, and combined for the experiment's schedu
 Validation runs every trainer.val_every_n_steps and at the last step; the downstream evaluation at each of those
 when enabled (every_n_steps null). The case reports the share with the downstream evaluation (value, percent) and
 without it (the default settings: the callback is off) in its detail. Every figure scales with its own knob:
-val_batches, the task's size (or callbacks.downstream_eval.max_tokens), val_every_n_steps.
+val_windows, the task's size (or callbacks.downstream_eval.max_tokens), val_every_n_steps.
 """
 
 import json
@@ -81,10 +81,9 @@ def write_task(documents: List[str], folder: Path, seed: int = 0) -> str:
 
 def validation_seconds(c, sample_data, module) -> float:
     data = TokenShardDataModule(sample_data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
-                                seed=c.run.seed, val_batches=c.trainer.val_batches)
+                                seed=c.run.seed, val_windows=c.trainer.val_windows)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False,
-                        limit_val_batches=c.trainer.val_batches)
+                        enable_model_summary=False, enable_checkpointing=False)
     return trainer.validate(module, datamodule=data, verbose=False)[0]["val/seconds"]
 
 
@@ -127,4 +126,4 @@ def run(c, sample_data, trainer_tokens_per_s: float, repeats: int) -> Dict:
                        "downstream_tokens": downstream["tokens"], "downstream_questions": QUESTIONS,
                        "downstream_acc_random_weights": downstream["acc"], "step_seconds": step,
                        "evaluations": runs, "max_steps": t.max_steps, "val_every_n_steps": t.val_every_n_steps,
-                       "val_batches": t.val_batches}}
+                       "val_windows": t.val_windows}}

@@ -65,7 +65,7 @@ def bytes_per_token(data, seq_len: int, micro_batch_size: int, seed: int,
                     batches: int = dm_case.TIMED_BATCHES) -> Dict:
     """Cold-cache bytes read per training token over `batches` batches, and the page floor (module docstring)."""
     dm = TokenShardDataModule(dataclasses.replace(data, num_workers=0), seq_len=seq_len,
-                              micro_batch_size=micro_batch_size, seed=seed, val_batches=1)
+                              micro_batch_size=micro_batch_size, seed=seed, val_windows=micro_batch_size)
     dm.setup("fit")
     loader = dm.train_dataloader()
     shard = dm.manifest["splits"]["train"]["shards"][0]
@@ -98,7 +98,7 @@ def run(c, sample_data, consumed_tokens_per_s: float, repeats: int, tmp: Path) -
                    "goal": ">= 50", "unit": "tokens/s",
                    "detail": {**delivered, "data.num_workers": c.data.num_workers,
                               "reference": "trainer tokens/s of the step case"}}
-    manifest = TokenShardDataModule(data, seq_len=c.model.seq_len, micro_batch_size=1, seed=0, val_batches=1).manifest
+    manifest = TokenShardDataModule(data, seq_len=c.model.seq_len, micro_batch_size=1, seed=0, val_windows=1).manifest
     big = synthetic_megatron(data, tmp / "megatron-big", manifest["tokenizer"]["vocab_size"],
                              manifest["tokenizer"]["eod_id"])
     reads = [bytes_per_token(big, c.model.seq_len, c.trainer.micro_batch_size, c.run.seed + r) for r in range(repeats)]

@@ -61,7 +61,7 @@ def _to_shards(sample_data, tok_info, tokenizer_file: Path, docs, workers: int) 
 
 def run(sample_data, repeats: int) -> List[Dict]:
     """`sample_data`: a prepared data config (bench/datamodule.prepare_sample): its documents and its tokenizer."""
-    manifest = TokenShardDataModule(sample_data, seq_len=1, micro_batch_size=1, seed=0, val_batches=1).manifest
+    manifest = TokenShardDataModule(sample_data, seq_len=1, micro_batch_size=1, seed=0, val_windows=1).manifest
     tok_info = {**manifest["tokenizer"], "dtype": manifest["dtype"]}
     tok_info.setdefault("bos_id", None)
     tokenizer_file = Path(sample_data.prepared_dir) / tok_info["file"]

@@ -20,15 +20,17 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lit_pretrain.data.mixture import MixtureOrder, MixtureSampler, MixtureWindows, val_batches
+from lit_pretrain.data.mixture import MixtureOrder, MixtureSampler, MixtureWindows
 from lit_pretrain.data.prepare import prepare
 from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
 from lit_pretrain.data.shards import SPLITS, TOKENIZER_FILE, check_config, load_manifest, open_shard, verify_shards
 from lit_pretrain.data.tokenizer import load_tokenizer, token_byte_lengths
 from lit_pretrain.data.train_loader import TrainLoader
+from lit_pretrain.data.validation import PaddedWindows, val_batches
 from lit_pretrain.errors import DataError
+from lit_pretrain.runs import is_primary_process
 
 
 class ShardWindows(Dataset):
@@ -107,18 +109,18 @@ class TokenShardDataModule(L.LightningDataModule):
         seq_len: int,
         micro_batch_size: int,
         seed: int,
-        val_batches: int,
+        val_windows: int,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         accumulate_grad_batches: int = 1,
     ):
         super().__init__()
         for key, value in (("model.seq_len", seq_len), ("trainer.micro_batch_size", micro_batch_size),
-                           ("trainer.val_batches", val_batches)):
+                           ("trainer.val_windows", val_windows)):
             if value < 1:
                 raise DataError(f"{key}={value} must be at least 1")
         self.data, self.seq_len, self.micro_batch_size = data, seq_len, micro_batch_size
-        self.seed, self.val_batches = seed, val_batches
+        self.seed, self.val_windows = seed, val_windows
         self._rank, self._world_size = rank, world_size
         self._accumulate = accumulate_grad_batches  # without a Trainer; with one, the Trainer's
         self.source_manifests: Optional[List[Dict]] = None
@@ -185,10 +187,13 @@ class TokenShardDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self._manifest is None:  # once per process: train() prepares before Lightning calls this again
+            # Every rank prepares (train() calls this before the launcher starts the others, which then verify and
+            # reuse); rank 0 alone says so.
+            log = print if is_primary_process() else _silent
             if not self.data.sources:
-                self._manifest = open_corpus(self.data) if is_pretokenized(self.data) else prepare(self.data)
+                self._manifest = open_corpus(self.data) if is_pretokenized(self.data) else prepare(self.data, log=log)
                 return
-            self._use_sources(prepare_sources(self.data))
+            self._use_sources(prepare_sources(self.data, log))
 
     def _use_sources(self, manifests: List[Dict]) -> None:
         for i, m in enumerate(manifests[1:], start=1):
@@ -221,10 +226,10 @@ class TokenShardDataModule(L.LightningDataModule):
                 f"one global batch ({world_size} ranks x trainer.micro_batch_size={self.micro_batch_size}): lower "
                 "model.seq_len or trainer.micro_batch_size, or use a larger corpus"
             )
-        if len(val) < world_size:
+        if len(val) < 1:  # any number of ranks validates one (validation.py pads the ranks without a window)
             raise DataError(
-                f"the validation split has {len(val)} windows of model.seq_len+1={self.seq_len + 1} tokens, fewer "
-                f"than the {world_size} ranks: lower model.seq_len or raise data.val_fraction"
+                f"the validation split has no window of model.seq_len+1={self.seq_len + 1} tokens: lower "
+                "model.seq_len or raise data.val_fraction"
             )
         return train, val
 
@@ -234,11 +239,11 @@ class TokenShardDataModule(L.LightningDataModule):
             for split in SPLITS:
                 parts[split].append(ShardWindows(cfg.prepared_dir, m["splits"][split]["shards"], m["dtype"],
                                                  self.seq_len))
-            if len(parts["train"][-1]) < 1 or len(parts["val"][-1]) < world_size:
+            if len(parts["train"][-1]) < 1 or len(parts["val"][-1]) < 1:
                 raise DataError(
                     f"data.sources[{i}] ({cfg.prepared_dir}) has {len(parts['train'][-1])} train and "
                     f"{len(parts['val'][-1])} validation windows of model.seq_len+1={self.seq_len + 1} tokens; it "
-                    f"needs at least 1 and {world_size} (the ranks): give it more documents or lower model.seq_len")
+                    "needs at least 1 of each: give it more documents or lower model.seq_len")
         keys = [f"data.sources[{i}]" for i in range(len(self.data.sources))]
         limits = [src.max_epochs for src in self.data.sources]
         train = MixtureWindows(parts["train"], keys, limits)
@@ -301,24 +306,19 @@ class TokenShardDataModule(L.LightningDataModule):
         self.train_loader.drop(micro_batches)
 
     def val_dataloader(self) -> DataLoader:
-        if self.data.sources:
-            # Batches of one source each, so the module can total the loss and bytes per source.
-            rank, world_size = self.rank_and_world_size()
-            batches, self.val_batch_sources = val_batches(
-                [len(p) for p in self.val_dataset.parts], self.val_dataset.offsets, self.val_batches,
-                self.micro_batch_size, rank, world_size)
-            kwargs = self._loader_kwargs()
-            kwargs.pop("batch_size")
-            return DataLoader(self.val_dataset, batch_sampler=batches, **kwargs)
-        return DataLoader(Subset(self.val_dataset, self.val_indices()), shuffle=False, **self._loader_kwargs())
-
-    def val_indices(self) -> List[int]:
-        """This rank's share of the fixed validation subset: the first val_batches * micro_batch_size * W windows
-        (fewer if the split is smaller, cut to a multiple of W so every rank runs the same number of batches)."""
+        """This rank's share of the fixed validation set (data/validation.py: trainer.val_windows in all, the same
+        for any number of ranks); a mixture's in batches of one source each, so the module can total the loss and
+        bytes per source (val_batch_sources)."""
         rank, world_size = self.rank_and_world_size()
-        n = min(self.val_batches * self.micro_batch_size * world_size, len(self.val_dataset))
-        n -= n % world_size
-        return list(range(rank, n, world_size))
+        if self.data.sources:
+            sizes, offsets = [len(p) for p in self.val_dataset.parts], self.val_dataset.offsets
+        else:
+            sizes, offsets = [len(self.val_dataset)], [0]
+        batches, sources = val_batches(sizes, offsets, self.val_windows, self.micro_batch_size, rank, world_size)
+        self.val_batch_sources = sources if self.data.sources else None
+        kwargs = self._loader_kwargs()
+        kwargs.pop("batch_size")
+        return DataLoader(PaddedWindows(self.val_dataset), batch_sampler=batches, **kwargs)
 
     def _loader_kwargs(self) -> Dict:
         kwargs = {"batch_size": self.micro_batch_size, "num_workers": self.data.num_workers,
@@ -349,7 +349,11 @@ def source_configs(data) -> List:
     return out
 
 
-def prepare_sources(data) -> List[Dict]:
+def _silent(*_) -> None:
+    pass
+
+
+def prepare_sources(data, log=print) -> List[Dict]:
     """Prepare (or reuse) every source's folder, the first first (the others may take its tokenizer)."""
     manifests = []
     for i, cfg in enumerate(source_configs(data)):
@@ -358,7 +362,7 @@ def prepare_sources(data) -> List[Dict]:
             continue
         if manifests:
             check_tokenizer(cfg.prepared_dir, manifests[0], i)  # before prepare() calls it a changed file
-        manifests.append(prepare(cfg))
+        manifests.append(prepare(cfg, log=log))
     return manifests
 
 

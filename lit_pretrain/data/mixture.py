@@ -220,24 +220,6 @@ class MixtureSampler(Sampler[int]):
                 f"gives {now}: set the weights back, or change data.mixture_schedule only after the checkpoint's step")
 
 
-def val_batches(sizes: Sequence[int], offsets: Sequence[int], per_source: int, micro_batch_size: int, rank: int,
-                world_size: int) -> Tuple[List[List[int]], List[int]]:
-    """This rank's validation batches, each from one source, and the source index of each.
-
-    Per source: its first per_source × W windows (fewer if its split is smaller, cut to a multiple of W), rank r
-    taking every W-th from r, in batches of micro_batch_size (the last one of a source may be shorter). Every rank
-    gets the same number of batches of each source, in the same order."""
-    batches, sources = [], []
-    for k, (size, offset) in enumerate(zip(sizes, offsets)):
-        n = min(per_source * micro_batch_size * world_size, size)
-        n -= n % world_size
-        mine = list(range(offset + rank, offset + n, world_size))
-        for i in range(0, len(mine), micro_batch_size):
-            batches.append(mine[i: i + micro_batch_size])
-            sources.append(k)
-    return batches, sources
-
-
 class MixtureMetrics(Callback):
     """Logs data/<source>/tokens_seen and data/<source>/epochs at the module's logging steps: what the data order
     has handed to training so far (trained batches, plus any a loss-spike rewind skipped)."""

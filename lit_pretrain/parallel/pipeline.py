@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_pretrain.losses import lm_losses
+from lit_pretrain.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.model import softcap
 from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
 
@@ -176,7 +176,8 @@ class PipelineRunner:
         # fp32 cross-entropy (and optim.z_loss) as in PretrainModule.losses; scaled so gradients match Lightning's
         # accumulation. The parts are kept apart for logging: the schedule sees only their sum.
         task, z = lm_losses(logits, target, self.z_loss)
-        self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(())]))
+        predicted = (target != IGNORE_INDEX).sum().to(task.dtype)  # validation weighs micro-batches by it
+        self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(()), predicted]))
         return (task if z is None else task + z) * self.scale
 
     def _schedule(self):
@@ -212,7 +213,13 @@ class PipelineRunner:
         if self.holds_last:
             # The schedule's first step also calls the loss once for shape inference, before the micro-batches:
             # only the last len(losses) parts are the micro-batches' (task loss and z-loss, unscaled).
-            out[0], out[2] = torch.stack(self._parts[-len(losses):]).mean(0)
+            parts = torch.stack(self._parts[-len(losses):])  # (micro-batches, 3): task, z-loss, predicted
+            out[0], out[2] = parts[:, :2].mean(0)  # training: the mean of the micro-batches' means, as accumulation
+            if not training:
+                # Validation: the mean over the batch's predicted targets, as one process computes it (a padding
+                # micro-batch of data/validation.py predicts nothing, and its NaN mean weighs 0).
+                n = parts[:, 2]
+                out[0] = (torch.where(n > 0, parts[:, 0], 0.0) * n).sum() / n.sum()
         out[1] = 1.0 - self.busy / wall if wall > 0 else 0.0
         # One all-reduce for all: the losses live on the last stage only (others add 0); the idle fraction is
         # averaged over the pipeline ranks.

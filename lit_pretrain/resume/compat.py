@@ -27,6 +27,12 @@ FREE_KEYS = {
 }
 
 
+# Keys a checkpoint written before their rename holds under the old name (config.RENAMED): trainer.val_batches
+# counted batches per device, trainer.val_windows counts the windows in all. The validation set changes at such a
+# resume once, and training not at all.
+RENAMED = {"trainer.val_batches": "trainer.val_windows"}
+
+
 def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
     if isinstance(tree, dict):
         out: Dict[str, Any] = {}
@@ -73,6 +79,8 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
     for key in sorted(set(before) | set(now)):
         if key in FREE_KEYS or key.startswith(FREE_PREFIXES) or before.get(key) == now.get(key):
             continue
+        if key in RENAMED and key not in now or key in RENAMED.values() and key not in before:
+            continue  # a checkpoint written before the rename: the new key takes over from here
         if key.startswith("model."):
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               "the model's shape cannot change on resume; set it back, or start a new run")

@@ -16,12 +16,14 @@ from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, keep_first_rows
 from lit_pretrain.resume.rank_state import RankState
 from lit_pretrain.runs import (
+    Claim,
     check_run_dir,
-    create_run_dir,
+    claim_run_dir,
     holds_results,
     is_empty,
     is_primary_process,
     is_reusable,
+    refuse_in_use,
     run_dir_path,
 )
 
@@ -37,6 +39,8 @@ class Plan:
     changed: List[str]
     created: bool = False
     """This process made run_dir (so a failed start may remove it again: runs.remove_failed_start)."""
+    claim: Optional[Claim] = None
+    """This process's hold on run_dir (runs.Claim), from make_run_dir to release."""
 
 
 def open_run(run) -> Plan:
@@ -47,6 +51,7 @@ def open_run(run) -> Plan:
         resolved = os.environ.get(RESOLVED_ENV)
         return Plan(run_dir, Path(resolved) if resolved else None, [])
     os.environ.pop(RESOLVED_ENV, None)
+    refuse_in_use(run_dir)  # a run training there now: refused before resume.auto sets checkpoints aside
     checkpoint = store.resolve(run.resume, run_dir)
     if checkpoint is None:
         if run.resume == "auto" and run_dir.is_dir() and not is_empty(run_dir) and not is_reusable(run_dir) \
@@ -56,8 +61,13 @@ def open_run(run) -> Plan:
         check_run_dir(run.root_dir, run.name, run.overwrite)  # refused now, before any data is prepared
         return Plan(run_dir, None, [])
     if run.overwrite:
-        raise RunFolderError(f"run.resume={run.resume} and run.overwrite=true contradict each other (overwrite "
-                             f"deletes {run_dir}): drop one")
+        if run_dir.is_dir() and not is_empty(run_dir):
+            raise RunFolderError(f"run.resume={run.resume} and run.overwrite=true contradict each other (overwrite "
+                                 f"would delete {run_dir}, which the resume continues in): drop one")
+        # Nothing there to delete: say so, rather than name a deletion that would not happen.
+        state = "is empty" if run_dir.is_dir() else "does not exist yet"
+        raise RunFolderError(f"run.overwrite=true has nothing to delete: run folder {run_dir} {state}, and "
+                             f"run.resume={run.resume} starts it from that checkpoint: drop run.overwrite")
     if not (run_dir.is_dir() and holds_results(run_dir)):
         check_run_dir(run.root_dir, run.name, overwrite=False)  # a resume into a new run folder (make_run_dir)
     os.environ[RESOLVED_ENV] = str(checkpoint.resolve())
@@ -65,15 +75,20 @@ def open_run(run) -> Plan:
 
 
 def make_run_dir(plan: Plan, run) -> None:
-    """On rank 0: a new run folder (runs.create_run_dir), or the resumed one as it is. A resume from a file into a
-    run folder holding no results yet (a new run.name) makes it like a new run's."""
+    """On rank 0: a new run folder, or the resumed one as it is, held by this start until release (runs.claim_run_dir:
+    of starts at the same moment exactly one gets it). A resume from a file into a run folder holding no results yet
+    (a new run.name) makes it like a new run's."""
     if not is_primary_process():
         return
-    if plan.checkpoint is None or not (plan.run_dir.is_dir() and holds_results(plan.run_dir)):
-        create_run_dir(run.root_dir, run.name, run.overwrite and plan.checkpoint is None)
-        plan.created = True
-    else:
-        (plan.run_dir / "checkpoints").mkdir(exist_ok=True)
+    resume = plan.checkpoint is not None and plan.run_dir.is_dir() and holds_results(plan.run_dir)
+    plan.claim = claim_run_dir(run.root_dir, run.name, run.overwrite and plan.checkpoint is None, resume=resume)
+    plan.created = not resume
+
+
+def release(plan: Plan) -> None:
+    """The run folder is free for the next start (this process's hold on it dropped; a process's end drops it too)."""
+    if plan.claim is not None:
+        plan.claim.release()
 
 
 def check(plan: Plan, run_meta: Dict, allow: List[str], tokenizer_file: Path) -> None:

@@ -68,19 +68,28 @@ def _inspect_file(path: Path) -> Dict[str, Any]:
 
 def inspect(path: str | Path) -> Dict[str, Any]:
     """Step, layout, tensors, bytes and checksum failures (an empty list: every checksum holds) of a sharded
-    checkpoint folder or a one-file checkpoint."""
+    checkpoint folder, a one-file checkpoint, or a run folder's newest checkpoint (the one load_gpt reads:
+    checkpoints.checkpoint_path follows last.ckpt, or `latest` when that names a sharded folder); `path` in the
+    report is the checkpoint inspected."""
+    from lit_pretrain.checkpoints import checkpoint_path
+
     path = Path(path)
+    if path.is_dir() and not sf.is_sharded(path):
+        if not (path / "checkpoints").is_dir():
+            raise DataError(f"{path} is a folder but neither a sharded checkpoint (no manifest.json, .metadata or "
+                            "*.distcp) nor a run folder (no checkpoints/): give runs/<name>, a checkpoints/step*/ "
+                            "folder or a .ckpt file")
+        path = checkpoint_path(path)
     if sf.is_sharded(path):
-        return _inspect_folder(path)
-    if path.is_dir():
-        raise DataError(f"{path} is a folder but not a sharded checkpoint (no manifest.json, .metadata or *.distcp): "
-                        "give a checkpoints/step*/ folder or a .ckpt file")
+        return {"path": str(path), **_inspect_folder(path)}
     if not path.is_file():
-        raise DataError(f"checkpoint {path} does not exist: give a checkpoints/step*/ folder or a .ckpt file")
-    return _inspect_file(path)
+        raise DataError(f"checkpoint {path} does not exist: give runs/<name>, a checkpoints/step*/ folder or a .ckpt "
+                        "file")
+    return {"path": str(path), **_inspect_file(path)}
 
 
 def format_inspect(path: str | Path, report: Dict[str, Any]) -> str:
+    path = report.get("path", path)  # a run folder given: the checkpoint of it inspected
     layout = report.get("layout") or {}
     degrees = " ".join(f"{k}={v}" for k, v in layout.items() if k in (
         "data_parallel_replicate", "data_parallel_shard", "zero_stage", "tensor_parallel", "pipeline_parallel"))
