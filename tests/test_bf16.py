@@ -121,3 +121,16 @@ def test_bf16_mixed_keeps_parameters_and_adamw_state_in_fp32(runs):
     states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
     assert len(states) == len(list(module.parameters())) and all(states)
     assert {s["exp_avg"].dtype for s in states} == {s["exp_avg_sq"].dtype for s in states} == {torch.float32}
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-mixed", torch.bfloat16), ("bf16-true", torch.bfloat16),
+                                              ("32-true", torch.float32)])
+def test_mfu_of_a_cpu_run_divides_by_the_matmul_peak_of_its_precision(monkeypatch, precision, dtype):
+    """The throughput callback's CPU peak is a matmul in the dtype the step's matmuls run in: bf16 under bf16-mixed
+    (its matmuls ran 2-2.4x the fp32 rate here: an fp32 peak would overstate the MFU by that much)."""
+    from lit_pretrain.callbacks import throughput
+
+    measured = []
+    monkeypatch.setattr(throughput, "measured_cpu_peak_flops", lambda d: measured.append(d) or 1e11)
+    assert throughput.peak_flops_per_device(torch.device("cpu"), precision) == 1e11
+    assert measured == [dtype]
