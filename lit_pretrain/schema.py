@@ -365,7 +365,12 @@ class TrainerConfig:
     num_nodes: int = field(default=1, metadata={"ge": 1})
     """Nodes."""
     precision: str = field(default="32-true", metadata={"choices": ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]})
-    """Lightning precision. On CPUs without AMX bf16 is slower than fp32: use it for correctness checks."""
+    """Lightning precision. bf16-mixed runs the step's matmuls and attention in bf16 under torch.autocast on fp32
+    weights; the loss, the gradients (their norm and clipping) and AdamW's state stay fp32 (tests/test_bf16.py). On
+    CPUs with bf16 instructions (avx512_bf16 or AMX in /proc/cpuinfo) it is the faster choice (`make bench
+    CASES=precision`, README "Performance"); without them bf16 is emulated and many times slower than 32-true.
+    bf16-true keeps the weights and AdamW's moments in bf16 as well: updates smaller than a bf16 ulp of a weight
+    are lost, and it trains measurably worse."""
     num_threads: Optional[int] = field(default=None, metadata={"ge": 1})
     """torch intra-op threads per process. null: the cores divided by the processes on this node."""
     val_every_n_steps: int = field(default=200, metadata={"ge": 1})

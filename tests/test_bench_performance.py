@@ -104,3 +104,24 @@ def test_profile_step_counts_every_matmul_flop_of_the_step():
     tokens = c.trainer.micro_batch_size * c.model.seq_len
     assert rows["matmul"]["flops"] == 6 * tokens * linear_weights
     assert rows["matmul"]["seconds"] > 0 and rows["attention"]["seconds"] > 0
+
+
+def test_precision_case_alternates_bf16_mixed_with_fp32_and_gives_each_mfu_its_own_dtype_peak():
+    """bench/precision.py on the tiny run (eager: auto leaves it uncompiled, as its run would be), one alternation:
+    the ratio is bf16-mixed's tokens/s over fp32's, and each MFU divides by the peak of its own dtype."""
+    from lit_pretrain import config
+    from lit_pretrain.bench import precision
+
+    c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model.vocab_size=512"]))
+    case, bf16, fp32 = precision.run(c, steps=3, skip=1, repeats=1)
+    assert [case["case"], bf16["case"], fp32["case"]] == ["bf16_mixed_step_tokens_per_s", "mfu_bf16_mixed",
+                                                          "mfu_32_true"]
+    d = case["detail"]
+    assert d["compiled"] is False and case["alternations"] == 1 and case["goal"] == ">= 1.5"
+    assert case["ratio"] == pytest.approx(d["bf16_mixed"][0] / d["fp32"][0])
+    flops_per_token = GPT(c.model).flops_per_token()
+    for m, tokens_per_s, dtype in ((bf16, d["bf16_mixed"][0], "bf16"), (fp32, d["fp32"][0], "fp32")):
+        peak = max(m["detail"]["peak_samples_gflops"]) * 1e9
+        assert m["ratio"] == pytest.approx(tokens_per_s * flops_per_token / peak)
+        assert m["detail"]["peak"] == mfu.peak_label(dtype)
+    assert d["matmul_peak_ratio"] == pytest.approx(bf16["reference"] / fp32["reference"])

@@ -187,3 +187,9 @@ def test_auto_weighs_each_process_s_training_flops():
     assert flops("default.yaml", "strategy=zero", "trainer.devices=2", "trainer.tokens_per_step=4096").compile
     assert not flops("default.yaml", "strategy=zero", "trainer.devices=4", "trainer.micro_batch_size=4",
                      "trainer.tokens_per_step=4096").compile
+    # bf16-mixed decides alike (compile_policy.py: its faster eager step and compile's larger saving cancel): the
+    # default run compiles on one process, under DDP and under ZeRO; the tiny runs stay eager.
+    bf16 = "trainer.precision=bf16-mixed"
+    assert flops("default.yaml", bf16).compile and not flops("tiny.yaml", bf16).compile
+    for strategy in ("strategy=ddp", "strategy=zero"):
+        assert flops("default.yaml", bf16, strategy, "trainer.devices=2", "trainer.tokens_per_step=4096").compile

@@ -55,7 +55,7 @@ def _compile(r: _Run) -> List[Dict]:
 def _precision(r: _Run) -> List[Dict]:
     from lit_pretrain.bench import precision
 
-    return [precision.run(r.c, r.args.repeats)]
+    return precision.run(r.c, r.args.steps, r.args.skip, r.args.repeats)
 
 
 def _datamodule(r: _Run) -> List[Dict]:

@@ -4,7 +4,8 @@ MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / peak FL
 are the training FLOPs per token of the architecture (`GPT.flops_per_token`: 6·N + 12·L·H·Q·T) times tokens per
 second: work the model needs, not work the hardware happened to do (activation checkpointing's recomputation does
 not count). On a CPU there is no datasheet peak we could trust for this core count and clock, so the reference is
-the best of a few large fp32 matmuls on the same threads, measured at the start of the run.
+the best of a few large matmuls in the step's matmul dtype (fp32; bf16 for bf16-mixed) on the same threads, measured
+at the start of the run and beside the runs it is the reference of.
 """
 
 from typing import Dict, List, Sequence, Union
@@ -28,16 +29,22 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_s: float) ->
     return model_flops_per_s(tokens_per_s, flops_per_token) / peak_flops_per_s
 
 
-def cpu_matmul_peak(repeats: int = 5) -> float:
-    """Best fp32 FLOP/s of `repeats` PEAK_MATMUL_N² matmuls on this process's threads, measured at each call (the
-    training callback's measurement is cached once per process; the bench samples the peak several times)."""
+def cpu_matmul_peak(repeats: int = 5, dtype: str = "fp32") -> float:
+    """Best FLOP/s of `repeats` PEAK_MATMUL_N² matmuls in `dtype` ("fp32" or "bf16") on this process's threads,
+    measured at each call (the training callback's measurement is cached once per process; the bench samples the
+    peak several times)."""
     import torch
 
-    return measured_cpu_peak_flops.__wrapped__(torch.float32, PEAK_MATMUL_N, repeats)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    return measured_cpu_peak_flops.__wrapped__(torch_dtype, PEAK_MATMUL_N, repeats)
+
+
+def peak_label(dtype: str = "fp32") -> str:
+    return f"best of {dtype} {PEAK_MATMUL_N}x{PEAK_MATMUL_N} matmuls"
 
 
 def cases(tokens_per_s: Dict[str, Union[float, Sequence[float]]], flops_per_token: int, peak_flops_per_s: float,
-          goals: Dict[str, str]) -> List[Dict]:
+          goals: Dict[str, str], peak_dtype: str = "fp32") -> List[Dict]:
     """One case per measured step (e.g. {"eager": [...], "compiled": [...]}): model GFLOP/s over the peak's; a
     series of runs' tokens/s gives the median and spread of their MFUs (bench/stats.py)."""
     out = []
@@ -51,5 +58,5 @@ def cases(tokens_per_s: Dict[str, Union[float, Sequence[float]]], flops_per_toke
         out.append({"case": f"mfu_{name}", **summary, "reference": peak_flops_per_s / 1e9,
                     "goal": goals.get(name, "-"), "unit": "GFLOP/s",
                     "detail": {"tokens_per_s": stats.median(series), "flops_per_token": flops_per_token,
-                               "peak": f"best of fp32 {PEAK_MATMUL_N}x{PEAK_MATMUL_N} matmuls"}})
+                               "peak": peak_label(peak_dtype)}})
     return out

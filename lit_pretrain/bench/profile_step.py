@@ -1,9 +1,10 @@
-"""Where the training step's time goes: `python -m lit_pretrain.bench.profile_step [--eager] [--steps N]`.
+"""Where the training step's time goes: `python -m lit_pretrain.bench.profile_step [--eager] [--bf16] [--steps N]`.
 
 The step of bench/step.py's raw loop (forward, fp32 cross-entropy, backward, clipping, AdamW), compiled as
 `trainer.compile` compiles it unless --eager, profiled with torch.profiler after warm-up steps. Prints each kind of
 work's share of the step (self CPU time of its operators), the GFLOP/s the matmuls reached against the fp32 matmul
-peak mfu.py measures, and the MFU that leaves: it is what bounds `mfu_compiled` (issue 22) on a given CPU. Kinds are
+peak mfu.py measures (--bf16: the step under bf16 autocast, as trainer.precision=bf16-mixed runs it, against the bf16
+peak), and the MFU that leaves: it is what bounds `mfu_compiled` (issue 22) on a given CPU. Kinds are
 told apart by operator name (`kind_of`, table-tested); compiled kernels are named when inductor's kernel profiling
 is on (this tool turns it on), and every other operator counts as "other".
 """
@@ -40,8 +41,9 @@ def shares(events: Iterable[Tuple[str, float, float]]) -> Dict[str, Dict[str, fl
     return dict(out)
 
 
-def profile(c, steps: int, warmup: int, compile: bool) -> Dict:
-    """{kind: {"seconds", "flops"}} per step of bench/step.py's raw step, profiled after `warmup` steps."""
+def profile(c, steps: int, warmup: int, compile: bool, bf16: bool = False) -> Dict:
+    """{kind: {"seconds", "flops"}} per step of bench/step.py's raw step, profiled after `warmup` steps. `bf16`:
+    its forward and loss under bf16 autocast, as trainer.precision=bf16-mixed runs them."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -49,7 +51,7 @@ def profile(c, steps: int, warmup: int, compile: bool) -> Dict:
     from lit_pretrain.bench.step import raw_step
 
     torch._inductor.config.cpp.enable_kernel_profile = True  # names each generated kernel in the profile
-    _, step = raw_step(c, compile)
+    _, step = raw_step(c, compile, bf16)
     g = torch.Generator().manual_seed(c.run.seed)
     x, y = torch.randint(0, c.model.vocab_size, (2, c.trainer.micro_batch_size, c.model.seq_len), generator=g)
     for _ in range(warmup):
@@ -66,6 +68,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_file", nargs="?", default="experiments/runs/default.yaml")
     parser.add_argument("--eager", action="store_true", help="profile the eager step (default: compiled)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="the step under bf16 autocast (trainer.precision=bf16-mixed), against the bf16 peak")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps (after 3 warm-up steps)")
     args = parser.parse_args(argv)
 
@@ -77,12 +81,13 @@ def main(argv=None) -> None:
     c = config_lib.to_object(config_lib.load(args.run_file, []))
     setup_process(c.trainer)
     c = resolve_vocab(c, c.data.vocab_size)
-    peak = cpu_matmul_peak()
-    rows = profile(c, args.steps, 3, not args.eager)
+    dtype = "bf16" if args.bf16 else "fp32"
+    peak = cpu_matmul_peak(dtype=dtype)
+    rows = profile(c, args.steps, 3, not args.eager, args.bf16)
     total = sum(row["seconds"] for row in rows.values())
     model_flops = GPT(c.model).flops_per_token() * c.trainer.micro_batch_size * c.model.seq_len
     print(f"{'eager' if args.eager else 'compiled'} step: {total * 1e3:.0f} ms of operator time; "
-          f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+          f"{dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
     for kind, row in sorted(rows.items(), key=lambda kv: -kv[1]["seconds"]):
         # Only the matmuls' rate means something: the profiler counts no FLOPs for attention's kernels.
         rate = f"  {row['flops'] / row['seconds'] / 1e9:6.0f} GFLOP/s ({row['flops'] / row['seconds'] / peak:.2f} " \

@@ -5,6 +5,8 @@ with the same parameter groups, the learning-rate schedule. The data is the same
 the case measures what Lightning and our module add to a step, not the data path (a case of its own).
 """
 
+import contextlib
+import functools
 import tempfile
 import time
 
@@ -61,21 +63,25 @@ def _data(c, steps: int) -> DataLoader:
     return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=c.trainer.micro_batch_size)
 
 
-def raw_step(c, compile: bool = False):
+def raw_step(c, compile: bool = False, bf16: bool = False):
     """The hand-written training step on the experiment's GPT: (its AdamW, step(x, y)), where a step is forward,
     fp32 cross-entropy, backward, global-norm clipping, AdamW and zeroing the gradients. `compile`: the forward and
     loss compiled as `trainer.compile: true` compiles the module's step on one process (parallel/compile.py, the
-    same function)."""
+    same function). `bf16`: the forward and loss under bf16 autocast as Lightning's MixedPrecision plugin runs the
+    training step for trainer.precision=bf16-mixed (cache_enabled=False; backward, clipping and AdamW outside it)."""
     torch.manual_seed(c.run.seed)
     model = GPT(c.model)
     forward_losses = apply_plan(model, ParallelPlan(compile=True)).forward_losses if compile else None
     opt = build_adamw(model, c.optim, build_plan(c).zero_stage)
+    precision = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, cache_enabled=False) if bf16 else \
+        contextlib.nullcontext
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        if forward_losses is not None:
-            loss = forward_losses(x, y)[0]
-        else:
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        with precision():
+            if forward_losses is not None:
+                loss = forward_losses(x, y)[0]
+            else:
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         clip_by_global_norm(model.parameters(), c.optim.grad_clip_norm)
         opt.step()
