@@ -16,6 +16,7 @@ from lit_pretrain.checkpoints import from_plain
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT, document_ids
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.moe import end_step, moe_loss
 from lit_pretrain.optim import build_optimizer
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
@@ -177,6 +178,11 @@ class PretrainModule(L.LightningModule):
         loss, z_loss = self.losses(batch)
         self._loss_sum += loss.detach()
         self._micro_batches += 1
+        # model.moe: the load-balancing and router z-losses of this forward (lit_pretrain/moe.py), trained on but
+        # kept out of train/loss, as the z-loss is (their values are logged per layer by the MoE monitor).
+        balance = moe_loss(self.model)
+        if balance is not None:
+            loss = loss + balance
         if z_loss is None:
             return loss
         self._z_loss_sum += z_loss.detach()
@@ -188,6 +194,7 @@ class PretrainModule(L.LightningModule):
         if self.global_step == self._step_seen:
             return  # mid-accumulation: the optimizer has not stepped yet
         self._step_seen = self.global_step
+        end_step(self.model)  # model.moe: routing counts over ranks, DeepSeek-V3's bias update (after the step)
         if self.logs_at(self.global_step):
             # The step's loss is the mean over its micro-batches and (sync_dist) over data-parallel ranks, not rank
             # 0's last micro-batch.

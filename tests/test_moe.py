@@ -1,0 +1,164 @@
+"""model.moe: the architecture table's counts against the built modules and transformers' OLMoE, the grouped
+matmul against a per-expert loop, routing, capacity, the balancing losses and DeepSeek-V3's bias. CPU, float32."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from lit_pretrain.model import GPT
+from lit_pretrain.model_config import GPTConfig, MoEConfig
+from lit_pretrain.moe import end_step, moe_layers, moe_loss, step_statistics
+from lit_pretrain.scaling import shapes
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+
+
+def tiny_moe(**moe) -> GPTConfig:
+    args = dict(num_experts=4, top_k=2, d_ff_expert=32)
+    args.update(moe)
+    return GPTConfig(vocab_size=128, n_layers=3, d_model=64, n_heads=4, seq_len=32, moe=MoEConfig(**args))
+
+
+def build(cfg: GPTConfig, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def test_dense_model_has_no_moe_and_the_same_table():
+    cfg = GPTConfig(vocab_size=128, n_layers=2, d_model=64, n_heads=4)
+    assert cfg.moe is None and not cfg.moe_layers()
+    assert shapes.active_params(cfg) == shapes.params(cfg)
+    assert not moe_layers(build(cfg)) and moe_loss(build(cfg)) is None
+
+
+def test_counts_of_a_tiny_moe_equal_the_built_modules_and_the_active_count_by_hand():
+    # Layer 0 dense (first_dense_layers=1), layers 1, 2 MoE; 4 experts of 32, top 2, 1 shared expert; tied, V 128.
+    cfg = tiny_moe(num_shared_experts=1, first_dense_layers=1)
+    model = build(cfg)
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["SwiGLU", "MoE", "MoE"]
+    assert sum(p.numel() for p in model.parameters()) == shapes.params(cfg)
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == shapes.param_shapes(cfg)
+    # By hand. Attention 4·64² = 16,384 and 2 norms 128 per block. Dense MLP: hidden 64·ceil(170/64) = 192,
+    # 3·64·192 = 36,864. MoE: router 4·64 = 256; experts 3·4·32·64 = 24,576 (active 2 of 4: 12,288); shared
+    # 3·32·64 = 6,144. Final norm 64, embedding 128·64 = 8,192 (tied).
+    dense = 16_384 + 128 + 36_864
+    moe_total, moe_active = 16_384 + 128 + 256 + 24_576 + 6_144, 16_384 + 128 + 256 + 12_288 + 6_144
+    assert shapes.params(cfg) == dense + 2 * moe_total + 64 + 8_192
+    assert shapes.active_params(cfg) == dense + 2 * moe_active + 64 + 8_192
+    assert model.num_params(non_embedding=False, active=True) == shapes.active_params(cfg)
+    # FLOPs per token count the active parameters (6·N_active + attention): the built model and the table agree.
+    assert model.flops_per_token() == shapes.flops_per_token(cfg)
+    assert shapes.flops_per_token(cfg) == 6 * (shapes.active_non_embedding_params(cfg) + 128 * 64) + \
+        12 * 3 * 4 * 16 * 32
+
+
+def test_every_k_places_moe_layers():
+    cfg = GPTConfig(vocab_size=64, n_layers=7, d_model=64, n_heads=4,
+                    moe=MoEConfig(num_experts=4, top_k=1, first_dense_layers=1, every_k=2))
+    assert cfg.moe_layers() == [1, 3, 5]
+
+
+@pytest.mark.parametrize("moe, key", [(dict(top_k=5), "model.moe.top_k"),
+                                      (dict(first_dense_layers=3), "model.moe.first_dense_layers"),
+                                      (dict(d_ff_expert=30), "model.moe.d_ff_expert")])
+def test_bad_moe_config_names_the_key(moe, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        tiny_moe(**moe).check()
+
+
+def test_olmoe_preset_counts_equal_transformers_olmoe_on_the_meta_device():
+    transformers = pytest.importorskip("transformers")
+    preset = yaml.safe_load((EXPERIMENTS / "model" / "olmoe_1b_7b.yaml").read_text())
+    cfg = GPTConfig(**{**preset, "moe": MoEConfig(**preset["moe"])})
+    hf_cfg = transformers.OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                                      num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        theirs = transformers.OlmoeForCausalLM(hf_cfg)
+        ours = GPT(cfg)
+    total = sum(p.numel() for p in theirs.parameters())
+    # Active: of each experts' stack (gate_up_proj, down_proj: (64, ., .)) a token uses 8 experts: 6.92B total
+    # minus 56/64 of 16·64·3·2048·1024 = 6,442,450,944 expert weights.
+    experts = sum(p.numel() for n, p in theirs.named_parameters() if ".mlp.experts." in n)
+    active = total - experts + experts // 64 * 8
+    assert shapes.params(cfg) == total == sum(p.numel() for p in ours.parameters()) == 6_919_161_856
+    assert shapes.active_params(cfg) == active == 1_282_017_280
+
+
+def loop_reference(layer, x):
+    """The MoE forward as a per-expert Python loop (transformers' OlmoeExperts does the same), dropless."""
+    flat = x.reshape(-1, x.shape[-1])
+    top, weights, _, _ = layer.route(flat)
+    out = torch.zeros_like(flat)
+    w = {n: m.weight for n, m in layer.experts.items()}
+    for e in range(layer.cfg.num_experts):
+        token, slot = torch.where(top == e)
+        h = F.silu(flat[token] @ w["w_gate"][e].T) * (flat[token] @ w["w_up"][e].T)
+        out.index_add_(0, token, (h @ w["w_down"][e].T) * weights[token, slot, None])
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("score, norm", [("softmax", False), ("sigmoid", True)])
+def test_grouped_matmul_equals_the_per_expert_loop_forward_and_backward(score, norm):
+    cfg = tiny_moe(num_experts=8, top_k=2, score=score, norm_topk_prob=norm)
+    layer = build(cfg).blocks[0].mlp
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    g = torch.randn(2, 16, 64)
+    ours = layer(x)
+    (ours * g).sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad()
+    ref = loop_reference(layer, x)
+    (ref * g).sum().backward()
+    # The same products; only the order of each token's sum over its k experts may differ: fp32 rounding.
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    for mine, theirs in zip(grads, [x.grad] + [p.grad for p in layer.parameters()]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_drops_the_overflow_and_counts_it():
+    cfg = tiny_moe(num_experts=4, top_k=1, capacity_factor=0.5)
+    model = build(cfg)
+    layer = model.blocks[0].mlp
+    with torch.no_grad():  # route every token to expert 0: capacity ceil(0.5·32·1/4) = 4 of its 32 tokens
+        layer.router.weight.zero_()
+        layer.router.weight[0] = 1.0
+    x = torch.ones(1, 32, 64)
+    layer.train()
+    out = layer(x)
+    assert (out[0, :4].abs().sum(-1) > 0).all() and (out[0, 4:] == 0).all()
+    end_step(model)
+    stats = step_statistics(layer)
+    assert stats["dropped_fraction"].item() == 28 / 32 and stats["max_share"].item() == 1.0
+
+
+def test_aux_loss_is_one_for_a_uniform_router_and_z_loss_matches_its_formula():
+    cfg = tiny_moe(num_experts=4, top_k=2, aux_loss=0.1, router_z_loss=0.01)
+    model = build(cfg)
+    for layer in moe_layers(model):
+        torch.nn.init.zeros_(layer.router.weight)  # uniform probabilities 1/4, logsumexp = log 4
+    model(torch.randint(0, 128, (2, 32)))
+    # Switch eq. 4 with f summing to 1 over the N·k assignments: E · Σ f_i · 1/E = 1 whatever the split.
+    expected = 0.1 * 1.0 + 0.01 * torch.log(torch.tensor(4.0)) ** 2
+    torch.testing.assert_close(moe_loss(model), expected)
+
+
+def test_bias_update_moves_against_the_load_after_the_step_only():
+    cfg = tiny_moe(num_experts=4, top_k=1, bias_update_rate=0.1)
+    model = build(cfg).train()
+    layer = model.blocks[0].mlp
+    assert "blocks.0.mlp.expert_bias" in model.state_dict() and layer.expert_bias.requires_grad is False
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[2] = 1.0  # expert 2 takes every token of a positive input
+    layer(torch.ones(1, 8, 64))
+    assert layer.expert_bias.abs().sum() == 0  # the forward never moves it
+    end_step(model)
+    # DeepSeek-V3 §2.1.2: b_i += rate · sign(mean load − load_i): expert 2 (load 8 > 2) down, the others up.
+    assert layer.expert_bias.tolist() == pytest.approx([0.1, 0.1, -0.1, 0.1])
+    assert step_statistics(layer)["bias_norm"].item() == pytest.approx(0.2)
