@@ -39,18 +39,15 @@ class MoEConfig:
     """Divide the k chosen scores by their sum (DeepSeek-V3 with sigmoid; Mixtral). OLMoE-1B-7B: false."""
     aux_loss: float = field(default=0.01, metadata={"ge": 0})
     """Coefficient of the Switch/GShard load-balancing loss E * sum_i f_i * P_i (Fedus et al. 2021 eq. 4: f_i the
-    fraction of assignments to expert i, P_i its mean router probability), summed over the MoE layers. 0: off."""
+    fraction of assignments to expert i, P_i its mean router probability; 1 when balanced), averaged over the MoE
+    layers as transformers' OLMoE does. 0: off."""
     bias_update_rate: float = field(default=0.0, metadata={"ge": 0})
     """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2; Wang et al. 2024): a per-expert bias, added to the
     scores for the top-k choice only, moves by this rate times sign(mean load - load) after every optimizer step.
     0: off (no bias)."""
     router_z_loss: float = field(default=0.0, metadata={"ge": 0})
     """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE, Zoph et al. 2022 eq. 5),
-    summed over the MoE layers. 0: off."""
-    collapse_share: float = field(default=0.5, metadata={"gt": 0, "le": 1})
-    """Router collapse, for the stability report: an expert taking more than this share of a layer's assignments
-    (for callbacks.loss_spike's window of logged steps) is an event labelled router_collapse."""
-
+    averaged over the MoE layers. 0: off."""
     def check(self) -> None:
         if self.top_k > self.num_experts:
             raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}: "

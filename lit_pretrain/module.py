@@ -194,7 +194,6 @@ class PretrainModule(L.LightningModule):
         if self.global_step == self._step_seen:
             return  # mid-accumulation: the optimizer has not stepped yet
         self._step_seen = self.global_step
-        end_step(self.model)  # model.moe: routing counts over ranks, DeepSeek-V3's bias update (after the step)
         if self.logs_at(self.global_step):
             # The step's loss is the mean over its micro-batches and (sync_dist) over data-parallel ranks, not rank
             # 0's last micro-batch.
@@ -218,6 +217,12 @@ class PretrainModule(L.LightningModule):
             return True
         last = trainer.max_steps if trainer.max_steps > 0 else self.max_steps  # Lightning's -1: no limit set
         return step % trainer.log_every_n_steps == 0 or step >= last
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        # model.moe, after the update and before any callback's on_train_batch_end reads the step: the routing
+        # counts summed over the data-parallel ranks, DeepSeek-V3's bias update (lit_pretrain/moe.py end_step).
+        end_step(self.model)
 
     def on_before_optimizer_step(self, optimizer):
         # Read here, not after the step: by then the scheduler has moved on to the next step's rate. The schedule's

@@ -509,6 +509,20 @@ class StabilityReportConfig:
 
 
 @dataclass
+class MoEMonitorConfig:
+    enabled: bool = True
+    """With model.moe: log each MoE layer's routing (moe/layer{i}/tokens_min, tokens_max, tokens_cv, max_share,
+    dropped_fraction, aux_loss, z_loss, bias_norm) and record router collapse as an event (callbacks/moe_monitor.py).
+    Does nothing for a dense model."""
+    log_every_n_steps: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Logging interval in optimizer steps. null: trainer.log_every_n_steps."""
+    collapse_share: float = field(default=0.5, metadata={"gt": 0.0, "le": 1.0})
+    """Router collapse: one expert takes more than this share of a layer's assignments ..."""
+    collapse_window: int = field(default=3, metadata={"ge": 1})
+    """... at this many logged steps in a row; the event (label router_collapse) ends when the share falls back."""
+
+
+@dataclass
 class DownstreamEvalConfig:
     enabled: bool = False
     """Run lm-evaluation-harness tasks during training (callbacks/downstream_eval.py; needs the `eval` extra) and log
@@ -550,6 +564,8 @@ class CallbacksConfig:
     """End-of-run stability report."""
     downstream_eval: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
     """lm-evaluation-harness tasks during training."""
+    moe: MoEMonitorConfig = field(default_factory=MoEMonitorConfig)
+    """Mixture-of-experts routing statistics and router-collapse events (model.moe only)."""
 
 
 @dataclass

@@ -162,3 +162,66 @@ def test_bias_update_moves_against_the_load_after_the_step_only():
     # DeepSeek-V3 §2.1.2: b_i += rate · sign(mean load − load_i): expert 2 (load 8 > 2) down, the others up.
     assert layer.expert_bias.tolist() == pytest.approx([0.1, 0.1, -0.1, 0.1])
     assert step_statistics(layer)["bias_norm"].item() == pytest.approx(0.2)
+
+
+def test_planted_router_collapse_is_an_event_with_a_label_and_resolves():
+    from types import SimpleNamespace
+
+    from lit_pretrain.callbacks.moe_monitor import LABEL, MoEMonitor
+
+    model = build(tiny_moe(num_experts=4, top_k=1)).train()
+    logged = {}
+    module = SimpleNamespace(model=model, log=lambda key, value: logged.__setitem__(key, value))
+    monitor = MoEMonitor(log_every_n_steps=1, collapse_share=0.5, window=2)
+    x = torch.randint(0, 128, (2, 32))
+
+    def step(n, collapse):
+        # Plant the collapse: layer 1 routes every token to expert 3 (its router's own scores otherwise).
+        for m in moe_layers(model):
+            m.route = (lambda f, m=m: _route_to(m, f, 3 if collapse and m.layer == 1 else None))
+        model(x)
+        end_step(model)
+        monitor.on_train_batch_end(SimpleNamespace(global_step=n, max_steps=100), module, None, None, 0)
+
+    step(1, True)
+    assert monitor.events == []  # one logged step above the share is not yet a collapse (window 2)
+    step(2, True)
+    assert [(e["label"], e["step"], e["layer"], e["expert"], e["share"]) for e in monitor.events] == \
+        [(LABEL, 2, 1, 3, 1.0)]
+    assert logged["moe/layer1/max_share"] == 1.0 and logged["moe/layer0/max_share"] < 0.5
+    step(3, False)
+    assert monitor.events[0]["resolved_step"] == 3 and monitor.summary()["open"] == 0
+
+
+def _route_to(layer, flat, expert):
+    """The layer's own routing, or every token to `expert` with weight 1 (a planted collapse)."""
+    from lit_pretrain.moe import MoE
+
+    top, weights, scores, logits = MoE.route(layer, flat)
+    if expert is None:
+        return top, weights, scores, logits
+    return torch.full_like(top, expert), torch.ones_like(weights), scores, logits
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["strategy=tensor", "strategy.tensor_parallel=2", "trainer.devices=2"], "strategy.tensor_parallel"),
+    (["strategy=pipeline", "strategy.pipeline_parallel=2", "trainer.devices=2"], "strategy.pipeline_parallel"),
+    (["trainer.compile=true"], "trainer.compile"),
+    (["optim.name=muon"], "optim.name"),
+    (["model.moe.top_k=9"], "model.moe.top_k"),
+])
+def test_config_load_refuses_what_moe_does_not_compose_with_naming_the_key(overrides, key):
+    from lit_pretrain import config
+    from lit_pretrain.errors import ConfigError
+
+    moe = "model.moe={num_experts: 4, top_k: 2}"
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):  # config.load checks the ranges and the plan
+        config.load(EXPERIMENTS / "runs" / "tiny.yaml", [moe, *overrides])
+
+
+def test_olmoe_preset_loads_as_a_model_group():
+    from lit_pretrain import config
+
+    cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model=olmoe_1b_7b", "trainer.micro_batch_size=1"])
+    model = config.to_object(cfg).model
+    assert model.moe.num_experts == 64 and model.qk_norm_scope == "projection" and model.moe_layers() == list(range(16))

@@ -144,6 +144,8 @@ def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool
     "auto" weighs each process's training FLOPs, known when `model` is given with its vocabulary size. `degrees`:
     the plan's (or the dict of them plan_from resolves)."""
     setting = trainer.compile if compile is None else compile
+    if setting == "auto" and model is not None and model.moe is not None:
+        return CompileDecision(False, "auto: model.moe runs eager (its routing has data-dependent shapes)")
     flops = None
     if model is not None and model.vocab_size is not None:
         from lit_pretrain.scaling.shapes import flops_per_token  # pure arithmetic, no torch
@@ -208,6 +210,12 @@ def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
 
 def _check_model(plan: ParallelPlan, trainer, model) -> None:
     t = plan.tensor_parallel
+    if model.moe is not None:
+        _check_moe(plan, model)
+    if model.qk_norm and model.qk_norm_scope == "projection" and t > 1:
+        raise ConfigError(f"model.qk_norm_scope=projection normalizes over all heads of q and k, which "
+                          f"strategy.tensor_parallel={t} splits across ranks: set qk_norm_scope=head or "
+                          "tensor_parallel=1")
     if model.n_heads % t:
         raise ConfigError(f"model.n_heads={model.n_heads} is not divisible by strategy.tensor_parallel={t}: each "
                           "tensor-parallel rank holds whole heads; choose a tensor_parallel that divides n_heads")
@@ -222,6 +230,20 @@ def _check_model(plan: ParallelPlan, trainer, model) -> None:
         raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by strategy.tensor_parallel={t}: "
                           "sequence parallelism gives each tensor-parallel rank seq_len / tensor_parallel positions; "
                           "choose a seq_len that is a multiple of tensor_parallel")
+
+
+def _check_moe(plan: ParallelPlan, model) -> None:
+    """What model.moe composes with so far: one process, DDP and ZeRO 1-3 over plain data parallelism (the experts
+    are ordinary parameters there; tests/test_moe_parallel.py checks parity with one process)."""
+    for key, degree in (("tensor_parallel", plan.tensor_parallel), ("pipeline_parallel", plan.pipeline_parallel),
+                        ("data_parallel_replicate", plan.data_parallel_replicate if plan.uses_fsdp else 1)):
+        if degree > 1:
+            raise ConfigError(f"model.moe with strategy.{key}={degree} is not supported yet (mixture-of-experts runs "
+                              "on one process, DDP and ZeRO stages 1-3 over plain data parallelism): set "
+                              f"strategy.{key}=1 or model.moe=null")
+    if plan.compile:
+        raise ConfigError("model.moe with trainer.compile=true is not supported yet (the routing's data-dependent "
+                          "shapes, argsort and bincount break the block's full graph): set trainer.compile=false")
 
 
 def sized_model(config):
