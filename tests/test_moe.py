@@ -225,3 +225,128 @@ def test_olmoe_preset_loads_as_a_model_group():
     cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model=olmoe_1b_7b", "trainer.micro_batch_size=1"])
     model = config.to_object(cfg).model
     assert model.moe.num_experts == 64 and model.qk_norm_scope == "projection" and model.moe_layers() == list(range(16))
+
+
+# ---------------------------------------------------------------------------------------------- HF (OLMoE)
+
+def tiny_olmoe(seed: int = 0, **moe) -> GPT:
+    """An OLMoE-shaped tiny model (every layer MoE, projection-scope QK-norm, untied) with settings away from
+    OlmoeConfig's defaults (8 experts, top 3, norm_topk_prob true, rope_theta 500, grouped-query attention), init_std
+    0.2 and norm weights in [0.5, 1.5] so the logits have a trained model's size (as tests/test_hf.py's tiny_gpt)."""
+    args = dict(num_experts=8, top_k=3, d_ff_expert=48, norm_topk_prob=True)
+    args.update(moe)
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=320, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, seq_len=32,
+                          tie_embeddings=False, qk_norm=True, qk_norm_scope="projection", rope_theta=500.0,
+                          init_std=0.2, moe=MoEConfig(**args)))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    from lit_pretrain.data.tokenizer import save_tokenizer, train_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    save_tokenizer(train_tokenizer(["def route(token): return top_k(experts)\n" * 3] * 20, 300), path)
+    return path
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_olmoe_export_holds_every_expert_gives_transformers_logits_and_round_trips_bitwise(
+        tmp_path, tokenizer_file, monkeypatch, norm_topk_prob):
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    from lit_pretrain.hf import export_gpt, load_init, read_hf_config, write_weights
+    from lit_pretrain.llama import function_fields
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tiny_olmoe(norm_topk_prob=norm_topk_prob)
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    # Every expert of every layer, each projection its own tensor: 2 layers x 8 experts x 3 = 48.
+    experts = [n for n in names if ".mlp.experts." in n]
+    assert len(experts) == 2 * 8 * 3 and "model.layers.1.mlp.experts.7.down_proj.weight" in experts
+    assert read_hf_config(tmp_path / "hf") == {**function_fields(model.cfg), "seq_len": 32}
+
+    theirs = transformers.OlmoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(theirs).__name__ == "OlmoeForCausalLM" and theirs.config.norm_topk_prob == norm_topk_prob
+    idx = torch.randint(0, 320, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, hf = model(idx), theirs(idx).logits
+    assert ours.abs().max() > 2
+    # The same products in fp32; the order of each token's sum over its k experts and the attention kernel's
+    # summation differ: rounding of ~1e-7 relative at logits of a few units.
+    diff = (hf - ours).abs().max().item()
+    print(f"max |logit difference| OLMoE (norm_topk_prob={norm_topk_prob}): {diff:.3g}")
+    assert diff <= 1e-5
+
+    # `lit-pretrain import`'s model.* overrides load as a config that builds this model.
+    from lit_pretrain import config
+    from lit_pretrain.hf import import_overrides
+
+    loaded = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", import_overrides(tmp_path / "hf")))
+    assert function_fields(loaded.model) == function_fields(model.cfg)
+
+    weights = write_weights(tmp_path / "hf", tmp_path / "init.safetensors")  # `import --out`
+    for source in (tmp_path / "hf", weights):  # run.init_from: the folder, or the file under our names
+        fresh = load_init(tiny_olmoe(seed=7, norm_topk_prob=norm_topk_prob), source, tokenizer_file)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[name], tensor), (source, name)
+
+
+def test_olmoe_import_reads_transformers_fused_expert_layout(tmp_path, tokenizer_file):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from lit_pretrain.hf import export_gpt, load_init
+
+    model = tiny_olmoe()
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    # transformers 5 holds the experts fused in memory, gate_up_proj (E, 2f, d) and down_proj (E, d, f) per layer
+    # (its save_pretrained writes the hub's per-expert names back): a file in that layout imports the same weights.
+    state = transformers.OlmoeForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "hf" / "model.safetensors")
+    fresh = load_init(tiny_olmoe(seed=7), tmp_path / "hf", tokenizer_file)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+def test_olmoe_import_refuses_a_missing_expert(tmp_path, tokenizer_file):
+    from safetensors.torch import load_file, save_file
+
+    from lit_pretrain.errors import DataError
+    from lit_pretrain.hf import export_gpt, load_init
+
+    export_gpt(tiny_olmoe(), tokenizer_file, tmp_path / "hf")
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    del state["model.layers.1.mlp.experts.5.up_proj.weight"]  # a converter that dropped one expert
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(DataError, match=r"layer 1 lacks experts \[5\] of its up projection"):
+        load_init(tiny_olmoe(seed=7), tmp_path / "hf", tokenizer_file)
+
+
+@pytest.mark.parametrize("key, moe, model", [
+    ("model.moe.num_shared_experts", dict(num_shared_experts=1), {}),
+    ("model.moe.bias_update_rate", dict(bias_update_rate=0.01), {}),
+    ("model.moe.score", dict(score="sigmoid"), {}),
+    ("model.moe.first_dense_layers", dict(first_dense_layers=1), {}),
+    ("model.qk_norm_scope", {}, dict(qk_norm_scope="head")),
+])
+def test_olmoe_export_refuses_what_it_cannot_express_naming_the_key(tmp_path, tokenizer_file, key, moe, model):
+    from dataclasses import replace
+
+    from lit_pretrain.errors import DataError
+    from lit_pretrain.hf import export_gpt
+
+    cfg = tiny_olmoe().cfg
+    cfg = replace(cfg, moe=replace(cfg.moe, **moe), **model)
+    with pytest.raises(DataError, match=key.replace(".", r"\.") + ".*cannot be expressed"):
+        export_gpt(build(cfg), tokenizer_file, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
