@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
 
+from lit_pretrain.bench.moe import loop_forward
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig, MoEConfig
 from lit_pretrain.moe import end_step, moe_layers, moe_loss, step_statistics
@@ -89,19 +89,6 @@ def test_olmoe_preset_counts_equal_transformers_olmoe_on_the_meta_device():
     assert shapes.active_params(cfg) == active == 1_282_017_280
 
 
-def loop_reference(layer, x):
-    """The MoE forward as a per-expert Python loop (transformers' OlmoeExperts does the same), dropless."""
-    flat = x.reshape(-1, x.shape[-1])
-    top, weights, _, _ = layer.route(flat)
-    out = torch.zeros_like(flat)
-    w = {n: m.weight for n, m in layer.experts.items()}
-    for e in range(layer.cfg.num_experts):
-        token, slot = torch.where(top == e)
-        h = F.silu(flat[token] @ w["w_gate"][e].T) * (flat[token] @ w["w_up"][e].T)
-        out.index_add_(0, token, (h @ w["w_down"][e].T) * weights[token, slot, None])
-    return out.view_as(x)
-
-
 @pytest.mark.parametrize("score, norm", [("softmax", False), ("sigmoid", True)])
 def test_grouped_matmul_equals_the_per_expert_loop_forward_and_backward(score, norm):
     cfg = tiny_moe(num_experts=8, top_k=2, score=score, norm_topk_prob=norm)
@@ -113,7 +100,7 @@ def test_grouped_matmul_equals_the_per_expert_loop_forward_and_backward(score, n
     grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
     x.grad = None
     layer.zero_grad()
-    ref = loop_reference(layer, x)
+    ref = loop_forward(layer, x)  # the bench's per-expert loop (transformers' OlmoeExperts does the same)
     (ref * g).sum().backward()
     # The same products; only the order of each token's sum over its k experts may differ: fp32 rounding.
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
