@@ -35,9 +35,10 @@ class ExpertLinear(nn.Module):
         self.residual_projection = spec.residual_projection
         self.tensor_parallel = None
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """x (M, in), rows sorted by expert, expert e's rows ending at offsets[e] (int32, cumulative) -> (M, out)."""
-        return F.grouped_mm(x, self.weight.transpose(-2, -1), offs=offsets)
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
+        """x (M, in), rows sorted by expert, expert lo + e's rows ending at offsets[e] (int32, cumulative) ->
+        (M, out); experts lo..hi (default all: expert parallelism computes its own slice)."""
+        return F.grouped_mm(x, self.weight[lo:hi].transpose(-2, -1), offs=offsets)
 
 
 def _linear(spec: ModuleSpec) -> nn.Linear:
@@ -71,6 +72,8 @@ class MoE(nn.Module):
         # other ranks' counts mid-accumulation.
         self.load: Optional[torch.Tensor] = None
         self.last_losses: Optional[torch.Tensor] = None  # (aux, z) of the last forward, differentiable
+        # strategy.expert_parallel (parallel/expert.py sets them): the group whose ranks own E / P experts each.
+        self.expert_group, self.expert_parallel, self.expert_rank = None, 1, 0
         self.step_stats: Optional[torch.Tensor] = None  # `load` of the last finished step, reduced over ranks
 
     def route(self, x: torch.Tensor):
@@ -106,11 +109,14 @@ class MoE(nn.Module):
             token_of, weight_of = token_of[keep], weight_of[keep]
             kept_counts = counts.clamp(max=capacity)
             dropped = (counts - kept_counts).sum()
-        offsets = kept_counts.cumsum(0).to(torch.int32)  # (E,)
         xs = flat[token_of]  # (M, d), M = kept assignments, sorted by expert
-        w = self.experts
-        h = F.silu(w["w_gate"](xs, offsets)) * w["w_up"](xs, offsets)  # (M, d_ff_expert)
-        ys = w["w_down"](h, offsets) * weight_of.to(h.dtype)[:, None]  # (M, d)
+        if self.expert_group is None:
+            ys = self.experts_forward(xs, kept_counts.cumsum(0).to(torch.int32))  # (M, d)
+        else:  # strategy.expert_parallel: each copy computed by the rank owning its expert
+            from lit_pretrain.parallel.expert import dispatch_compute_combine
+
+            ys = dispatch_compute_combine(self, xs, kept_counts)  # (M, d)
+        ys = ys * weight_of.to(ys.dtype)[:, None]  # (M, d)
         out = torch.zeros_like(flat).index_add_(0, token_of, ys)  # (N, d): each token sums its experts
         if self.shared is not None:
             s = self.shared
@@ -131,6 +137,12 @@ class MoE(nn.Module):
             self.load += torch.cat([counts.float(), dropped.float()[None], total[None], aux.detach()[None],
                                     z.detach()[None], torch.ones(1, device=x.device)])
         return out.view(shape)
+
+    def experts_forward(self, xs: torch.Tensor, offsets: torch.Tensor, lo: int = 0, hi: Optional[int] = None):
+        """SwiGLU experts lo..hi on xs (M, d) sorted by expert (offsets: cumulative rows per expert) -> (M, d)."""
+        w = self.experts
+        h = F.silu(w["w_gate"](xs, offsets, lo, hi)) * w["w_up"](xs, offsets, lo, hi)  # (M, d_ff_expert)
+        return w["w_down"](h, offsets, lo, hi)
 
     @torch.no_grad()
     def finish_step(self, stats: torch.Tensor) -> None:

@@ -423,6 +423,10 @@ class StrategyConfig:
     parallel group (Korthikanti et al. 2022), all-gather / reduce-scatter in place of all-reduce."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline schedule settings (used when pipeline_parallel > 1)."""
+    expert_parallel: int = field(default=1, metadata={"ge": 1})
+    """model.moe only: ranks that split the routed experts' compute, tokens exchanged by all-to-all
+    (lit_pretrain/parallel/expert.py). For now it equals the data-parallel degree at zero_stage 0, and the expert
+    weights stay replicated (compute and activations split, not parameter memory). 1: off."""
 
 
 @dataclass

@@ -196,6 +196,10 @@ def _route_to(layer, flat, expert):
     (["trainer.compile=true"], "trainer.compile"),
     (["optim.name=muon"], "optim.name"),
     (["model.moe.top_k=9"], "model.moe.top_k"),
+    (["strategy=zero", "strategy.zero_stage=3", "strategy.expert_parallel=2", "trainer.devices=2"],
+     "strategy.expert_parallel"),
+    (["strategy=ddp", "strategy.expert_parallel=2", "trainer.devices=4"], "strategy.expert_parallel"),
+    (["strategy=ddp", "strategy.expert_parallel=3", "trainer.devices=3"], "model.moe.num_experts"),
 ])
 def test_config_load_refuses_what_moe_does_not_compose_with_naming_the_key(overrides, key):
     from lit_pretrain import config
@@ -204,6 +208,15 @@ def test_config_load_refuses_what_moe_does_not_compose_with_naming_the_key(overr
     moe = "model.moe={num_experts: 4, top_k: 2}"
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):  # config.load checks the ranges and the plan
         config.load(EXPERIMENTS / "runs" / "tiny.yaml", [moe, *overrides])
+
+
+def test_expert_parallel_without_moe_is_refused_naming_the_key():
+    from lit_pretrain import config
+    from lit_pretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"strategy\.expert_parallel=2 .*model\.moe is null"):
+        config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["strategy=ddp", "strategy.expert_parallel=2",
+                                                          "trainer.devices=2"])
 
 
 def test_olmoe_preset_loads_as_a_model_group():

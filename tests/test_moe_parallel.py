@@ -1,4 +1,5 @@
-"""model.moe under data parallelism: DDP and ZeRO stages 1 and 3 on 2 processes (gloo, CPU) against one process,
+"""model.moe under data parallelism: DDP, ZeRO stages 1 and 3, and expert parallelism 2 over the 2 data-parallel
+ranks (strategy.expert_parallel) on 2 processes (gloo, CPU) against one process,
 same global batches, through `python -m lit_pretrain.cli train` (as tests/test_strategies_parity.py does for the
 dense model). The experts' stacked (E, out, in) weights are ordinary parameters there: DDP all-reduces their
 gradients, ZeroRedundancyOptimizer partitions them whole, FSDP2 shards them along dim 0 (the experts).
@@ -9,12 +10,17 @@ difference of 6e-4 in its value measured at step 0; see README). The router z-lo
 routing counts are summed over the ranks before DeepSeek-V3's bias update, so both must agree: they are on.
 """
 
+import os
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.runs import read_metrics, series
-from tests.conftest import run_module, train_args
+from tests.conftest import free_port, run_module, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +31,9 @@ COMMON = [f"trainer.max_steps={STEPS}", f"trainer.val_every_n_steps={STEPS}", "t
           "schedule.warmup_steps=2", "optim.grad_clip_norm=0.1", "model.vocab_size=513", "trainer.progress_bar=false",
           "strategy.timeout_seconds=60", MOE]
 STRATEGIES = {"ddp": ["strategy=ddp"], "zero1": ["strategy=zero", "strategy.zero_stage=1"],
-              "zero3": ["strategy=zero", "strategy.zero_stage=3", "model.activation_checkpointing=full"]}
+              "zero3": ["strategy=zero", "strategy.zero_stage=3", "model.activation_checkpointing=full"],
+              # expert parallelism 2 over the 2 data-parallel ranks (parallel/expert.py), activation checkpointing on
+              "ep2": ["strategy=ddp", "strategy.expert_parallel=2", "model.activation_checkpointing=full"]}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +53,7 @@ def runs(tmp_path_factory, tiny_data_dir):
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_moe_under_data_parallelism_matches_one_process(runs, name):
+def test_moe_under_data_parallelism_and_expert_parallelism_matches_one_process(runs, name):
     single, other = read_metrics(runs("single") / "metrics.csv"), read_metrics(runs(name) / "metrics.csv")
     # As the dense parity matrix: float summation order only, so 1e-5 on losses and clipped gradient norms.
     for key, tol in (("train/loss", 1e-5), ("train/grad_norm", 1e-5)):
@@ -66,3 +74,57 @@ def test_moe_under_data_parallelism_matches_one_process(runs, name):
         # The dense matrix's bound (1% of one step's update at lr 1e-3); the expert biases are equal exactly.
         tol = 0 if key.endswith("expert_bias") else 1e-5
         assert torch.allclose(p, q, rtol=0, atol=tol), f"{name}: {key} differs by {(p - q).abs().max():.2e}"
+
+
+def ep_worker(rank: int, world: int, port: int, results):
+    """Rank r's tokens through one MoE layer with and without expert parallelism (same weights)."""
+    from lit_pretrain.model_config import GPTConfig, MoEConfig
+    from lit_pretrain.moe import MoE
+    from lit_pretrain.parallel.expert import apply_expert_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        cfg = GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4,
+                        moe=MoEConfig(num_experts=4, top_k=2, d_ff_expert=16))
+        torch.manual_seed(0)
+        plain, ep = MoE(cfg, 0), MoE(cfg, 0)
+        for p in plain.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        ep.load_state_dict(plain.state_dict())
+        apply_expert_parallel(ep, world)
+        x = torch.randn(2, 8 + 5 * rank, 32, generator=torch.Generator().manual_seed(rank))  # uneven per rank
+        g = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + rank))
+        outs = {}
+        for name, layer in (("plain", plain), ("ep", ep)):
+            y = layer(x)
+            (y * g).sum().backward()
+            outs[name] = (y.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()})
+        owned = outs["ep"][1]["experts.w_up.weight"].clone()  # this rank's own gradient, before the all-reduce
+        grads = {}
+        for name, (_, gr) in outs.items():  # summed over the ranks, as data parallelism does
+            for t in gr.values():
+                dist.all_reduce(t)
+            grads[name] = gr
+        results[rank] = {"out": (outs["plain"][0] - outs["ep"][0]).abs().max().item(),
+                         "grads": max(((grads["plain"][n] - grads["ep"][n]).abs().max() / grads["plain"][n].abs().max())
+                                      .item() for n in grads["ep"]),
+                         "not_owned_zero": bool((owned[[e for e in range(4) if e // 2 != rank]] == 0).all()),
+                         "owned_nonzero": bool((owned[[2 * rank, 2 * rank + 1]] != 0).any())}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_layer_equals_the_plain_layer_and_each_rank_computes_only_its_experts():
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(ep_worker, args=(2, free_port(), results), nprocs=2, join=True, start_method="spawn")
+        results = dict(results)
+    for rank in (0, 1):
+        r = results[rank]
+        # Same products per token copy (the outputs came out bitwise equal); the owner's grouped matmul sums a
+        # weight's gradient over both ranks' copies in another order: fp32 rounding, relative to the largest entry.
+        assert r["out"] <= 1e-6 and r["grads"] <= 1e-6, r
+        assert r["not_owned_zero"] and r["owned_nonzero"], r  # the tokens were computed where their expert lives

@@ -48,6 +48,7 @@ class ParallelPlan:
     activation_checkpointing: str = "none"
     activation_checkpointing_k: int = 2
     compile: bool = False
+    expert_parallel: int = 1
 
     @property
     def world_size(self) -> int:
@@ -76,6 +77,8 @@ class ParallelPlan:
         parts = [f"{k}={getattr(self, k)}" for k in DEGREE_KEYS] + [f"zero_stage={self.zero_stage}"]
         if self.sequence_parallel:
             parts.append("sequence_parallel=true")
+        if self.expert_parallel > 1:
+            parts.append(f"expert_parallel={self.expert_parallel}")
         return " x ".join(parts[:4]) + ", " + ", ".join(parts[4:])
 
 
@@ -133,7 +136,8 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
         micro_batches=pc.micro_batches, stages_per_rank=pc.stages_per_rank,
         activation_checkpointing=model.activation_checkpointing if model is not None else "none",
         activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
-        compile=compile_decision(trainer, model, degrees, compile).compile)
+        compile=compile_decision(trainer, model, degrees, compile).compile,
+        expert_parallel=getattr(strategy, "expert_parallel", 1))
     check_plan(plan, trainer, model)
     return plan
 
@@ -182,6 +186,8 @@ def check_plan(plan: ParallelPlan, trainer, model=None) -> None:
                           "trainer.compile=false, or use data parallelism and ZeRO stages, which compile")
     if p > 1:
         _check_pipeline(plan, trainer, model)
+    if plan.expert_parallel > 1:
+        _check_expert_parallel(plan, model)
     if model is not None:
         _check_model(plan, trainer, model)
 
@@ -230,6 +236,21 @@ def _check_model(plan: ParallelPlan, trainer, model) -> None:
         raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by strategy.tensor_parallel={t}: "
                           "sequence parallelism gives each tensor-parallel rank seq_len / tensor_parallel positions; "
                           "choose a seq_len that is a multiple of tensor_parallel")
+
+
+def _check_expert_parallel(plan: ParallelPlan, model) -> None:
+    ep = plan.expert_parallel
+    if model is not None and model.moe is None:
+        raise ConfigError(f"strategy.expert_parallel={ep} splits a mixture of experts, but model.moe is null: set "
+                          "model.moe or strategy.expert_parallel=1")
+    if ep != plan.data_parallel or plan.world_size != plan.data_parallel or plan.zero_stage != 0:
+        raise ConfigError(f"strategy.expert_parallel={ep} runs, for now, over plain data parallelism with one expert "
+                          f"group of all its ranks: set strategy.expert_parallel to the data-parallel degree "
+                          f"({plan.data_parallel}) with strategy.zero_stage=0, tensor_parallel=1 and "
+                          "pipeline_parallel=1 (ZeRO, tensor and pipeline compositions are not done yet)")
+    if model is not None and model.moe.num_experts % ep:
+        raise ConfigError(f"model.moe.num_experts={model.moe.num_experts} is not divisible by "
+                          f"strategy.expert_parallel={ep}: each rank owns an equal share of the experts")
 
 
 def _check_moe(plan: ParallelPlan, model) -> None:
