@@ -222,7 +222,8 @@ class PretrainModule(L.LightningModule):
         super().optimizer_step(*args, **kwargs)
         # model.moe, after the update and before any callback's on_train_batch_end reads the step: the routing
         # counts summed over the data-parallel ranks, DeepSeek-V3's bias update (lit_pretrain/moe.py end_step).
-        end_step(self.model)
+        trainer = self._trainer
+        end_step(self.model, None if trainer is None else lambda t: trainer.strategy.reduce(t, reduce_op="sum"))
 
     def on_before_optimizer_step(self, optimizer):
         # Read here, not after the step: by then the scheduler has moved on to the next step's rate. The schedule's

@@ -3,8 +3,8 @@ shared experts, and the load-balancing side (auxiliary loss, router z-loss, Deep
 
 Knows nothing of Lightning or distribution. Each forward leaves its differentiable auxiliary losses in
 `last_losses` (PretrainModule adds `moe_loss(model)` to the task loss) and adds its routing counts, detached, to the
-`load` buffer; `end_step(model)` (called once per optimizer step from outside) reduces the counts over the
-data-parallel ranks, moves the bias and keeps the step's statistics for the MoE monitor
+`load` buffer; `end_step(model, reduce)` (called once per optimizer step from outside, with the strategy's sum over
+the data-parallel ranks) moves the bias and keeps the step's statistics for the MoE monitor
 (callbacks/moe_monitor.py). Nothing here reads a tensor on the host: the hot path has no synchronization.
 
 Experts: the token copies sorted by expert go through `torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU it
@@ -13,10 +13,9 @@ weight for all experts, instead of a Python loop over experts (bench case `moe_g
 """
 
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -72,8 +71,9 @@ class MoE(nn.Module):
         # other ranks' counts mid-accumulation.
         self.load: Optional[torch.Tensor] = None
         self.last_losses: Optional[torch.Tensor] = None  # (aux, z) of the last forward, differentiable
-        # strategy.expert_parallel (parallel/expert.py sets them): the group whose ranks own E / P experts each.
-        self.expert_group, self.expert_parallel, self.expert_rank = None, 1, 0
+        # strategy.expert_parallel: (token copies sorted by expert, copies per expert) -> the experts' outputs,
+        # computed by the ranks that own them; set from outside by parallel/expert.py. None: all experts here.
+        self.expert_dispatch: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.step_stats: Optional[torch.Tensor] = None  # `load` of the last finished step, reduced over ranks
 
     def route(self, x: torch.Tensor):
@@ -110,12 +110,10 @@ class MoE(nn.Module):
             kept_counts = counts.clamp(max=capacity)
             dropped = (counts - kept_counts).sum()
         xs = flat[token_of]  # (M, d), M = kept assignments, sorted by expert
-        if self.expert_group is None:
+        if self.expert_dispatch is None:
             ys = self.experts_forward(xs, kept_counts.cumsum(0).to(torch.int32))  # (M, d)
         else:  # strategy.expert_parallel: each copy computed by the rank owning its expert
-            from lit_pretrain.parallel.expert import dispatch_compute_combine
-
-            ys = dispatch_compute_combine(self, xs, kept_counts)  # (M, d)
+            ys = self.expert_dispatch(xs, kept_counts)  # (M, d)
         ys = ys * weight_of.to(ys.dtype)[:, None]  # (M, d)
         out = torch.zeros_like(flat).index_add_(0, token_of, ys)  # (N, d): each token sums its experts
         if self.shared is not None:
@@ -177,15 +175,16 @@ def moe_loss(model: nn.Module) -> Optional[torch.Tensor]:
 
 
 @torch.no_grad()
-def end_step(model: nn.Module) -> None:
-    """After each optimizer step: sum every MoE layer's routing counts over the data-parallel ranks (one
-    all-reduce; every rank then moves its bias identically), update the biases, keep the statistics."""
+def end_step(model: nn.Module, reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+    """After each optimizer step: sum every MoE layer's routing counts over the data-parallel ranks with `reduce`
+    (one collective; every rank then moves its bias identically; None: this process's counts alone), update the
+    biases, keep the statistics."""
     layers = [m for m in moe_layers(model) if m.load is not None]  # those a training forward has run
     if not layers:
         return
     loads = torch.stack([m.load for m in layers])  # (layers, E + 5)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(loads)
+    if reduce is not None:
+        loads = reduce(loads)
     for m, stats in zip(layers, loads):
         m.finish_step(stats.clone())
 

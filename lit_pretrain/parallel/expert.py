@@ -44,10 +44,19 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
-def dispatch_compute_combine(layer, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+class ExpertDispatch:
+    """An MoE layer's `expert_dispatch` under expert parallelism: its experts split over `group`'s ranks."""
+
+    def __init__(self, layer, group, degree: int, rank: int):
+        self.layer, self.group, self.degree, self.rank = layer, group, degree, rank
+
+    def __call__(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return dispatch_compute_combine(self.layer, xs, counts, self.group, self.degree, self.rank)
+
+
+def dispatch_compute_combine(layer, xs: torch.Tensor, counts: torch.Tensor, group, P: int, rank: int) -> torch.Tensor:
     """The experts' outputs for the token copies xs (M, d), sorted by expert with counts (E,) per expert, computed
-    by the ranks of `layer.expert_group` that own them; returned in xs's order, unweighted."""
-    group, P, rank = layer.expert_group, layer.expert_parallel, layer.expert_rank
+    by the rank of `group` (P ranks; this one is `rank`) that owns each; returned in xs's order, unweighted."""
     E = counts.shape[0]
     L = E // P  # experts per rank
     # How many copies each rank sends to each of my L experts: (P, L), source-rank major.
@@ -79,4 +88,4 @@ def apply_expert_parallel(model: nn.Module, degree: int) -> None:
         if layer.cfg.num_experts % degree:
             raise ValueError(f"model.moe.num_experts={layer.cfg.num_experts} is not divisible by "
                              f"strategy.expert_parallel={degree}")
-        layer.expert_group, layer.expert_parallel, layer.expert_rank = group, degree, dist.get_rank()
+        layer.expert_dispatch = ExpertDispatch(layer, group, degree, dist.get_rank())
