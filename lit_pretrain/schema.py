@@ -425,8 +425,9 @@ class StrategyConfig:
     """Pipeline schedule settings (used when pipeline_parallel > 1)."""
     expert_parallel: int = field(default=1, metadata={"ge": 1})
     """model.moe only: ranks that split the routed experts' compute, tokens exchanged by all-to-all
-    (lit_pretrain/parallel/expert.py). For now it equals the data-parallel degree at zero_stage 0, and the expert
-    weights stay replicated (compute and activations split, not parameter memory). 1: off."""
+    (lit_pretrain/parallel/expert.py). For now it equals the data-parallel degree (any zero_stage) and the expert
+    weights are held as the ZeRO stage holds any weight (replicated at 0-2: compute and activations split, not
+    parameter memory). 1: off."""
 
 
 @dataclass

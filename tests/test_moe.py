@@ -196,8 +196,6 @@ def _route_to(layer, flat, expert):
     (["trainer.compile=true"], "trainer.compile"),
     (["optim.name=muon"], "optim.name"),
     (["model.moe.top_k=9"], "model.moe.top_k"),
-    (["strategy=zero", "strategy.zero_stage=3", "strategy.expert_parallel=2", "trainer.devices=2"],
-     "strategy.expert_parallel"),
     (["strategy=ddp", "strategy.expert_parallel=2", "trainer.devices=4"], "strategy.expert_parallel"),
     (["strategy=ddp", "strategy.expert_parallel=3", "trainer.devices=3"], "model.moe.num_experts"),
 ])

@@ -14,8 +14,12 @@ the compute and activation memory of the experts are split, their parameter and 
 keeps every other piece unchanged and exact: an expert's gradient is non-zero only on its owner, where it is the
 sum over every rank's tokens of d(rank's mean loss)/dw, so data parallelism's gradient average gives the
 one-process gradient; optimizer state, clipping norm and checkpoints are those of plain data parallelism.
-Sharding the expert weights over the group (with ZeRO-3 over the expert-data-parallel groups) is the next step;
-until then strategy.expert_parallel equals the data-parallel degree, at zero_stage 0 (tests/test_moe_parallel.py).
+Any ZeRO stage composes as it is: FSDP2's reduce-scatter averages the same gradients, and at ZeRO-3 its dim-0
+shards of a stacked (E, out, in) weight are whole experts, E/P per rank, those the rank owns when EP equals the
+data-parallel degree (the forward still all-gathers the stack and slices its own). Expert groups smaller than the
+data-parallel world (EP x expert-data-parallel), with weights sharded by expert and their own gradient reduction, are
+the next step; until then strategy.expert_parallel equals the data-parallel degree (tests/test_moe_parallel.py: EP 2
+and EP 2 x ZeRO-3 against one process).
 The exchange uses its own process group, so its collectives never interleave with DDP's gradient all-reduces.
 """
 

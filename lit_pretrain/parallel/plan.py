@@ -243,11 +243,11 @@ def _check_expert_parallel(plan: ParallelPlan, model) -> None:
     if model is not None and model.moe is None:
         raise ConfigError(f"strategy.expert_parallel={ep} splits a mixture of experts, but model.moe is null: set "
                           "model.moe or strategy.expert_parallel=1")
-    if ep != plan.data_parallel or plan.world_size != plan.data_parallel or plan.zero_stage != 0:
-        raise ConfigError(f"strategy.expert_parallel={ep} runs, for now, over plain data parallelism with one expert "
-                          f"group of all its ranks: set strategy.expert_parallel to the data-parallel degree "
-                          f"({plan.data_parallel}) with strategy.zero_stage=0, tensor_parallel=1 and "
-                          "pipeline_parallel=1 (ZeRO, tensor and pipeline compositions are not done yet)")
+    if ep != plan.data_parallel or plan.world_size != plan.data_parallel:
+        raise ConfigError(f"strategy.expert_parallel={ep} runs, for now, over data parallelism (ZeRO stages 0-3) "
+                          f"with one expert group of all its ranks: set strategy.expert_parallel to the "
+                          f"data-parallel degree ({plan.data_parallel}) with tensor_parallel=1 and pipeline_parallel=1 "
+                          "(tensor and pipeline compositions are not done yet)")
     if model is not None and model.moe.num_experts % ep:
         raise ConfigError(f"model.moe.num_experts={model.moe.num_experts} is not divisible by "
                           f"strategy.expert_parallel={ep}: each rank owns an equal share of the experts")
