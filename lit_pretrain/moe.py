@@ -5,7 +5,8 @@ Knows nothing of Lightning or distribution. Each forward leaves its differentiab
 `last_losses` (PretrainModule adds `moe_loss(model)` to the task loss) and adds its routing counts, detached, to the
 `load` buffer; `end_step(model, reduce)` (called once per optimizer step from outside, with the strategy's sum over
 the data-parallel ranks) moves the bias and keeps the step's statistics for the MoE monitor
-(callbacks/moe_monitor.py). Nothing here reads a tensor on the host: the hot path has no synchronization.
+(callbacks/moe_monitor.py). The dropless path reads no tensor on the host; a capacity (a boolean mask) and
+expert parallelism (the all-to-all's split sizes) do, as their shapes depend on the routing.
 
 Experts: the token copies sorted by expert go through `torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU it
 runs with autograd and gives, in fp32, the per-expert loop's values bit for bit: tests/test_moe.py), one call per
@@ -128,6 +129,8 @@ class MoE(nn.Module):
         aux = E * (f * probs.mean(0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         self.last_losses = torch.stack([aux, z])
+        # Counted once per forward: activation checkpointing's recomputation stops as soon as the saved tensors are
+        # rebuilt (torch's non-reentrant checkpoint, early stop on by default), before this line.
         if self.training:
             if self.load is None or self.load.device != x.device:
                 self.load = torch.zeros(E + 5, device=x.device)

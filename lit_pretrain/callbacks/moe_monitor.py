@@ -29,10 +29,11 @@ class MoEMonitor(Callback):
         self.events: List[Dict] = []
         self._streak: Dict[int, int] = {}  # layer -> logged steps in a row above the share
         self._open: Dict[int, Dict] = {}  # layer -> its open event
+        self._seen = -1  # the last step logged
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step == getattr(self, "_seen", -1) or not (step % self.log_every_n_steps == 0 or step >= trainer.max_steps):
+        if step == self._seen or not (step % self.log_every_n_steps == 0 or step >= trainer.max_steps):
             return
         self._seen = step
         for layer in moe_layers(pl_module.model):
