@@ -131,3 +131,28 @@ def test_expert_parallel_layer_equals_the_plain_layer_and_each_rank_computes_onl
         # weight's gradient over both ranks' copies in another order: fp32 rounding, relative to the largest entry.
         assert r["out"] <= 1e-6 and r["grads"] <= 1e-6, r
         assert r["not_owned_zero"] and r["owned_nonzero"], r  # the tokens were computed where their expert lives
+
+
+def test_expert_parallel_resumes_bitwise_after_sigkill_mid_accumulation(tmp_path, tiny_data_dir):
+    """EP 2 killed (SIGKILL, every rank) in the second micro-batch of step 4, resumed from the step-2 checkpoint:
+    losses and final weights, the experts' balancing biases included, bitwise those of the uninterrupted run."""
+    import signal
+
+    from lit_pretrain.checkpoints import read_checkpoint
+
+    common = [*COMMON, "strategy=ddp", "strategy.expert_parallel=2", "trainer.devices=2",
+              "trainer.micro_batch_size=4", "trainer.tokens_per_step=1024", "trainer.checkpoint_every_n_steps=2"]
+    fault = ("callbacks.extra=[{class_path: 'tests.resume_helpers:Fault', "
+             "init_args: {step: 3, micro_batch: 1}}]")
+    run_module(*train_args(tiny_data_dir, tmp_path, "ref"), *common)
+    run_module(*train_args(tiny_data_dir, tmp_path, "killed"), *common, fault, rc=-signal.SIGKILL,
+               start_new_session=True)  # its own process group: the SIGKILL takes both ranks, not pytest
+    out = run_module(*train_args(tiny_data_dir, tmp_path, "killed"), *common, "run.resume=auto")
+    assert "(step 2)" in out.stdout  # resumed from the step-2 checkpoint, the kill having lost step 3's
+    ref, resumed = read_metrics(tmp_path / "ref" / "metrics.csv"), read_metrics(tmp_path / "killed" / "metrics.csv")
+    assert series(resumed, "train/loss")[-2:] == series(ref, "train/loss")[-2:]  # exact floats (repr in the CSV)
+    assert series(resumed, "moe/layer1/bias_norm")[-2:] == series(ref, "moe/layer1/bias_norm")[-2:]
+    a, b = read_checkpoint(tmp_path / "ref")["state_dict"], read_checkpoint(tmp_path / "killed")["state_dict"]
+    assert a.keys() == b.keys() and any(k.endswith("expert_bias") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
