@@ -176,6 +176,12 @@ def test_planted_router_collapse_is_an_event_with_a_label_and_resolves():
     assert [(e["label"], e["step"], e["layer"], e["expert"], e["share"]) for e in monitor.events] == \
         [(LABEL, 2, 1, 3, 1.0)]
     assert logged["moe/layer1/max_share"] == 1.0 and logged["moe/layer0/max_share"] < 0.5
+    from lit_pretrain.callbacks.stability_report import format_report
+
+    line = [ln for ln in format_report({"router_collapse": monitor.summary(), "updates_skipped": 0,
+                                        "steps_rewound": 0, "batches_skipped": 0, "tokens_skipped": 0}).splitlines()
+            if "router collapse" in ln]
+    assert line == ["  router collapse      1 (layer 1 expert 3 at step 2); 1 open"]
     step(3, False)
     assert monitor.events[0]["resolved_step"] == 3 and monitor.summary()["open"] == 0
 
