@@ -371,3 +371,20 @@ def test_memory_planner_counts_an_moe_blocks_saved_activations_within_3_percent(
     # Measured 0.4-2.6% above the plan on these shapes: a few per-token scalars of the routing are not counted.
     assert planned <= meter.bytes <= 1.03 * planned
     assert memory.memory_plan(cfg, 3, precision="32-true")["activation_bytes_per_layer"] == planned  # fp32: 4 bytes
+
+
+def test_memory_command_takes_moe_and_counts_olmoe_as_transformers_does(capsys):
+    import json
+
+    from lit_pretrain.scaling.cli import main
+
+    olmoe = ["--layers", "16", "--hidden", "2048", "--heads", "16", "--vocab", "50304", "--seq-len", "4096",
+             "--untied", "--model", "qk_norm=true", "--model", "qk_norm_scope=projection", "--model",
+             "moe={num_experts: 64, top_k: 8, d_ff_expert: 1024, norm_topk_prob: false}"]
+    assert main(["memory", *olmoe, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["params"], out["active_params"]) == (6_919_161_856, 1_282_017_280)  # as OlmoeForCausalLM's
+    assert main(["memory", "--params", "1e8", "--model", "moe={num_experts: 4}"]) == 2
+    assert "--params searches dense shapes" in capsys.readouterr().err
+    assert main(["memory", *olmoe[:6], "--model", "moe={experts: 4}"]) == 2
+    assert "--model moe=" in capsys.readouterr().err

@@ -218,7 +218,8 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     cast = b.cast_weight * matmul_params
     total = states["model_state_bytes"] + cast + activations + logits
     out = {
-        "params": shapes.params(cfg), "params_per_device": local, "precision": precision,
+        "params": shapes.params(cfg), "active_params": shapes.active_params(cfg), "params_per_device": local,
+        "precision": precision,
         "data_parallel": data_parallel, "zero_stage": zero_stage, "tensor_parallel": t, "pipeline_parallel": p,
         "sequence_parallel": sequence_parallel, "activation_checkpointing": activation_checkpointing,
         "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,
