@@ -8,9 +8,13 @@ the data-parallel ranks) moves the bias and keeps the step's statistics for the 
 (callbacks/moe_monitor.py). The dropless path reads no tensor on the host; a capacity (a boolean mask) and
 expert parallelism (the all-to-all's split sizes) do, as their shapes depend on the routing.
 
-Experts: the token copies sorted by expert go through `torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU it
-runs with autograd and gives, in fp32, the per-expert loop's values bit for bit: tests/test_moe.py), one call per
-weight for all experts, instead of a Python loop over experts (bench case `moe_grouped_vs_loop`).
+Experts: one batched matmul per weight for all experts over the token copies sorted by expert, never a Python loop
+over experts (bench case `moe_grouped_vs_loop`). On CPU, while the routing is balanced enough that padding every
+expert to the busiest one's count at most doubles the rows, the copies are scattered into an (E, C, d) batch and go
+through `torch.bmm` (MKL's batched GEMM: measured 275 ms against 425 ms for grouped_mm and 517 ms for the loop, one
+forward + backward of 4096 copies, 8 experts, d 256, width 352, 2 threads); else, and on GPUs, through
+`torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU it runs with autograd too). Both give, in fp32, the
+per-expert loop's values (tests/test_moe.py).
 """
 
 import math
@@ -39,6 +43,10 @@ class ExpertLinear(nn.Module):
         """x (M, in), rows sorted by expert, expert lo + e's rows ending at offsets[e] (int32, cumulative) ->
         (M, out); experts lo..hi (default all: expert parallelism computes its own slice)."""
         return F.grouped_mm(x, self.weight[lo:hi].transpose(-2, -1), offs=offsets)
+
+    def batched(self, x: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
+        """x (E, C, in), each expert's rows padded to C -> (E, C, out)."""
+        return torch.bmm(x, self.weight[lo:hi].transpose(1, 2))
 
 
 def _linear(spec: ModuleSpec) -> nn.Linear:
@@ -141,7 +149,16 @@ class MoE(nn.Module):
 
     def experts_forward(self, xs: torch.Tensor, offsets: torch.Tensor, lo: int = 0, hi: Optional[int] = None):
         """SwiGLU experts lo..hi on xs (M, d) sorted by expert (offsets: cumulative rows per expert) -> (M, d)."""
-        w = self.experts
+        w, M = self.experts, xs.shape[0]
+        if xs.device.type == "cpu" and M:
+            counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1))  # (L,) rows per expert
+            C, L = int(counts.max()), counts.shape[0]  # a host read, free on CPU
+            if L * C <= 2 * M:  # padding at most doubles the rows: the batched GEMM wins (module docstring)
+                expert = torch.repeat_interleave(torch.arange(L), counts, output_size=M)  # (M,)
+                slot = expert * C + torch.arange(M) - (offsets.long() - counts)[expert]  # (M,) row in (L·C)
+                xp = xs.new_zeros(L * C, xs.shape[1]).index_copy(0, slot, xs).view(L, C, -1)  # (L, C, d)
+                h = F.silu(w["w_gate"].batched(xp, lo, hi)) * w["w_up"].batched(xp, lo, hi)  # (L, C, f)
+                return w["w_down"].batched(h, lo, hi).view(L * C, -1)[slot]  # (M, d); padded rows dropped
         h = F.silu(w["w_gate"](xs, offsets, lo, hi)) * w["w_up"](xs, offsets, lo, hi)  # (M, d_ff_expert)
         return w["w_down"](h, offsets, lo, hi)
 
