@@ -11,8 +11,9 @@ expert parallelism (the all-to-all's split sizes) do, as their shapes depend on 
 Experts: one batched matmul per weight for all experts over the token copies sorted by expert, never a Python loop
 over experts (bench case `moe_grouped_vs_loop`). On CPU, while the routing is balanced enough that padding every
 expert to the busiest one's count at most doubles the rows, the copies are scattered into an (E, C, d) batch and go
-through `torch.bmm` (MKL's batched GEMM: measured 275 ms against 425 ms for grouped_mm and 517 ms for the loop, one
-forward + backward of 4096 copies, 8 experts, d 256, width 352, 2 threads); else, and on GPUs, through
+through `torch.bmm` (MKL's batched GEMM: 275 ms against 425 ms for grouped_mm and 517 ms for the loop, one forward +
+backward of 4096 copies, 8 experts, d 256, width 352, 2 threads on a loaded machine; in a quiet run the bench case
+finds the layer within 10% of the loop, the GEMMs dominating); else, and on GPUs, through
 `torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU it runs with autograd too). Both give, in fp32, the
 per-expert loop's values (tests/test_moe.py).
 """
@@ -25,6 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_pretrain.model_config import GPTConfig, ModuleSpec
+
+# On CPU the padded batched GEMM runs while padding every expert to the busiest one's count multiplies the rows by at
+# most this much; beyond it (a skewed router) grouped_mm, which computes no padding.
+PAD_LIMIT = 2.0
 
 
 class ExpertLinear(nn.Module):
@@ -153,7 +158,7 @@ class MoE(nn.Module):
         if xs.device.type == "cpu" and M:
             counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1))  # (L,) rows per expert
             C, L = int(counts.max()), counts.shape[0]  # a host read, free on CPU
-            if L * C <= 2 * M:  # padding at most doubles the rows: the batched GEMM wins (module docstring)
+            if L * C <= PAD_LIMIT * M:  # padding at most doubles the rows: the batched GEMM wins (module docstring)
                 expert = torch.repeat_interleave(torch.arange(L), counts, output_size=M)  # (M,)
                 slot = expert * C + torch.arange(M) - (offsets.long() - counts)[expert]  # (M,) row in (L·C)
                 xp = xs.new_zeros(L * C, xs.shape[1]).index_copy(0, slot, xs).view(L, C, -1)  # (L, C, d)

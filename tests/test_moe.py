@@ -89,12 +89,19 @@ def test_olmoe_preset_counts_equal_transformers_olmoe_on_the_meta_device():
     assert shapes.active_params(cfg) == active == 1_282_017_280
 
 
+@pytest.mark.parametrize("kernel", ["padded_bmm", "grouped_mm"])
 @pytest.mark.parametrize("score, norm", [("softmax", False), ("sigmoid", True)])
-def test_grouped_matmul_equals_the_per_expert_loop_forward_and_backward(score, norm):
+def test_grouped_matmul_equals_the_per_expert_loop_forward_and_backward(score, norm, kernel, monkeypatch):
+    from lit_pretrain import moe
+
+    monkeypatch.setattr(moe, "PAD_LIMIT", 2.0 if kernel == "padded_bmm" else 0.0)  # 0: grouped_mm always
     cfg = tiny_moe(num_experts=8, top_k=2, score=score, norm_topk_prob=norm)
     layer = build(cfg).blocks[0].mlp
     x = torch.randn(2, 16, 64, requires_grad=True)
     g = torch.randn(2, 16, 64)
+    with torch.no_grad():  # the padded kernel runs: 8 experts padded to the busiest hold at most 2x the 64 copies
+        busiest = torch.bincount(layer.route(x.reshape(-1, 64))[0].flatten(), minlength=8).max().item()
+    assert 8 * busiest <= 2 * 64
     ours = layer(x)
     (ours * g).sum().backward()
     grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
