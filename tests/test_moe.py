@@ -402,3 +402,18 @@ def test_memory_command_takes_moe_and_counts_olmoe_as_transformers_does(capsys):
     assert "--params searches dense shapes" in capsys.readouterr().err
     assert main(["memory", *olmoe[:6], "--model", "moe={experts: 4}"]) == 2
     assert "--model moe=" in capsys.readouterr().err
+
+
+def test_a_checkpoint_written_before_model_moe_resumes_unless_a_new_key_left_its_default():
+    from lit_pretrain.errors import ConfigError
+    from lit_pretrain.resume import compat
+
+    manifest = {"tokenizer": {"sha256": "t"}, "splits": {}}
+    before = {"model": {"d_model": 64}, "trainer": {"devices": 1}}  # keys of a run that predates model.moe
+    now = {"model": {"d_model": 64, "moe": None, "qk_norm_scope": "head"}, "trainer": {"devices": 1},
+           "callbacks": {"moe": {"enabled": True, "collapse_share": 0.5}}}
+    saved = compat.run_meta(before, manifest, 512)
+    assert compat.check_resume(saved, compat.run_meta(now, manifest, 512), [], "c", "t") == []
+    moe = {**now, "model": {**now["model"], "moe": {"num_experts": 4}}}
+    with pytest.raises(ConfigError, match="model.moe.num_experts .*cannot change"):
+        compat.check_resume(saved, compat.run_meta(moe, manifest, 512), [], "c", "t")

@@ -7,6 +7,8 @@ refused unless listed in `run.resume_allow_changes`; keys that change the model'
 the checkpoint's weights fit only their own shape. The tokenizer and the shard manifest are compared by hash.
 """
 
+import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any, Dict, Iterable, List
@@ -34,6 +36,14 @@ def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
             out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: tree}
+
+
+@functools.lru_cache(maxsize=1)
+def schema_defaults() -> Dict[str, Any]:
+    """Every config key's default value, flattened like a checkpoint's config."""
+    from lit_pretrain.schema import Config
+
+    return flatten(dataclasses.asdict(Config()))
 
 
 def manifest_sha256(manifest: Dict) -> str:
@@ -73,6 +83,8 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
     for key in sorted(set(before) | set(now)):
         if key in FREE_KEYS or key.startswith(FREE_PREFIXES) or before.get(key) == now.get(key):
             continue
+        if key not in before and now.get(key) == schema_defaults().get(key, object()):
+            continue  # a key the checkpoint predates (e.g. model.moe), at its default: what that run computed
         if key.startswith("model."):
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               "the model's shape cannot change on resume; set it back, or start a new run")
