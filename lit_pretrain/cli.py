@@ -120,7 +120,8 @@ def _checkpoint(args) -> int:
 
 def _hf_commands(sub) -> None:
     """export / import: the Hugging Face transformers format (lit_pretrain/hf.py)."""
-    text = "write a checkpoint as a transformers folder (LlamaForCausalLM, safetensors, tokenizer)"
+    text = ("write a checkpoint as a transformers folder (LlamaForCausalLM; Qwen3 with model.qk_norm, "
+            "OlmoeForCausalLM with model.moe; safetensors, tokenizer)")
     cmd = sub.add_parser("export", help=text, description=text)
     cmd.add_argument("source", metavar="RUN_OR_CKPT", help="a run folder (its last.ckpt) or a checkpoint file in one")
     cmd.add_argument("--to", choices=["hf"], required=True, help="the format: hf (Hugging Face transformers)")
@@ -133,7 +134,8 @@ def _hf_commands(sub) -> None:
     cmd.add_argument("out", metavar="OUT", help="the folder to write; it must not exist or be empty")
     text = "start a run from a transformers Llama folder's weights (continued pretraining)"
     cmd = sub.add_parser("import", help=text, description=text)
-    cmd.add_argument("hf_folder", metavar="HF_FOLDER", help="config.json (LlamaForCausalLM) and model.safetensors")
+    cmd.add_argument("hf_folder", metavar="HF_FOLDER",
+                     help="config.json (LlamaForCausalLM, Qwen3ForCausalLM or OlmoeForCausalLM) and model.safetensors")
     cmd.add_argument("run_file", nargs="?", help="experiment to train; its model.* keys come from config.json")
     cmd.add_argument("overrides", nargs="*", help="key=value or group=name, as for train")
     cmd.add_argument("--out", metavar="FILE", help="instead of training, write the weights under our names to FILE "

@@ -275,6 +275,10 @@ def check_ranges(cfg: DictConfig) -> None:
 
     build_plan(config)
     config.optim.check()
+    if config.model.moe is not None and config.optim.name == "muon":
+        # torch.optim.Muon orthogonalizes 2-D matrices; the experts' stacked (E, out, in) weights are 3-D.
+        raise ConfigError("optim.name=muon with model.moe is not supported (Muon orthogonalizes 2-D matrices and the "
+                          "experts' weights are stacked 3-D): set optim.name=adamw or model.moe=null")
     if cfg.schedule.warmup_steps > cfg.trainer.max_steps:
         raise ConfigError(
             f"schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds trainer.max_steps={cfg.trainer.max_steps}: "

@@ -103,7 +103,7 @@ def check_target(out: str | Path) -> Path:
 
 def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
     """Write `model` and its tokenizer as a transformers LlamaForCausalLM folder (Qwen3ForCausalLM with
-    model.qk_norm) at `out` (new or empty)."""
+    model.qk_norm, OlmoeForCausalLM with model.moe: lit_pretrain/olmoe.py) at `out` (new or empty)."""
     check_exportable(model.cfg)  # before anything is written
     st = _safetensors()
     cfg, out = model.cfg, check_target(out)

@@ -69,6 +69,8 @@ def initialize(model: nn.Module, cfg) -> None:
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
             embeddings.append(module)
+        elif getattr(module, "expert", False):  # model.moe's stacked expert weights (E, out, in): matrices too
+            linears.append((name, module))
         elif isinstance(module, nn.Linear):
             (heads if name.split(".")[-1] == "lm_head" else linears).append((name, module))
             if module.bias is not None:
@@ -78,6 +80,8 @@ def initialize(model: nn.Module, cfg) -> None:
                 nn.init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        if getattr(module, "expert_bias", None) is not None:  # DeepSeek-V3's balancing bias starts at 0
+            nn.init.zeros_(module.expert_bias)
     tied = {id(m.weight) for m in embeddings}
     for module in embeddings:
         nn.init.normal_(module.weight, mean=0.0, std=std)

@@ -17,20 +17,23 @@ to read. The two models compute the same function, which tests/test_hf.py checks
   transformers does.
 - QK-norm (model.qk_norm): exported as `Qwen3ForCausalLM`, which is this Llama plus per-head RMSNorms of q and k
   over head_dim (`Qwen3Attention.q_norm`/`k_norm`, eps rms_norm_eps) before RoPE, as ours; without sliding windows.
+- model.moe: exported as `OlmoeForCausalLM` (lit_pretrain/olmoe.py says what makes it the same function).
 What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm and
 model.mlp=gelu (`check_exportable`; Gemma 2 has a soft-cap but differs from our block elsewhere: embeddings scaled
 by sqrt(d), norms around each sublayer); on import a bias, scaled RoPE, another activation, sliding windows.
 """
 
 import re
+from dataclasses import replace
 from typing import Any, Dict, Mapping, Tuple
 
+from lit_pretrain import olmoe
 from lit_pretrain.errors import DataError
 from lit_pretrain.model_config import GPTConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
-MODEL_TYPES = {ARCHITECTURE: "llama", QK_NORM_ARCHITECTURE: "qwen3"}
+MODEL_TYPES = {ARCHITECTURE: "llama", QK_NORM_ARCHITECTURE: "qwen3", olmoe.ARCHITECTURE: olmoe.MODEL_TYPE}
 
 # Our names (model.py) -> Llama's (transformers' LlamaForCausalLM). {i} is the block index.
 GLOBAL_NAMES = {
@@ -50,6 +53,7 @@ BLOCK_NAMES = {
     "mlp.w_down.weight": "mlp.down_proj.weight",
     "attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3 only (model.qk_norm)
     "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",  # OLMoE only (model.moe); its experts: olmoe.split_experts
 }
 _OURS_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _LLAMA_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -59,9 +63,10 @@ _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 # The GPTConfig fields that decide what function a set of weights computes (seq_len does not: it is only how many
 # positions the RoPE tables cover; init_std and activation checkpointing do not either).
 FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
-                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp")
+                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe")
 # Issue 21's variants, at the values a Llama (and a weights file written before them) has.
-VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu"}
+VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu",
+                    "qk_norm_scope": "head", "moe": None}
 
 # transformers' LlamaConfig defaults, for a config.json that leaves a field out (transformers writes them all).
 LLAMA_DEFAULTS = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-6,
@@ -74,16 +79,27 @@ def function_fields(cfg: GPTConfig) -> Dict[str, Any]:
     n_kv_heads null when it equals n_heads (the same function)."""
     out = {name: cfg.hidden_dim if name == "d_ff" else getattr(cfg, name) for name in FUNCTION_FIELDS}
     out["n_kv_heads"] = None if cfg.kv_heads == cfg.n_heads else cfg.kv_heads
+    out["moe"] = olmoe.moe_function_fields(cfg)
+    if cfg.moe is not None and len(cfg.moe_layers()) == cfg.n_layers:
+        out["d_ff"] = None  # no dense MLP anywhere: its width computes nothing
     return out
 
 
 def architecture(cfg: GPTConfig) -> str:
+    if cfg.moe is not None:
+        return olmoe.ARCHITECTURE
     return QK_NORM_ARCHITECTURE if cfg.qk_norm else ARCHITECTURE
 
 
 def check_exportable(cfg: GPTConfig) -> None:
     """A DataError naming the first model key neither LlamaForCausalLM nor Qwen3ForCausalLM can express (exporting
     without it would compute another function)."""
+    if cfg.moe is not None:
+        olmoe.check_exportable(cfg)
+    elif cfg.qk_norm and cfg.qk_norm_scope != "head":
+        raise DataError(f"model.qk_norm_scope={cfg.qk_norm_scope!r} cannot be expressed by transformers' "
+                        f"{QK_NORM_ARCHITECTURE} (its q/k norms are per head): this model cannot be exported to "
+                        "Hugging Face format")
     for key, ours, llama in (("logit_softcap", cfg.logit_softcap, None), ("norm", cfg.norm, "rmsnorm"),
                              ("mlp", cfg.mlp, "swiglu")):
         if ours != llama:
@@ -99,7 +115,9 @@ def check_exportable(cfg: GPTConfig) -> None:
 
 def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
     """config.json of a LlamaForCausalLM (Qwen3ForCausalLM with model.qk_norm) computing what `cfg`'s GPT computes
-    (read by transformers 4.45 to 5.x; Qwen3 from 4.51)."""
+    (read by transformers 4.45 to 5.x; Qwen3 from 4.51); OlmoeForCausalLM with model.moe."""
+    if cfg.moe is not None:
+        return olmoe.to_config(to_llama_config(replace(cfg, moe=None, qk_norm=False), eod_id, dtype), cfg)
     arch = architecture(cfg)
     qwen3 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
              "layer_types": ["full_attention"] * cfg.n_layers} if cfg.qk_norm else {}
@@ -144,8 +162,8 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     known = [a for a, t in MODEL_TYPES.items() if ([a] == list(arch) if arch else hf.get("model_type") == t)]
     if not known:
         found = f"architectures {list(arch)}" if arch else f"model_type {hf.get('model_type')!r}"
-        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}] or [{QK_NORM_ARCHITECTURE!r}]: import reads "
-                        "Llama-shaped models only")
+        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}], [{QK_NORM_ARCHITECTURE!r}] or "
+                        f"[{olmoe.ARCHITECTURE!r}]: import reads Llama-shaped models only")
     qk_norm = known[0] == QK_NORM_ARCHITECTURE
     get = {**LLAMA_DEFAULTS, **hf}.get
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -173,7 +191,7 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     rope = hf.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise refuse("rope_parameters.rope_type", rope.get("rope_type"), "our RoPE is the default, unscaled one")
-    return {
+    fields = {
         "vocab_size": hf["vocab_size"],
         "n_layers": hf["num_hidden_layers"],
         "d_model": d_model,
@@ -187,6 +205,7 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
         "n_kv_heads": None if kv in (None, n_heads) else kv,
         "qk_norm": qk_norm,
     }
+    return olmoe.from_config(hf, fields, refuse) if known[0] == olmoe.ARCHITECTURE else fields
 
 
 def to_llama_names(state: Mapping[str, Any], tied: bool) -> Dict[str, Any]:
@@ -200,7 +219,10 @@ def to_llama_names(state: Mapping[str, Any], tied: bool) -> Dict[str, Any]:
         if tied and name == "lm_head.weight":
             continue
         block = _OURS_BLOCK.fullmatch(name)
-        if name in GLOBAL_NAMES:
+        experts = olmoe.split_experts(name, tensor)
+        if experts:  # model.moe: one tensor per expert, as OLMoE's checkpoints hold them
+            out.update(experts)
+        elif name in GLOBAL_NAMES:
             out[GLOBAL_NAMES[name]] = tensor
         elif block and block.group(2) in BLOCK_NAMES:
             out[f"model.layers.{block.group(1)}.{BLOCK_NAMES[block.group(2)]}"] = tensor
@@ -216,9 +238,11 @@ def from_llama_names(state: Mapping[str, Any], tied: bool, source: str) -> Tuple
     Skipped: a stored lm_head when the embeddings are tied (transformers uses the embedding there too) and the
     RoPE inverse frequencies old transformers versions saved (we derive them from rope_theta).
     """
-    out, skipped = {}, []
+    out, skipped = olmoe.stack_experts(state, source), []  # OLMoE's experts, stacked; {} for a dense model
     for name, tensor in state.items():
         block = _LLAMA_BLOCK.fullmatch(name)
+        if olmoe.is_expert_name(name):
+            continue
         if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             skipped.append(name)
         elif name in _OURS_OF_GLOBAL:

@@ -17,6 +17,7 @@ from torch import nn
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
 from lit_pretrain.init import initialize
 from lit_pretrain.model_config import GPTConfig, ModuleSpec, flops_per_token_formula  # noqa: F401
+from lit_pretrain.moe import MoE
 
 
 def build_linear(spec: ModuleSpec) -> nn.Linear:
@@ -114,7 +115,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.qk_norm_scope = cfg.head_dim, cfg.qk_norm_scope
         spec = cfg.block_modules()
         # Separate q/k/v (not one fused wqkv) so tensor parallelism can shard each column-wise by whole heads.
         self.wq, self.wk, self.wv = (build_linear(spec[f"attn.{n}"]) for n in ("wq", "wk", "wv"))
@@ -134,7 +135,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        if self.q_norm is not None:  # per head, over head_dim, before RoPE (Qwen3, OLMo 2 per-head variant)
+        if self.q_norm is not None and self.qk_norm_scope == "projection":  # over the projections (OLMoE)
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        elif self.q_norm is not None:  # per head, over head_dim, before RoPE (Qwen3, OLMo 2 per-head variant)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
@@ -172,9 +175,9 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """Gated MLP w_down(silu(w_gate(x)) * w_up(x)) (Shazeer 2020, "GLU Variants Improve Transformer")."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
-        spec = cfg.block_modules()
+        spec = cfg.block_modules(layer)
         self.w_gate, self.w_up, self.w_down = (build_linear(spec[f"mlp.{n}"]) for n in ("w_gate", "w_up", "w_down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,9 +187,9 @@ class SwiGLU(nn.Module):
 class GeluMLP(nn.Module):
     """w_down(gelu(w_up(x))), exact (erf) GELU (Hendrycks & Gimpel 2016; GPT-2's MLP without biases)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
-        spec = cfg.block_modules()
+        spec = cfg.block_modules(layer)
         self.w_up, self.w_down = build_linear(spec["mlp.w_up"]), build_linear(spec["mlp.w_down"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,13 +203,14 @@ class Block(nn.Module):
     """Pre-norm residual block (GPT-2, LLaMA): normalizing the branch input, not the stream, keeps the
     residual path an identity, which trains stably without warmup tricks at depth (Xiong et al. 2020)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
-        spec = cfg.block_modules()
+        spec = cfg.block_modules(layer)
         self.attn_norm = build_norm(cfg, spec["attn_norm"])
         self.attn = Attention(cfg)
         self.mlp_norm = build_norm(cfg, spec["mlp_norm"])
-        self.mlp = MLPS[cfg.mlp](cfg)
+        # model.moe: the table decides which blocks route their tokens to experts (lit_pretrain/moe.py)
+        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLPS[cfg.mlp](cfg, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -232,7 +236,7 @@ class GPT(nn.Module):
         cfg.check()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         spec = cfg.modules()
         self.norm = build_norm(cfg, spec["norm"])
         self.lm_head = build_linear(spec["lm_head"])
@@ -319,20 +323,27 @@ class GPT(nn.Module):
             raise ValueError(f"a cache of {max_len} positions: choose 1..model.seq_len={cfg.seq_len}")
         return KVCache(cfg.n_layers, batch_size, cfg.kv_heads, max_len, cfg.head_dim, weight.device, weight.dtype)
 
-    def num_params(self, non_embedding: bool = True) -> int:
+    def num_params(self, non_embedding: bool = True, active: bool = False) -> int:
         """Number of unique parameters (a tied embedding/head Parameter is counted once).
 
         non_embedding=True follows Kaplan et al. 2020 §2.1: N excludes the vocabulary matrices, i.e. both the
         token embedding and the output head, tied or not. Norm weights are included.
         non_embedding=False counts every unique parameter.
+        active=True counts what one token uses: of each routed experts' stack (E, out, in), top_k experts.
         """
         vocab_matrices = {id(self.tok_embeddings.weight), id(self.lm_head.weight)}
-        return sum(p.numel() for p in self.parameters() if not (non_embedding and id(p) in vocab_matrices))
+        used = {}
+        if active and self.cfg.moe is not None:
+            k, E = self.cfg.moe.top_k, self.cfg.moe.num_experts
+            used = {id(m.weight): m.weight.numel() // E * k for m in self.modules() if getattr(m, "expert", False)}
+        return sum(used.get(id(p), p.numel()) for p in self.parameters()
+                   if not (non_embedding and id(p) in vocab_matrices))
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward), PaLM appendix B: see `flops_per_token_formula`.
 
-        N = num_params(non_embedding=True) + vocab_size·d_model: every parameter used per token plus the output
+        N = num_params(non_embedding=True, active=True) + vocab_size·d_model: every parameter used per token (of a
+        mixture of experts, the top_k routed experts; the router's matmul is in N too) plus the output
         head's matmul; the embedding is a lookup, not a matmul. Norm weights stay in N, as PaLM counts all
         parameters, although they cost elementwise multiplies, not matmuls (an overcount of 6·(2L+1)·d_model).
         The attention term counts the full T×T score matrix, as PaLM does, though attention is causal; it depends
@@ -340,7 +351,7 @@ class GPT(nn.Module):
         seq_len defaults to model.seq_len.
         """
         cfg = self.cfg
-        n_matmul_params = self.num_params(non_embedding=True) + cfg.vocab_size * cfg.d_model
+        n_matmul_params = self.num_params(non_embedding=True, active=True) + cfg.vocab_size * cfg.d_model
         seq_len = cfg.seq_len if seq_len is None else seq_len
         return flops_per_token_formula(n_matmul_params, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
 

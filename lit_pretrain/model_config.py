@@ -6,7 +6,52 @@ Field metadata (`ge`, `gt`, `le`, `choices`) is the range the config loader enfo
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
+
+
+@dataclass
+class MoEConfig:
+    """A mixture-of-experts MLP in some blocks (model.moe; null: every block is dense). Each token goes to top_k of
+    num_experts routed SwiGLU experts, weighted by its router scores, plus num_shared_experts experts every token
+    uses (DeepSeekMoE, Dai et al. 2024). Experts are computed as one grouped matmul over the tokens sorted by
+    expert (lit_pretrain/moe.py)."""
+
+    num_experts: int = field(default=8, metadata={"ge": 2})
+    """Routed experts per MoE layer (E)."""
+    top_k: int = field(default=2, metadata={"ge": 1})
+    """Routed experts each token uses (k <= num_experts)."""
+    num_shared_experts: int = field(default=0, metadata={"ge": 0})
+    """Experts of width d_ff_expert that every token uses, unweighted (DeepSeekMoE §3.2); 0: none (OLMoE)."""
+    d_ff_expert: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Hidden width of each expert (routed and shared). null: the dense MLP's (model.d_ff)."""
+    first_dense_layers: int = field(default=0, metadata={"ge": 0})
+    """Blocks 0 .. m-1 keep the dense MLP (DeepSeek-V3 keeps 3); 0: from the first block on."""
+    every_k: int = field(default=1, metadata={"ge": 1})
+    """After first_dense_layers, every k-th block is MoE (1: all of them; 2: GShard's alternating layers)."""
+    capacity_factor: Optional[float] = field(default=None, metadata={"gt": 0})
+    """null: dropless (every routed token is computed). Else each expert takes at most
+    ceil(capacity_factor * tokens * top_k / num_experts) tokens (Switch, Fedus et al. 2021 §2.2) and the rest of its
+    assignments are dropped (the residual stream carries the token on); the dropped fraction is logged."""
+    score: str = field(default="softmax", metadata={"choices": ["softmax", "sigmoid"]})
+    """Router score of each expert: softmax over the experts (Switch, OLMoE) or an independent sigmoid
+    (DeepSeek-V3 §2.1.2)."""
+    norm_topk_prob: bool = True
+    """Divide the k chosen scores by their sum (DeepSeek-V3 with sigmoid; Mixtral). OLMoE-1B-7B: false."""
+    aux_loss: float = field(default=0.01, metadata={"ge": 0})
+    """Coefficient of the Switch/GShard load-balancing loss E * sum_i f_i * P_i (Fedus et al. 2021 eq. 4: f_i the
+    fraction of assignments to expert i, P_i its mean router probability; 1 when balanced), averaged over the MoE
+    layers as transformers' OLMoE does. 0: off."""
+    bias_update_rate: float = field(default=0.0, metadata={"ge": 0})
+    """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2; Wang et al. 2024): a per-expert bias, added to the
+    scores for the top-k choice only, moves by this rate times sign(mean load - load) after every optimizer step.
+    0: off (no bias)."""
+    router_z_loss: float = field(default=0.0, metadata={"ge": 0})
+    """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE, Zoph et al. 2022 eq. 5),
+    averaged over the MoE layers. 0: off."""
+    def check(self) -> None:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}: "
+                             "a token cannot use more experts than there are")
 
 
 @dataclass
@@ -59,6 +104,16 @@ class GPTConfig:
     the logits are multiplied by it, so a rate tuned at the base width carries over to wider models."""
     mup_base_width: Optional[int] = field(default=None, metadata={"ge": 1})
     """init=mup only: the d_model the hyperparameters were tuned at (required with init=mup)."""
+    qk_norm_scope: str = field(default="head", metadata={"choices": ["head", "projection"]})
+    """qk_norm only: head normalizes each head over head_dim (Qwen3, OLMo 2's later layout: one weight of head_dim);
+    projection normalizes the whole q (d_model) and k (n_kv_heads * head_dim) projections before the split into
+    heads, with weights of those sizes (OLMoE's OlmoeAttention; OLMo 2). Tensor parallelism needs head."""
+    moe: Optional[MoEConfig] = None
+    """Mixture of experts (MoEConfig); null: every block's MLP is dense."""
+
+    def __post_init__(self):
+        if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
+            self.moe = MoEConfig(**self.moe)
 
     @property
     def head_dim(self) -> int:
@@ -76,7 +131,22 @@ class GPTConfig:
             return 4 * self.d_model
         return 64 * ((8 * self.d_model // 3 + 63) // 64)
 
-    def block_modules(self) -> Dict[str, "ModuleSpec"]:
+    @property
+    def d_ff_expert(self) -> int:
+        """Each expert's hidden width (model.moe.d_ff_expert, else the dense MLP's)."""
+        moe = self.moe
+        return self.hidden_dim if moe is None or moe.d_ff_expert is None else moe.d_ff_expert
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has the mixture-of-experts MLP (model.moe.first_dense_layers, every_k)."""
+        moe = self.moe
+        return moe is not None and layer >= moe.first_dense_layers and \
+            (layer - moe.first_dense_layers) % moe.every_k == 0
+
+    def moe_layers(self) -> List[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    def block_modules(self, layer: int = 0) -> Dict[str, "ModuleSpec"]:
         """The architecture of one block, written once: module name (under `blocks.{i}.`) -> what it is.
 
         model.py builds its modules from this table (and marks each Linear with its roles); the parameter counts,
@@ -84,6 +154,10 @@ class GPTConfig:
         the built modules. A variant changes this table and everything downstream follows.
         Column-parallel linears split their output rows by whole heads (q: n_heads, k and v: n_kv_heads) or MLP
         units; row-parallel ones their input columns, and they are the residual projections (GPT-2 §2.3).
+        A mixture-of-experts block (`is_moe_layer(layer)`) replaces the MLP's linears with the router (E, d), the
+        routed experts' stacked weights (E, out, in), of which each token uses top_k (`active_experts`), and the
+        shared experts, one SwiGLU of num_shared_experts * d_ff_expert units (a sum of SwiGLUs is one SwiGLU over
+        their concatenated units).
         """
         d, q, f = self.d_model, self.head_dim, self.hidden_dim
         kv = self.kv_heads * q
@@ -91,13 +165,29 @@ class GPTConfig:
                "attn.wq": ModuleSpec("linear", (d, d), "column"),
                "attn.wk": ModuleSpec("linear", (kv, d), "column"),
                "attn.wv": ModuleSpec("linear", (kv, d), "column")}
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_scope == "projection":
+            out["attn.q_norm"] = ModuleSpec("norm", (d,))  # over the whole projections (OLMoE): no head split
+            out["attn.k_norm"] = ModuleSpec("norm", (kv,))
+        elif self.qk_norm:
             # Replicated weights inside the head-sharded region: each tensor-parallel rank sees only its heads,
             # so their gradients are partial sums ("partial", summed over the group by parallel/tensor.py).
             out["attn.q_norm"] = ModuleSpec("norm", (q,), "partial")
             out["attn.k_norm"] = ModuleSpec("norm", (q,), "partial")
         out["attn.wo"] = ModuleSpec("linear", (d, d), "row", residual_projection=True)
         out["mlp_norm"] = ModuleSpec("norm", (d,))
+        if self.is_moe_layer(layer):
+            moe, e = self.moe, self.d_ff_expert
+            E, k = moe.num_experts, moe.top_k
+            out["mlp.router"] = ModuleSpec("linear", (E, d))
+            out["mlp.experts.w_gate"] = ModuleSpec("experts", (E, e, d), active_experts=k)
+            out["mlp.experts.w_up"] = ModuleSpec("experts", (E, e, d), active_experts=k)
+            out["mlp.experts.w_down"] = ModuleSpec("experts", (E, d, e), residual_projection=True, active_experts=k)
+            if moe.num_shared_experts:
+                s = moe.num_shared_experts * e
+                out["mlp.shared.w_gate"] = ModuleSpec("linear", (s, d))
+                out["mlp.shared.w_up"] = ModuleSpec("linear", (s, d))
+                out["mlp.shared.w_down"] = ModuleSpec("linear", (d, s), residual_projection=True)
+            return out
         if self.mlp == "swiglu":
             out["mlp.w_gate"] = ModuleSpec("linear", (f, d), "column")
         out["mlp.w_up"] = ModuleSpec("linear", (f, d), "column")
@@ -111,8 +201,10 @@ class GPTConfig:
             raise ValueError("model.vocab_size is null: the model's shapes need the vocabulary size")
         v, d = self.vocab_size, self.d_model
         out = {"tok_embeddings": ModuleSpec("embedding", (v, d))}
-        block = self.block_modules()
+        blocks = {}  # one table per kind of block (dense, MoE)
         for i in range(self.n_layers):
+            kind = self.is_moe_layer(i)
+            block = blocks[kind] = blocks[kind] if kind in blocks else self.block_modules(i)
             out.update({f"blocks.{i}.{name}": spec for name, spec in block.items()})
         out["norm"] = ModuleSpec("norm", (d,))
         out["lm_head"] = ModuleSpec("linear", (v, d), tied=self.tie_embeddings)
@@ -133,6 +225,19 @@ class GPTConfig:
         if self.init == "mup" and self.mup_base_width is None:
             raise ValueError("model.init=mup needs model.mup_base_width: set it to the d_model the learning rate was "
                              "tuned at (e.g. model.mup_base_width=128)")
+        if self.moe is not None:
+            self.moe.check()
+            if not self.moe_layers():
+                raise ValueError(f"model.moe.first_dense_layers={self.moe.first_dense_layers} leaves no MoE layer "
+                                 f"among model.n_layers={self.n_layers}: lower it or set model.moe=null")
+            if self.mlp != "swiglu":
+                raise ValueError(f"model.mlp={self.mlp!r} with model.moe: the experts are SwiGLU (OLMoE, DeepSeek-V3, "
+                                 "Mixtral); set model.mlp=swiglu")
+            # torch's grouped matmul reads rows at 16-byte strides: 8 elements cover bf16 and fp32 alike.
+            for key, value in (("model.d_model", self.d_model), ("model.moe.d_ff_expert", self.d_ff_expert)):
+                if value % 8:
+                    raise ValueError(f"{key}={value} with model.moe: the experts' grouped matmul needs a multiple "
+                                     "of 8 (16-byte rows); round it to one")
         if self.head_dim % 2:
             raise ValueError(
                 f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "
@@ -145,7 +250,8 @@ class ModuleSpec:
     """One module of the GPT in the architecture table (`GPTConfig.modules`)."""
 
     kind: str
-    """linear (weight (out, in), no bias), embedding (weight (vocab, d)) or norm (weight (dim,), no bias)."""
+    """linear (weight (out, in), no bias), embedding (weight (vocab, d)), norm (weight (dim,), no bias) or experts
+    (routed experts' stacked weights (E, out, in))."""
     shape: Tuple[int, ...]
     """Its weight's shape."""
     tensor_parallel: Optional[str] = None
@@ -155,6 +261,8 @@ class ModuleSpec:
     """Writes into the residual stream (attn.wo, mlp.w_down): the initializer scales it by depth."""
     tied: bool = False
     """Holds another module's Parameter (the head tied to the embedding): not counted again."""
+    active_experts: Optional[int] = None
+    """kind experts only: how many of the shape[0] stacked experts each token uses (top_k); None: all (dense)."""
 
     @property
     def numel(self) -> int:
@@ -162,6 +270,13 @@ class ModuleSpec:
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def active_numel(self) -> int:
+        """The parameters one token uses: numel, or for routed experts active_experts of shape[0] experts."""
+        if self.active_experts is None:
+            return self.numel
+        return self.numel // self.shape[0] * self.active_experts
 
 
 def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:

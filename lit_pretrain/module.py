@@ -15,6 +15,7 @@ from lit_pretrain.checkpoints import from_plain
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import GPT, document_ids
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.moe import end_step, moe_loss
 from lit_pretrain.optim import build_optimizer
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
@@ -175,6 +176,11 @@ class PretrainModule(L.LightningModule):
         loss, z_loss = self.losses(batch)
         self._loss_sum += loss.detach()
         self._micro_batches += 1
+        # model.moe: the load-balancing and router z-losses of this forward (lit_pretrain/moe.py), trained on but
+        # kept out of train/loss, as the z-loss is (their values are logged per layer by the MoE monitor).
+        balance = moe_loss(self.model)
+        if balance is not None:
+            loss = loss + balance
         if z_loss is None:
             return loss
         self._z_loss_sum += z_loss.detach()
@@ -209,6 +215,13 @@ class PretrainModule(L.LightningModule):
             return True
         last = trainer.max_steps if trainer.max_steps > 0 else self.max_steps  # Lightning's -1: no limit set
         return step % trainer.log_every_n_steps == 0 or step >= last
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        # model.moe, after the update and before any callback's on_train_batch_end reads the step: the routing
+        # counts summed over the data-parallel ranks, DeepSeek-V3's bias update (lit_pretrain/moe.py end_step).
+        trainer = self._trainer
+        end_step(self.model, None if trainer is None else lambda t: trainer.strategy.reduce(t, reduce_op="sum"))
 
     def on_before_optimizer_step(self, optimizer):
         # Read here, not after the step: by then the scheduler has moved on to the next step's rate. The schedule's

@@ -36,6 +36,8 @@ def param_kind(module: nn.Module, module_name: str, p: torch.Tensor, tied_head: 
     Linear "hidden"; a Linear's vector "biases"; everything else (norm gains and biases) "norms"."""
     if isinstance(module, nn.Embedding) or tied_head:
         return "embeddings"
+    if getattr(module, "expert", False):  # model.moe's stacked expert matrices (lit_pretrain/moe.py ExpertLinear)
+        return "hidden"
     if isinstance(module, nn.Linear):
         if p.ndim < 2:
             return "biases"

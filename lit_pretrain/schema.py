@@ -461,6 +461,11 @@ class StrategyConfig:
     parallel group (Korthikanti et al. 2022), all-gather / reduce-scatter in place of all-reduce."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline schedule settings (used when pipeline_parallel > 1)."""
+    expert_parallel: int = field(default=1, metadata={"ge": 1})
+    """model.moe only: ranks that split the routed experts' compute, tokens exchanged by all-to-all
+    (lit_pretrain/parallel/expert.py). For now it equals the data-parallel degree (any zero_stage) and the expert
+    weights are held as the ZeRO stage holds any weight (replicated at 0-2: compute and activations split, not
+    parameter memory). 1: off."""
 
 
 @dataclass
@@ -547,6 +552,20 @@ class StabilityReportConfig:
 
 
 @dataclass
+class MoEMonitorConfig:
+    enabled: bool = True
+    """With model.moe: log each MoE layer's routing (moe/layer{i}/tokens_min, tokens_max, tokens_cv, max_share,
+    dropped_fraction, aux_loss, z_loss, bias_norm) and record router collapse as an event (callbacks/moe_monitor.py).
+    Does nothing for a dense model."""
+    log_every_n_steps: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Logging interval in optimizer steps. null: trainer.log_every_n_steps."""
+    collapse_share: float = field(default=0.5, metadata={"gt": 0.0, "le": 1.0})
+    """Router collapse: one expert takes more than this share of a layer's assignments ..."""
+    collapse_window: int = field(default=3, metadata={"ge": 1})
+    """... at this many logged steps in a row; the event (label router_collapse) ends when the share falls back."""
+
+
+@dataclass
 class DownstreamEvalConfig:
     enabled: bool = False
     """Run lm-evaluation-harness tasks during training (callbacks/downstream_eval.py; needs the `eval` extra) and log
@@ -588,6 +607,8 @@ class CallbacksConfig:
     """End-of-run stability report."""
     downstream_eval: DownstreamEvalConfig = field(default_factory=DownstreamEvalConfig)
     """lm-evaluation-harness tasks during training."""
+    moe: MoEMonitorConfig = field(default_factory=MoEMonitorConfig)
+    """Mixture-of-experts routing statistics and router-collapse events (model.moe only)."""
 
 
 @dataclass

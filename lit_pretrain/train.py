@@ -212,6 +212,7 @@ def train(cfg: DictConfig) -> dict:
         "run": c.run.name,
         "params": params,
         "non_embedding_params": gpt.num_params(non_embedding=True),
+        "active_params": gpt.num_params(non_embedding=False, active=True),  # model.moe: what one token uses
         "flops_per_token": gpt.flops_per_token(),
         "tokens_seen": tokens_seen,
         "tokens_per_param": tokens_seen / params,
@@ -285,7 +286,9 @@ def loss_against_entropy(val_loss: float, entropy: float) -> str:
 def report(summary: dict, run_dir: Path) -> None:
     val, entropy = summary["final_val_loss"], summary["unigram_entropy_nats"]
     print(f"\nrun folder: {run_dir}")
-    print(f"params {summary['params']:,} ({summary['non_embedding_params']:,} non-embedding), "
+    active = summary.get("active_params", summary["params"])
+    print(f"params {summary['params']:,} ({summary['non_embedding_params']:,} non-embedding"
+          f"{f'; {active:,} active per token' if active != summary['params'] else ''}), "
           f"{summary['tokens_seen']:,} tokens seen, tokens_per_param {summary['tokens_per_param']:.2f}")
     print(timing_line(summary["steps"], summary["train_seconds"], summary["tokens_per_second"],
                       summary["session_train_seconds"], summary["wall_seconds"]))

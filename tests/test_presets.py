@@ -30,7 +30,8 @@ def preset(name: str) -> GPTConfig:
 
 
 def test_every_preset_file_is_listed_here():
-    shipped = {p.stem for p in MODELS.glob("*.yaml")} - {"tiny", "small"}
+    # tiny and small: the CPU runs' models; olmoe_1b_7b: the mixture-of-experts preset (tests/test_moe.py counts it)
+    shipped = {p.stem for p in MODELS.glob("*.yaml")} - {"tiny", "small", "olmoe_1b_7b"}
     assert shipped == set(PRESETS)
 
 

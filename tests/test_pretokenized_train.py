@@ -15,7 +15,7 @@ from tests.test_resume import COMMON, assert_same_run, extra, latest
 pytestmark = pytest.mark.slow
 
 SHORT = ["trainer.max_steps=4", "trainer.val_every_n_steps=2", "trainer.log_every_n_steps=1",
-         "schedule.warmup_steps=1", "trainer.progress_bar=false", "trainer.val_batches=2",
+         "schedule.warmup_steps=1", "trainer.progress_bar=false", "trainer.val_windows=8",
          "trainer.micro_batch_size=4", "data.document_masking=true"]
 
 

@@ -144,11 +144,18 @@ def _masking(r: _Run) -> List[Dict]:
     return [masking.run(r.c, r.args.repeats)]
 
 
+def _moe(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench import moe
+
+    return moe.run(r.c, r.args.repeats)
+
+
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
     "compositions": _compositions, "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
     "prepare_memory": _prepare_memory, "mixture": _mixture, "masking": _masking, "data_engines": _data_engines,
+    "moe": _moe,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 

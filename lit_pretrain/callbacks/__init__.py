@@ -59,6 +59,11 @@ def stability_callbacks(c: Config) -> list[Callback]:
     if cb.throughput.enabled:
         out.append(ThroughputMonitor(cb.throughput.log_every_n_steps or c.trainer.log_every_n_steps,
                                      peak_flops_per_s=cb.throughput.peak_flops_per_s))
+    if cb.moe.enabled and c.model.moe is not None:
+        from lit_pretrain.callbacks.moe_monitor import MoEMonitor
+
+        out.append(MoEMonitor(cb.moe.log_every_n_steps or c.trainer.log_every_n_steps, cb.moe.collapse_share,
+                              cb.moe.collapse_window))
     if cb.stability_report.enabled:
         out.append(StabilityReport())
     return out

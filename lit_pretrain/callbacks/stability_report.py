@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.callbacks.gradient_norm import GradientNormMonitor
 from lit_pretrain.callbacks.loss_spike import LossSpike
+from lit_pretrain.callbacks.moe_monitor import MoEMonitor
 from lit_pretrain.callbacks.nan_guard import NanGuard
 from lit_pretrain.callbacks.records import write_json
 from lit_pretrain.callbacks.throughput import ThroughputMonitor
@@ -34,6 +35,7 @@ def _find(trainer, cls):
 def build_report(trainer, pl_module) -> Dict:
     spikes, guard = _find(trainer, LossSpike), _find(trainer, NanGuard)
     grads, speed = _find(trainer, GradientNormMonitor), _find(trainer, ThroughputMonitor)
+    routing = _find(trainer, MoEMonitor)
     tokens_per_step = getattr(pl_module, "tokens_per_step", None)
     spike = spikes.summary() if spikes else None
     nonfinite = guard.summary() if guard else None
@@ -53,6 +55,7 @@ def build_report(trainer, pl_module) -> Dict:
         "tokens_skipped": (skipped + rewound + batches) * tokens_per_step if tokens_per_step else None,
         "gradient_norm": grads.summary() if grads else None,
         "throughput": speed.summary() if speed else None,
+        "router_collapse": routing.summary() if routing else None,
         "stopped_early": stops[0] if stops else None,
     }
 
@@ -72,6 +75,10 @@ def format_report(report: Dict) -> str:
     if spike is not None:
         outcomes = ", ".join(f"{k} {v}" for k, v in spike["by_outcome"].items()) or "none"
         lines.append(f"  loss spikes          {spike['events']} ({outcomes}); {spike['rewinds']} rewinds")
+    collapse = report.get("router_collapse")
+    if collapse is not None:
+        layers = ", ".join(f"layer {e['layer']} expert {e['expert']} at step {e['step']}" for e in collapse["list"])
+        lines.append(f"  router collapse      {collapse['events']} ({layers or 'none'}); {collapse['open']} open")
     if report.get("non_finite") is not None:
         lines.append(f"  non-finite steps     {report['non_finite']['steps_skipped']} (updates dropped)")
     lines.append(f"  updates skipped      {report['updates_skipped']}; steps rewound {report['steps_rewound']}; "

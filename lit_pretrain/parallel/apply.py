@@ -44,6 +44,10 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(gpt, par.tp, sequence_parallel=plan.sequence_parallel)
+    if plan.expert_parallel > 1:  # before checkpointing wraps the blocks: the MoE layers are found by type
+        from lit_pretrain.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(gpt, plan.expert_parallel)
     apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
     if plan.compile:
         from lit_pretrain.parallel.compile import check_toolchain, compile_model

@@ -48,6 +48,7 @@ class ParallelPlan:
     activation_checkpointing: str = "none"
     activation_checkpointing_k: int = 2
     compile: bool = False
+    expert_parallel: int = 1
 
     @property
     def world_size(self) -> int:
@@ -76,6 +77,8 @@ class ParallelPlan:
         parts = [f"{k}={getattr(self, k)}" for k in DEGREE_KEYS] + [f"zero_stage={self.zero_stage}"]
         if self.sequence_parallel:
             parts.append("sequence_parallel=true")
+        if self.expert_parallel > 1:
+            parts.append(f"expert_parallel={self.expert_parallel}")
         return " x ".join(parts[:4]) + ", " + ", ".join(parts[4:])
 
 
@@ -133,7 +136,8 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
         micro_batches=pc.micro_batches, stages_per_rank=pc.stages_per_rank,
         activation_checkpointing=model.activation_checkpointing if model is not None else "none",
         activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
-        compile=compile_decision(trainer, model, degrees, compile).compile)
+        compile=compile_decision(trainer, model, degrees, compile).compile,
+        expert_parallel=getattr(strategy, "expert_parallel", 1))
     check_plan(plan, trainer, model)
     return plan
 
@@ -144,6 +148,8 @@ def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool
     "auto" weighs each process's training FLOPs, known when `model` is given with its vocabulary size. `degrees`:
     the plan's (or the dict of them plan_from resolves)."""
     setting = trainer.compile if compile is None else compile
+    if setting == "auto" and model is not None and model.moe is not None:
+        return CompileDecision(False, "auto: model.moe runs eager (its routing has data-dependent shapes)")
     flops = None
     if model is not None and model.vocab_size is not None:
         from lit_pretrain.scaling.shapes import flops_per_token  # pure arithmetic, no torch
@@ -180,6 +186,8 @@ def check_plan(plan: ParallelPlan, trainer, model=None) -> None:
                           "trainer.compile=false, or use data parallelism and ZeRO stages, which compile")
     if p > 1:
         _check_pipeline(plan, trainer, model)
+    if plan.expert_parallel > 1:
+        _check_expert_parallel(plan, model)
     if model is not None:
         _check_model(plan, trainer, model)
 
@@ -208,6 +216,12 @@ def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
 
 def _check_model(plan: ParallelPlan, trainer, model) -> None:
     t = plan.tensor_parallel
+    if model.moe is not None:
+        _check_moe(plan, model)
+    if model.qk_norm and model.qk_norm_scope == "projection" and t > 1:
+        raise ConfigError(f"model.qk_norm_scope=projection normalizes over all heads of q and k, which "
+                          f"strategy.tensor_parallel={t} splits across ranks: set qk_norm_scope=head or "
+                          "tensor_parallel=1")
     if model.n_heads % t:
         raise ConfigError(f"model.n_heads={model.n_heads} is not divisible by strategy.tensor_parallel={t}: each "
                           "tensor-parallel rank holds whole heads; choose a tensor_parallel that divides n_heads")
@@ -222,6 +236,35 @@ def _check_model(plan: ParallelPlan, trainer, model) -> None:
         raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by strategy.tensor_parallel={t}: "
                           "sequence parallelism gives each tensor-parallel rank seq_len / tensor_parallel positions; "
                           "choose a seq_len that is a multiple of tensor_parallel")
+
+
+def _check_expert_parallel(plan: ParallelPlan, model) -> None:
+    ep = plan.expert_parallel
+    if model is not None and model.moe is None:
+        raise ConfigError(f"strategy.expert_parallel={ep} splits a mixture of experts, but model.moe is null: set "
+                          "model.moe or strategy.expert_parallel=1")
+    if ep != plan.data_parallel or plan.world_size != plan.data_parallel:
+        raise ConfigError(f"strategy.expert_parallel={ep} runs, for now, over data parallelism (ZeRO stages 0-3) "
+                          f"with one expert group of all its ranks: set strategy.expert_parallel to the "
+                          f"data-parallel degree ({plan.data_parallel}) with tensor_parallel=1 and pipeline_parallel=1 "
+                          "(tensor and pipeline compositions are not done yet)")
+    if model is not None and model.moe.num_experts % ep:
+        raise ConfigError(f"model.moe.num_experts={model.moe.num_experts} is not divisible by "
+                          f"strategy.expert_parallel={ep}: each rank owns an equal share of the experts")
+
+
+def _check_moe(plan: ParallelPlan, model) -> None:
+    """What model.moe composes with so far: one process, DDP and ZeRO 1-3 over plain data parallelism (the experts
+    are ordinary parameters there; tests/test_moe_parallel.py checks parity with one process)."""
+    for key, degree in (("tensor_parallel", plan.tensor_parallel), ("pipeline_parallel", plan.pipeline_parallel),
+                        ("data_parallel_replicate", plan.data_parallel_replicate if plan.uses_fsdp else 1)):
+        if degree > 1:
+            raise ConfigError(f"model.moe with strategy.{key}={degree} is not supported yet (mixture-of-experts runs "
+                              "on one process, DDP and ZeRO stages 1-3 over plain data parallelism): set "
+                              f"strategy.{key}=1 or model.moe=null")
+    if plan.compile:
+        raise ConfigError("model.moe with trainer.compile=true is not supported yet (the routing's data-dependent "
+                          "shapes, argsort and bincount break the block's full graph): set trainer.compile=false")
 
 
 def sized_model(config):

@@ -7,6 +7,8 @@ refused unless listed in `run.resume_allow_changes`; keys that change the model'
 the checkpoint's weights fit only their own shape. The tokenizer and the shard manifest are compared by hash.
 """
 
+import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any, Dict, Iterable, List
@@ -40,6 +42,14 @@ def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
             out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: tree}
+
+
+@functools.lru_cache(maxsize=1)
+def schema_defaults() -> Dict[str, Any]:
+    """Every config key's default value, flattened like a checkpoint's config."""
+    from lit_pretrain.schema import Config
+
+    return flatten(dataclasses.asdict(Config()))
 
 
 def manifest_sha256(manifest: Dict) -> str:
@@ -81,6 +91,8 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
             continue
         if key in RENAMED and key not in now or key in RENAMED.values() and key not in before:
             continue  # a checkpoint written before the rename: the new key takes over from here
+        if key not in before and now.get(key) == schema_defaults().get(key, object()):
+            continue  # a key the checkpoint predates (e.g. model.moe), at its default: what that run computed
         if key.startswith("model."):
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               "the model's shape cannot change on resume; set it back, or start a new run")

@@ -25,7 +25,7 @@ def count(text: str) -> float:
 
 # key -> (accepted types, null allowed)
 VARIANT_TYPES = {"n_kv_heads": (int, True), "qk_norm": (bool, False), "logit_softcap": ((int, float), True),
-                 "norm": (str, False), "mlp": (str, False)}
+                 "norm": (str, False), "mlp": (str, False), "qk_norm_scope": (str, False), "moe": (dict, True)}
 VARIANT_KEYS = tuple(VARIANT_TYPES)
 VARIANT_HELP = (f"a model variant key of the architecture table ({', '.join(VARIANT_KEYS)}), e.g. n_kv_heads=2; "
                 "repeatable. With --params the searched shapes keep n_kv_heads key/value heads")
@@ -60,7 +60,16 @@ def variant(pairs) -> "GPTConfig":  # noqa: F821
         if ("ge" in meta and value < meta["ge"]) or ("gt" in meta and value <= meta["gt"]):
             raise ConfigError(f"--model {f.name}={value!r}: expected a value "
                               f"{'>= ' + str(meta['ge']) if 'ge' in meta else '> ' + str(meta['gt'])}")
-    return GPTConfig(**values)
+    try:
+        return GPTConfig(**values)
+    except TypeError as err:  # a model.moe mapping with a key MoEConfig lacks
+        raise ConfigError(f"--model moe=...: {err}; keys: see model.moe in lit_pretrain/model_config.py") from None
+
+
+def _dense_search(template, params) -> None:
+    if params is not None and template.moe is not None:
+        raise ConfigError("--params searches dense shapes (parameters linear in depth): with --model moe=... give "
+                          "--layers, --hidden and --heads")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,9 +157,11 @@ def main(argv=None) -> int:
             from lit_pretrain.scaling.plan import format_plan, load_law, plan
 
             _no_overrides(args)
+            template = variant(args.model)
+            _dense_search(template, 0)  # plan always searches a shape
             result = plan(load_law(args.law), flops=args.flops, params=args.params, tokens=args.tokens,
                           vocab_size=args.vocab, seq_len=args.seq_len, tokens_per_step=int(args.tokens_per_step),
-                          head_dim=args.head_dim, aspect_ratio=args.aspect_ratio, template=variant(args.model))
+                          head_dim=args.head_dim, aspect_ratio=args.aspect_ratio, template=template)
             print(json.dumps(result, indent=2) if args.json else format_plan(result))
         else:
             result = _memory(args)
@@ -174,7 +185,7 @@ def _no_overrides(args) -> None:
 
 
 def _memory(args) -> dict:
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from lit_pretrain.scaling import shapes
     from lit_pretrain.scaling.memory import memory_plan, parse_bytes
@@ -194,6 +205,7 @@ def _memory(args) -> dict:
             args.params is None and any(v is None for v in shape_args)):
         raise ConfigError("give either --params, or all of --layers, --hidden and --heads")
     template = variant(args.model)
+    _dense_search(template, args.params)
     n_kv_heads = template.n_kv_heads
     if args.params is not None:
         s = shapes.shape_near(args.params, args.vocab, args.seq_len, tie_embeddings=not args.untied,
@@ -214,16 +226,23 @@ def _memory(args) -> dict:
                          activation_checkpointing_k=args.activation_checkpointing_k)
     return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                       "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings,
-                      **{k: getattr(cfg, k) for k in VARIANT_KEYS}}, **result}
+                      **{k: getattr(cfg, k) for k in VARIANT_KEYS},
+                      "moe": asdict(cfg.moe) if cfg.moe is not None else None}, **result}
 
 
 def format_memory(r: dict) -> str:
     s = r["shape"]
     gib = 2**30
-    variant = "".join(f", {k} {s[k]}" for k in VARIANT_KEYS if s.get(k) not in (None, False, "rmsnorm", "swiglu"))
+    variant = "".join(f", {k} {s[k]}" for k in VARIANT_KEYS
+                      if k != "moe" and s.get(k) not in (None, False, "rmsnorm", "swiglu", "head"))
+    if s.get("moe"):
+        m = s["moe"]
+        variant += f", MoE {m['num_experts']} experts top-{m['top_k']} of width {m['d_ff_expert'] or 'd_ff'}"
     lines = [f"model: {s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads{variant}, vocab "
              f"{s['vocab_size']}; "
-             f"{r['params']:,} parameters, {r['params_per_device']:,.0f} on this device before ZeRO sharding",
+             f"{r['params']:,} parameters"
+             f"{'' if r['active_params'] == r['params'] else ' (' + format(r['active_params'], ',') + ' active)'}, "
+             f"{r['params_per_device']:,.0f} on this device before ZeRO sharding",
              f"layout: data_parallel {r['data_parallel']} (ZeRO stage {r['zero_stage']}), tensor_parallel "
              f"{r['tensor_parallel']}, pipeline_parallel {r['pipeline_parallel']}, sequence_parallel "
              f"{r['sequence_parallel']}, activation_checkpointing {r['activation_checkpointing']}, precision "

@@ -132,7 +132,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, mlp_hidden: int,
                            tensor_parallel: int = 1, sequence_parallel: bool = False,
                            bytes_per_element: float = 4.0, *, kv_heads: Optional[int] = None, mlp: str = "swiglu",
-                           norm: str = "rmsnorm", qk_norm: bool = False, autocast: bool = False) -> float:
+                           norm: str = "rmsnorm", qk_norm: bool = False, autocast: bool = False, moe=None) -> float:
     """Bytes one of OUR blocks (model.py: pre-norms, RoPE, fused causal attention, MLP; no dropout, no biases)
     saves for backward on one tensor-parallel rank, without recomputation, counted by storage as
     parallel/memory.py's SavedActivations measures (a tensor saved by several ops counts once; weights and the RoPE
@@ -153,6 +153,12 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       QK-norm adds, per q and k, its input, x̂ and rsqrt: (2Nh + Na + 2NgQ + Ng)/t.
     - MLP: SwiGLU 4Nf/t (gate and up projections, silu(gate), the product: w_down's input); GELU 2Nf/t (up's
       output, gelu's: w_down's input).
+    - A mixture-of-experts MLP (moe = (E experts, k per token, expert width f_e, s shared experts[, padding ρ]),
+      replacing the MLP term): the routed experts' input and SwiGLU over R = ρ·kN rows, R·h + 4R·f_e (on CPU each
+      expert's copies are padded to the busiest one's count, ρ = E·C/kN between 1 and 2, lit_pretrain/moe.py;
+      balanced routing, ρ = 1, by default), 4sNf_e for the shared experts, 3kNh for the copies' outputs and their
+      weighting, 2NE fp32 router scores and 32kN bytes of int64 routing indices. Measured against SavedActivations
+      within 1% (tests/test_moe.py): the rest is a few per-token scalars of the routing.
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.
@@ -172,11 +178,20 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     attention = 2 * n * h + 2 * n * kv
     if qk_norm:
         attention += 2 * n * h + n * a + 2 * n * kv + n * g
-    sharded = (attention + (4 if mlp == "swiglu" else 2) * n * f) / t
+    mlp_elements = (4 if mlp == "swiglu" else 2) * n * f
+    routing_bytes = 0.0
+    if moe is not None:
+        experts, k, f_e, shared, *rest = moe
+        rows = (rest[0] if rest else 1.0) * k * n
+        mlp_elements = rows * h + 4 * rows * f_e + 4 * shared * n * f_e + 3 * k * n * h
+        routing_bytes = 4.0 * 2 * n * experts + 32.0 * k * n
+    sharded = (attention + mlp_elements) / t
     if autocast:
-        column_inputs = (3 + (2 if mlp == "swiglu" else 1)) * n * h
-        return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + 4.0 * n * a / t
-    return bytes_per_element * (norm_region + column_inputs + sharded) + 4.0 * n * a / t
+        # q, k, v and the MLP's column linears each save their own cast; an MoE block's router saves one cast of
+        # its input and its experts' input is already among mlp_elements (estimated, not measured under autocast).
+        column_inputs = (3 + (1 if moe is not None else 2 if mlp == "swiglu" else 1)) * n * h
+        return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + 4.0 * n * a / t + routing_bytes
+    return bytes_per_element * (norm_region + column_inputs + sharded) + 4.0 * n * a / t + routing_bytes
 
 
 def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_stage: int = 0,
@@ -222,9 +237,13 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         states = per_rank_model_state_bytes(cfg, data_parallel, zero_stage, precision, exact=True)
     else:
         states = model_state_bytes(local, data_parallel, zero_stage, precision)
-    whole = block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel,
-                                   2.0 * b.activation_factor, kv_heads=cfg.kv_heads, mlp=cfg.mlp, norm=cfg.norm,
-                                   qk_norm=cfg.qk_norm, autocast=b.autocast)
+    m = cfg.moe  # with model.moe the larger of a dense and an MoE block (a pipeline stage may hold either)
+    whole = max(block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel,
+                                       2.0 * b.activation_factor, kv_heads=cfg.kv_heads, mlp=cfg.mlp, norm=cfg.norm,
+                                       qk_norm=cfg.qk_norm, autocast=b.autocast,
+                                       moe=(m.num_experts, m.top_k, cfg.d_ff_expert, m.num_shared_experts)
+                                       if moe_layer else None)
+                for moe_layer in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)})
     # What a fully checkpointed block keeps: its input, in the residual stream's dtype (sharded along the sequence
     # under sequence parallelism).
     kept = b.residual * cfg.seq_len * micro_batch * d / (t if sequence_parallel else 1)
@@ -251,7 +270,8 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     transient = _transient_bytes(b, cfg, zero_stage, t, p, local_block, logits, tokens)
     total = states["model_state_bytes"] + cast + activations + logits + recompute + transient
     out = {
-        "params": shapes.params(cfg), "params_per_device": local, "precision": precision,
+        "params": shapes.params(cfg), "active_params": shapes.active_params(cfg), "params_per_device": local,
+        "precision": precision,
         "data_parallel": data_parallel, "zero_stage": zero_stage, "tensor_parallel": t, "pipeline_parallel": p,
         "sequence_parallel": sequence_parallel, "activation_checkpointing": activation_checkpointing,
         "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,

@@ -17,7 +17,9 @@ from lit_pretrain.model_config import GPTConfig, flops_per_token_formula
 
 
 def block_params(cfg: GPTConfig) -> int:
-    return sum(spec.numel for spec in cfg.block_modules().values())
+    """Parameters of the largest block (with model.moe, a mixture-of-experts one: what a pipeline stage or a
+    planner's per-layer bound must hold)."""
+    return max(sum(spec.numel for spec in cfg.block_modules(i).values()) for i in _block_kinds(cfg))
 
 
 def block_norm_params(cfg: GPTConfig) -> int:
@@ -33,9 +35,21 @@ def params(cfg: GPTConfig) -> int:
     return sum(s.numel for s in _modules(cfg).values() if not s.tied)
 
 
+def active_non_embedding_params(cfg: GPTConfig) -> int:
+    """Non-embedding parameters one token uses: of the routed experts, top_k (ModuleSpec.active_numel); equal to
+    `non_embedding_params` for a dense model."""
+    return sum(s.active_numel for n, s in _modules(cfg).items() if n not in ("tok_embeddings", "lm_head"))
+
+
+def active_params(cfg: GPTConfig) -> int:
+    """Every unique parameter one token uses (OLMoE's "1B active" of "7B total")."""
+    return sum(s.active_numel for s in _modules(cfg).values() if not s.tied)
+
+
 def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
-    """Training FLOPs per token as `GPT.flops_per_token` counts them (PaLM appendix B: 6·N + 12·L·H·Q·T)."""
-    n_matmul = non_embedding_params(cfg) + _vocab(cfg) * cfg.d_model
+    """Training FLOPs per token as `GPT.flops_per_token` counts them (PaLM appendix B: 6·N + 12·L·H·Q·T), N the
+    active parameters (a token's matmuls touch only its top_k experts)."""
+    n_matmul = active_non_embedding_params(cfg) + _vocab(cfg) * cfg.d_model
     return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len or cfg.seq_len)
 
 
@@ -78,6 +92,9 @@ def shape_near(target_params: float, vocab_size: int, seq_len: int, head_dim: in
     template: the variant (norm, mlp, qk_norm, n_kv_heads: a shape's n_heads is then a multiple of it, ...); its
     shape fields are replaced. Counts come from the architecture table, evaluated once per width.
     """
+    if template is not None and template.moe is not None:
+        raise ValueError("shape_near searches dense shapes (parameters grow linearly in depth); with model.moe the "
+                         "count depends on which layers are MoE: set model.moe=null to search, then add it")
     if target_params <= 0:
         raise ValueError(f"target parameter count must be positive, got {target_params}")
     if count not in ("params", "non_embedding_params"):
@@ -137,6 +154,11 @@ def _at_width(template: GPTConfig, n_heads: int, head_dim: int) -> Optional[Tupl
 
 def with_shape(cfg: GPTConfig, n_layers: int, d_model: int, n_heads: int) -> GPTConfig:
     return replace(cfg, n_layers=n_layers, d_model=d_model, n_heads=n_heads)
+
+
+def _block_kinds(cfg: GPTConfig):
+    """One layer index of each kind of block (dense, MoE) the model has."""
+    return list({cfg.is_moe_layer(i): i for i in range(cfg.n_layers)}.values())
 
 
 def _modules(cfg: GPTConfig):
