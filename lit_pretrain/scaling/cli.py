@@ -8,6 +8,7 @@ from pathlib import Path
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.scaling.laws import PUBLISHED
 from lit_pretrain.scaling.memory import CHECKPOINTING, PRECISIONS
+from lit_pretrain.scaling.shapes import VARIANT_KEYS, VARIANT_TYPES
 
 COMMANDS = ("fit", "plan", "memory")
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -23,10 +24,6 @@ def count(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count: write e.g. 7e9, 7B, 1.4T") from None
 
 
-# key -> (accepted types, null allowed)
-VARIANT_TYPES = {"n_kv_heads": (int, True), "qk_norm": (bool, False), "logit_softcap": ((int, float), True),
-                 "norm": (str, False), "mlp": (str, False), "qk_norm_scope": (str, False), "moe": (dict, True)}
-VARIANT_KEYS = tuple(VARIANT_TYPES)
 VARIANT_HELP = (f"a model variant key of the architecture table ({', '.join(VARIANT_KEYS)}), e.g. n_kv_heads=2; "
                 "repeatable. With --params the searched shapes keep n_kv_heads key/value heads")
 

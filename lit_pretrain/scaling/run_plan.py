@@ -43,11 +43,9 @@ def run_memory(config) -> dict:
 
 
 def shape_of(model) -> dict:
-    from lit_pretrain.scaling.cli import VARIANT_KEYS
-
     return {"n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
             "vocab_size": model.vocab_size, "tie_embeddings": model.tie_embeddings,
-            **{k: getattr(model, k) for k in VARIANT_KEYS}}
+            **{k: getattr(model, k) for k in shapes.VARIANT_KEYS}}
 
 
 def check_fits(config) -> None:

@@ -15,6 +15,12 @@ from typing import Dict, Optional, Tuple
 
 from lit_pretrain.model_config import GPTConfig, flops_per_token_formula
 
+# The architecture table's variant keys `plan`/`memory --model KEY=VALUE` and a run file's shape carry:
+# key -> (accepted types, null allowed).
+VARIANT_TYPES = {"n_kv_heads": (int, True), "qk_norm": (bool, False), "logit_softcap": ((int, float), True),
+                 "norm": (str, False), "mlp": (str, False), "qk_norm_scope": (str, False), "moe": (dict, True)}
+VARIANT_KEYS = tuple(VARIANT_TYPES)
+
 
 def block_params(cfg: GPTConfig) -> int:
     """Parameters of the largest block (with model.moe, a mixture-of-experts one: what a pipeline stage or a
