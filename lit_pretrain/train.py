@@ -27,6 +27,7 @@ from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, compile_decision, sized_model
 from lit_pretrain.parallel.strategies import build_strategy
+from lit_pretrain.parallel.world import check_launcher_world
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume.compat import run_meta as resume_meta
 from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
@@ -108,6 +109,8 @@ def train(cfg: DictConfig) -> dict:
     """Run one experiment; return its summary (also written to runs/<name>/summary.json)."""
     started = time.perf_counter()
     c = config_lib.to_object(cfg)
+    # Before anything is prepared or made: a launcher that started another world than the config asks for.
+    check_launcher_world(c.trainer.devices, c.trainer.num_nodes)
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
     parallel_plan = build_plan(c)
