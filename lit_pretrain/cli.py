@@ -222,6 +222,8 @@ def main(argv=None) -> int:
                 prepare_sources(data)
             else:
                 prepare(data)
+        elif cfg.run.max_restarts and not _supervised():
+            return _supervise(argv, cfg)
         else:
             from lit_pretrain.train import train
 
@@ -230,6 +232,26 @@ def main(argv=None) -> int:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _supervised() -> bool:
+    from lit_pretrain.faults.supervisor import supervised
+
+    return supervised()
+
+
+def _supervise(argv, cfg) -> int:
+    """run.max_restarts > 0: this process supervises the run and restarts it (lit_pretrain/faults/supervisor.py)."""
+    from lit_pretrain.faults.supervisor import supervise
+    from lit_pretrain.parallel.world import launcher_world
+    from lit_pretrain.runs import run_dir_path
+
+    given = launcher_world()
+    if given is not None:
+        how = "torchrun's --max-restarts" if given.launcher == "torchrun" else "the job's requeue (#SBATCH --requeue)"
+        raise ConfigError(f"run.max_restarts={cfg.run.max_restarts} restarts a run on one machine, but "
+                          f"{given.launcher} started this one: set run.max_restarts=0 and use {how}")
+    return supervise(argv, cfg.run.max_restarts, run_dir_path(cfg.run.root_dir, cfg.run.name), cfg.run.overwrite)
 
 
 def _evaluate(args) -> int:

@@ -22,6 +22,7 @@ from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.data.mixture import MixtureMetrics
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.faults.watchdog import WatchdogCallback
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
@@ -147,6 +148,9 @@ def train(cfg: DictConfig) -> dict:
         load_init(module.model, c.run.init_from, datamodule.tokenizer_path)
     timer = Timer()
     callbacks = [
+        # First: its on_exception holds a failed collective's error until the watchdog has named the failed rank.
+        *([WatchdogCallback(run_dir, c.strategy.peer_failure_timeout_seconds, c.strategy.hang_timeout_seconds)]
+          if c.strategy.peer_failure_timeout_seconds > 0 else []),
         timer,
         *resume_session.callbacks(plan, c.trainer.checkpoint_every_n_steps, c.run.keep_last_checkpoints, run_meta,
                                   c.optim.lr_peak, sharded_layout=checkpoint_layout(c, parallel_plan),
