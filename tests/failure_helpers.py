@@ -11,33 +11,37 @@ from lightning.pytorch.callbacks import Callback
 
 
 class RankFault(Callback):
-    """At the start of optimizer step `step` + 1 (global_step == step, first micro-batch) on global rank `rank`:
-    KILL or STOP this process; or SLEEP `seconds` at the end of that micro-batch (a rank that hangs after its
-    step, e.g. reading the next batch, while its peers wait in the next step's collective). With `once` (a file
-    path), only when the file does not exist yet (it is created, its time is the fault's), so a restarted run goes
-    past the step; without, every attempt fails."""
+    """On global rank `rank`, at optimizer step `step`: KILL or STOP this process at the start of step `step` + 1
+    (global_step == step, first micro-batch); or SLOW_READ: from the end of step `step` on, reading a training
+    sample sleeps `seconds` (a data read that hangs: the peers go on into the next step and wait for this rank in
+    its first collective). With `once` (a file path), only when the file does not exist yet (it is created, its time
+    is the fault's), so a restarted run goes past the step; without, every attempt fails."""
 
     def __init__(self, step: int, rank: int = 1, action: str = "KILL", seconds: float = 600.0,
                  once: Optional[str] = None):
         self.step, self.rank, self.action, self.seconds, self.once = step, rank, action, seconds, once
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.action != "SLEEP":
-            self.fault(trainer)
+        if self.action != "SLOW_READ" and self.due(trainer):
+            os.kill(os.getpid(), getattr(signal, f"SIG{self.action}"))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.action == "SLEEP":
-            self.fault(trainer)
+        if self.action == "SLOW_READ" and self.due(trainer):
+            dataset, seconds = trainer.datamodule.train_loader.dataset, self.seconds
 
-    def fault(self, trainer):
+            def slow(self, index):
+                time.sleep(seconds)
+                return type(self).__mro__[1].__getitem__(self, index)
+
+            # Special methods are looked up on the type: a subclass with a slow __getitem__ for this instance only.
+            dataset.__class__ = type("SlowRead", (type(dataset),), {"__getitem__": slow})
+
+    def due(self, trainer) -> bool:
         if trainer.global_step != self.step or trainer.global_rank != self.rank:
-            return
+            return False
         if self.once is not None:
             try:
                 Path(self.once).touch(exist_ok=False)
             except FileExistsError:
-                return
-        if self.action == "SLEEP":
-            time.sleep(self.seconds)
-        else:
-            os.kill(os.getpid(), getattr(signal, f"SIG{self.action}"))
+                return False
+        return True
