@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
     _add_run_views(sub)
     _checkpoint_commands(sub)
+    sub.add_parser("launch", help="run on many nodes: lit-pretrain launch --help")  # parallel/launch.py
     return parser
 
 
@@ -190,6 +191,8 @@ def main(argv=None) -> int:
         from lit_pretrain.scaling.cli import main as scaling_main
 
         return scaling_main(argv)
+    if argv and argv[0] == "launch":
+        return _launch(argv[1:])
     args = _parser().parse_args(argv)
     if args.command in ("compare", "runs"):
         return _run_views(args)
@@ -230,6 +233,18 @@ def main(argv=None) -> int:
             train(cfg)
     except USAGE_ERRORS as err:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _launch(argv) -> int:
+    from lit_pretrain.parallel.launch import launch_command, launch_parser
+
+    args = launch_parser().parse_intermixed_args(argv)
+    try:
+        print(launch_command(args))
+    except (*USAGE_ERRORS, ValueError) as err:
+        print(f"lit-pretrain launch: error: {err}", file=sys.stderr)
         return 2
     return 0
 
