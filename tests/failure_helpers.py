@@ -23,7 +23,10 @@ class RankFault(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.action != "SLOW_READ" and self.due(trainer):
-            os.kill(os.getpid(), getattr(signal, f"SIG{self.action}"))
+            if self.action == "TERM_SUPERVISOR":  # the scheduler's SIGTERM, to the process the user started
+                os.kill(os.getppid(), signal.SIGTERM)
+            else:
+                os.kill(os.getpid(), getattr(signal, f"SIG{self.action}"))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.action == "SLOW_READ" and self.due(trainer):

@@ -167,3 +167,15 @@ def test_a_run_failing_at_the_same_step_stops_after_max_restarts(job):
     assert [line for _, line in lines][-1] == (
         "supervisor: the run failed 2 times, each time with exit code 137, newest checkpoint step 2: stopping after "
         "run.max_restarts=1 restarts (see the lines above for each failure)")
+
+
+def test_sigterm_to_the_supervisor_checkpoints_and_is_not_restarted(job):
+    """A scheduler's SIGTERM reaches the supervisor: it passes it to the run, which checkpoints at the next step
+    boundary and exits 0 (what a requeue expects: the job is not failed); the supervisor does not restart it."""
+    run_dir, run = job("preempted", "trainer.devices=1", "strategy=single", "trainer.micro_batch_size=8",
+                       "run.max_restarts=2", "trainer.checkpoint_every_n_steps=0",
+                       faults=[fault(step=3, rank=0, action="TERM_SUPERVISOR")])
+    assert run.wait() == 0, run.text()[-4000:]
+    assert run.left == [] and run.matching(r"^supervisor: ") == []
+    assert len(run.matching(r"^preemption: checkpoint at step 4 written, stopping$")) == 1, run.text()[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step0000004.ckpt"
