@@ -48,3 +48,12 @@ class RankFault(Callback):
             except FileExistsError:
                 return False
         return True
+
+
+class StepClock(Callback):
+    """Prints `step-clock <global_step> <unix time>` on rank 0 after every micro-batch (for the measurements of
+    tests/measure_failures.py)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.is_global_zero:
+            print(f"step-clock {trainer.global_step} {time.time():.3f}", flush=True)
