@@ -256,7 +256,8 @@ class WatchdogCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit" or trainer.world_size < 2 or self.watchdog is not None:
             return
-        address = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+        env = trainer.strategy.cluster_environment  # torchrun's, SLURM's or Lightning's: where the store listens
+        address = (env.main_address, env.main_port)
         # torchrun keeps its agent's store across restarts: keys of an earlier attempt must not be read as this one's.
         prefix = f"lit_pretrain/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.watchdog = Watchdog(trainer.global_rank, trainer.world_size, self.run_dir, self.peer_timeout,
