@@ -1,4 +1,5 @@
-"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`, `checkpoint inspect | consolidate`:
+"""`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`, `checkpoint inspect | consolidate`,
+`launch slurm | torchrun`:
 parse, load the config, call one function."""
 
 import argparse
@@ -266,7 +267,8 @@ def _supervise(argv, cfg) -> int:
         how = "torchrun's --max-restarts" if given.launcher == "torchrun" else "the job's requeue (#SBATCH --requeue)"
         raise ConfigError(f"run.max_restarts={cfg.run.max_restarts} restarts a run on one machine, but "
                           f"{given.launcher} started this one: set run.max_restarts=0 and use {how}")
-    return supervise(argv, cfg.run.max_restarts, run_dir_path(cfg.run.root_dir, cfg.run.name), cfg.run.overwrite)
+    return supervise(argv, cfg.run.max_restarts, run_dir_path(cfg.run.root_dir, cfg.run.name), cfg.run.overwrite,
+                     cfg.run.resume)
 
 
 def _evaluate(args) -> int:

@@ -583,9 +583,10 @@ class RunConfig:
     max_restarts: int = field(default=0, metadata={"ge": 0})
     """Restart a failed `lit-pretrain train` this many times, each from the newest verified checkpoint (run.resume
     =auto): a supervisor process launches the run, removes whatever processes of it are left after a failure and
-    launches it again (lit_pretrain/faults/supervisor.py). A run that fails again at the step it failed at before
-    stops there with one line. Under torchrun use its --max-restarts, under SLURM the requeue, instead: this key
-    is refused there. 0: no restart."""
+    launches it again (lit_pretrain/faults/supervisor.py); after this many restarts a run that still fails stops
+    with one line (its exit code and newest checkpoint each time). Not restarted: success, a preemption's
+    checkpoint-and-stop (exit 0), a refused start (exit 2). Under torchrun use its --max-restarts, under SLURM the
+    srun loop of `lit-pretrain launch slurm --max-restarts`: this key is refused there. 0: no restart."""
     keep_last_checkpoints: int = field(default=0, metadata={"ge": 0})
     """Keep the newest k step checkpoints (0: keep all); the newest valid one is never deleted."""
     init_from: Optional[str] = None

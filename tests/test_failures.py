@@ -1,9 +1,15 @@
-"""Failures on many nodes, the parts that need no second process: the launcher's world size against the config."""
+"""Failures on many nodes, the parts that need no second process: the launcher's world size against the config,
+the supervisor's restart command, the watchdog's view of a process."""
+
+import os
+import subprocess
 
 import pytest
 
 from lit_pretrain import cli
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.faults.supervisor import latest_step, restart_args
+from lit_pretrain.faults.watchdog import proc_state
 from lit_pretrain.parallel.world import check_launcher_world, launcher_world
 from tests.conftest import EXPERIMENTS
 
@@ -46,3 +52,28 @@ def test_torchrun_two_nodes_without_num_nodes_is_refused_before_the_run_folder(t
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "trainer.num_nodes=2" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_restart_resumes_from_latest_or_starts_again_only_in_its_own_folder(tmp_path):
+    run = tmp_path / "run"
+    argv = ["train", "r.yaml"]
+    # No checkpoint yet: a fresh start again, but only in a folder the first attempt made.
+    assert restart_args(argv, run, True, None) == [*argv, "run.resume=null", "run.overwrite=true"]
+    assert restart_args(argv, run, False, "auto") == [*argv, "run.resume=auto"]
+    assert restart_args(argv, run, True, "/x/step0000004.ckpt") == [*argv, "run.overwrite=false"]
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step0000012\n")
+    assert latest_step(run) == 12
+    for fresh, resume in ((True, None), (False, "auto"), (True, "/x/step0000004.ckpt")):
+        assert restart_args(argv, run, fresh, resume) == [*argv, "run.resume=auto", "run.overwrite=false"]
+
+
+def test_proc_state_tells_running_gone_and_reused_pids():
+    assert proc_state(os.getpid()) in ("R", "S")
+    done = subprocess.Popen(["true"])
+    done.wait()  # reaped: the pid is free
+    assert proc_state(done.pid) is None
+    stat = open(f"/proc/{os.getpid()}/stat").read()
+    start = stat[stat.rindex(")") + 2:].split()[19]
+    assert proc_state(os.getpid(), start) is not None
+    assert proc_state(os.getpid(), str(int(start) + 1)) is None  # same pid, another process: not ours to kill

@@ -40,12 +40,17 @@ def latest_step(run_dir: Path) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def restart_args(argv: List[str], run_dir: Path, fresh_allowed: bool) -> List[str]:
-    """The command of a restart: resume from the newest verified checkpoint; with none yet, start again in the
-    folder the first attempt made (never in a folder that was there before the supervisor started)."""
-    if latest_step(run_dir) is None and fresh_allowed:
+def restart_args(argv: List[str], run_dir: Path, fresh_allowed: bool, resume: Optional[str]) -> List[str]:
+    """The command of a restart: resume from the newest verified checkpoint of the run; with none yet, the first
+    command again (a run.resume=PATH resumes from that file again), and a fresh start again in the folder the first
+    attempt made (never in one that was there before the supervisor started: resume=auto then refuses it)."""
+    if latest_step(run_dir) is not None:
+        return [*argv, "run.resume=auto", "run.overwrite=false"]
+    if resume not in (None, "auto"):
+        return [*argv, "run.overwrite=false"]
+    if fresh_allowed:
         return [*argv, "run.resume=null", "run.overwrite=true"]
-    return [*argv, "run.resume=auto", "run.overwrite=false"]
+    return [*argv, "run.resume=auto"]  # refused with its own line: a folder from before, without a checkpoint
 
 
 def kill_session(pid: int) -> None:
@@ -56,7 +61,8 @@ def kill_session(pid: int) -> None:
         pass
 
 
-def supervise(argv: List[str], max_restarts: int, run_dir: Path, overwrite: bool) -> int:
+def supervise(argv: List[str], max_restarts: int, run_dir: Path, overwrite: bool,
+              resume: Optional[str] = None) -> int:
     """Run `python -m lit_pretrain.cli ARGV` until it succeeds, is refused, or has failed max_restarts + 1 times;
     its exit code (a signal's as 128 + the signal's number, as a shell reports it)."""
     fresh_allowed = overwrite or not run_dir.exists()
@@ -70,7 +76,7 @@ def supervise(argv: List[str], max_restarts: int, run_dir: Path, overwrite: bool
     failures: List[str] = []
     try:
         for attempt in range(max_restarts + 1):
-            args = argv if attempt == 0 else restart_args(argv, run_dir, fresh_allowed)
+            args = argv if attempt == 0 else restart_args(argv, run_dir, fresh_allowed, resume)
             started = time.monotonic()
             child[:] = [subprocess.Popen([sys.executable, "-m", "lit_pretrain.cli", *args],
                                          env={**os.environ, ATTEMPT_ENV: str(attempt)}, start_new_session=True)]
