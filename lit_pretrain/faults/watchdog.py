@@ -209,18 +209,26 @@ class Watchdog:
         self.exit()
 
     def store_lost(self, for_seconds: float) -> None:
-        """No verdict can be shared without the store: this rank reports rank 0 (the store's holder) itself."""
+        """No verdict can be shared without the store: the ranks on this host that see it gone claim one name in
+        the abstract socket namespace (released when the process ends), so one of them reports rank 0 (the store's
+        holder) and the others leave quietly."""
         self.acting.set()
         beat = self.seen.get(0)
         state = proc_state(beat["pid"], beat["start"]) if beat and beat["host"] == self.host else "?"
-        what = {None: "died", "Z": "died", "T": "is stopped", "t": "is stopped"}.get(
-            state, "or its node is gone")
+        claim = socket.socket(socket.AF_UNIX)
+        try:
+            claim.bind(f"\0lit-pretrain-watchdog-{self.address[0]}-{self.address[1]}-{self.prefix}")
+        except OSError:
+            self.exit()  # another rank on this host reports it
+        what = {None: "died", "Z": "died", "T": "is stopped", "t": "is stopped"}.get(state, "or its node is gone")
         where = f" (pid {beat['pid']} on {beat['host']})" if beat else ""
+        step = max(beat["step"] if beat else 0, self.step)
         print(f"watchdog: rank {self.rank} lost the rendezvous store at {self.address[0]}:{self.address[1]} for "
-              f"{for_seconds:.1f} s: rank 0{where}, which holds it, {what} at step {beat['step'] if beat else 0}: "
-              "ending the job", file=sys.stderr, flush=True)
+              f"{for_seconds:.1f} s: rank 0{where}, which holds it, {what} at step {step}: ending the job",
+              file=sys.stderr, flush=True)
         if beat and state in ("T", "t"):
             os.kill(beat["pid"], signal.SIGKILL)
+        time.sleep(2 * self.interval)  # the other ranks see the store gone within an interval: hold the claim
         self.exit()
 
     def dump_stacks(self) -> None:
