@@ -124,9 +124,10 @@ class Watchdog:
                     if beat is not None and beat != self.seen.get(rank):
                         self.seen[rank], changed[rank] = beat, now
                 failure = self.judge(watched, now - changed[watched])
-                if failure is None and self.rank == 0 and self.hang_timeout:
-                    view = [self.read(r) for r in range(self.world)]
-                    counts = [b["progress"] if b else -1 for b in view]
+                keys = [self.key(f"beat/{r}") for r in range(self.world)]
+                if failure is None and self.rank == 0 and self.hang_timeout and self.store.check(keys):
+                    view = [json.loads(v) for v in self.store.multi_get(keys)]  # one request for all ranks
+                    counts = [b["progress"] for b in view]
                     if counts != progress_view:
                         progress_view, progress_since = counts, now
                     elif now - progress_since > self.hang_timeout:
