@@ -133,14 +133,14 @@ def test_killed_rank_ends_the_job_and_the_restart_is_bitwise(job, tmp_path):
 def test_killed_rank_0_is_reported_by_its_peer(job):
     """SIGKILL rank 0, the process the user started and the holder of the rendezvous store: rank 1 (its orphan) sees
     the store gone for the peer timeout, names rank 0 in one line and leaves."""
-    _, run = job("rank0", faults=[fault(step=3, rank=0)])
+    _, run = job("rank0", faults=[fault(step=5, rank=0)])
     assert run.proc.wait(300) == -9
     killed = time.time()
     while session_processes(run.proc.pid) and time.time() - killed < PEER_TIMEOUT + MARGIN:
         time.sleep(0.1)
     assert run.wait() == -9 and run.left == [], run.text()[-4000:]
     assert_one_line(run, r"^watchdog: rank 1 lost the rendezvous store at 127.0.0.1:\d+ for [\d.]+ s: rank 0 \(pid "
-                         r"\d+ on .+\), which holds it, died at step 3: ending the job$")
+                         r"\d+ on .+\), which holds it, died at step 5: ending the job$")
 
 
 def test_stopped_rank_ends_the_job_and_nothing_is_left(job):

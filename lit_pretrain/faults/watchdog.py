@@ -71,6 +71,8 @@ class Watchdog:
         self.address, self.prefix = address, prefix
         self.step = self.progress = 0  # written by the main thread (WatchdogCallback)
         self.host, self.pid, self.start_time = socket.gethostname(), os.getpid(), _own_start()
+        # torchrun's agent holds the store its workers use (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+        self.store_in_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self.stopped = threading.Event()
         self.acting = threading.Event()
         self.beats = 0
@@ -86,6 +88,14 @@ class Watchdog:
         self.store = TCPStore(self.address[0], int(self.address[1]), is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=max(2.0, 2 * self.interval)))
         self.beat()
+        if self.rank != 0:
+            # Rank 0's heartbeat (its pid, host) before training: the one this rank names if the store goes with
+            # it. Every rank starts here within moments (Lightning's barrier before the setup hooks).
+            try:
+                self.store.wait([self.key("beat/0")], timedelta(seconds=self.peer_timeout))
+                self.seen[0] = self.read(0)
+            except Exception:
+                pass  # rank 0 slow to start: its heartbeat is read by the thread later
         threading.Thread(target=self.run, daemon=True, name="lit-pretrain-watchdog").start()
 
     def finish(self) -> None:
@@ -111,36 +121,65 @@ class Watchdog:
         watched = (self.rank + 1) % self.world
         now = time.monotonic()
         changed = {watched: now}  # when the watched heartbeat last changed (local clock only)
-        reachable = now
+        reachable, lost = now, False
         progress_view, progress_since = None, now
-        while not self.stopped.wait(self.interval):
+        while True:
             now = time.monotonic()
-            try:
-                self.beat()
-                if self.store.check([self.key("verdict")]):
-                    return self.act(json.loads(self.store.get(self.key("verdict"))))
-                for rank in {watched, 0} - {self.rank}:  # rank 0's beat too: its pid and step if the store goes
-                    beat = self.read(rank)
-                    if beat is not None and beat != self.seen.get(rank):
-                        self.seen[rank], changed[rank] = beat, now
-                failure = self.judge(watched, now - changed[watched])
-                keys = [self.key(f"beat/{r}") for r in range(self.world)]
-                if failure is None and self.rank == 0 and self.hang_timeout and self.store.check(keys):
-                    view = [json.loads(v) for v in self.store.multi_get(keys)]  # one request for all ranks
-                    counts = [b["progress"] for b in view]
-                    if counts != progress_view:
-                        progress_view, progress_since = counts, now
-                    elif now - progress_since > self.hang_timeout:
-                        failure = self.hang(view, counts, now - progress_since)
-                reachable = now
-            except Exception:  # the store is unreachable (its host gone, stopped, or the run is ending)
-                if self.stopped.is_set():
-                    return
-                if now - reachable > self.peer_timeout:
-                    return self.store_lost(now - reachable)
-                continue
+            failure = None
+            # A store connection that broke never comes back (TCPStore does not reconnect), and every further
+            # operation on it prints a C++ warning with a backtrace: after a broken connection, or once the
+            # store's holder (rank 0's process, unless torchrun's agent holds it) is gone from this host, no more
+            # operations, only the wait for a normal end (`finish`) or the peer timeout.
+            lost = lost or (self.store_in_rank0 and self.rank != 0 and self.holder_gone())
+            if not lost:
+                try:
+                    failure = self.tick(watched, now, changed)
+                    if failure is None and self.rank == 0 and self.hang_timeout:
+                        counts_view = self.progress_view()
+                        if counts_view is not None:
+                            counts, view = counts_view
+                            if counts != progress_view:
+                                progress_view, progress_since = counts, now
+                            elif now - progress_since > self.hang_timeout:
+                                failure = self.hang(view, counts, now - progress_since)
+                    reachable = now
+                except Exception as err:  # the store unreachable: its holder gone or stopped, or the run ending
+                    lost = any(w in str(err) for w in ("Broken pipe", "reset", "refused", "closed"))
+            if self.stopped.is_set():
+                return
+            if now - reachable > self.peer_timeout:
+                return self.store_lost(now - reachable)
             if failure is not None:
-                self.publish(failure)
+                return self.publish(failure)
+            if self.stopped.wait(self.interval):
+                return
+
+    def tick(self, watched: int, now: float, changed: Dict[int, float]) -> Optional[dict]:
+        """One heartbeat: write this rank's, act on a verdict, read the watched rank's (and rank 0's); a failure
+        found, or None."""
+        self.beat()
+        if self.store.check([self.key("verdict")]):
+            self.act(json.loads(self.store.get(self.key("verdict"))))
+        for rank in {watched, 0} - {self.rank}:  # rank 0's beat too: its pid and step if the store goes
+            beat = self.read(rank)
+            if beat is not None and beat != self.seen.get(rank):
+                self.seen[rank], changed[rank] = beat, now
+        return self.judge(watched, now - changed[watched])
+
+    def progress_view(self):
+        """(micro-batch counts, heartbeats) of every rank, once all have beaten (one request for all)."""
+        keys = [self.key(f"beat/{r}") for r in range(self.world)]
+        if not self.store.check(keys):
+            return None
+        view = [json.loads(v) for v in self.store.multi_get(keys)]
+        return [b["progress"] for b in view], view
+
+    def holder_gone(self) -> bool:
+        """Rank 0's process, on this host, is gone or stopped (each operation on its store would fail or time
+        out, each with a C++ warning)."""
+        beat = self.seen.get(0)
+        return beat is not None and beat["host"] == self.host and proc_state(beat["pid"], beat["start"]) in (
+            None, "Z", "X", "T", "t")
 
     def judge(self, rank: int, silent_for: float) -> Optional[dict]:
         beat = self.seen.get(rank)
