@@ -268,7 +268,7 @@ class Watchdog:
               file=sys.stderr, flush=True)
         if beat and state in ("T", "t"):
             os.kill(beat["pid"], signal.SIGKILL)
-        time.sleep(2 * self.interval)  # the other ranks see the store gone within an interval: hold the claim
+        time.sleep(self.interval + 0.25)  # the other ranks see the store gone within an interval: hold the claim
         self.exit()
 
     def dump_stacks(self) -> None:
