@@ -1,5 +1,5 @@
 """`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`, `export-data`, `checkpoint inspect |
-consolidate`: parse, load the config, call one function."""
+consolidate`, `launch slurm | torchrun`, `ladder`: parse, load the config, call one function."""
 
 import argparse
 import dataclasses
@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                                   "above it: lit-pretrain ladder --help")  # parsed by lit_pretrain/scaling/ladder.py
     _add_run_views(sub)
     _checkpoint_commands(sub)
+    sub.add_parser("launch", help="run on many nodes: lit-pretrain launch --help")  # parallel/launch.py
     return parser
 
 
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
         from lit_pretrain.scaling.ladder import main as ladder_main
 
         return ladder_main(argv[1:])
+    if argv and argv[0] == "launch":
+        return _launch(argv[1:])
     args = _parser().parse_args(argv)
     if args.command in ("compare", "runs"):
         return _run_views(args)
@@ -246,6 +249,8 @@ def main(argv=None) -> int:
                 open_corpus(data)
             else:
                 prepare(data)
+        elif cfg.run.max_restarts and not _supervised():
+            return _supervise(argv, cfg)
         else:
             from lit_pretrain.train import train
 
@@ -254,6 +259,39 @@ def main(argv=None) -> int:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _launch(argv) -> int:
+    from lit_pretrain.parallel.launch import launch_command, launch_parser
+
+    args = launch_parser().parse_intermixed_args(argv)
+    try:
+        print(launch_command(args))
+    except (*USAGE_ERRORS, ValueError) as err:
+        print(f"lit-pretrain launch: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _supervised() -> bool:
+    from lit_pretrain.faults.supervisor import supervised
+
+    return supervised()
+
+
+def _supervise(argv, cfg) -> int:
+    """run.max_restarts > 0: this process supervises the run and restarts it (lit_pretrain/faults/supervisor.py)."""
+    from lit_pretrain.faults.supervisor import supervise
+    from lit_pretrain.parallel.world import launcher_world
+    from lit_pretrain.runs import run_dir_path
+
+    given = launcher_world()
+    if given is not None:
+        how = "torchrun's --max-restarts" if given.launcher == "torchrun" else "the job's requeue (#SBATCH --requeue)"
+        raise ConfigError(f"run.max_restarts={cfg.run.max_restarts} restarts a run on one machine, but "
+                          f"{given.launcher} started this one: set run.max_restarts=0 and use {how}")
+    return supervise(argv, cfg.run.max_restarts, run_dir_path(cfg.run.root_dir, cfg.run.name), cfg.run.overwrite,
+                     cfg.run.resume)
 
 
 def _evaluate(args) -> int:

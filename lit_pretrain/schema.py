@@ -451,7 +451,19 @@ class StrategyConfig:
     process_group_backend: Optional[str] = field(default=None, metadata={"choices": [None, "gloo", "nccl"]})
     """torch.distributed backend. null: gloo on CPU, nccl on GPUs."""
     timeout_seconds: int = field(default=1800, metadata={"ge": 1})
-    """Process-group timeout: how long a rank waits for its peers before failing."""
+    """Process-group timeout: how long a rank waits for its peers in a collective before failing. Kept long: it
+    also bounds legitimate waits (rank 0 alone running downstream evaluation or writing a large checkpoint); a dead,
+    stopped or hung peer is caught sooner by the watchdog (peer_failure_timeout_seconds, hang_timeout_seconds)."""
+    peer_failure_timeout_seconds: float = field(default=10.0, metadata={"ge": 0})
+    """Watchdog (lit_pretrain/faults/watchdog.py): a rank whose heartbeat stops this long (killed, stopped, its node
+    lost; a process gone on the same host is seen within a second) ends the job on every rank, with one line naming
+    it and its step (exit code 3). Heartbeats go through the rendezvous store every min(1, this / 5) s. 0: no
+    watchdog (a failed peer then surfaces as the backend's own error, or after timeout_seconds)."""
+    hang_timeout_seconds: float = field(default=900.0, metadata={"ge": 0})
+    """Watchdog: every rank alive but none finished a micro-batch for this long is a hang: the rank(s) behind are
+    named, each rank's Python stack is written to runs/<name>/stacks/rank<r>.txt, and the job ends. Must exceed the
+    longest legitimate pause (first compile, a checkpoint write, rank 0's downstream evaluation); half of
+    timeout_seconds by default, so the report comes before the collective times out. 0: no hang detection."""
     tensor_parallel: int = field(default=1, metadata={"ge": -1})
     """Ranks that split each block's weight matrices (t; -1: the rest). Divides model.n_heads and the MLP width."""
     pipeline_parallel: int = field(default=1, metadata={"ge": -1})
@@ -627,6 +639,13 @@ class RunConfig:
     or the path of a checkpoint file. See lit_pretrain/resume/."""
     resume_allow_changes: List[str] = field(default_factory=list)
     """Config keys a resume may change on purpose (e.g. [optim.lr_peak]); any other change is refused."""
+    max_restarts: int = field(default=0, metadata={"ge": 0})
+    """Restart a failed `lit-pretrain train` this many times, each from the newest verified checkpoint (run.resume
+    =auto): a supervisor process launches the run, removes whatever processes of it are left after a failure and
+    launches it again (lit_pretrain/faults/supervisor.py); after this many restarts a run that still fails stops
+    with one line (its exit code and newest checkpoint each time). Not restarted: success, a preemption's
+    checkpoint-and-stop (exit 0), a refused start (exit 2). Under torchrun use its --max-restarts, under SLURM the
+    srun loop of `lit-pretrain launch slurm --max-restarts`: this key is refused there. 0: no restart."""
     keep_last_checkpoints: int = field(default=0, metadata={"ge": 0})
     """Keep the newest k step checkpoints (0: keep all); the newest valid one is never deleted."""
     init_from: Optional[str] = None

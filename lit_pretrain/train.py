@@ -23,11 +23,13 @@ from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.data.mixture import MixtureMetrics
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.faults.watchdog import WatchdogCallback
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, compile_decision, sized_model
 from lit_pretrain.parallel.strategies import build_strategy
+from lit_pretrain.parallel.world import check_launcher_world
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume.compat import run_meta as resume_meta
 from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
@@ -110,6 +112,8 @@ def train(cfg: DictConfig) -> dict:
     started = time.perf_counter()
     console.quiet()
     c = config_lib.to_object(cfg)
+    # Before anything is prepared or made: a launcher that started another world than the config asks for.
+    check_launcher_world(c.trainer.devices, c.trainer.num_nodes)
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
     parallel_plan = build_plan(c)
@@ -146,6 +150,9 @@ def train(cfg: DictConfig) -> dict:
         load_init(module.model, c.run.init_from, datamodule.tokenizer_path)
     timer = Timer()
     callbacks = [
+        # First: its on_exception holds a failed collective's error until the watchdog has named the failed rank.
+        *([WatchdogCallback(run_dir, c.strategy.peer_failure_timeout_seconds, c.strategy.hang_timeout_seconds)]
+          if c.strategy.peer_failure_timeout_seconds > 0 else []),
         timer,
         *resume_session.callbacks(plan, c.trainer.checkpoint_every_n_steps, c.run.keep_last_checkpoints, run_meta,
                                   c.optim.lr_peak, sharded_layout=checkpoint_layout(c, parallel_plan),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lit_pretrain import cli
 from lit_pretrain.parallel.launch import main, sbatch_script, torchrun_command
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
@@ -24,8 +25,39 @@ def test_torchrun_command_passes_nodes_and_devices_to_the_config():
 def test_sbatch_script_has_one_task_per_device():
     script = sbatch_script("experiments/runs/default.yaml", 2, 4, ["run.name=big"])
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=4\n#SBATCH --gpus-per-node=4\n" in script
-    assert script.splitlines()[-1] == ("srun .venv/bin/lit-pretrain train experiments/runs/default.yaml "
-                                       "trainer.devices=4 trainer.num_nodes=2 run.name=big")
+    assert script.splitlines()[-1] == ("srun --kill-on-bad-exit=1 .venv/bin/lit-pretrain train "
+                                       "experiments/runs/default.yaml trainer.devices=4 trainer.num_nodes=2 "
+                                       "run.resume=auto run.name=big")
+
+
+def test_launch_slurm_writes_a_requeueing_script_that_bash_parses(tmp_path, capsys):
+    """`lit-pretrain launch slurm`: requeue, SIGUSR1 before the limit (the checkpoint), resume=auto, one task per
+    device, the srun retry loop; the config is checked first (a wrong key: exit 2, nothing written)."""
+    out = tmp_path / "job.sbatch"
+    argv = ["launch", "slurm", str(EXPERIMENTS / "runs" / "tiny.yaml"), "--nodes", "2", "--gpus-per-node", "4",
+            "--out", str(out), "strategy=ddp", "--max-restarts", "2", "--hours", "4"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == f"wrote {out}: submit it with `sbatch {out}`\n"
+    lines = out.read_text().splitlines()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --time=4:00:00", "#SBATCH --requeue", "#SBATCH --signal=USR1@300",
+                 "#SBATCH --open-mode=append", "for attempt in $(seq 0 2); do", "exit \"$code\""):
+        assert line in lines, line
+    assert (f"  srun --kill-on-bad-exit=1 .venv/bin/lit-pretrain train {EXPERIMENTS / 'runs' / 'tiny.yaml'} "
+            "trainer.devices=4 trainer.num_nodes=2 run.resume=auto strategy=ddp && exit 0") in lines
+    done = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert cli.main(argv) == 2 and "exists" in capsys.readouterr().err  # never overwritten
+    bad = tmp_path / "bad.sbatch"
+    assert cli.main([*argv[:8], str(bad), "strategy=ddp", "trainer.nope=1"]) == 2
+    assert "unknown config key 'trainer.nope'" in capsys.readouterr().err and not bad.exists()
+
+
+def test_launch_torchrun_with_restarts_resumes():
+    cmd = torchrun_command("r.yaml", 2, 8, ["strategy=ddp"], max_restarts=3)
+    assert cmd == ("torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD_NODE:29500 "
+                   "--rdzv-id=lit-pretrain --max-restarts=3 -m lit_pretrain.cli train r.yaml trainer.devices=8 "
+                   "trainer.num_nodes=2 run.resume=auto strategy=ddp")
 
 
 def test_cli_prints_both_and_refuses_zero_devices(capsys):

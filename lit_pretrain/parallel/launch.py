@@ -24,21 +24,37 @@ def check(nodes: int, devices: int) -> None:
 
 
 def torchrun_command(run_file: str, nodes: int, devices: int, overrides: Sequence[str] = (),
-                     head: str = "$HEAD_NODE", port: int = DEFAULT_PORT, job_id: str = "lit-pretrain") -> str:
-    """One command, the same on every node (torchrun's c10d rendezvous at the head node assigns node ranks)."""
+                     head: str = "$HEAD_NODE", port: int = DEFAULT_PORT, job_id: str = "lit-pretrain",
+                     max_restarts: int = 0) -> str:
+    """One command, the same on every node (torchrun's c10d rendezvous at the head node assigns node ranks). With
+    max_restarts, every agent restarts its workers after a failure (any node's), and they resume (run.resume=auto)."""
     check(nodes, devices)
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    resume = ["run.resume=auto"] if max_restarts else []
     cmd = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={devices}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job_id}", "-m", "lit_pretrain.cli",
-           *train_args(run_file, nodes, devices, overrides)]
+           f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job_id}", *restarts, "-m", "lit_pretrain.cli",
+           *train_args(run_file, nodes, devices, [*resume, *overrides])]
     # The head node stays a shell variable for the user to set; everything else is quoted as given.
     return " ".join(c if c.startswith("--rdzv-endpoint=$") else shlex.quote(c) for c in cmd)
 
 
+SIGNAL_SECONDS = 300
+"""`--signal=USR1@300`: the warning before the time limit. It must cover the rest of a step, the checkpoint write
+and the requeue; 90 s (SLURM's example) is short for a large model's checkpoint."""
+
+
 def sbatch_script(run_file: str, nodes: int, devices: int, overrides: Sequence[str] = (),
-                  job_name: str = "lit-pretrain", hours: int = 24) -> str:
-    """A batch script: one task per device (Lightning's SLURMEnvironment wants ntasks-per-node == devices)."""
+                  job_name: str = "lit-pretrain", hours: int = 24, signal_seconds: int = SIGNAL_SECONDS,
+                  max_restarts: int = 0) -> str:
+    """A batch script: one task per device (Lightning's SLURMEnvironment wants ntasks-per-node == devices), that
+    survives its time limit and preemption: SIGUSR1 `signal_seconds` before the limit (or SIGTERM on preemption)
+    makes every rank checkpoint at the next step boundary; rank 0 then runs `scontrol requeue` and the ranks exit
+    0 (resume/preemption.py); the requeued job (--requeue also allows SLURM to requeue it after a node failure)
+    continues from the newest verified checkpoint (run.resume=auto; a fresh run starts when there is none).
+    max_restarts: srun runs again in the same allocation after a failure, at most that many times (as OLMo-core's
+    launch_with_retries.sh); a refused start (exit 2: config or data) is not retried."""
     check(nodes, devices)
-    train = " ".join(shlex.quote(a) for a in train_args(run_file, nodes, devices, overrides))
+    train = " ".join(shlex.quote(a) for a in train_args(run_file, nodes, devices, ["run.resume=auto", *overrides]))
     return "\n".join([
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name}",
@@ -47,10 +63,73 @@ def sbatch_script(run_file: str, nodes: int, devices: int, overrides: Sequence[s
         f"#SBATCH --gpus-per-node={devices}",
         f"#SBATCH --time={hours}:00:00",
         "#SBATCH --output=%x-%j.out",
-        "# srun starts every task; Lightning reads SLURM_* for ranks and the head node's address.",
-        f"srun .venv/bin/lit-pretrain {train}",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+        f"#SBATCH --signal=USR1@{signal_seconds}",
+        "# srun starts every task; Lightning's SLURMEnvironment reads SLURM_* for ranks and the head node's address.",
+        "# --kill-on-bad-exit: a rank that fails (the watchdog's exit code 3 included) ends the whole step.",
+        *(retries(f"srun --kill-on-bad-exit=1 .venv/bin/lit-pretrain {train}", max_restarts) if max_restarts
+          else [f"srun --kill-on-bad-exit=1 .venv/bin/lit-pretrain {train}"]),
         "",
     ])
+
+
+def retries(command: str, max_restarts: int) -> List[str]:
+    return [
+        f"for attempt in $(seq 0 {max_restarts}); do",
+        f"  {command} && exit 0",
+        "  code=$?",
+        "  [ \"$code\" -eq 2 ] && exit 2  # a refused start: the config or the data is wrong, a retry fails alike",
+        f"  echo \"srun failed with exit code $code (attempt $((attempt + 1)) of {max_restarts + 1})\" >&2",
+        "done",
+        "exit \"$code\"",
+    ]
+
+
+LAUNCH_HELP = ("write an sbatch script (slurm) or print the torchrun command (torchrun) that runs RUN_FILE on N nodes "
+               "x G devices; the config is loaded and checked first")
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """`lit-pretrain launch slurm|torchrun RUN_FILE [key=value ...] --nodes N --gpus-per-node G` (options and
+    overrides in any order: parsed with parse_intermixed_args)."""
+    cmd = argparse.ArgumentParser(prog="lit-pretrain launch", description=LAUNCH_HELP)
+    cmd.add_argument("launcher", choices=["slurm", "torchrun"])
+    cmd.add_argument("run_file", help="experiment file, e.g. experiments/runs/default.yaml")
+    cmd.add_argument("overrides", nargs="*", help="key=value config overrides, passed on")
+    cmd.add_argument("--nodes", type=int, required=True, help="nodes (trainer.num_nodes)")
+    cmd.add_argument("--gpus-per-node", type=int, required=True, help="devices per node (trainer.devices)")
+    cmd.add_argument("--out", default="lit-pretrain.sbatch", help="slurm: the script to write (it must not exist)")
+    cmd.add_argument("--hours", type=int, default=24, help="slurm: the time limit (default 24)")
+    cmd.add_argument("--signal-seconds", type=int, default=SIGNAL_SECONDS,
+                     help=f"slurm: SIGUSR1 this long before the limit, to checkpoint (default {SIGNAL_SECONDS})")
+    cmd.add_argument("--job-name", default="lit-pretrain")
+    cmd.add_argument("--max-restarts", type=int, default=0,
+                     help="restarts after a failure, each resuming (run.resume=auto): torchrun's --max-restarts, or "
+                          "srun run again in the allocation")
+    return cmd
+
+
+def launch_command(args) -> str:
+    """The `launch` command: check the config, then write the script or return the command; what to print."""
+    from pathlib import Path
+
+    from lit_pretrain import config
+    from lit_pretrain.errors import ConfigError
+
+    check(args.nodes, args.gpus_per_node)
+    devices = [f"trainer.devices={args.gpus_per_node}", f"trainer.num_nodes={args.nodes}"]
+    config.to_object(config.load(args.run_file, [*args.overrides, *devices]))  # a bad key or value: refused now
+    if args.launcher == "torchrun":
+        return ("export HEAD_NODE=<address of the first node>  # then on every node:\n" + torchrun_command(
+            args.run_file, args.nodes, args.gpus_per_node, args.overrides, job_id=args.job_name,
+            max_restarts=args.max_restarts))
+    out = Path(args.out)
+    if out.exists():
+        raise ConfigError(f"--out {out} exists: choose another file, or remove it first")
+    out.write_text(sbatch_script(args.run_file, args.nodes, args.gpus_per_node, args.overrides, args.job_name,
+                                 args.hours, args.signal_seconds, args.max_restarts))
+    return f"wrote {out}: submit it with `sbatch {out}`"
 
 
 def main(argv=None) -> None:

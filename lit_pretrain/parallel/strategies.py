@@ -20,13 +20,14 @@ from typing import Optional
 
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
+from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.parallel.plan import ParallelPlan, plan_from
 from lit_pretrain.resume.sharded.load import ShardedDDPStrategy, ShardedLoad
 from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
-class VerifiedModelParallelStrategy(ShardedLoad, ModelParallelStrategy):
+class VerifiedModelParallelStrategy(WatchedLaunch, ShardedLoad, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy loads a one-file checkpoint with its own torch.load, not through
     checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only. A
     sharded folder: ShardedLoad (resume/sharded/load.py)."""
@@ -47,12 +48,13 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
     if plan.world_size == 1 and not plan.uses_fsdp:
         # "auto" lets Lightning pick the one device (CPU or the first GPU) as a SingleDeviceStrategy.
         return "auto"
-    timeout = timedelta(seconds=strategy.timeout_seconds)
-    backend = strategy.process_group_backend
+    config = strategy
+    timeout = timedelta(seconds=config.timeout_seconds)
+    backend = config.process_group_backend
     if plan.uses_mesh:
         from lit_pretrain.parallel.mesh_strategy import MeshStrategy
 
-        return MeshStrategy(plan, backend, timeout)
+        return watched(MeshStrategy(plan, backend, timeout), config)
     if plan.uses_fsdp:
         # Every rank in one data-parallel group (no tensor parallelism). A consolidated checkpoint (one file,
         # written by rank 0) reads back like any other strategy's: the full state dict is gathered without the
@@ -63,4 +65,12 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
     else:
         strategy = ShardedDDPStrategy(process_group_backend=backend, timeout=timeout)
     strategy.plan = plan  # read by PretrainModule.plan (ZeRO-1's optimizer, FSDP's stage)
+    return watched(strategy, config)
+
+
+def watched(strategy: Strategy, config: StrategyConfig) -> Strategy:
+    """Lightning's local launcher kills every rank soon after one fails; with the watchdog on, it waits for the
+    watchdog's report first (faults/launcher.py), a margin past its peer timeout."""
+    if config.peer_failure_timeout_seconds > 0:
+        strategy.launch_grace_seconds = config.peer_failure_timeout_seconds + 10.0
     return strategy

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_pretrain.errors import DataError
+from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.resume.sharded import save as sharded
 
 
@@ -72,5 +73,5 @@ class ShardedLoad:
             self._load_sharded(checkpoint, model=False, optimizer=True)
 
 
-class ShardedDDPStrategy(ShardedLoad, DDPStrategy):
+class ShardedDDPStrategy(WatchedLaunch, ShardedLoad, DDPStrategy):
     """Lightning's DDPStrategy (ZeRO-1 included) that also resumes from a sharded folder."""
