@@ -111,6 +111,9 @@ class MoE(nn.Module):
         # computed by the ranks that own them; set from outside by parallel/expert.py. None: all experts here.
         self.expert_dispatch: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.step_stats: Optional[torch.Tensor] = None  # `load` of the last finished step, reduced over ranks
+        # Whether a training forward adds to `load`: the pipeline runner turns it off outside the schedule's
+        # micro-batch forwards (parallel/pipeline.py).
+        self.count_routing = True
 
     def route(self, x: torch.Tensor):
         """x (N, d) -> (expert of each assignment (N, k), its weight (N, k) fp32, scores (N, E) fp32, logits)."""
@@ -166,7 +169,7 @@ class MoE(nn.Module):
         self.last_losses = torch.stack([aux, z])
         # Counted once per forward: activation checkpointing's recomputation stops as soon as the saved tensors are
         # rebuilt (torch's non-reentrant checkpoint, early stop on by default), before this line.
-        if self.training:
+        if self.training and self.count_routing:
             if self.load is None or self.load.device != x.device:
                 self.load = torch.zeros(E + 5, device=x.device)
             total = torch.tensor(float(N * k), device=x.device)

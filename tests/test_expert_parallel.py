@@ -53,3 +53,28 @@ def test_two_process_expert_parallelism_matches_one_process(tmp_path):
     check(results, {"ep2": LAYERS * E // 2, "ep2_zero3": LAYERS * E // 2})
     for name in reshard:
         check_reshard(results[name])
+
+
+def test_four_process_expert_parallelism_in_every_plan_matches_one_process(tmp_path):
+    cases = {
+        # two expert groups: the experts' gradients all-reduced over their own data-parallel group (2 ranks)
+        "ep2_dp4": Plan(data_parallel_replicate=4, expert_parallel=2),
+        # HSDP for the dense part, the experts FSDP-sharded over their own data-parallel group (issue 32)
+        "ep2_hsdp2x2": Plan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3, expert_parallel=2),
+        "ep4_zero2": Plan(data_parallel_shard=4, zero_stage=2, expert_parallel=4),
+        # tensor parallelism for the dense parts, the experts replicated over it
+        "ep2_tp2": Plan(data_parallel_replicate=2, tensor_parallel=2, expert_parallel=2),
+        # the all-to-alls inside the pipeline's stages, micro-batch by micro-batch
+        "ep2_pp2": Plan(data_parallel_replicate=2, pipeline_parallel=2, micro_batches=2, expert_parallel=2),
+    }
+    reshard = {"ep2_tp2_to_ep4_zero2": (cases["ep2_tp2"], cases["ep4_zero2"]),
+               "ep2_pp2_to_hsdp2x2": (cases["ep2_pp2"], Plan(data_parallel_replicate=2, data_parallel_shard=2,
+                                                              zero_stage=3))}
+    results = spawn(4, [("parity", plan, name) for name, plan in cases.items()]
+                    + [("reshard", src, dst, tmp_path / name) for name, (src, dst) in reshard.items()])
+    print({k: {m: v for m, v in r.items() if isinstance(v, (int, float))} for k, r in results.items()})
+    # rows held: 4 layers x 4 experts / expert_parallel, / the experts' FSDP group (hsdp: 2 ranks hold the same 2
+    # experts and shard them), on a pipeline stage its 2 layers only
+    check(results, {"ep2_dp4": 8, "ep2_hsdp2x2": 4, "ep4_zero2": 4, "ep2_tp2": 8, "ep2_pp2": 4})
+    for name in reshard:
+        check_reshard(results[name])

@@ -249,9 +249,9 @@ def _check_expert_parallel(plan: ParallelPlan, model) -> None:
                           f"ranks; choose an expert_parallel that divides {d}")
     if plan.zero_stage == 1:
         raise ConfigError(f"strategy.zero_stage=1 (ZeroRedundancyOptimizer) partitions whole tensors over all "
-                          f"data-parallel ranks and broadcasts each from its owner, which would overwrite the experts "
-                          f"that strategy.expert_parallel={ep} keeps apart on each rank: use zero_stage=2 (FSDP2 shards "
-                          "the same optimizer state, the experts' over their own data-parallel group) or 0")
+                          "data-parallel ranks and broadcasts each from its owner, which would overwrite the experts "
+                          f"that strategy.expert_parallel={ep} keeps apart on each rank: use zero_stage=2 (FSDP2 "
+                          "shards the same optimizer state, the experts' over their own data-parallel group) or 0")
     if model is not None and model.moe.num_experts % ep:
         raise ConfigError(f"model.moe.num_experts={model.moe.num_experts} is not divisible by "
                           f"strategy.expert_parallel={ep}: each rank owns an equal share of the experts")

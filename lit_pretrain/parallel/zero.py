@@ -46,6 +46,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int, experts=None) ->
             for layer in moe_layers(block):
                 fully_shard(layer.experts, mesh=experts.data_mesh, reshard_after_forward=reshard)
                 layer.experts.set_gradient_divide_factor(float(experts.data_parallel))
+                # A divide factor other than the group's size makes FSDP2 reduce with PREMUL_SUM, which gloo
+                # lacks: a plain sum, then the division. Not on one rank: FSDP2 then skips the reduction, and the
+                # forced sum its division with it (measured: the experts' gradients off by the factor).
+                if experts.data_mesh.size() > 1:
+                    layer.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model
