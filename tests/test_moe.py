@@ -209,7 +209,9 @@ def _route_to(layer, flat, expert):
     (["trainer.compile=true"], "trainer.compile"),
     (["optim.name=muon"], "optim.name"),
     (["model.moe.top_k=9"], "model.moe.top_k"),
-    (["strategy=ddp", "strategy.expert_parallel=2", "trainer.devices=4"], "strategy.expert_parallel"),
+    (["strategy=ddp", "strategy.expert_parallel=3", "trainer.devices=4"], "strategy.expert_parallel"),
+    (["strategy=zero", "strategy.zero_stage=1", "strategy.expert_parallel=2", "trainer.devices=2"],
+     "strategy.zero_stage"),
     (["strategy=ddp", "strategy.expert_parallel=3", "trainer.devices=3"], "model.moe.num_experts"),
 ])
 def test_config_load_refuses_what_moe_does_not_compose_with_naming_the_key(overrides, key):
