@@ -1,8 +1,9 @@
 """model.moe under data parallelism: DDP, ZeRO-3, and expert parallelism 2 over the 2 data-parallel ranks
 (strategy.expert_parallel), alone and with ZeRO-3, on 2 processes (gloo, CPU) against one process,
 same global batches, through `python -m lit_pretrain.cli train` (as tests/test_strategies_parity.py does for the
-dense model). The experts' stacked (E, out, in) weights are ordinary parameters there: DDP all-reduces their
-gradients, ZeroRedundancyOptimizer partitions them whole, FSDP2 shards them along dim 0 (the experts).
+dense model). Without expert parallelism the experts' stacked (E, out, in) weights are ordinary parameters: DDP
+all-reduces their gradients, FSDP2 shards them along dim 0 (the experts). Under it each rank holds its E/2 experts
+(lit_pretrain/parallel/expert.py); tests/test_expert_parallel.py covers its other plans against one process.
 
 model.moe.aux_loss=0 here: the Switch loss is a product of two batch means (f_i · P_i), computed per micro-batch on
 each rank as Megatron-LM does by default, so two ranks' 4-window losses are not one process's 8-window loss (a

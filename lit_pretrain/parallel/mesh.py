@@ -4,12 +4,15 @@
 
 - `sync_gradients` (once per optimizer step, after the last backward of an accumulation): the tied embedding's two
   copies summed over the pipeline; norm weights summed over the tensor-parallel group under sequence parallelism;
-  then, without FSDP, every gradient averaged over the data-parallel replicas (DDP's all-reduce). FSDP2 averages its
-  own gradients (reduce-scatter over the shard group, all-reduce over replicas for HSDP) inside backward.
+  then, without FSDP, every gradient averaged over the data-parallel replicas (DDP's all-reduce), the experts' under
+  expert parallelism over the ranks holding the same experts, divided by the data-parallel degree
+  (parallel/expert.py). FSDP2 averages its own gradients (reduce-scatter over the shard group, all-reduce over
+  replicas for HSDP; the experts' over their own group) inside backward.
 - `grad_norm`: the global L2 norm as one process would compute it, each parameter counted once: squares summed over
   this rank's local values (a DTensor's local shard), where a tensor-parallel shard counts on every tensor-parallel
   rank but a parameter replicated over that group only on its rank 0, and the pipeline's tied copy not at all; then
-  summed over the FSDP shard, tensor-parallel and pipeline groups. Replicas hold equal gradients after the sync.
+  summed over the FSDP shard, tensor-parallel and pipeline groups; the experts' squares over the expert-parallel
+  group (and their FSDP group). Replicas hold equal gradients after the sync.
 - `whole` / `part`: one matrix's whole value from this rank's shard and back, for Muon's Newton–Schulz step
   (optim.whole_matrix_muon_step): FSDP's `full_tensor`, then the tensor-parallel slices gathered.
 - `full_state` / `load_full_state` and the optimizer's: layout-independent state by single-process names, gathered
