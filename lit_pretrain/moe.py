@@ -44,14 +44,36 @@ class ExpertLinear(nn.Module):
         self.residual_projection = spec.residual_projection
         self.tensor_parallel = None
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
-        """x (M, in), rows sorted by expert, expert lo + e's rows ending at offsets[e] (int32, cumulative) ->
-        (M, out); experts lo..hi (default all: expert parallelism computes its own slice)."""
-        return F.grouped_mm(x, self.weight[lo:hi].transpose(-2, -1), offs=offsets)
 
-    def batched(self, x: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
-        """x (E, C, in), each expert's rows padded to C -> (E, C, out)."""
-        return torch.bmm(x, self.weight[lo:hi].transpose(1, 2))
+class Experts(nn.ModuleDict):
+    """The routed experts' stacked weights `w_gate`, `w_up` (E, f, d) and `w_down` (E, d, f), a dict as before (the
+    names stay `mlp.experts.w_gate.weight`, ...), with a forward so that a wrapper hooked on it sees every use: FSDP2
+    under expert parallelism shards these over their own data-parallel group and gathers them in its pre-forward
+    hook (parallel/zero.py). Under expert parallelism this rank holds only its E/P experts (parallel/expert.py)."""
+
+    def forward(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of every expert held here on xs (M, d), rows sorted by expert, expert e's rows ending at
+        offsets[e] (int32, cumulative) -> (M, d)."""
+        return swiglu_experts(xs, offsets, self["w_gate"].weight, self["w_up"].weight, self["w_down"].weight)
+
+
+def swiglu_experts(xs: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """The experts' SwiGLU over their sorted rows: w_gate, w_up (L, f, d), w_down (L, d, f); see the module
+    docstring for the kernels."""
+    M = xs.shape[0]
+    if xs.device.type == "cpu" and M:
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1))  # (L,) rows per expert
+        C, L = int(counts.max()), counts.shape[0]  # a host read, free on CPU
+        if L * C <= PAD_LIMIT * M:  # padding at most doubles the rows: the batched GEMM wins (module docstring)
+            expert = torch.repeat_interleave(torch.arange(L), counts, output_size=M)  # (M,)
+            slot = expert * C + torch.arange(M) - (offsets.long() - counts)[expert]  # (M,) row in (L·C)
+            xp = xs.new_zeros(L * C, xs.shape[1]).index_copy(0, slot, xs).view(L, C, -1)  # (L, C, d)
+            h = F.silu(torch.bmm(xp, w_gate.transpose(1, 2))) * torch.bmm(xp, w_up.transpose(1, 2))  # (L, C, f)
+            return torch.bmm(h, w_down.transpose(1, 2)).view(L * C, -1)[slot]  # (M, d); padded rows dropped
+    h = F.silu(F.grouped_mm(xs, w_gate.transpose(-2, -1), offs=offsets)) * \
+        F.grouped_mm(xs, w_up.transpose(-2, -1), offs=offsets)  # (M, f)
+    return F.grouped_mm(h, w_down.transpose(-2, -1), offs=offsets)
 
 
 def _linear(spec: ModuleSpec) -> nn.Linear:
@@ -69,7 +91,7 @@ class MoE(nn.Module):
         spec, moe = cfg.block_modules(layer), cfg.moe
         self.cfg, self.layer = moe, layer
         self.router = _linear(spec["mlp.router"])
-        self.experts = nn.ModuleDict({n: ExpertLinear(spec[f"mlp.experts.{n}"]) for n in ("w_gate", "w_up", "w_down")})
+        self.experts = Experts({n: ExpertLinear(spec[f"mlp.experts.{n}"]) for n in ("w_gate", "w_up", "w_down")})
         self.shared = nn.ModuleDict({n: _linear(spec[f"mlp.shared.{n}"]) for n in ("w_gate", "w_up", "w_down")}) \
             if moe.num_shared_experts else None
         E = moe.num_experts
@@ -89,6 +111,9 @@ class MoE(nn.Module):
         # computed by the ranks that own them; set from outside by parallel/expert.py. None: all experts here.
         self.expert_dispatch: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.step_stats: Optional[torch.Tensor] = None  # `load` of the last finished step, reduced over ranks
+        # Whether a training forward adds to `load`: the pipeline runner turns it off outside the schedule's
+        # micro-batch forwards (parallel/pipeline.py).
+        self.count_routing = True
 
     def route(self, x: torch.Tensor):
         """x (N, d) -> (expert of each assignment (N, k), its weight (N, k) fp32, scores (N, E) fp32, logits)."""
@@ -125,7 +150,7 @@ class MoE(nn.Module):
             dropped = (counts - kept_counts).sum()
         xs = flat[token_of]  # (M, d), M = kept assignments, sorted by expert
         if self.expert_dispatch is None:
-            ys = self.experts_forward(xs, kept_counts.cumsum(0).to(torch.int32))  # (M, d)
+            ys = self.experts(xs, kept_counts.cumsum(0).to(torch.int32))  # (M, d)
         else:  # strategy.expert_parallel: each copy computed by the rank owning its expert
             ys = self.expert_dispatch(xs, kept_counts)  # (M, d)
         ys = ys * weight_of.to(ys.dtype)[:, None]  # (M, d)
@@ -144,28 +169,13 @@ class MoE(nn.Module):
         self.last_losses = torch.stack([aux, z])
         # Counted once per forward: activation checkpointing's recomputation stops as soon as the saved tensors are
         # rebuilt (torch's non-reentrant checkpoint, early stop on by default), before this line.
-        if self.training:
+        if self.training and self.count_routing:
             if self.load is None or self.load.device != x.device:
                 self.load = torch.zeros(E + 5, device=x.device)
             total = torch.tensor(float(N * k), device=x.device)
             self.load += torch.cat([counts.float(), dropped.float()[None], total[None], aux.detach()[None],
                                     z.detach()[None], torch.ones(1, device=x.device)])
         return out.view(shape)
-
-    def experts_forward(self, xs: torch.Tensor, offsets: torch.Tensor, lo: int = 0, hi: Optional[int] = None):
-        """SwiGLU experts lo..hi on xs (M, d) sorted by expert (offsets: cumulative rows per expert) -> (M, d)."""
-        w, M = self.experts, xs.shape[0]
-        if xs.device.type == "cpu" and M:
-            counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1))  # (L,) rows per expert
-            C, L = int(counts.max()), counts.shape[0]  # a host read, free on CPU
-            if L * C <= PAD_LIMIT * M:  # padding at most doubles the rows: the batched GEMM wins (module docstring)
-                expert = torch.repeat_interleave(torch.arange(L), counts, output_size=M)  # (M,)
-                slot = expert * C + torch.arange(M) - (offsets.long() - counts)[expert]  # (M,) row in (L·C)
-                xp = xs.new_zeros(L * C, xs.shape[1]).index_copy(0, slot, xs).view(L, C, -1)  # (L, C, d)
-                h = F.silu(w["w_gate"].batched(xp, lo, hi)) * w["w_up"].batched(xp, lo, hi)  # (L, C, f)
-                return w["w_down"].batched(h, lo, hi).view(L * C, -1)[slot]  # (M, d); padded rows dropped
-        h = F.silu(w["w_gate"](xs, offsets, lo, hi)) * w["w_up"](xs, offsets, lo, hi)  # (M, d_ff_expert)
-        return w["w_down"](h, offsets, lo, hi)
 
     @torch.no_grad()
     def finish_step(self, stats: torch.Tensor) -> None:

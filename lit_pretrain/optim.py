@@ -295,5 +295,11 @@ def clip_by_global_norm(parameters: Iterable[torch.Tensor], max_norm: float,
     if norm is None:
         norm = full_norm([p.grad for p in grads])
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        # One call per device mesh: under expert parallelism the experts' FSDP2 shards live on their own mesh, and
+        # a foreach op over DTensors of two meshes is refused (the factor is the same for all).
+        by_mesh: dict = {}
+        for p in grads:
+            by_mesh.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

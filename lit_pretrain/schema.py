@@ -474,10 +474,11 @@ class StrategyConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline schedule settings (used when pipeline_parallel > 1)."""
     expert_parallel: int = field(default=1, metadata={"ge": 1})
-    """model.moe only: ranks that split the routed experts' compute, tokens exchanged by all-to-all
-    (lit_pretrain/parallel/expert.py). For now it equals the data-parallel degree (any zero_stage) and the expert
-    weights are held as the ZeRO stage holds any weight (replicated at 0-2: compute and activations split, not
-    parameter memory). 1: off."""
+    """model.moe only: data-parallel ranks that split the routed experts (P): each holds E/P experts of every MoE
+    layer (parameters, gradients, optimizer state) and computes them for its group's tokens, exchanged by
+    all-to-all (lit_pretrain/parallel/expert.py). Divides the data-parallel degree D; the D/P ranks holding the same
+    experts are their own data-parallel group (FSDP2 shards them over it at zero_stage 2/3). Composes with
+    tensor_parallel (experts replicated over it) and pipeline_parallel; not with zero_stage 1. 1: off."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.optim import build_adamw, build_optimizer
+from lit_pretrain.optim import build_adamw, build_optimizer, clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.mesh import build_mesh, like
@@ -84,7 +84,7 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
             loss = loss.detach()
         par.sync_gradients()
         norm = par.grad_norm()
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], MAX_NORM, norm)
+        clip_by_global_norm(model.parameters(), MAX_NORM, norm)
         if step == 0:  # every rank gathers (a collective); rank 0 gets the result
             grads0 = par._gather_named({n: p.grad for n, p in model.named_parameters()})
         opt.step()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.optim import clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
@@ -25,11 +26,12 @@ from lit_pretrain.resume.sharded.manifest import STEP_FOLDER
 from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, data, data_parallel_rank
 
 K1 = 2  # steps before the checkpoint; the data has mesh_workers.STEPS = 3
+MODEL: dict = {}  # model keys over CFG (tests/expert_workers.py sets model.moe)
 
 
 def init_model() -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**CFG))
+    return GPT(GPTConfig(**{**CFG, **MODEL}))
 
 
 def train_steps(par, model, opt, xs, ys) -> list:
@@ -54,7 +56,7 @@ def train_steps(par, model, opt, xs, ys) -> list:
                 dist.all_reduce(loss, group=group)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], MAX_NORM, norm)
+        clip_by_global_norm(model.parameters(), MAX_NORM, norm)
         opt.step()
         losses.append(loss.item() / d)
     return losses

@@ -209,7 +209,9 @@ def _route_to(layer, flat, expert):
     (["trainer.compile=true"], "trainer.compile"),
     (["optim.name=muon"], "optim.name"),
     (["model.moe.top_k=9"], "model.moe.top_k"),
-    (["strategy=ddp", "strategy.expert_parallel=2", "trainer.devices=4"], "strategy.expert_parallel"),
+    (["strategy=ddp", "strategy.expert_parallel=3", "trainer.devices=4"], "strategy.expert_parallel"),
+    (["strategy=zero", "strategy.zero_stage=1", "strategy.expert_parallel=2", "trainer.devices=2"],
+     "strategy.zero_stage"),
     (["strategy=ddp", "strategy.expert_parallel=3", "trainer.devices=3"], "model.moe.num_experts"),
 ])
 def test_config_load_refuses_what_moe_does_not_compose_with_naming_the_key(overrides, key):
@@ -417,3 +419,31 @@ def test_a_checkpoint_written_before_model_moe_resumes_unless_a_new_key_left_its
     moe = {**now, "model": {**now["model"], "moe": {"num_experts": 4}}}
     with pytest.raises(ConfigError, match="model.moe.num_experts .*cannot change"):
         compat.check_resume(saved, compat.run_meta(moe, manifest, 512), [], "c", "t")
+
+
+def test_memory_planner_splits_the_routed_experts_by_expert_parallel_only():
+    """OLMoE-1B-7B (the preset; 6,442,450,944 routed-expert weights of 6,919,161,856, counted above against
+    transformers): expert parallelism 8 leaves each rank 1/8 of the experts, with their state sharded over the
+    64 / 8 = 8 ranks holding the same experts at ZeRO-3; tensor parallelism splits the dense matrices, not them."""
+    from lit_pretrain.errors import ConfigError
+    from lit_pretrain.scaling.memory import memory_plan
+
+    preset = yaml.safe_load((EXPERIMENTS / "model" / "olmoe_1b_7b.yaml").read_text())
+    cfg = GPTConfig(**{**preset, "moe": MoEConfig(**preset["moe"])})
+    routed = 16 * 64 * 3 * 1024 * 2048
+    assert routed == 6_442_450_944
+    whole = memory_plan(cfg, 1, data_parallel=64, zero_stage=3, precision="32-true")
+    ep8 = memory_plan(cfg, 1, data_parallel=64, zero_stage=3, precision="32-true", expert_parallel=8)
+    assert whole["params_per_device"] == 6_919_161_856
+    assert ep8["params_per_device"] == 6_919_161_856 - routed + routed // 8
+    # ZeRO-3 over 64 ranks: every parameter / 64 either way (the experts / 8 / 8), 4 bytes each in fp32
+    assert ep8["param_bytes"] == pytest.approx(4 * 6_919_161_856 / 64)
+    ep8_zero0 = memory_plan(cfg, 1, data_parallel=64, zero_stage=0, precision="32-true", expert_parallel=8)
+    assert ep8_zero0["param_bytes"] == 4 * (6_919_161_856 - routed + routed // 8)
+    tp2 = memory_plan(cfg, 1, data_parallel=1, zero_stage=0, precision="32-true", tensor_parallel=2)
+    norms = 16 * 2 * 2048 + 16 * 2 * 2048 + 2048  # two RMSNorms a block, QK-norm over the projections, final norm
+    embeddings = 2 * 50304 * 2048
+    assert tp2["params_per_device"] == (6_919_161_856 - routed - norms - embeddings) / 2 + routed + norms \
+        + embeddings / 2
+    with pytest.raises(ConfigError, match="--expert-parallel 3"):
+        memory_plan(cfg, 1, expert_parallel=3)

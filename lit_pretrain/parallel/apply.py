@@ -16,14 +16,16 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     1. pipeline split: keep this rank's stages' blocks (the rest become nn.Identity), so every later step touches
        only what this rank holds;
     2. tensor parallelism (and sequence parallelism): swap the planned linears for our column/row layers, on the
-       plain module names (before any wrapper prefixes them);
+       plain module names (before any wrapper prefixes them); then expert parallelism: keep this rank's experts and
+       give the MoE layers their all-to-all dispatch (parallel/expert.py);
     3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
     4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
        with data parallelism, FSDP or checkpointing each block's forward (torchtitan's regional compile, inside its
        checkpoint wrapper) and the loss apart;
     5. FSDP2 (ZeRO stages 2 and 3; HSDP with replicas): each block, then the root — the GPT, or each pipeline
        stage's forward, whose hooks are the ones the schedule calls. Last, because it shards whatever parameters
-       the steps before left (TP slices included) and its hooks must sit outside checkpointing and compile.
+       the steps before left (TP slices included) and its hooks must sit outside checkpointing and compile; under
+       expert parallelism the experts apart, over their own data-parallel group.
 
     `mesh`: our (pipeline, replicate, shard, tensor) mesh when plan.uses_mesh; else `fsdp_mesh`, the data-parallel
     mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
@@ -44,10 +46,10 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(gpt, par.tp, sequence_parallel=plan.sequence_parallel)
-    if plan.expert_parallel > 1:  # before checkpointing wraps the blocks: the MoE layers are found by type
+    if plan.expert_parallel > 1:  # after the pipeline split (this stage's layers), before checkpointing and FSDP
         from lit_pretrain.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(gpt, plan.expert_parallel)
+        par.ep = apply_expert_parallel(gpt, plan, mesh.device_type if mesh is not None else "cpu")
     apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
     if plan.compile:
         from lit_pretrain.parallel.compile import check_toolchain, compile_model
@@ -69,7 +71,7 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
                              "build_strategy returns")
         roots = par.runner.forwards if par.runner is not None else [gpt]
         for root in roots:
-            shard_model(root, fsdp_mesh, plan.zero_stage)
+            shard_model(root, fsdp_mesh, plan.zero_stage, par.ep)
         _retie(gpt)
     gpt._lit_pretrain_parallel = par
     return par

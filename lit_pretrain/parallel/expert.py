@@ -1,33 +1,81 @@
-"""Expert parallelism (strategy.expert_parallel), first step: the routed experts' compute split across the
-data-parallel ranks, tokens dispatched to the rank that owns their expert and combined back with all-to-all.
+"""Expert parallelism (strategy.expert_parallel = P): each MoE layer's routed experts split across P data-parallel
+ranks, tokens dispatched to the rank that owns their expert and combined back with all-to-all.
 
-Rank r of an expert-parallel group of P ranks owns experts [r·E/P, (r+1)·E/P). Each MoE layer routes its own tokens
-as before, sorts the token copies by expert, and sends each rank the copies of its experts
-(`torch.distributed.all_to_all_single` with the per-rank counts as split sizes: gloo supports uneven splits on CPU,
-so no padding to a capacity is needed and the layer stays dropless); the owner regroups what it received by local
-expert, runs the grouped matmul on its slice of the expert weights, and the outputs travel back the same way
+Groups. The data-parallel ranks of one (pipeline stage, tensor-parallel rank) are numbered d = replica x shard +
+shard index (the sampler's order); expert group q is d in [qP, (q+1)P), and rank d holds experts
+[(d mod P)·E/P, (d mod P + 1)·E/P) of every MoE layer on its stage: only those, as parameters of shape (E/P, ...)
+(`apply_expert_parallel` slices the one-process stack). The D/P ranks holding the same experts (d mod P equal) are
+the experts' own data-parallel group (torchtitan's "dp_shard_mod_ep", OLMo-core's expert data-parallel mesh):
+under ZeRO stages 2/3 and HSDP, FSDP2 shards the experts over that group (parallel/zero.py); without FSDP, our mesh
+all-reduces their gradients over it (ParallelModel.sync_gradients). Tensor-parallel ranks hold the same experts
+(the experts are not split by tensor parallelism: every tensor-parallel rank routes the same tokens and computes
+them, as the dense replicated parameters do), and pipeline stages hold different layers: all of it is one 4-D mesh
+(`expert_mesh`), (pipeline, tensor_parallel, expert_data_parallel, expert_parallel).
+
+Gradients. The one-process gradient of an expert is the mean-loss gradient over all B tokens of the global batch.
+Each rank's loss is the mean over its own B/D tokens, and the backward of the combine/dispatch all-to-alls brings
+every token's contribution home to the expert's owner, so the owner holds the sum over its expert group's D_q = P
+ranks of d(rank's loss)/dw; summing over the expert data-parallel group adds the other groups' tokens, and the one-
+process gradient is that sum divided by D (not by the group's size, D/P): FSDP2's gradient divide factor, or the
+divisor of our all-reduce.
+
+Dispatch. Each MoE layer routes its own tokens as before, sorts the token copies by expert, and sends each rank the
+copies of its experts (`torch.distributed.all_to_all_single` with the per-rank counts as split sizes: gloo supports
+uneven splits on CPU, so no padding to a capacity is needed and the layer stays dropless); the owner regroups what
+it received by local expert, runs the grouped matmul on its own experts, and the outputs travel back the same way
 (the backward runs the two exchanges in reverse: `_AllToAll`). Weighting by the router score and the sum over a
-token's k experts stay on the token's own rank.
-
-What this step does not do yet: the expert weights stay replicated (each rank holds all E, computes with its E/P):
-the compute and activation memory of the experts are split, their parameter and optimizer memory are not. That
-keeps every other piece unchanged and exact: an expert's gradient is non-zero only on its owner, where it is the
-sum over every rank's tokens of d(rank's mean loss)/dw, so data parallelism's gradient average gives the
-one-process gradient; optimizer state, clipping norm and checkpoints are those of plain data parallelism.
-Any ZeRO stage composes as it is: FSDP2's reduce-scatter averages the same gradients, and at ZeRO-3 its dim-0
-shards of a stacked (E, out, in) weight are whole experts, E/P per rank, those the rank owns when EP equals the
-data-parallel degree (the forward still all-gathers the stack and slices its own). Expert groups smaller than the
-data-parallel world (EP x expert-data-parallel), with weights sharded by expert and their own gradient reduction, are
-the next step; until then strategy.expert_parallel equals the data-parallel degree (tests/test_moe_parallel.py: EP 2
-and EP 2 x ZeRO-3 against one process).
-The exchange uses its own process group, so its collectives never interleave with DDP's gradient all-reduces.
+token's k experts stay on the token's own rank. The exchange uses the expert-parallel group of the mesh: its own
+process group, so its collectives never interleave with the dense gradients' all-reduces.
 """
 
-from typing import List
+import re
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+EXPERT_PARAM = re.compile(r"\.mlp\.experts\.(w_gate|w_up|w_down)\.weight$")
+EXPERT_MESH_DIMS = ("pipeline", "tensor_parallel", "expert_data_parallel", "expert_parallel")
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether single-process parameter (or optimizer state) `name` is a routed expert stack (E, out, in)."""
+    return bool(EXPERT_PARAM.search(name.split("\0")[0]))
+
+
+@dataclass
+class ExpertGroups:
+    """One rank's place in the expert layout: `degree` (P) ranks per expert group, this rank's index `rank` in it,
+    the data-parallel degree D, and the groups (`group`: expert-parallel; `data_mesh`: the 1-D mesh of the ranks
+    holding the same experts, size D/P)."""
+    degree: int
+    rank: int
+    data_parallel: int
+    group: object
+    data_mesh: DeviceMesh
+
+    @property
+    def data_group(self):
+        return self.data_mesh.get_group()
+
+    def slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a whole (E, ...) stack (a view: no copy)."""
+        L = full.shape[0] // self.degree
+        return full[self.rank * L:(self.rank + 1) * L]
+
+
+def expert_mesh(plan, device_type: str = "cpu") -> DeviceMesh:
+    """The (pipeline, tensor_parallel, expert_data_parallel, expert_parallel) mesh over the plan's world.
+
+    Global rank = ((p·R + r)·S + s)·T + t (parallel/plan.py MESH_DIMS, tensor ranks innermost); its data-parallel
+    index d = r·S + s = q·P + e, q its expert data-parallel index, e its expert-parallel rank. Collective: every rank
+    builds it (one process group per dimension slice)."""
+    P, T = plan.expert_parallel, plan.tensor_parallel
+    ranks = torch.arange(plan.world_size).view(plan.pipeline_parallel, plan.data_parallel // P, P, T)
+    return DeviceMesh(device_type, ranks.permute(0, 3, 1, 2).contiguous(), mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -49,18 +97,19 @@ class _AllToAll(torch.autograd.Function):
 
 
 class ExpertDispatch:
-    """An MoE layer's `expert_dispatch` under expert parallelism: its experts split over `group`'s ranks."""
+    """An MoE layer's `expert_dispatch` under expert parallelism: its experts split over `group`'s P ranks."""
 
-    def __init__(self, layer, group, degree: int, rank: int):
-        self.layer, self.group, self.degree, self.rank = layer, group, degree, rank
+    def __init__(self, layer, group, degree: int):
+        self.layer, self.group, self.degree = layer, group, degree
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return dispatch_compute_combine(self.layer, xs, counts, self.group, self.degree, self.rank)
+        return dispatch_compute_combine(self.layer.experts, xs, counts, self.group, self.degree)
 
 
-def dispatch_compute_combine(layer, xs: torch.Tensor, counts: torch.Tensor, group, P: int, rank: int) -> torch.Tensor:
+def dispatch_compute_combine(experts: nn.Module, xs: torch.Tensor, counts: torch.Tensor, group, P: int):
     """The experts' outputs for the token copies xs (M, d), sorted by expert with counts (E,) per expert, computed
-    by the rank of `group` (P ranks; this one is `rank`) that owns each; returned in xs's order, unweighted."""
+    by the rank of `group` (P ranks) that owns each with its `experts` module (this rank's E/P experts); returned in
+    xs's order, unweighted."""
     E = counts.shape[0]
     L = E // P  # experts per rank
     # How many copies each rank sends to each of my L experts: (P, L), source-rank major.
@@ -73,23 +122,25 @@ def dispatch_compute_combine(layer, xs: torch.Tensor, counts: torch.Tensor, grou
     local = torch.arange(L, device=xs.device).repeat(P).repeat_interleave(recv_counts.flatten())  # (R,)
     order = local.argsort(stable=True)  # regroup by local expert (source ranks in order within each)
     offsets = recv_counts.sum(0).cumsum(0).to(torch.int32)  # (L,)
-    lo, hi = rank * L, (rank + 1) * L
-    yl = layer.experts_forward(xr[order], offsets, lo, hi)  # (R, d) by local expert
+    yl = experts(xr[order], offsets)  # (R, d) by local expert
     yr = torch.empty_like(yl).index_copy(0, order, yl)  # back to the order received
     return _AllToAll.apply(yr, send, recv, group)  # (M, d) in xs's order
 
 
-def apply_expert_parallel(model: nn.Module, degree: int) -> None:
-    """Give every MoE layer of `model` the expert-parallel group: the whole world for now (degree = data-parallel
-    degree, checked at config load). Collective: every rank calls it (configure_model does)."""
+def apply_expert_parallel(model: nn.Module, plan, device_type: str = "cpu") -> Optional[ExpertGroups]:
+    """Keep only this rank's experts of every MoE layer of `model` (after the pipeline split: its stage's layers)
+    and give the layers the expert-parallel dispatch. Collective: every rank calls it (apply_plan does)."""
     from lit_pretrain.moe import moe_layers
 
-    world = dist.get_world_size()
-    if degree != world:
-        raise ValueError(f"strategy.expert_parallel={degree} must equal the {world} data-parallel ranks for now")
-    group = dist.new_group(list(range(world)))  # its own group: never interleaved with DDP's all-reduces
+    P = plan.expert_parallel
+    mesh = expert_mesh(plan, device_type)
+    groups = ExpertGroups(degree=P, rank=mesh.get_local_rank("expert_parallel"), data_parallel=plan.data_parallel,
+                          group=mesh.get_group("expert_parallel"), data_mesh=mesh["expert_data_parallel"])
     for layer in moe_layers(model):
-        if layer.cfg.num_experts % degree:
+        if layer.cfg.num_experts % P:
             raise ValueError(f"model.moe.num_experts={layer.cfg.num_experts} is not divisible by "
-                             f"strategy.expert_parallel={degree}")
-        layer.expert_dispatch = ExpertDispatch(layer, group, degree, dist.get_rank())
+                             f"strategy.expert_parallel={P}")
+        for linear in layer.experts.values():
+            linear.weight = nn.Parameter(groups.slice(linear.weight.detach()).clone())
+        layer.expert_dispatch = ExpertDispatch(layer, groups.group, P)
+    return groups

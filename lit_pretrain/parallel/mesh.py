@@ -4,12 +4,15 @@
 
 - `sync_gradients` (once per optimizer step, after the last backward of an accumulation): the tied embedding's two
   copies summed over the pipeline; norm weights summed over the tensor-parallel group under sequence parallelism;
-  then, without FSDP, every gradient averaged over the data-parallel replicas (DDP's all-reduce). FSDP2 averages its
-  own gradients (reduce-scatter over the shard group, all-reduce over replicas for HSDP) inside backward.
+  then, without FSDP, every gradient averaged over the data-parallel replicas (DDP's all-reduce), the experts' under
+  expert parallelism over the ranks holding the same experts, divided by the data-parallel degree
+  (parallel/expert.py). FSDP2 averages its own gradients (reduce-scatter over the shard group, all-reduce over
+  replicas for HSDP; the experts' over their own group) inside backward.
 - `grad_norm`: the global L2 norm as one process would compute it, each parameter counted once: squares summed over
   this rank's local values (a DTensor's local shard), where a tensor-parallel shard counts on every tensor-parallel
   rank but a parameter replicated over that group only on its rank 0, and the pipeline's tied copy not at all; then
-  summed over the FSDP shard, tensor-parallel and pipeline groups. Replicas hold equal gradients after the sync.
+  summed over the FSDP shard, tensor-parallel and pipeline groups; the experts' squares over the expert-parallel
+  group (and their FSDP group). Replicas hold equal gradients after the sync.
 - `whole` / `part`: one matrix's whole value from this rank's shard and back, for Muon's Newton–Schulz step
   (optim.whole_matrix_muon_step): FSDP's `full_tensor`, then the tensor-parallel slices gathered.
 - `full_state` / `load_full_state` and the optimizer's: layout-independent state by single-process names, gathered
@@ -62,6 +65,7 @@ class ParallelModel:
         self.full_keys = list(gpt.state_dict().keys())  # before pruning: the single-process names and order
         self.tp_plan = plan_of(gpt)  # each linear's tensor-parallel role, read off the model (model.py marks them)
         self.runner = None
+        self.ep = None  # parallel/expert.py ExpertGroups under strategy.expert_parallel (set by apply_plan)
         self.forward_losses = None  # trainer.compile's compiled forward and loss (parallel/compile.py compile_model)
         self.tp = self.pp = self.replicate = self.shard_group = None
         self.t = self.p = 1
@@ -90,10 +94,15 @@ class ParallelModel:
             from lit_pretrain.parallel.sequence import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.gpt, self.tp)
-        if self.plan.uses_fsdp or self.plan.data_parallel_replicate == 1:
-            return
-        all_reduce_flat([local(p.grad) for p in self.gpt.parameters() if p.grad is not None], self.replicate,
-                        divide_by=self.plan.data_parallel_replicate)
+        if self.plan.uses_fsdp:
+            return  # FSDP2 reduced every gradient, the experts' over their own group (parallel/zero.py)
+        named = [(n, local(p.grad)) for n, p in self.gpt.named_parameters() if p.grad is not None]
+        if self.ep is not None:  # the experts' over the ranks holding the same experts, / D (parallel/expert.py)
+            all_reduce_flat([g for n, g in named if self.is_expert(n)], self.ep.data_group,
+                            divide_by=self.ep.data_parallel)
+            named = [(n, g) for n, g in named if not self.is_expert(n)]
+        if self.plan.data_parallel_replicate > 1:
+            all_reduce_flat([g for _, g in named], self.replicate, divide_by=self.plan.data_parallel_replicate)
 
     def grad_norm(self, parameters=None) -> torch.Tensor:
         """The pre-clip global norm (StepGuard's norm_fn). Without our mesh: of `parameters` (default: the GPT's),
@@ -102,18 +111,33 @@ class ParallelModel:
             from lit_pretrain.optim import grad_norm
 
             return grad_norm(self.gpt.parameters() if parameters is None else parameters)
-        sq = torch.zeros((), dtype=torch.float32)
+        sq = torch.zeros(2, dtype=torch.float32)  # (dense, experts)
         for name, p in self.gpt.named_parameters():
             if p.grad is None or is_tied_copy(name, self.gpt, self.holds_first_stage):
                 continue
             if style_of(name, self.tp_plan) is None and self.tp_rank != 0:
                 continue  # replicated across tensor-parallel ranks: counted once
-            sq += local(p.grad).detach().float().pow(2).sum()
-        groups = [self.tp, self.pp] + ([self.shard_group] if self.plan.uses_fsdp else [])
-        for group in groups:
+            sq[int(self.is_expert(name))] += local(p.grad).detach().float().pow(2).sum()
+        # The dense part is whole on each FSDP shard group; the experts are split over the expert-parallel group,
+        # and sharded over their own data-parallel group under FSDP (else equal there after the sync).
+        dense = [self.shard_group] if self.plan.uses_fsdp else []
+        experts = [] if self.ep is None else [self.ep.group] + ([self.ep.data_group] if self.plan.uses_fsdp else [])
+        for part, groups in ((0, dense), (1, experts)):
+            for group in groups:
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(sq[part:part + 1], group=group)
+        for group in (self.tp, self.pp):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
-        return sq.sqrt()
+        return sq.sum().sqrt()
+
+    def is_expert(self, name: str) -> bool:
+        """Whether parameter `name` (any wrapper prefix) is split by expert parallelism."""
+        if self.ep is None:
+            return False
+        from lit_pretrain.parallel.expert import is_expert_param
+
+        return is_expert_param(plain_name(name))
 
     @property
     def shards_matrices(self) -> bool:
@@ -142,9 +166,7 @@ class ParallelModel:
     def _gather_named(self, named: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         """Full tensors by single-process name on global rank 0 (None elsewhere). Every rank must call it."""
         # Keys are parameter names, or "name\0key" for optimizer state; scalars (AdamW's step) are never sliced.
-        whole = {k: gather(full(v).detach(), style_of(k.split("\0")[0], self.tp_plan) if v.dim() > 0 else None,
-                           self.tp, self.t)
-                 for k, v in named.items()}
+        whole = {k: self._whole_named(k, v) for k, v in named.items()}
         parts = [whole]
         if self.p > 1:
             parts = [None] * self.p
@@ -156,6 +178,23 @@ class ParallelModel:
             for k, v in part.items():
                 merged.setdefault(k, v)  # the tied copy: equal on both stages, the first stage's kept
         return merged
+
+    def _whole_named(self, key: str, v: torch.Tensor) -> torch.Tensor:
+        """The whole value of this rank's share `v` of `key`: FSDP's full tensor, then the tensor-parallel slices
+        or the expert-parallel experts gathered (collectives: every rank of those groups calls it in one order)."""
+        v = full(v).detach()
+        if v.dim() == 0:
+            return v
+        if self.is_expert(key.split("\0")[0]):
+            return gather(v, "column", self.ep.group, self.ep.degree)  # dim 0: the experts, in expert order
+        return gather(v, style_of(key.split("\0")[0], self.tp_plan), self.tp, self.t)
+
+    def _share(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's share of whole tensor `value` of parameter `name` (before any FSDP sharding): its tensor-
+        parallel slice, or its experts."""
+        if self.is_expert(name):
+            return self.ep.slice(value)
+        return shard(value, style_of(name, self.tp_plan), self.tp_rank, self.t)
 
     def full_state(self) -> Optional[Dict[str, torch.Tensor]]:
         """The single-process state dict (names and order of the full GPT) on global rank 0, None elsewhere."""
@@ -170,8 +209,7 @@ class ParallelModel:
         """Load a single-process state dict (from any layout's checkpoint) into this rank's share, in place."""
         with torch.no_grad():
             for name, t in self.gpt.state_dict().items():
-                value = shard(state[name], style_of(name, self.tp_plan), self.tp_rank, self.t)
-                local(t).copy_(local(like(value, t)))
+                local(t).copy_(local(like(self._share(name, state[name]), t)))
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
         """Optimizer state by single-process parameter name on rank 0: AdamW's {name: {step, exp_avg, exp_avg_sq}},
@@ -196,5 +234,5 @@ class ParallelModel:
             state = by_name.get(name)
             if state is None:
                 continue
-            optimizer.state[p] = {k: like(shard(v, style_of(name, self.tp_plan), self.tp_rank, self.t).clone(), p)
-                                  if v.dim() > 0 else v.clone() for k, v in state.items()}
+            optimizer.state[p] = {k: like(self._share(name, v).clone(), p) if v.dim() > 0 else v.clone()
+                                  for k, v in state.items()}

@@ -148,6 +148,7 @@ class PipelineRunner:
         for stage in self.stages:
             self._time(stage, "forward_one_chunk")
             self._time(stage, "backward_one_chunk")
+            self._count_routing_in(stage)
         self._schedules = {}
         self.last_idle_fraction: Optional[float] = None
 
@@ -158,6 +159,30 @@ class PipelineRunner:
             start, end = self.bounds[s]
             for j, i in enumerate(range(start, end)):
                 forward.blocks[j] = self.gpt.blocks[i]
+
+    def _count_routing_in(self, stage) -> None:
+        """model.moe: only the micro-batches' forwards add to the routing counts (the bias update, the MoE monitor),
+        not torch's shape-inference forward of the schedule's first step, which runs the first stage on a real
+        micro-batch and the others on uninitialized tensors."""
+        from lit_pretrain.moe import moe_layers
+
+        layers = moe_layers(stage.submod)
+        if not layers:
+            return
+        for layer in layers:
+            layer.count_routing = False
+        inner = stage.forward_one_chunk
+
+        def counted(*args, **kwargs):
+            for layer in layers:
+                layer.count_routing = True
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                for layer in layers:
+                    layer.count_routing = False
+
+        stage.forward_one_chunk = counted
 
     def _time(self, stage, method: str) -> None:
         """Count the seconds this rank computes (stage forward and backward); the rest of a step is waiting."""

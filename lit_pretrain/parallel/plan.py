@@ -66,7 +66,7 @@ class ParallelPlan:
     @property
     def uses_mesh(self) -> bool:
         """Whether the run needs our own device mesh (parallel/mesh.py) rather than plain DDP or plain FSDP."""
-        return self.tensor_parallel > 1 or self.pipeline_parallel > 1 or (
+        return self.tensor_parallel > 1 or self.pipeline_parallel > 1 or self.expert_parallel > 1 or (
             self.uses_fsdp and self.data_parallel_replicate > 1)
 
     @property
@@ -239,15 +239,19 @@ def _check_model(plan: ParallelPlan, trainer, model) -> None:
 
 
 def _check_expert_parallel(plan: ParallelPlan, model) -> None:
-    ep = plan.expert_parallel
+    ep, d = plan.expert_parallel, plan.data_parallel
     if model is not None and model.moe is None:
         raise ConfigError(f"strategy.expert_parallel={ep} splits a mixture of experts, but model.moe is null: set "
                           "model.moe or strategy.expert_parallel=1")
-    if ep != plan.data_parallel or plan.world_size != plan.data_parallel:
-        raise ConfigError(f"strategy.expert_parallel={ep} runs, for now, over data parallelism (ZeRO stages 0-3) "
-                          f"with one expert group of all its ranks: set strategy.expert_parallel to the "
-                          f"data-parallel degree ({plan.data_parallel}) with tensor_parallel=1 and pipeline_parallel=1 "
-                          "(tensor and pipeline compositions are not done yet)")
+    if d % ep:
+        raise ConfigError(f"strategy.expert_parallel={ep} does not divide the {d} data-parallel ranks "
+                          f"(data_parallel_replicate x data_parallel_shard): expert groups are made of data-parallel "
+                          f"ranks; choose an expert_parallel that divides {d}")
+    if plan.zero_stage == 1:
+        raise ConfigError(f"strategy.zero_stage=1 (ZeroRedundancyOptimizer) partitions whole tensors over all "
+                          "data-parallel ranks and broadcasts each from its owner, which would overwrite the experts "
+                          f"that strategy.expert_parallel={ep} keeps apart on each rank: use zero_stage=2 (FSDP2 "
+                          "shards the same optimizer state, the experts' over their own data-parallel group) or 0")
     if model is not None and model.moe.num_experts % ep:
         raise ConfigError(f"model.moe.num_experts={model.moe.num_experts} is not divisible by "
                           f"strategy.expert_parallel={ep}: each rank owns an equal share of the experts")

@@ -21,12 +21,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int) -> nn.Module:
+def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int, experts=None) -> nn.Module:
     """Apply FSDP2 to each block, then to the root (embeddings, final norm, head): one all-gather group per block.
 
     Stage 3 frees each block's gathered parameters after its forward and gathers them again for its backward;
     stage 2 keeps them until backward. The root group (embeddings, final norm, the tied
     embedding/head) follows the same rule. Applying twice changes nothing.
+
+    `experts` (parallel/expert.py ExpertGroups, under expert parallelism): each MoE layer's experts first, as a
+    group of their own over the ranks holding the same experts (the block's group then leaves them out, as FSDP2
+    does for parameters an inner group already manages), their reduce-scatter divided by the data-parallel degree
+    D rather than that group's size D/P (the gradient algebra in parallel/expert.py); torchtitan's
+    parallelize for MoE does the same (`set_gradient_divide_factor`).
     """
     if stage not in (2, 3):
         raise ValueError(f"strategy.zero_stage={stage}: FSDP2 shards stages 2 and 3; stage 1 is an optimizer")
@@ -34,6 +40,17 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int) -> nn.Module:
         return model
     reshard = stage == 3
     for block in model.blocks:
+        if experts is not None:
+            from lit_pretrain.moe import moe_layers
+
+            for layer in moe_layers(block):
+                fully_shard(layer.experts, mesh=experts.data_mesh, reshard_after_forward=reshard)
+                layer.experts.set_gradient_divide_factor(float(experts.data_parallel))
+                # A divide factor other than the group's size makes FSDP2 reduce with PREMUL_SUM, which gloo
+                # lacks: a plain sum, then the division. Not on one rank: FSDP2 then skips the reduction, and the
+                # forced sum its division with it (measured: the experts' gradients off by the factor).
+                if experts.data_mesh.size() > 1:
+                    layer.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model

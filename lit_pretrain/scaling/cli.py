@@ -121,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     mem.add_argument("--tensor-parallel", type=int, default=1)
     mem.add_argument("--pipeline-parallel", type=int, default=1)
+    mem.add_argument("--expert-parallel", type=int, default=1,
+                     help="model.moe: ranks splitting the routed experts (strategy.expert_parallel)")
     mem.add_argument("--sequence-parallel", action="store_true")
     mem.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING)
     mem.add_argument("--activation-checkpointing-k", type=int, default=2, help="every_k: one block in k checkpointed")
@@ -220,7 +222,8 @@ def _memory(args) -> dict:
     result = memory_plan(cfg, args.micro_batch, args.data_parallel, args.zero_stage, args.tensor_parallel,
                          args.pipeline_parallel, args.sequence_parallel, args.activation_checkpointing,
                          args.precision, device, exact=args.exact,
-                         activation_checkpointing_k=args.activation_checkpointing_k)
+                         activation_checkpointing_k=args.activation_checkpointing_k,
+                         expert_parallel=args.expert_parallel)
     return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                       "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings,
                       **{k: getattr(cfg, k) for k in VARIANT_KEYS},

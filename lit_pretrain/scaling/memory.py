@@ -198,13 +198,18 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
                 tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False,
                 activation_checkpointing: str = "none", precision: str = "zero-mixed-adam",
                 device_memory: Optional[float] = None, exact: bool = False,
-                activation_checkpointing_k: int = 2) -> dict:
+                activation_checkpointing_k: int = 2, expert_parallel: int = 1,
+                expert_data_parallel: Optional[int] = None) -> dict:
     """Per-device bytes of the most loaded rank: the first pipeline stage (all layers' worth of activations under
     1F1B, plus the embedding); with a single stage it also holds the fp32 logits.
     data_parallel: the ranks that shard model state at zero_stage (under HSDP the shard group, not the replicas).
     activation_checkpointing: none (our block's count), selective or full (Korthikanti et al.'s rows; full keeps our
     block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others none).
-    exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only."""
+    exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only.
+    expert_parallel (model.moe): each rank holds 1/expert_parallel of every MoE layer's routed experts, their state
+    sharded at zero_stage over `expert_data_parallel` ranks (the data-parallel ranks holding the same experts;
+    default data_parallel / expert_parallel); the dense part as before. Activations are unchanged: a rank computes
+    the token copies routed to its experts, as many as its own on average (parallel/expert.py)."""
     b = _precision(precision)
     _check_parallel(data_parallel, zero_stage)
     t, p, L = tensor_parallel, pipeline_parallel, cfg.n_layers
@@ -226,15 +231,32 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     norms = shapes.block_norm_params(cfg)  # norm weights are replicated across the tensor-parallel group
     # The first stage holds its layers and the (vocab-parallel) embedding; with one stage also the final norm and,
     # untied, the head. Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits).
-    local_block = (block - norms) / t + norms
+    # model.moe: the routed experts are not split by tensor parallelism (each tensor-parallel rank holds and
+    # computes them whole, parallel/expert.py), and expert parallelism splits them instead
+    routed_block = 3 * cfg.moe.num_experts * cfg.d_ff_expert * cfg.d_model if cfg.moe is not None else 0
+    local_block = (block - norms - routed_block) / t + norms + routed_block
     local = layers_here * local_block + v * d / t
     if p == 1:
         local += d + (0 if cfg.tie_embeddings else v * d / t)
     if exact and (t > 1 or p > 1):
         raise ConfigError("--exact sums FSDP2's per-tensor shards under data parallelism alone: drop --exact or "
                           "set --tensor-parallel 1 --pipeline-parallel 1")
+    ep = expert_parallel
+    # this stage's routed-expert parameters, whole (of its MoE layers, at most layers_here)
+    routed = min(layers_here, sum(cfg.is_moe_layer(i) for i in range(L))) * routed_block
+    if ep < 1 or (ep > 1 and (cfg.moe is None or cfg.moe.num_experts % ep)):
+        raise ConfigError(f"--expert-parallel {ep} must be at least 1 and, above 1, divide the MoE's routed experts")
+    if exact and ep > 1:
+        raise ConfigError("--exact sums FSDP2's per-tensor shards under data parallelism alone: drop --exact or "
+                          "set --expert-parallel 1")
     if exact:
         states = per_rank_model_state_bytes(cfg, data_parallel, zero_stage, precision, exact=True)
+    elif ep > 1:
+        edp = expert_data_parallel if expert_data_parallel is not None else max(1, data_parallel // ep)
+        dense_states = model_state_bytes(local - routed, data_parallel, zero_stage, precision)
+        expert_states = model_state_bytes(routed / ep, edp, zero_stage, precision)
+        states = {k: dense_states[k] + expert_states[k] for k in dense_states}
+        local -= routed * (1 - 1 / ep)
     else:
         states = model_state_bytes(local, data_parallel, zero_stage, precision)
     m = cfg.moe  # with model.moe the larger of a dense and an MoE block (a pipeline stage may hold either)
@@ -265,7 +287,7 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     logits = 4.0 * tokens * v / t if p == 1 else 0.0
     # autocast casts the weight a matmul reads (the blocks' linears and the head, not the embedding's lookup),
     # gathered in full under ZeRO-3, and saves the copy for the backward
-    matmul_params = layers_here * (local_block - norms) + (v * d / t if p == 1 else 0)
+    matmul_params = layers_here * (local_block - norms) + (v * d / t if p == 1 else 0) - routed * (1 - 1 / ep)
     cast = b.cast_weight * matmul_params
     transient = _transient_bytes(b, cfg, zero_stage, t, p, local_block, logits, tokens)
     total = states["model_state_bytes"] + cast + activations + logits + recompute + transient
@@ -273,6 +295,7 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         "params": shapes.params(cfg), "active_params": shapes.active_params(cfg), "params_per_device": local,
         "precision": precision,
         "data_parallel": data_parallel, "zero_stage": zero_stage, "tensor_parallel": t, "pipeline_parallel": p,
+        "expert_parallel": ep,
         "sequence_parallel": sequence_parallel, "activation_checkpointing": activation_checkpointing,
         "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,

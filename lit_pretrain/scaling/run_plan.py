@@ -32,7 +32,9 @@ def run_memory(config) -> dict:
                       tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
                       sequence_parallel=plan.sequence_parallel, activation_checkpointing=plan.activation_checkpointing,
                       precision=trainer.precision, device_memory=device,
-                      activation_checkpointing_k=plan.activation_checkpointing_k)
+                      activation_checkpointing_k=plan.activation_checkpointing_k,
+                      expert_parallel=plan.expert_parallel,
+                      expert_data_parallel=plan.data_parallel // plan.expert_parallel)
     out.update(run=config.run.name, layout=plan.describe(), world_size=plan.world_size, shape=shape_of(model))
     if device is not None:
         out["headroom_bytes"] = device - out["total_bytes"]

@@ -9,7 +9,9 @@ How a rank says what it holds, without gathering: every tensor becomes a `Chunk`
 lies in the global tensor (offsets per dim). An FSDP2 shard (a DTensor) gives its offsets from its placements
 (compute_local_shape_and_global_offset: Shard(0), HSDP's Replicate x Shard); our tensor-parallel slices are plain
 tensors, so their offset along the split dim is tp_rank x slice (parallel/tensor.py SHARD_DIM); both compose, since
-FSDP2 shards the TP slice along dim 0. DCP's planner then writes each chunk once: chunks with the same offsets
+FSDP2 shards the TP slice along dim 0. Expert parallelism's experts are the rows [rank·E/P, (rank+1)·E/P) of the
+(E, ...) stack, which FSDP2 shards further over the experts' own data-parallel group. DCP's planner then writes each
+chunk once: chunks with the same offsets
 (replicated tensors, data-parallel replicas, the tied embedding on two pipeline stages) are written by one rank
 only (DCP's dedup_save_plans). Loading builds the same chunks for the target layout and DCP reads every overlap from
 whichever saved chunks hold it: that is the resharding, for any pair of layouts, with no arithmetic (bitwise).
@@ -137,6 +139,10 @@ def chunk_of(name: str, t: torch.Tensor, par) -> Chunk:
         dim = SHARD_DIM[style]
         offsets[dim] += tp_rank * size[dim]
         size[dim] *= tp
+    ep = getattr(par, "ep", None)
+    if ep is not None and par.is_expert(name):  # this rank's E/P experts: rows [rank·E/P, ...) of the (E, ...) stack
+        offsets[0] += ep.rank * size[0]
+        size[0] *= ep.degree
     return Chunk(local.detach(), size, offsets)
 
 
