@@ -111,3 +111,19 @@ def test_sweep_trains_fits_predicts_and_reports(tmp_path, tiny_data_dir):
     # a second call reuses every finished run and the first prediction instead of training or predicting again
     again = sweep.run_sweep(str(sweep_file), log=lambda *_: None)
     assert again["predicted_loss"] == report["predicted_loss"] and again["actual_loss"] == report["actual_loss"]
+
+
+def test_sweep_prediction_is_the_ladders_prediction():
+    """The sweep's held-out prediction (sweep._predict) and the ladder's (ladder_report.predict) are one function:
+    the same loss and the same interpolated 90% percentile interval of the bootstrap laws."""
+    import numpy as np
+
+    base = laws.CHINCHILLA_APPROACH3
+    samples = [dict(base.to_dict(), E=base.E + 0.01 * i) for i in range(11)]  # E = 1.69 .. 1.79
+    law = {"chinchilla": {**base.to_dict(), "bootstrap_samples": samples}}
+    out = sweep._predict(law, {"name": "held", "params": 1e8, "tokens": 2e9})
+    assert out["predicted_loss"] == base.loss(1e8, 2e9)
+    losses = [laws.ParametricLaw.from_dict(s).loss(1e8, 2e9) for s in samples]  # each loss + 0.01 i: E shifts it
+    assert out["predicted_loss_interval"] == pytest.approx([np.percentile(losses, 5), np.percentile(losses, 95)])
+    assert out["predicted_loss_interval"] == pytest.approx([base.loss(1e8, 2e9) + 0.005,
+                                                            base.loss(1e8, 2e9) + 0.095])

@@ -8,7 +8,6 @@ overwritten; a run folder without a summary (an interrupted run) is trained agai
 import argparse
 import dataclasses
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,15 +197,16 @@ def run_sweep(sweep_file: str, stage: str = "all", log: Callable = print) -> Opt
 
 
 def _predict(law: dict, held: dict) -> dict:
+    """The held-out run's loss from the fitted law and its bootstrap 90% interval (ladder_report.predict, the
+    ladder's own prediction, so both tools report the same interval)."""
+    from lit_pretrain.scaling.ladder_report import predict
     from lit_pretrain.scaling.laws import ParametricLaw
 
-    fitted = ParametricLaw.from_dict(law["chinchilla"])
-    loss = fitted.loss(held["params"], held["tokens"])
-    samples = law["chinchilla"].get("bootstrap_samples") or []
-    preds = sorted(ParametricLaw.from_dict(s).loss(held["params"], held["tokens"]) for s in samples)
-    interval = [preds[int(0.05 * (len(preds) - 1))], preds[math.ceil(0.95 * (len(preds) - 1))]] if preds else None
-    return {"run": held["name"], "params": held["params"], "tokens": held["tokens"], "predicted_loss": loss,
-            "predicted_loss_interval": interval, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    samples = [ParametricLaw.from_dict(s) for s in law["chinchilla"].get("bootstrap_samples") or []]
+    p = predict(ParametricLaw.from_dict(law["chinchilla"]), samples, held["params"], held["tokens"], 0.9)
+    return {"run": held["name"], "params": held["params"], "tokens": held["tokens"],
+            "predicted_loss": p["predicted_loss"], "predicted_loss_interval": p["interval"],
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def main(argv=None) -> None:
