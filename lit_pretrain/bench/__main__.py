@@ -145,9 +145,9 @@ def _masking(r: _Run) -> List[Dict]:
 
 
 def _moe(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import moe
+    from lit_pretrain.bench import expert_parallel, moe
 
-    return moe.run(r.c, r.args.repeats)
+    return [*moe.run(r.c, r.args.repeats), *expert_parallel.run(r.c, r.args.repeats)]
 
 
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
