@@ -24,6 +24,7 @@ from torch import nn
 from lit_pretrain.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.model import softcap
 from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
+from lit_pretrain.parallel.moe_mesh import KeepLoads, install_pipeline_losses
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -148,6 +149,10 @@ class PipelineRunner:
         for stage in self.stages:
             self._time(stage, "forward_one_chunk")
             self._time(stage, "backward_one_chunk")
+            self._keep_moe_loads(stage)
+        # model.moe: the auxiliary and z losses of this rank's MoE layers enter backward through their outputs
+        # (parallel/moe_mesh.py, Megatron-LM's MoEAuxLossAutoScaler), scaled as the task loss is.
+        install_pipeline_losses(gpt, lambda: self.scale)
         self._schedules = {}
         self.last_idle_fraction: Optional[float] = None
 
@@ -171,6 +176,18 @@ class PipelineRunner:
                 self.busy += time.perf_counter() - start
 
         setattr(stage, method, timed)
+
+    @staticmethod
+    def _keep_moe_loads(stage) -> None:
+        """The schedule's metadata inference (its first step, and again after a switch between training and
+        evaluation) runs the stage's forward once more: its MoE routing counts are put back afterwards."""
+        inner = stage._prepare_forward_infra
+
+        def kept(*args, **kwargs):
+            with KeepLoads(stage.submod):
+                return inner(*args, **kwargs)
+
+        stage._prepare_forward_infra = kept
 
     def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # fp32 cross-entropy (and optim.z_loss) as in PretrainModule.losses; scaled so gradients match Lightning's
