@@ -20,9 +20,10 @@ from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.moe import end_step, moe_layers, moe_loss
 from lit_pretrain.parallel.apply import apply_plan
-from lit_pretrain.parallel.mesh import build_mesh
+from lit_pretrain.parallel.mesh import build_mesh, local
 from lit_pretrain.parallel.moe_mesh import data_parallel_sum
 from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.parallel.tensor import style_of
 from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, case, data, data_parallel_rank
 
 _RECORDED: dict = {}  # "reference" / "layout" -> [per step: {layer: (stats, bias)}]
@@ -92,7 +93,23 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
             dist.all_reduce(loss, group=group)
         losses.append(loss.item() / d)
         norms.append(norm.item())
+    _RECORDED["replicas_equal"] = replicas_equal(par, model)
     return par, model, opt, losses, norms, grads0
+
+
+def replicas_equal(par, model) -> bool:
+    """Whether every parameter replicated over the tensor-parallel group (router, routed experts, norms, embedding)
+    holds the same values on all its ranks, bitwise, after training: their gradients agreed at every step."""
+    same = torch.ones(())
+    for name, p in model.named_parameters():
+        if style_of(name, par.tp_plan) is None:
+            t = local(p.detach())
+            hi, lo = t.clone(), t.clone()
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=par.tp)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=par.tp)
+            same = torch.minimum(same, torch.tensor(float(torch.equal(hi, lo))))
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)  # over the world: every rank's verdict
+    return bool(same)
 
 
 def router_grad(cfg: GPTConfig, micro: int, layer: int):
@@ -141,6 +158,7 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
                     bias = max(bias, (b - r_bias).abs().max().item())
     r = out[name]
     r.update(counts=counts, z_stat=stats_z, bias=bias, stats_consistent=consistent,
+             replicas_equal=_RECORDED["replicas_equal"],
              layers_seen=sorted(seen) == cfg.moe_layers(), bias_on=cfg.moe.bias_update_rate > 0)
     if micro > 1:  # the auxiliary loss's own share of the first MoE router's gradient, in one process
         no_aux = GPTConfig(**{**CFG, **variant, "moe": {**variant["moe"], "aux_loss": 0.0}})

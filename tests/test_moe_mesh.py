@@ -63,6 +63,9 @@ def check_moe(results, names):
         # Every rank holding a layer kept the same statistics and bias, bitwise (replicated routing under TP, the
         # same sums on every data-parallel rank).
         assert r["stats_consistent"], (name, r)
+        # The replicated parameters (router, routed experts) equal on every tensor-parallel rank after 3 steps: their
+        # gradients agreed bitwise at every step.
+        assert r["replicas_equal"], (name, r)
         # Tokens per expert, dropped and total assignments: integers, equal exactly; summing over the world instead
         # of the data-parallel ranks doubles them under TP 2 (and mixes layers across stages). The bias moves by
         # ±rate from the counts alone: equal exactly.
@@ -89,20 +92,23 @@ def test_four_process_moe_layouts_match_one_process():
     check_moe(results, [c[0] for c in CASES_4])
 
 
-def test_pipeline_moe_trains_through_the_cli(tmp_path, tiny_data_dir):
+@pytest.mark.parametrize("strategy", [["strategy=pipeline"], ["strategy=tensor", "strategy.sequence_parallel=true"]],
+                         ids=["pp2", "tp2_sp"])
+def test_moe_trains_through_the_cli_under_the_mesh(tmp_path, tiny_data_dir, strategy):
     """`lit-pretrain train` with model.moe under strategy=pipeline (2 stages of one MoE block each, 1F1B, 4
-    micro-batches): the config loads, 2 steps train, and the MoE monitor logs both stages' layers with the step's
-    own assignments: 8 windows x 64 tokens x top 2 = 1,024 per layer, neither doubled nor joined by the schedule's
-    shape-inference forward (parallel/pipeline.py puts its counts back)."""
+    micro-batches) and under strategy=tensor with sequence parallelism: the config loads, 2 steps train, and the MoE
+    monitor logs every layer (both stages') with the step's own assignments: 8 windows x 64 tokens x top 2 = 1,024
+    per layer, not doubled by a sum over the tensor-parallel ranks (MeshStrategy.data_parallel_sum), not joined by
+    the pipeline schedule's shape-inference forward (parallel/pipeline.py puts its counts back)."""
     moe = ("model.moe={num_experts: 4, top_k: 2, d_ff_expert: 64, aux_loss: 0.01, router_z_loss: 0.001, "
            "bias_update_rate: 0.001}")
-    run_module(*train_args(tiny_data_dir, tmp_path, "pp"), moe, "strategy=pipeline", "trainer.devices=2",
+    run_module(*train_args(tiny_data_dir, tmp_path, "run"), moe, *strategy, "trainer.devices=2",
                "trainer.max_steps=2", "schedule.warmup_steps=1", "trainer.val_every_n_steps=2",
                "trainer.log_every_n_steps=1", "model.vocab_size=513", "trainer.progress_bar=false",
                "strategy.timeout_seconds=60")
-    metrics = read_metrics(tmp_path / "pp" / "metrics.csv")
+    metrics = read_metrics(tmp_path / "run" / "metrics.csv")
     assert [s for s, _ in series(metrics, "train/loss")] == [0, 1]
-    for layer in (0, 1):  # block 0 on the first stage, block 1 on the second
+    for layer in (0, 1):
         tokens_max = series(metrics, f"moe/layer{layer}/tokens_max")
         share = series(metrics, f"moe/layer{layer}/max_share")
         assert len(tokens_max) == 2, layer
