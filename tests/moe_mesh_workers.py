@@ -23,7 +23,7 @@ from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh, local
 from lit_pretrain.parallel.moe_mesh import data_parallel_sum
 from lit_pretrain.parallel.plan import ParallelPlan
-from lit_pretrain.parallel.tensor import style_of
+from lit_pretrain.parallel.tensor import plain_name, style_of
 from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, case, data, data_parallel_rank
 
 _RECORDED: dict = {}  # "reference" / "layout" -> [per step: {layer: (stats, bias)}]
@@ -85,7 +85,8 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         norm = par.grad_norm()
         torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], MAX_NORM, norm)
         if step == 0:
-            grads0 = par._gather_named({n: p.grad for n, p in model.named_parameters()})
+            # Single-process names (activation checkpointing's wrapper prefixes the parameters' names).
+            grads0 = par._gather_named({plain_name(n): p.grad for n, p in model.named_parameters()})
         opt.step()
         end_step(model, lambda t: data_parallel_sum(t, [par.replicate, par.shard_group]))
         record(model, "layout")

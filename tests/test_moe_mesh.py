@@ -30,9 +30,13 @@ CASES_2 = [
     # Pipeline: aux_loss 0 against one process on the whole batch (the Switch loss of 4 micro-batches is not the
     # batch's); the z-loss is a mean over tokens and the counts a sum, so both match.
     ("pp2_1f1b_moe", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4), {"moe": MOE}),
+    # Two stages per rank: each stage's counts kept apart from the schedule's shape inference, its losses hooked.
+    ("pp2_interleaved_moe", Plan(pipeline_parallel=2, schedule="interleaved_1f1b", micro_batches=4,
+                                 stages_per_rank=2), {"moe": MOE}),
     # aux_loss > 0 against one process accumulating the same 4 micro-batches: the first stage's routers get the
-    # auxiliary loss's gradient through the MoEAuxLossAutoScaler.
-    ("pp2_1f1b_aux_moe", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4),
+    # auxiliary loss's gradient through the MoEAuxLossAutoScaler, here inside activation checkpointing's
+    # recomputation (the scaler saves no tensor).
+    ("pp2_1f1b_aux_moe", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4, activation_checkpointing="full"),
      {"moe": {**MOE, "aux_loss": 1e-2}, "micro_reference": 4}),
 ]
 CASES_4 = [
