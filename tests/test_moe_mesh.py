@@ -9,6 +9,7 @@ One spawn of 2 processes, one of 4 (all 4-process cases in it), then a CLI run.
 import pytest
 import torch.multiprocessing as mp
 
+from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import free_port, run_module, train_args
@@ -104,8 +105,8 @@ def test_moe_trains_through_the_cli_under_the_mesh(tmp_path, tiny_data_dir, stra
     monitor logs every layer (both stages') with the step's own assignments: 8 windows x 64 tokens x top 2 = 1,024
     per layer, not doubled by a sum over the tensor-parallel ranks (MeshStrategy.data_parallel_sum), not joined by
     the pipeline schedule's shape-inference forward (parallel/pipeline.py puts its counts back)."""
-    moe = ("model.moe={num_experts: 4, top_k: 2, d_ff_expert: 64, aux_loss: 0.01, router_z_loss: 0.001, "
-           "bias_update_rate: 0.001}")
+    moe = ("model.moe={num_experts: 4, top_k: 2, d_ff_expert: 64, num_shared_experts: 1, aux_loss: 0.01, "
+           "router_z_loss: 0.001, bias_update_rate: 0.001}")
     run_module(*train_args(tiny_data_dir, tmp_path, "run"), moe, *strategy, "trainer.devices=2",
                "trainer.max_steps=2", "schedule.warmup_steps=1", "trainer.val_every_n_steps=2",
                "trainer.log_every_n_steps=1", "model.vocab_size=513", "trainer.progress_bar=false",
@@ -118,3 +119,9 @@ def test_moe_trains_through_the_cli_under_the_mesh(tmp_path, tiny_data_dir, stra
         assert len(tokens_max) == 2, layer
         for (_, most), (_, fraction) in zip(tokens_max, share):
             assert most / fraction == 1024, (layer, most, fraction)
+    # The checkpoint (the shared experts' column/row slices gathered, both stages' layers) loads into one process
+    # with each layer's bias as the monitor logged it at the last step.
+    gpt = load_gpt(tmp_path / "run")
+    for layer, block in enumerate(gpt.blocks):
+        logged = series(metrics, f"moe/layer{layer}/bias_norm")[-1][1]
+        assert float(block.mlp.expert_bias.norm()) == pytest.approx(logged, rel=1e-6) and logged > 0, layer
