@@ -169,6 +169,41 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
         r["router_grad_scale"] = with_aux.abs().max().item()
 
 
+def planner_case(out: dict) -> None:
+    """One MoE block (a shared expert) under tensor parallelism over the whole world, with and without sequence
+    parallelism: its parameters on this rank and the bytes it saves for backward, against the memory planner."""
+    from lit_pretrain.parallel.memory import SavedActivations
+    from lit_pretrain.parallel.tensor import apply_tensor_parallel
+    from lit_pretrain.scaling.memory import block_activation_bytes, memory_plan
+
+    t = dist.get_world_size()
+    tp = build_mesh(ParallelPlan(tensor_parallel=t)).get_group("tensor_parallel")
+    moe = dict(num_experts=4, top_k=2, d_ff_expert=32, num_shared_experts=1)
+    cfg = GPTConfig(**{**CFG, "n_layers": 1, "moe": moe})
+    x = data()[0][0]
+    B, T = x.shape
+    measured = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        apply_tensor_parallel(model, tp, sequence_parallel=sp)
+        block = model.blocks[0]
+        h = model.tok_embeddings(x)  # (B, T, d), or this rank's (B, T/t, d) under sequence parallelism
+        with SavedActivations(model) as meter:
+            block(h, model.rope_cos, model.rope_sin)
+        counts = block.mlp.load[:4]  # this forward's assignments per expert: the whole micro-batch's
+        rho = 4 * counts.max().item() / (B * T * 2)  # how far the busiest expert pads the CPU batch (scaling/memory)
+        planned = block_activation_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, t, sp,
+                                         moe=(4, 2, 32, 1, rho))
+        measured[sp] = (meter.bytes, planned, rho, counts.sum().item())
+    plan = memory_plan(cfg, B, tensor_parallel=t, precision="32-true")
+    # The planner's per-rank count: one block, the embedding (vocab-parallel in its accounting) and the final norm.
+    planned_block = plan["params_per_device"] - cfg.vocab_size * cfg.d_model / t - cfg.d_model
+    if dist.get_rank() == 0:
+        out["planner"] = {"saved": measured, "block_params": sum(p.numel() for p in block.parameters()),
+                          "planned_block_params": planned_block, "tokens": B * T}
+
+
 def moe_worker(rank: int, world: int, port: int, cases: list, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -179,6 +214,8 @@ def moe_worker(rank: int, world: int, port: int, cases: list, results):
         for name, plan, variant in cases:
             moe_case(plan, out, name, variant)
             dist.barrier()
+        if world == 2:
+            planner_case(out)
     finally:
         dist.destroy_process_group()
     if rank == 0:
