@@ -121,11 +121,12 @@ def test_moe_trains_through_the_cli_under_the_mesh(tmp_path, tiny_data_dir, stra
     micro-batches) and under strategy=tensor with sequence parallelism: the config loads, 2 steps train, and the MoE
     monitor logs every layer (both stages') with the step's own assignments: 8 windows x 64 tokens x top 2 = 1,024
     per layer, not doubled by a sum over the tensor-parallel ranks (MeshStrategy.data_parallel_sum), not joined by
-    the pipeline schedule's shape-inference forward (parallel/pipeline.py puts its counts back)."""
+    the pipeline schedule's shape-inference forward (parallel/pipeline.py puts its counts back), which runs again
+    on step 2 after the validation after step 1 switched the schedule to evaluation."""
     moe = ("model.moe={num_experts: 4, top_k: 2, d_ff_expert: 64, num_shared_experts: 1, aux_loss: 0.01, "
            "router_z_loss: 0.001, bias_update_rate: 0.001}")
     run_module(*train_args(tiny_data_dir, tmp_path, "run"), moe, *strategy, "trainer.devices=2",
-               "trainer.max_steps=2", "schedule.warmup_steps=1", "trainer.val_every_n_steps=2",
+               "trainer.max_steps=2", "schedule.warmup_steps=1", "trainer.val_every_n_steps=1",
                "trainer.log_every_n_steps=1", "model.vocab_size=513", "trainer.progress_bar=false",
                "strategy.timeout_seconds=60")
     metrics = read_metrics(tmp_path / "run" / "metrics.csv")
