@@ -184,9 +184,11 @@ class GPTConfig:
             out["mlp.experts.w_down"] = ModuleSpec("experts", (E, d, e), residual_projection=True, active_experts=k)
             if moe.num_shared_experts:
                 s = moe.num_shared_experts * e
-                out["mlp.shared.w_gate"] = ModuleSpec("linear", (s, d))
-                out["mlp.shared.w_up"] = ModuleSpec("linear", (s, d))
-                out["mlp.shared.w_down"] = ModuleSpec("linear", (d, s), residual_projection=True)
+                # Split like the dense MLP under tensor parallelism (Megatron-LM's SharedExpertMLP); the router and
+                # the routed experts stay replicated over the group (parallel/moe_mesh.py).
+                out["mlp.shared.w_gate"] = ModuleSpec("linear", (s, d), "column")
+                out["mlp.shared.w_up"] = ModuleSpec("linear", (s, d), "column")
+                out["mlp.shared.w_down"] = ModuleSpec("linear", (d, s), "row", residual_projection=True)
             return out
         if self.mlp == "swiglu":
             out["mlp.w_gate"] = ModuleSpec("linear", (f, d), "column")

@@ -178,7 +178,8 @@ class PretrainModule(L.LightningModule):
         self._micro_batches += 1
         # model.moe: the load-balancing and router z-losses of this forward (lit_pretrain/moe.py), trained on but
         # kept out of train/loss, as the z-loss is (their values are logged per layer by the MoE monitor).
-        balance = moe_loss(self.model)
+        # Under pipeline parallelism they trained inside the schedule's backward (parallel/moe_mesh.py).
+        balance = moe_loss(self.model) if self.parallel is None or self.parallel.runner is None else None
         if balance is not None:
             loss = loss + balance
         if z_loss is None:
@@ -219,9 +220,13 @@ class PretrainModule(L.LightningModule):
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
         # model.moe, after the update and before any callback's on_train_batch_end reads the step: the routing
-        # counts summed over the data-parallel ranks, DeepSeek-V3's bias update (lit_pretrain/moe.py end_step).
+        # counts summed over the data-parallel ranks, DeepSeek-V3's bias update (lit_pretrain/moe.py end_step). On our
+        # mesh over those ranks alone (MeshStrategy.data_parallel_sum); elsewhere every rank is a data-parallel one.
         trainer = self._trainer
-        end_step(self.model, None if trainer is None else lambda t: trainer.strategy.reduce(t, reduce_op="sum"))
+        strategy = None if trainer is None else trainer.strategy
+        reduce = getattr(strategy, "data_parallel_sum", None) or (
+            None if strategy is None else lambda t: strategy.reduce(t, reduce_op="sum"))
+        end_step(self.model, reduce)
 
     def on_before_optimizer_step(self, optimizer):
         # Read here, not after the step: by then the scheduler has moved on to the next step's rate. The schedule's

@@ -102,15 +102,18 @@ def dist_broadcast(obj):
     return box[0]
 
 
-def case(plan: ParallelPlan, out: dict, name: str, variant: dict):
-    """`variant`: model keys over CFG (issue 21's variants: n_kv_heads, qk_norm, logit_softcap, norm, mlp)."""
+def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
+    """`variant`: model keys over CFG (issue 21's variants: n_kv_heads, qk_norm, logit_softcap, norm, mlp; `moe`
+    as a dict of MoEConfig fields). `train`: the (reference, run_layout) loops to use instead of this module's
+    (tests/moe_mesh_workers.py adds model.moe's losses and bias update)."""
+    train_reference, train_layout = train or (reference, run_layout)
     cfg = GPTConfig(**{**CFG, **variant})
     torch.manual_seed(0)
     init = GPT(cfg)
     xs, ys = data()
     ref_model = copy.deepcopy(init)
-    ref_losses, ref_norms, ref_grads, ref_opt = reference(ref_model, xs, ys)
-    par, model, opt, losses, norms, grads0 = run_layout(plan, init, xs, ys)
+    ref_losses, ref_norms, ref_grads, ref_opt = train_reference(ref_model, xs, ys)
+    par, model, opt, losses, norms, grads0 = train_layout(plan, init, xs, ys)
     full = par.full_state()
     full_opt = par.full_optimizer_state(opt)
     # The gathered AdamW state sliced into a fresh optimizer of this layout, and gathered again.

@@ -204,8 +204,9 @@ def _route_to(layer, flat, expert):
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["strategy=tensor", "strategy.tensor_parallel=2", "trainer.devices=2"], "strategy.tensor_parallel"),
-    (["strategy=pipeline", "strategy.pipeline_parallel=2", "trainer.devices=2"], "strategy.pipeline_parallel"),
+    # tensor and pipeline parallelism compose (tests/test_moe_mesh.py); the shared experts split in whole units
+    (["strategy=tensor", "strategy.tensor_parallel=3", "trainer.devices=3", "model.moe.num_shared_experts=1",
+      "model.moe.d_ff_expert=8"], "model.moe.num_shared_experts"),
     (["trainer.compile=true"], "trainer.compile"),
     (["optim.name=muon"], "optim.name"),
     (["model.moe.top_k=9"], "model.moe.top_k"),

@@ -7,8 +7,8 @@ row; the event (label "router_collapse", with layer, expert and share) stays ope
 is listed in the stability report with the loss spikes.
 
 The statistics are those `moe.end_step` kept after the optimizer step, already summed over the data-parallel ranks,
-so every rank sees the same values and takes the same decision without a collective. They are read on the host only
-at logged steps.
+so every rank sees the same values and takes the same decision without a collective (under pipeline parallelism one
+object gather over the stages, which hold different layers). They are read on the host only at logged steps.
 """
 
 from typing import Dict, List, Optional
@@ -36,14 +36,26 @@ class MoEMonitor(Callback):
         if step == self._seen or not (step % self.log_every_n_steps == 0 or step >= trainer.max_steps):
             return
         self._seen = step
+        by_layer = {}
         for layer in moe_layers(pl_module.model):
             stats = step_statistics(layer)
-            if stats is None:
-                continue
-            values = {k: float(v) for k, v in stats.items()}  # one host read per logged step
+            if stats is not None:  # one host read per logged step
+                by_layer[layer.layer] = ({k: float(v) for k, v in stats.items()},
+                                         int(layer.step_stats[:layer.cfg.num_experts].argmax()))
+        parallel = getattr(pl_module, "parallel", None)
+        if parallel is not None and parallel.runner is not None:
+            # Pipeline stages hold other layers: every rank gathers them all (rank 0's logger writes, and every rank
+            # takes the same collapse decisions).
+            import torch.distributed as dist
+
+            parts = [None] * parallel.p
+            dist.all_gather_object(parts, by_layer, group=parallel.pp)
+            by_layer = {k: v for part in parts for k, v in part.items()}
+        for index in sorted(by_layer):
+            values, expert = by_layer[index]
             for key, value in values.items():
-                pl_module.log(f"moe/layer{layer.layer}/{key}", value)
-            self.observe(step, layer.layer, values["max_share"], int(layer.step_stats[:layer.cfg.num_experts].argmax()))
+                pl_module.log(f"moe/layer{index}/{key}", value)
+            self.observe(step, index, values["max_share"], expert)
 
     def observe(self, step: int, layer: int, share: float, expert: int) -> Optional[Dict]:
         """Feed one logged step's top-expert share of `layer`; returns the event it opens, if any."""

@@ -10,7 +10,7 @@ What it changes in Lightning's step, and why:
 - `optimizer_step`: after the closure's last backward and before the callbacks and clipping see the gradients,
   `ParallelModel.sync_gradients` (tied embedding over the pipeline, norms under sequence parallelism, replicas).
 - `distributed_sampler_kwargs`: the data-parallel rank and size (replica x shard); tensor- and pipeline-parallel
-  ranks of one replica read the same batch.
+  ranks of one replica read the same batch; `data_parallel_sum` sums over those ranks only (model.moe's counts).
 - checkpoints: with checkpoint.format=single, rank 0 writes one file through `self.checkpoint_io` holding the
   single-process state dict and a single-process AdamW state, so it loads into one process or into any other
   layout; with the sharded format (the default on several processes) each rank writes its own share instead
@@ -63,6 +63,16 @@ class MeshStrategy(WatchedLaunch, ShardedLoad, ModelParallelStrategy):
         shard = mesh["data_parallel_shard"]
         rank = mesh["data_parallel_replicate"].get_local_rank() * shard.size() + shard.get_local_rank()
         return {"num_replicas": self.plan.data_parallel, "rank": rank}
+
+    def data_parallel_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the data-parallel ranks only (replicas x shards), not over the world: tensor-parallel
+        ranks of one replica hold the same tokens' values and pipeline stages other layers' (model.moe's routing
+        counts, moe.end_step)."""
+        from lit_pretrain.parallel.moe_mesh import data_parallel_sum
+
+        mesh = self.device_mesh
+        return data_parallel_sum(tensor, [mesh.get_group(n) for n in ("data_parallel_replicate",
+                                                                       "data_parallel_shard")])
 
     def setup(self, trainer) -> None:
         super().setup(trainer)

@@ -24,6 +24,7 @@ from torch import nn
 from lit_pretrain.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.model import softcap
 from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
+from lit_pretrain.parallel.moe_mesh import install_pipeline_losses
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -149,6 +150,9 @@ class PipelineRunner:
             self._time(stage, "forward_one_chunk")
             self._time(stage, "backward_one_chunk")
             self._count_routing_in(stage)
+        # model.moe: the auxiliary and z losses of this rank's MoE layers enter backward through their outputs
+        # (parallel/moe_mesh.py, Megatron-LM's MoEAuxLossAutoScaler), scaled as the task loss is.
+        install_pipeline_losses(gpt, lambda: self.scale)
         self._schedules = {}
         self.last_idle_fraction: Optional[float] = None
 

@@ -258,14 +258,16 @@ def _check_expert_parallel(plan: ParallelPlan, model) -> None:
 
 
 def _check_moe(plan: ParallelPlan, model) -> None:
-    """What model.moe composes with so far: one process, DDP and ZeRO 1-3 over plain data parallelism (the experts
-    are ordinary parameters there; tests/test_moe_parallel.py checks parity with one process)."""
-    for key, degree in (("tensor_parallel", plan.tensor_parallel), ("pipeline_parallel", plan.pipeline_parallel),
-                        ("data_parallel_replicate", plan.data_parallel_replicate if plan.uses_fsdp else 1)):
-        if degree > 1:
-            raise ConfigError(f"model.moe with strategy.{key}={degree} is not supported yet (mixture-of-experts runs "
-                              "on one process, DDP and ZeRO stages 1-3 over plain data parallelism): set "
-                              f"strategy.{key}=1 or model.moe=null")
+    """What model.moe composes with: one process, DDP, ZeRO 1-3, HSDP, tensor parallelism (with sequence
+    parallelism) and pipeline parallelism (parallel/moe_mesh.py; tests/test_moe_parallel.py and
+    tests/test_moe_mesh.py check parity with one process). Under tensor parallelism the router and the routed experts
+    are replicated and the shared experts split like the dense MLP, whole units per rank."""
+    t, moe = plan.tensor_parallel, model.moe
+    shared = moe.num_shared_experts * model.d_ff_expert
+    if t > 1 and shared % t:
+        raise ConfigError(f"model.moe.num_shared_experts x d_ff_expert = {shared} shared-expert units do not divide "
+                          f"over strategy.tensor_parallel={t} ranks (they are split like the dense MLP): choose a "
+                          f"model.moe.d_ff_expert or num_shared_experts whose product is a multiple of {t}")
     if plan.compile:
         raise ConfigError("model.moe with trainer.compile=true is not supported yet (the routing's data-dependent "
                           "shapes, argsort and bincount break the block's full graph): set trainer.compile=false")

@@ -193,7 +193,9 @@ def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
     """Sum the norms' weight gradients over the tensor-parallel group (one flat all-reduce): each rank holds the
     gradient of its sequence chunk only. Call once per optimizer step, after backward (and accumulation) and before
     the gradient norm; afterwards they are equal on every tensor-parallel rank, like any replicated parameter's."""
-    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
+    # Under FSDP (ZeRO-2/3 x TP) each rank sums its own shard: every rank of the group holds the same shard of them.
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+             for p in sequence_parallel_params(model) if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
     all_reduce_flat(grads, group)

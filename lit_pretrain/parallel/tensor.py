@@ -40,7 +40,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lit_pretrain.moe import moe_layers
 from lit_pretrain.parallel.collectives import all_reduce_flat
+from lit_pretrain.parallel.moe_mesh import replicate_over_sequence
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel
 
 SHARD_DIM = {"column": 0, "row": 1}  # which dim of an nn.Linear weight (out, in) each style splits
@@ -168,25 +170,31 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         check_seq_len(cfg.seq_len, world)
     replaced = 0
     column_parents = []
+    # model.moe: the shared experts' linears sit inside the MoE layer, which sequence parallelism replicates along
+    # the sequence (parallel/moe_mesh.py): they are plain tensor-parallel layers (f and g) whatever the setting.
+    in_moe_layer = {id(m) for layer in moe_layers(model) for m in layer.modules()}
     for name, module in list(model.named_modules()):
         style = getattr(module, "tensor_parallel", None)
         if style not in SHARD_DIM or not isinstance(module, nn.Linear):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if style == "column" and all(parent is not p for p in column_parents):
+        in_moe = id(module) in in_moe_layer
+        sp = sequence_parallel and not in_moe
+        if style == "column" and not in_moe and all(parent is not p for p in column_parents):
             column_parents.append(parent)
         if isinstance(module, ColumnParallelLinear):
-            if module.sequence_parallel != sequence_parallel:
+            if module.sequence_parallel != sp:
                 raise ValueError(f"{name} is already tensor-parallel with sequence_parallel="
                                  f"{module.sequence_parallel}: apply to a fresh model to change it")
             continue
         cls = ColumnParallelLinear if style == "column" else RowParallelLinear
-        setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group, sequence_parallel,
+        setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group, sp,
                                    getattr(module, "residual_projection", False)))
         replaced += 1
     if sequence_parallel:
         install_sequence_parallel(model, group, column_parents)
+        replicate_over_sequence(model, group)
     return replaced
 
 

@@ -158,7 +158,9 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       expert's copies are padded to the busiest one's count, ρ = E·C/kN between 1 and 2, lit_pretrain/moe.py;
       balanced routing, ρ = 1, by default), 4sNf_e for the shared experts, 3kNh for the copies' outputs and their
       weighting, 2NE fp32 router scores and 32kN bytes of int64 routing indices. Measured against SavedActivations
-      within 1% (tests/test_moe.py): the rest is a few per-token scalars of the routing.
+      within 1% (tests/test_moe.py): the rest is a few per-token scalars of the routing. Under tensor parallelism
+      only the shared experts' term is divided by t: the router and the routed experts are replicated and route the
+      whole micro-batch on every rank, with or without sequence parallelism (parallel/moe_mesh.py).
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.
@@ -179,13 +181,14 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     if qk_norm:
         attention += 2 * n * h + n * a + 2 * n * kv + n * g
     mlp_elements = (4 if mlp == "swiglu" else 2) * n * f
-    routing_bytes = 0.0
+    routing_bytes = replicated = 0.0
     if moe is not None:
         experts, k, f_e, shared, *rest = moe
         rows = (rest[0] if rest else 1.0) * k * n
-        mlp_elements = rows * h + 4 * rows * f_e + 4 * shared * n * f_e + 3 * k * n * h
+        mlp_elements = 4 * shared * n * f_e
+        replicated = rows * h + 4 * rows * f_e + 3 * k * n * h  # the routed experts: the same on every TP rank
         routing_bytes = 4.0 * 2 * n * experts + 32.0 * k * n
-    sharded = (attention + mlp_elements) / t
+    sharded = (attention + mlp_elements) / t + replicated
     if autocast:
         # q, k, v and the MLP's column linears each save their own cast; an MoE block's router saves one cast of
         # its input and its experts' input is already among mlp_elements (estimated, not measured under autocast).
@@ -227,14 +230,14 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         raise ConfigError(f"--activation-checkpointing-k must be at least 1, got {activation_checkpointing_k}")
     layers_here = math.ceil(L / p)
     d, v = cfg.d_model, cfg.vocab_size
-    block = shapes.block_params(cfg)
     norms = shapes.block_norm_params(cfg)  # norm weights are replicated across the tensor-parallel group
     # The first stage holds its layers and the (vocab-parallel) embedding; with one stage also the final norm and,
-    # untied, the head. Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits).
-    # model.moe: the routed experts are not split by tensor parallelism (each tensor-parallel rank holds and
-    # computes them whole, parallel/expert.py), and expert parallelism splits them instead
+    # untied, the head. Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits)
+    # but an MoE block's router and routed experts, replicated over the group (parallel/moe_mesh.py); with
+    # model.moe the larger of a dense and an MoE block. Expert parallelism splits the routed experts instead.
+    local_block = max((block - norms - kept) / t + norms + kept
+                      for block, kept in shapes.block_params_replicated(cfg))
     routed_block = 3 * cfg.moe.num_experts * cfg.d_ff_expert * cfg.d_model if cfg.moe is not None else 0
-    local_block = (block - norms - routed_block) / t + norms + routed_block
     local = layers_here * local_block + v * d / t
     if p == 1:
         local += d + (0 if cfg.tie_embeddings else v * d / t)

@@ -11,7 +11,7 @@ leaves out the vocabulary matrices (Kaplan et al. 2020 §2.1).
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from lit_pretrain.model_config import GPTConfig, flops_per_token_formula
 
@@ -26,6 +26,17 @@ def block_params(cfg: GPTConfig) -> int:
     """Parameters of the largest block (with model.moe, a mixture-of-experts one: what a pipeline stage or a
     planner's per-layer bound must hold)."""
     return max(sum(spec.numel for spec in cfg.block_modules(i).values()) for i in _block_kinds(cfg))
+
+
+def block_params_replicated(cfg: GPTConfig) -> List[Tuple[int, int]]:
+    """(parameters, of which the router and routed experts) of each kind of block (dense, MoE): under tensor
+    parallelism the latter are replicated over the group, not split (parallel/moe_mesh.py)."""
+    out = []
+    for i in _block_kinds(cfg):
+        specs = cfg.block_modules(i)
+        kept = sum(s.numel for name, s in specs.items() if s.kind == "experts" or name == "mlp.router")
+        out.append((sum(s.numel for s in specs.values()), kept))
+    return out
 
 
 def block_norm_params(cfg: GPTConfig) -> int:
