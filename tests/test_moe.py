@@ -425,7 +425,8 @@ def test_a_checkpoint_written_before_model_moe_resumes_unless_a_new_key_left_its
 def test_memory_planner_splits_the_routed_experts_by_expert_parallel_only():
     """OLMoE-1B-7B (the preset; 6,442,450,944 routed-expert weights of 6,919,161,856, counted above against
     transformers): expert parallelism 8 leaves each rank 1/8 of the experts, with their state sharded over the
-    64 / 8 = 8 ranks holding the same experts at ZeRO-3; tensor parallelism splits the dense matrices, not them."""
+    64 / 8 = 8 ranks holding the same experts at ZeRO-3; tensor parallelism splits the dense matrices, not them nor the
+    router."""
     from lit_pretrain.errors import ConfigError
     from lit_pretrain.scaling.memory import memory_plan
 
@@ -444,7 +445,8 @@ def test_memory_planner_splits_the_routed_experts_by_expert_parallel_only():
     tp2 = memory_plan(cfg, 1, data_parallel=1, zero_stage=0, precision="32-true", tensor_parallel=2)
     norms = 16 * 2 * 2048 + 16 * 2 * 2048 + 2048  # two RMSNorms a block, QK-norm over the projections, final norm
     embeddings = 2 * 50304 * 2048
-    assert tp2["params_per_device"] == (6_919_161_856 - routed - norms - embeddings) / 2 + routed + norms \
-        + embeddings / 2
+    router = 16 * 64 * 2048  # replicated over tensor parallelism too: every rank routes the same tokens
+    assert tp2["params_per_device"] == (6_919_161_856 - routed - router - norms - embeddings) / 2 + routed + router \
+        + norms + embeddings / 2
     with pytest.raises(ConfigError, match="--expert-parallel 3"):
         memory_plan(cfg, 1, expert_parallel=3)
