@@ -41,6 +41,13 @@ class MoEConfig:
     """Coefficient of the Switch/GShard load-balancing loss E * sum_i f_i * P_i (Fedus et al. 2021 eq. 4: f_i the
     fraction of assignments to expert i, P_i its mean router probability; 1 when balanced), averaged over the MoE
     layers as transformers' OLMoE does. 0: off."""
+    aux_loss_scope: str = field(default="micro_batch", metadata={"choices": ["micro_batch", "global"]})
+    """Which assignments f_i counts. micro_batch: each rank's own micro-batch (Megatron-LM's default), so the
+    data-parallel mean of the ranks' losses is not one process's loss over their tokens. global: those of the
+    micro-batches all data-parallel ranks run together, summed by one all-reduce of E counts per MoE layer and
+    forward (global-batch balancing, Qiu et al. 2025, "Demons in the Detail"), so that mean is one process's over
+    the same tokens; P_i (which carries the gradient) stays each rank's own. Gradient accumulation and pipeline
+    micro-batches keep their own f either way."""
     bias_update_rate: float = field(default=0.0, metadata={"ge": 0})
     """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2; Wang et al. 2024): a per-expert bias, added to the
     scores for the top-k choice only, moves by this rate times sign(mean load - load) after every optimizer step.

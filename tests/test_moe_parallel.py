@@ -38,6 +38,13 @@ STRATEGIES = {"ddp": ["strategy=ddp"],
               # checkpointing (the dispatch's all-to-alls run again in the recomputation), and with ZeRO-3
               "ep2": ["strategy=ddp", "strategy.expert_parallel=2", "model.activation_checkpointing=full"],
               "ep2_zero3": ["strategy=zero", "strategy.zero_stage=3", "strategy.expert_parallel=2"]}
+# model.moe.aux_loss_scope=global (parallel/moe_mesh.py): f_i of the Switch loss from both ranks' counts, so the
+# auxiliary loss trains as one process's: against one process with the same coefficient, under DDP and under EP 2
+# with activation checkpointing (the counts' all-reduce runs again in the recomputation, inside the backward).
+AUX = ["model.moe.aux_loss=0.01", "model.moe.aux_loss_scope=global"]
+AUX_STRATEGIES = {"ddp_aux_global": ["strategy=ddp"],
+                  "ep2_aux_global": ["strategy=ddp", "strategy.expert_parallel=2",
+                                     "model.activation_checkpointing=full"]}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +54,12 @@ def runs(tmp_path_factory, tiny_data_dir):
 
     def get(name):
         if name not in done:
-            overrides = ["trainer.micro_batch_size=8"] if name == "single" else \
-                [*STRATEGIES[name], "trainer.devices=2", "trainer.micro_batch_size=4"]
+            if name in ("single", "single_aux"):
+                overrides = ["trainer.micro_batch_size=8", *(AUX if name == "single_aux" else [])]
+            elif name in AUX_STRATEGIES:
+                overrides = [*AUX_STRATEGIES[name], *AUX, "trainer.devices=2", "trainer.micro_batch_size=4"]
+            else:
+                overrides = [*STRATEGIES[name], "trainer.devices=2", "trainer.micro_batch_size=4"]
             run_module(*train_args(tiny_data_dir, root, name), *COMMON, *overrides)
             done[name] = root / name
         return done[name]
@@ -56,9 +67,10 @@ def runs(tmp_path_factory, tiny_data_dir):
     return get
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", [*STRATEGIES, *AUX_STRATEGIES])
 def test_moe_under_data_parallelism_and_expert_parallelism_matches_one_process(runs, name):
-    single, other = read_metrics(runs("single") / "metrics.csv"), read_metrics(runs(name) / "metrics.csv")
+    reference = "single_aux" if name in AUX_STRATEGIES else "single"
+    single, other = read_metrics(runs(reference) / "metrics.csv"), read_metrics(runs(name) / "metrics.csv")
     # As the dense parity matrix: float summation order only, so 1e-5 on losses and clipped gradient norms.
     for key, tol in (("train/loss", 1e-5), ("train/grad_norm", 1e-5)):
         a, b = series(single, key), series(other, key)
@@ -73,7 +85,10 @@ def test_moe_under_data_parallelism_and_expert_parallelism_matches_one_process(r
             assert series(single, k) == series(other, k), k
         z = f"moe/layer{layer}/z_loss"  # a mean over tokens: 2 ranks' means averaged = one mean, to rounding
         assert [v for _, v in series(single, z)] == pytest.approx([v for _, v in series(other, z)], abs=1e-5)
-    a, b = load_gpt(runs("single")), load_gpt(runs(name))
+        if name in AUX_STRATEGIES:  # the ranks' auxiliary losses averaged: one process's, with the global f_i
+            aux = f"moe/layer{layer}/aux_loss"
+            assert [v for _, v in series(single, aux)] == pytest.approx([v for _, v in series(other, aux)], abs=1e-5)
+    a, b = load_gpt(runs(reference)), load_gpt(runs(name))
     for (key, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         # The dense matrix's bound (1% of one step's update at lr 1e-3); the expert biases are equal exactly.
         tol = 0 if key.endswith("expert_bias") else 1e-5

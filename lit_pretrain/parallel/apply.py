@@ -50,6 +50,10 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.expert import apply_expert_parallel
 
         par.ep = apply_expert_parallel(gpt, plan, mesh.device_type if mesh is not None else "cpu")
+    if plan.data_parallel > 1:  # model.moe.aux_loss_scope=global: the counts' all-reduce (a collective: all call it)
+        from lit_pretrain.parallel.moe_mesh import install_global_counts
+
+        install_global_counts(gpt, plan)
     apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
     if plan.compile:
         from lit_pretrain.parallel.compile import check_toolchain, compile_model

@@ -106,3 +106,23 @@ def data_parallel_sum(t: torch.Tensor, groups: Iterable) -> torch.Tensor:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(out, group=group)
     return out
+
+
+def install_global_counts(model: nn.Module, plan) -> int:
+    """model.moe.aux_loss_scope=global: give every MoE layer of `model` the sum of its routing counts over the
+    data-parallel ranks of this rank's (pipeline stage, tensor-parallel rank), on a process group of its own (made
+    here: a collective, every rank calls it), so the sum inside the forward, and again in an activation-checkpointing
+    recomputation inside the backward, never interleaves with the gradients' collectives. Returns the layers given it;
+    none with one data-parallel rank or the micro-batch scope."""
+    # Decided from the model's config, not the layers held: a pipeline stage may hold none, and every rank must
+    # make the same groups.
+    moe, d = model.cfg.moe, plan.data_parallel
+    if d == 1 or moe is None or moe.aux_loss_scope != "global" or moe.aux_loss == 0:
+        return 0
+    layers = moe_layers(model)
+    # Global rank = ((p·D) + data-parallel index)·T + t (parallel/plan.py MESH_DIMS): a group per (p, t).
+    ranks = torch.arange(plan.world_size).view(plan.pipeline_parallel, d, plan.tensor_parallel).permute(0, 2, 1)
+    group, _ = dist.new_subgroups_by_enumeration(ranks.reshape(-1, d).tolist())
+    for layer in layers:
+        layer.count_reduce = lambda t, group=group: data_parallel_sum(t, [group])
+    return len(layers)
