@@ -26,10 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_pretrain.model_config import GPTConfig, ModuleSpec
-
-# On CPU the padded batched GEMM runs while padding every expert to the busiest one's count multiplies the rows by at
-# most this much; beyond it (a skewed router) grouped_mm, which computes no padding.
-PAD_LIMIT = 2.0
+from lit_pretrain.moe_kernels import swiglu_experts
 
 
 class ExpertLinear(nn.Module):
@@ -154,18 +151,10 @@ class MoE(nn.Module):
 
     def experts_forward(self, xs: torch.Tensor, offsets: torch.Tensor, lo: int = 0, hi: Optional[int] = None):
         """SwiGLU experts lo..hi on xs (M, d) sorted by expert (offsets: cumulative rows per expert) -> (M, d)."""
-        w, M = self.experts, xs.shape[0]
-        if xs.device.type == "cpu" and M:
-            counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1))  # (L,) rows per expert
-            C, L = int(counts.max()), counts.shape[0]  # a host read, free on CPU
-            if L * C <= PAD_LIMIT * M:  # padding at most doubles the rows: the batched GEMM wins (module docstring)
-                expert = torch.repeat_interleave(torch.arange(L), counts, output_size=M)  # (M,)
-                slot = expert * C + torch.arange(M) - (offsets.long() - counts)[expert]  # (M,) row in (L·C)
-                xp = xs.new_zeros(L * C, xs.shape[1]).index_copy(0, slot, xs).view(L, C, -1)  # (L, C, d)
-                h = F.silu(w["w_gate"].batched(xp, lo, hi)) * w["w_up"].batched(xp, lo, hi)  # (L, C, f)
-                return w["w_down"].batched(h, lo, hi).view(L * C, -1)[slot]  # (M, d); padded rows dropped
-        h = F.silu(w["w_gate"](xs, offsets, lo, hi)) * w["w_up"](xs, offsets, lo, hi)  # (M, d_ff_expert)
-        return w["w_down"](h, offsets, lo, hi)
+        w = [self.experts[n].weight for n in ("w_gate", "w_up", "w_down")]
+        if lo or hi is not None:  # not for all experts: a whole-range slice's backward would zero-fill and copy
+            w = [p[lo:hi] for p in w]
+        return swiglu_experts(xs, offsets, *w)
 
     @torch.no_grad()
     def finish_step(self, stats: torch.Tensor) -> None:

@@ -1,0 +1,99 @@
+"""The routed SwiGLU experts of model.moe (lit_pretrain/moe.py) as one autograd Function over grouped matmuls, with
+a hand-written backward.
+
+For the token copies xs (M, d) sorted by expert and the stacked weights of the L experts computed here, expert e's
+rows xs[offsets[e-1]:offsets[e]] give y = (silu(x W_gate[e]ᵀ) * (x W_up[e]ᵀ)) W_down[e]ᵀ (Shazeer 2020's SwiGLU, as
+transformers' OlmoeExperts computes it expert by expert). Every product is one `torch.nn.functional.grouped_mm`
+call over all L experts: on CPU torch 2.13 runs it as one MKL GEMM per expert on that expert's contiguous rows
+(`_grouped_mm_fallback`, mm_out into a slice of the output), so no row is padded, gathered or copied.
+
+Why this and not autograd over the same calls, or the padded torch.bmm it replaces (bench case
+`moe_grouped_vs_loop`: 8 experts, top 2, 4096 copies, d 256, width 352, 2 threads):
+- Each GEMM runs at the machine's peak: 185-199 GFLOP/s for every one of the nine shapes a step needs, as a plain
+  mm of 512 rows, a torch.bmm of 8, or grouped_mm (2 cores of an AMD EPYC, AVX-512: ~100 GFLOP/s each). The nine
+  products (3 forward, 6 backward) of one step are 6.6 GFLOP, about 37 ms at that rate, whatever the kernel:
+  that is the floor this layer cannot go below in fp32, and most of the per-expert loop's time too.
+- Padding every expert to the busiest one's count (the former CPU path) computes ρ = L·C/M times the rows (1.09
+  to 1.17 on the bench's routing) and adds an index_copy of xs and of dy and a gather of the outputs and of dxs.
+- Autograd over grouped_mm saves g, u, silu(g) and h (4·M·f elements); here only g and u (2·M·f) are saved and
+  silu(g) and h are recomputed in backward: two elementwise passes over (M, f), under 1% of the GEMMs' time,
+  and the MoE block's saved activations shrink by that half (scaling/memory.py counts this).
+- silu's derivative is one fused kernel (aten's silu_backward on dh·u) instead of autograd's mul, sigmoid and
+  their backwards.
+- Gate and up stay two GEMMs. One over the concatenated (L, 2f, d) weight measured no faster (grouped_mm at N = 704
+  runs at the same rate as at 352), and it costs a copy of both weights per call, kept for backward (counted as an
+  activation), and strided halves for the elementwise passes.
+
+Under CPU autocast the GEMMs' operands are cast to the autocast dtype, as autocast casts those of a matmul (and
+the per-expert loop's `@`); the Function itself runs with autocast off, so its backward computes in the forward's
+dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grouped_mm(a, b, offs=offsets): a (M, K) @ b (L, K, N) per group of rows -> (M, N), or a (K, M) @ b (M, N)
+    per group of the shared dimension -> (L, K, N). grouped_mm takes fp32, bf16 and fp16; float64 (gradcheck)
+    runs the same grouping as a loop."""
+    if a.dtype != torch.float64:
+        return F.grouped_mm(a, b, offs=offsets)
+    bounds = [0, *offsets.tolist()]
+    if b.dim() == 3:
+        return torch.cat([a[s:e] @ b[i] for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(bounds, bounds[1:])])
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """xs (M, d), offsets (L,) int32, w_gate, w_up (L, f, d), w_down (L, d, f) -> (M, d); see the module
+    docstring."""
+
+    @staticmethod
+    def forward(ctx, xs, offsets, w_gate, w_up, w_down):
+        g = _gmm(xs, w_gate.transpose(1, 2), offsets)  # (M, f)
+        u = _gmm(xs, w_up.transpose(1, 2), offsets)  # (M, f)
+        h = F.silu(g).mul_(u)  # (M, f): w_down's input, recomputed in backward rather than kept
+        ctx.save_for_backward(xs, offsets, w_gate, w_up, w_down, g, u)
+        return _gmm(h, w_down.transpose(1, 2), offsets)  # (M, d)
+
+    @staticmethod
+    @once_differentiable  # out= into its own buffers: no graph of the backward itself
+    def backward(ctx, dy):
+        with torch.autocast(dy.device.type, enabled=False):  # the forward's dtype, whatever surrounds backward()
+            return _SwiGLUExperts._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
+        xs, offsets, w_gate, w_up, w_down, g, u = ctx.saved_tensors
+        need_x, _, need_gate, need_up, need_down = ctx.needs_input_grad
+        dy = dy.contiguous()
+        dh = _gmm(dy, w_down, offsets)  # (M, f) = dy_e W_down[e] per expert
+        # Three (M, f) buffers serve five tensors (h and du share one, silu(g) and dg another): each fresh buffer
+        # of this size is a page fault per 4 KiB on first touch (fresh allocations this large come from mmap).
+        sg = F.silu(g)  # (M, f)
+        h = torch.mul(sg, u)  # (M, f): w_down's input again
+        dw_down = _gmm(dy.T, h, offsets) if need_down else None  # (L, d, f) = dy_eᵀ h_e
+        du = torch.mul(dh, sg, out=h)  # (M, f)
+        dg = torch.ops.aten.silu_backward.grad_input(dh.mul_(u), g, grad_input=sg)  # dh·u·silu'(g), one pass
+        dx = None
+        if need_x:
+            dx = _gmm(dg, w_gate, offsets)  # (M, d)
+            dx += _gmm(du, w_up, offsets)
+        dw_gate = _gmm(dg.T, xs, offsets) if need_gate else None  # (L, f, d) = dg_eᵀ x_e
+        dw_up = _gmm(du.T, xs, offsets) if need_up else None
+        return dx, None, dw_gate, dw_up, dw_down
+
+
+def swiglu_experts(xs: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU experts on xs (M, d), rows sorted by expert, expert e's ending at offsets[e] (L,) int32,
+    cumulative; w_gate, w_up (L, f, d) and w_down (L, d, f) the stacked weights of those L experts -> (M, d).
+    Differentiable in xs and the three weights; an expert with no rows gets zero gradients (M = 0 too)."""
+    device = xs.device.type
+    if torch.is_autocast_enabled(device):  # what autocast does to a matmul's operands
+        dtype = torch.get_autocast_dtype(device)
+        xs, w_gate, w_up, w_down = (t.to(dtype) for t in (xs, w_gate, w_up, w_down))
+    with torch.autocast(device, enabled=False):
+        return _SwiGLUExperts.apply(xs, offsets, w_gate, w_up, w_down)
