@@ -8,14 +8,12 @@ the data-parallel ranks) moves the bias and keeps the step's statistics for the 
 (callbacks/moe_monitor.py). The dropless path reads no tensor on the host; a capacity (a boolean mask) and
 expert parallelism (the all-to-all's split sizes) do, as their shapes depend on the routing.
 
-Experts: one batched matmul per weight for all experts over the token copies sorted by expert, never a Python loop
-over experts (bench case `moe_grouped_vs_loop`). On CPU, while the routing is balanced enough that padding every
-expert to the busiest one's count at most doubles the rows, the copies are scattered into an (E, C, d) batch and go
-through `torch.bmm` (MKL's batched GEMM: 275 ms against 425 ms for grouped_mm and 517 ms for the loop, one forward +
-backward of 4096 copies, 8 experts, d 256, width 352, 2 threads on a loaded machine; in a quiet run the bench case
-finds the layer within 10% of the loop, the GEMMs dominating); else, and on GPUs, through
-`torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU it runs with autograd too). Both give, in fp32, the
-per-expert loop's values (tests/test_moe.py).
+Experts: `moe_kernels.swiglu_experts`, one autograd Function over the token copies sorted by expert whose every
+product is one `torch.nn.functional.grouped_mm` for all the experts (no padding; on CPU one MKL GEMM per expert on
+its rows) with a hand-written backward, never a Python loop over experts (bench case `moe_grouped_vs_loop`: one
+forward + backward of 4096 copies, 8 experts, d 256, width 352, against the per-expert loop: 1.04x on one thread
+in CPU time, 1.24x on 2 threads at load average 5, both on this shared machine; the GEMMs, at the cores' peak in
+both, bound it: moe_kernels.py says why). In fp32 it gives the per-expert loop's values (tests/test_moe_kernels.py).
 """
 
 import math

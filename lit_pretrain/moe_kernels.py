@@ -7,22 +7,28 @@ transformers' OlmoeExperts computes it expert by expert). Every product is one `
 call over all L experts: on CPU torch 2.13 runs it as one MKL GEMM per expert on that expert's contiguous rows
 (`_grouped_mm_fallback`, mm_out into a slice of the output), so no row is padded, gathered or copied.
 
-Why this and not autograd over the same calls, or the padded torch.bmm it replaces (bench case
-`moe_grouped_vs_loop`: 8 experts, top 2, 4096 copies, d 256, width 352, 2 threads):
-- Each GEMM runs at the machine's peak: 185-199 GFLOP/s for every one of the nine shapes a step needs, as a plain
-  mm of 512 rows, a torch.bmm of 8, or grouped_mm (2 cores of an AMD EPYC, AVX-512: ~100 GFLOP/s each). The nine
-  products (3 forward, 6 backward) of one step are 6.6 GFLOP, about 37 ms at that rate, whatever the kernel:
-  that is the floor this layer cannot go below in fp32, and most of the per-expert loop's time too.
-- Padding every expert to the busiest one's count (the former CPU path) computes ρ = L·C/M times the rows (1.09
-  to 1.17 on the bench's routing) and adds an index_copy of xs and of dy and a gather of the outputs and of dxs.
-- Autograd over grouped_mm saves g, u, silu(g) and h (4·M·f elements); here only g and u (2·M·f) are saved and
-  silu(g) and h are recomputed in backward: two elementwise passes over (M, f), under 1% of the GEMMs' time,
-  and the MoE block's saved activations shrink by that half (scaling/memory.py counts this).
-- silu's derivative is one fused kernel (aten's silu_backward on dh·u) instead of autograd's mul, sigmoid and
-  their backwards.
-- Gate and up stay two GEMMs. One over the concatenated (L, 2f, d) weight measured no faster (grouped_mm at N = 704
-  runs at the same rate as at 352), and it costs a copy of both weights per call, kept for backward (counted as an
-  activation), and strided halves for the elementwise passes.
+What bounds it, and what was kept (bench case `moe_grouped_vs_loop`: 8 experts, top 2, 4096 copies, d 256, width
+352; 2 cores of an AMD EPYC with AVX-512, MKL; measured on a shared, loaded machine):
+- The GEMMs. Each of the nine products of a step (3 forward, 6 backward: 6.6 GFLOP) runs at the core's peak, as a
+  plain mm of 512 rows, a torch.bmm of 8 or grouped_mm alike (185-199 GFLOP/s on 2 threads, 94-103 on 1, where
+  1024³ reaches 98). The nine grouped_mm calls alone took 81.6 ms (1 thread, CPU time), this Function's forward
+  + backward 82.5-84.6 ms, the same SwiGLU looped over each expert's rows 90.4 ms: what is left to win over the
+  per-expert loop is its overhead, not its arithmetic. The whole layer (bench case, 1 thread, CPU time, medians
+  of 11 alternations): 95.8 ms against 102.2 ms for the loop (1.04x; 9.5 ms of it routing, gathering and adding
+  back, outside the experts); the padded torch.bmm this replaces took 112.4 ms (0.91x).
+- No padding. Padding every expert to the busiest one's count computes L·C/M times the rows (1.09 on the bench's
+  routing, up to 2 where it was allowed) and adds an index_copy of xs and of dy and a gather of the outputs and
+  of the gradient of xs.
+- Memory. Autograd over the same calls saves xs, g, u, silu(g) and h; here xs, g and u, and silu(g) and h are
+  recomputed in backward (two elementwise passes over (M, f), within the 1-4% above the GEMMs' time): the MoE
+  block's saved expert activations drop from M·d + 4M·f to M·d + 2M·f (scaling/memory.py counts this). The
+  backward's five (M, f) temporaries share three buffers (out= and in-place).
+- Gate and up stay two GEMMs. One over the concatenated (L, 2f, d) weight measured no faster (10.1 ms against
+  2 x 4.9 ms for the forward on 2 threads: grouped_mm at N = 704 runs at the rate it runs at 352), and it costs a
+  copy of both weights per call, kept for backward (an activation), and strided halves for the elementwise passes.
+- Fresh buffers. A fresh (M, f) buffer comes from mmap and costs a page fault per 4 KiB on first touch (3,000-5,000
+  faults, 5-10 ms of system time per step, varying with the heap's state); keeping two (M, f) scratch buffers
+  between calls cut that to about 650 faults but measured only 1-2% faster, not worth a module-level cache.
 
 Under CPU autocast the GEMMs' operands are cast to the autocast dtype, as autocast casts those of a matmul (and
 the per-expert loop's `@`); the Function itself runs with autocast off, so its backward computes in the forward's
