@@ -31,8 +31,8 @@ What bounds it, and what was kept (bench case `moe_grouped_vs_loop`: 8 experts, 
   between calls cut that to about 650 faults but measured only 1-2% faster, not worth a module-level cache.
 
 Under CPU autocast the GEMMs' operands are cast to the autocast dtype, as autocast casts those of a matmul (and
-the per-expert loop's `@`); the Function itself runs with autocast off, so its backward computes in the forward's
-dtype.
+the per-expert loop's `@`), and the result goes back to xs's dtype; the Function itself runs with autocast off, so
+its backward computes in the forward's dtype.
 """
 
 import torch
@@ -97,9 +97,12 @@ def swiglu_experts(xs: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor
     """The SwiGLU experts on xs (M, d), rows sorted by expert, expert e's ending at offsets[e] (L,) int32,
     cumulative; w_gate, w_up (L, f, d) and w_down (L, d, f) the stacked weights of those L experts -> (M, d).
     Differentiable in xs and the three weights; an expert with no rows gets zero gradients (M = 0 too)."""
-    device = xs.device.type
+    device, dtype = xs.device.type, xs.dtype
     if torch.is_autocast_enabled(device):  # what autocast does to a matmul's operands
-        dtype = torch.get_autocast_dtype(device)
-        xs, w_gate, w_up, w_down = (t.to(dtype) for t in (xs, w_gate, w_up, w_down))
+        low = torch.get_autocast_dtype(device)
+        xs, w_gate, w_up, w_down = (t.to(low) for t in (xs, w_gate, w_up, w_down))
     with torch.autocast(device, enabled=False):
-        return _SwiGLUExperts.apply(xs, offsets, w_gate, w_up, w_down)
+        ys = _SwiGLUExperts.apply(xs, offsets, w_gate, w_up, w_down)
+    # Back in xs's dtype: the caller weighs the copies by their fp32 routing weights and index_add_s them into its
+    # (fp32 under autocast) tokens, which takes one dtype.
+    return ys.to(dtype)
