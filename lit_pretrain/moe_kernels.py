@@ -8,19 +8,20 @@ call over all L experts: on CPU torch 2.13 runs it as one MKL GEMM per expert on
 (`_grouped_mm_fallback`, mm_out into a slice of the output), so no row is padded, gathered or copied.
 
 What bounds it, and what was kept (bench case `moe_grouped_vs_loop`: 8 experts, top 2, 4096 copies, d 256, width
-352; 2 cores of an AMD EPYC with AVX-512, MKL; measured on a shared, loaded machine):
-- The GEMMs. Each of the nine products of a step (3 forward, 6 backward: 6.6 GFLOP) runs at the core's peak, as a
-  plain mm of 512 rows, a torch.bmm of 8 or grouped_mm alike (185-199 GFLOP/s on 2 threads, 94-103 on 1, where
-  1024³ reaches 98). The nine grouped_mm calls alone took 81.6 ms (1 thread, CPU time), this Function's forward
-  + backward 82.5-84.6 ms, the same SwiGLU looped over each expert's rows 90.4 ms: what is left to win over the
-  per-expert loop is its overhead, not its arithmetic. The whole layer (bench case, 1 thread, CPU time, medians
-  of 11 alternations): 95.8 ms against 102.2 ms for the loop (1.04x; 9.5 ms of it routing, gathering and adding
-  back, outside the experts); the padded torch.bmm this replaces took 112.4 ms (0.91x).
+352; 2 cores of an AMD EPYC with AVX-512, MKL; a machine shared with other work):
+- The GEMMs. Each of the nine products of a step (3 forward, 6 backward: 6.6 GFLOP) runs near the cores' peak, as
+  a plain mm of 512 rows, a torch.bmm of 8 or grouped_mm alike (185-199 GFLOP/s on 2 threads, 94-103 on 1, where
+  1024³ reaches 98). On 2 threads in a quiet moment the nine grouped_mm calls alone took 39.9 ms, this Function's
+  forward + backward 42.3-43.6 ms, the same SwiGLU looped over each expert's rows 48.3 ms: what is left to win
+  over a per-expert loop is its overhead, not its arithmetic. The whole layer (medians of 7 alternations, quiet):
+  50.5 ms against 50.0 ms for the bench's loop, 7.0 ms of it routing, gathering and adding back outside the
+  experts; the bench case itself measured 0.99x (spread 0.18), where the padded torch.bmm this replaces measured
+  0.90x. On 1 thread in CPU time (robust to the load): 95.8 ms against 102.2 ms (1.04x), padded bmm 112.4 ms.
 - No padding. Padding every expert to the busiest one's count computes L·C/M times the rows (1.09 on the bench's
   routing, up to 2 where it was allowed) and adds an index_copy of xs and of dy and a gather of the outputs and
   of the gradient of xs.
 - Memory. Autograd over the same calls saves xs, g, u, silu(g) and h; here xs, g and u, and silu(g) and h are
-  recomputed in backward (two elementwise passes over (M, f), within the 1-4% above the GEMMs' time): the MoE
+  recomputed in backward (two elementwise passes over (M, f), within the 6-9% above the GEMMs' time): the MoE
   block's saved expert activations drop from M·d + 4M·f to M·d + 2M·f (scaling/memory.py counts this). The
   backward's five (M, f) temporaries share three buffers (out= and in-place).
 - Gate and up stay two GEMMs. One over the concatenated (L, 2f, d) weight measured no faster (10.1 ms against
