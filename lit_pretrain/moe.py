@@ -8,14 +8,12 @@ the data-parallel ranks) moves the bias and keeps the step's statistics for the 
 (callbacks/moe_monitor.py). The dropless path reads no tensor on the host; a capacity (a boolean mask) and
 expert parallelism (the all-to-all's split sizes) do, as their shapes depend on the routing.
 
-Experts: one batched matmul per weight for all experts over the token copies sorted by expert, never a Python loop
-over experts (bench case `moe_grouped_vs_loop`). On CPU, while the routing is balanced enough that padding every
-expert to the busiest one's count at most doubles the rows, the copies are scattered into an (E, C, d) batch and go
-through `torch.bmm` (MKL's batched GEMM: 275 ms against 425 ms for grouped_mm and 517 ms for the loop, one forward +
-backward of 4096 copies, 8 experts, d 256, width 352, 2 threads on a loaded machine; in a quiet run the bench case
-finds the layer within 10% of the loop, the GEMMs dominating); else, and on GPUs, through
-`torch.nn.functional.grouped_mm` (torch >= 2.9; on CPU it runs with autograd too). Both give, in fp32, the
-per-expert loop's values (tests/test_moe.py).
+Experts: `moe_kernels.swiglu_experts`, one autograd Function over the token copies sorted by expert whose every
+product is one `torch.nn.functional.grouped_mm` for all the experts (no padding; on CPU one MKL GEMM per expert on
+its rows) with a hand-written backward, never a Python loop over experts (bench case `moe_grouped_vs_loop`: one
+forward + backward of 4096 copies, 8 experts, d 256, width 352, against the per-expert loop: 0.99x in a quiet run
+on 2 threads, 1.04x in CPU time on one; the GEMMs, near the cores' peak in both, bound it: moe_kernels.py says
+why). In fp32 it gives the per-expert loop's values (tests/test_moe_kernels.py).
 """
 
 import math
@@ -26,10 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_pretrain.model_config import GPTConfig, ModuleSpec
-
-# On CPU the padded batched GEMM runs while padding every expert to the busiest one's count multiplies the rows by at
-# most this much; beyond it (a skewed router) grouped_mm, which computes no padding.
-PAD_LIMIT = 2.0
+from lit_pretrain.moe_kernels import swiglu_experts
 
 
 class ExpertLinear(nn.Module):
@@ -55,25 +50,6 @@ class Experts(nn.ModuleDict):
         """SwiGLU of every expert held here on xs (M, d), rows sorted by expert, expert e's rows ending at
         offsets[e] (int32, cumulative) -> (M, d)."""
         return swiglu_experts(xs, offsets, self["w_gate"].weight, self["w_up"].weight, self["w_down"].weight)
-
-
-def swiglu_experts(xs: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor) -> torch.Tensor:
-    """The experts' SwiGLU over their sorted rows: w_gate, w_up (L, f, d), w_down (L, d, f); see the module
-    docstring for the kernels."""
-    M = xs.shape[0]
-    if xs.device.type == "cpu" and M:
-        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1))  # (L,) rows per expert
-        C, L = int(counts.max()), counts.shape[0]  # a host read, free on CPU
-        if L * C <= PAD_LIMIT * M:  # padding at most doubles the rows: the batched GEMM wins (module docstring)
-            expert = torch.repeat_interleave(torch.arange(L), counts, output_size=M)  # (M,)
-            slot = expert * C + torch.arange(M) - (offsets.long() - counts)[expert]  # (M,) row in (L·C)
-            xp = xs.new_zeros(L * C, xs.shape[1]).index_copy(0, slot, xs).view(L, C, -1)  # (L, C, d)
-            h = F.silu(torch.bmm(xp, w_gate.transpose(1, 2))) * torch.bmm(xp, w_up.transpose(1, 2))  # (L, C, f)
-            return torch.bmm(h, w_down.transpose(1, 2)).view(L * C, -1)[slot]  # (M, d); padded rows dropped
-    h = F.silu(F.grouped_mm(xs, w_gate.transpose(-2, -1), offs=offsets)) * \
-        F.grouped_mm(xs, w_up.transpose(-2, -1), offs=offsets)  # (M, f)
-    return F.grouped_mm(h, w_down.transpose(-2, -1), offs=offsets)
 
 
 def _linear(spec: ModuleSpec) -> nn.Linear:

@@ -192,10 +192,8 @@ def planner_case(out: dict) -> None:
         with SavedActivations(model) as meter:
             block(h, model.rope_cos, model.rope_sin)
         counts = block.mlp.load[:4]  # this forward's assignments per expert: the whole micro-batch's
-        rho = 4 * counts.max().item() / (B * T * 2)  # how far the busiest expert pads the CPU batch (scaling/memory)
-        planned = block_activation_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, t, sp,
-                                         moe=(4, 2, 32, 1, rho))
-        measured[sp] = (meter.bytes, planned, rho, counts.sum().item())
+        planned = block_activation_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, t, sp, moe=(4, 2, 32, 1))
+        measured[sp] = (meter.bytes, planned, counts.sum().item())
     plan = memory_plan(cfg, B, tensor_parallel=t, precision="32-true")
     # The planner's per-rank count: one block, the embedding (vocab-parallel in its accounting) and the final norm.
     planned_block = plan["params_per_device"] - cfg.vocab_size * cfg.d_model / t - cfg.d_model

@@ -1,10 +1,10 @@
 """Cases: the mixture-of-experts MLP (model.moe, issue 32).
 
 - moe_grouped_vs_loop: one MoE layer's forward and backward at 8 experts, top 2, on the experiment's micro-batch of
-  tokens and d_model: the experts as one batched matmul per weight over the tokens sorted by expert
-  (lit_pretrain/moe.py: on CPU a padded torch.bmm, grouped_mm when the routing is too unbalanced) against a Python
-  loop over the experts, each gathering its tokens, running its SwiGLU and adding its output back
-  (what transformers' OlmoeExperts does). Same routing, same weights. Figure: loop time / grouped time (goal >= 1.5).
+  tokens and d_model: the experts as one grouped matmul per product over the tokens sorted by expert, with a
+  hand-written backward (lit_pretrain/moe_kernels.py) against a Python loop over the experts, each gathering its
+  tokens, running its SwiGLU and adding its output back (what transformers' OlmoeExperts does). Same routing, same
+  weights. Figure: loop time / grouped time (goal >= 1.5).
 - moe_step_vs_dense: a training step of the experiment's model with every MLP an MoE of 8 experts, top 2, each
   expert half the dense MLP's width (so a token's active parameters equal the dense model's, plus the router's
   8 x d_model per layer), against the dense model's step, same windows, same optimizer. Figure: MoE tokens/s over
@@ -98,7 +98,7 @@ def run(c, repeats: int) -> List[Dict]:
                   "goal": ">= 1.5", "unit": "s/forward+backward",
                   "detail": {"grouped": grouped, "loop": loop, "experts": EXPERTS, "top_k": TOP_K, "tokens": tokens,
                              "d_model": c.model.d_model, "d_ff_expert": cfg.d_ff_expert,
-                             "kernel": "padded torch.bmm (CPU) | grouped_mm"}}
+                             "kernel": "moe_kernels.swiglu_experts (grouped_mm)"}}
     g = torch.Generator().manual_seed(c.run.seed)
     windows = torch.randint(0, c.model.vocab_size, (STEPS, c.trainer.micro_batch_size, c.model.seq_len + 1),
                             generator=g)

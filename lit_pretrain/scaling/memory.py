@@ -153,14 +153,15 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       QK-norm adds, per q and k, its input, x̂ and rsqrt: (2Nh + Na + 2NgQ + Ng)/t.
     - MLP: SwiGLU 4Nf/t (gate and up projections, silu(gate), the product: w_down's input); GELU 2Nf/t (up's
       output, gelu's: w_down's input).
-    - A mixture-of-experts MLP (moe = (E experts, k per token, expert width f_e, s shared experts[, padding ρ]),
-      replacing the MLP term): the routed experts' input and SwiGLU over R = ρ·kN rows, R·h + 4R·f_e (on CPU each
-      expert's copies are padded to the busiest one's count, ρ = E·C/kN between 1 and 2, lit_pretrain/moe.py;
-      balanced routing, ρ = 1, by default), 4sNf_e for the shared experts, 3kNh for the copies' outputs and their
-      weighting, 2NE fp32 router scores and 32kN bytes of int64 routing indices. Measured against SavedActivations
-      within 1% (tests/test_moe.py): the rest is a few per-token scalars of the routing. Under tensor parallelism
-      only the shared experts' term is divided by t: the router and the routed experts are replicated and route the
-      whole micro-batch on every rank, with or without sequence parallelism (parallel/moe_mesh.py).
+    - A mixture-of-experts MLP (moe = (E experts, k per token, expert width f_e, s shared experts), replacing the
+      MLP term): the routed experts' input and their gate and up projections over the R = kN token copies, R·h +
+      2R·f_e (lit_pretrain/moe_kernels.py recomputes silu and the product in backward; no copy is padded),
+      4sNf_e for the shared experts, 2kNh for the copies' outputs (kept by their weighting) and the weighted
+      copies (kept by index_add_), 2NE fp32 router scores and 32kN bytes of int64 routing indices. Measured
+      against SavedActivations within 1% (tests/test_moe.py): the rest is a few per-token scalars of the routing.
+      Under tensor parallelism only the shared experts' term is divided by t: the router and the routed experts are
+      replicated and route the whole micro-batch on every rank, with or without sequence parallelism
+      (parallel/moe_mesh.py).
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.
@@ -183,10 +184,10 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     mlp_elements = (4 if mlp == "swiglu" else 2) * n * f
     routing_bytes = replicated = 0.0
     if moe is not None:
-        experts, k, f_e, shared, *rest = moe
-        rows = (rest[0] if rest else 1.0) * k * n
+        experts, k, f_e, shared = moe
+        rows = k * n
         mlp_elements = 4 * shared * n * f_e
-        replicated = rows * h + 4 * rows * f_e + 3 * k * n * h  # the routed experts: the same on every TP rank
+        replicated = rows * h + 2 * rows * f_e + 2 * k * n * h  # the routed experts: the same on every TP rank
         routing_bytes = 4.0 * 2 * n * experts + 32.0 * k * n
     sharded = (attention + mlp_elements) / t + replicated
     if autocast:
