@@ -39,11 +39,11 @@ STRATEGIES = {"ddp": ["strategy=ddp"],
               "ep2": ["strategy=ddp", "strategy.expert_parallel=2", "model.activation_checkpointing=full"],
               "ep2_zero3": ["strategy=zero", "strategy.zero_stage=3", "strategy.expert_parallel=2"]}
 # model.moe.aux_loss_scope=global (parallel/moe_mesh.py): f_i of the Switch loss from both ranks' counts, so the
-# auxiliary loss trains as one process's: against one process with the same coefficient, under DDP and under EP 2
-# with activation checkpointing (the counts' all-reduce runs again in the recomputation, inside the backward).
+# auxiliary loss trains as one process's: against one process with the same coefficient, under EP 2 with activation
+# checkpointing (the counts' all-reduce runs again in the recomputation, inside the backward). Plain DDP passed too;
+# left out to keep the slow suite short (tests/test_moe.py checks the arithmetic in one process).
 AUX = ["model.moe.aux_loss=0.01", "model.moe.aux_loss_scope=global"]
-AUX_STRATEGIES = {"ddp_aux_global": ["strategy=ddp"],
-                  "ep2_aux_global": ["strategy=ddp", "strategy.expert_parallel=2",
+AUX_STRATEGIES = {"ep2_aux_global": ["strategy=ddp", "strategy.expert_parallel=2",
                                      "model.activation_checkpointing=full"]}
 
 
