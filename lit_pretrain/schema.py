@@ -188,6 +188,10 @@ class DataConfig:
     token_dtype: str = field(default="auto", metadata={"choices": ["auto", "uint16", "uint32"]})
     """Width of the ids in the shards. auto: uint16 up to 65,536 tokens, else uint32 (recorded in the manifest;
     readers use the manifest's). A vocabulary that does not fit the dtype chosen here is refused."""
+    check_cache_dir: Optional[str] = "auto"
+    """megatron, numpy, nanogpt: where the checks of each corpus file that passed are recorded, so a later start or
+    restart does not read the whole corpus again (data/check_record.py). auto: $XDG_CACHE_HOME/lit-pretrain/
+    corpus-checks (~/.cache when unset); a path: that folder; null: no record, every start reads every file."""
     tokenize_workers: int = field(default=1, metadata={"ge": 1})
     """Processes that tokenize documents into shards, this one included (the others are worker processes,
     lit_pretrain/workers.py). The shards are byte-identical for any number."""

@@ -326,3 +326,93 @@ def test_ranks_split_each_global_batch_of_a_pretokenized_corpus_as_one_process_r
     for k in range(3):  # global batch k: rank 0 reads positions 0, 2, ..., rank 1 positions 1, 3, ...
         merged = torch.stack([two[r][k][i] for i in range(2) for r in range(2)])
         assert torch.equal(merged, one[k])
+
+
+def test_a_checked_file_is_read_once_until_it_changes(tmp_path, tokenizer, eod, monkeypatch):
+    """data.check_cache_dir: a file that passed is not scanned again at the next start (a fresh process: the
+    per-process cache emptied); a changed file, a damaged record and a refused file are scanned at every start."""
+    import lit_pretrain.data.pretokenized as pretokenized
+
+    records = tmp_path / "records"
+    megatron_by_spec(tmp_path / "c", documents(n=200, eod=eod), np.uint16, 8)
+    data = data_config("megatron", [tmp_path / "c"], tokenizer, val_fraction=0.1, check_cache_dir=str(records),
+                       document_masking=True)
+    scans, real = [], pretokenized.check_ids
+    monkeypatch.setattr(pretokenized, "check_ids", lambda tf, *a: scans.append(tf.path) or real(tf, *a))
+
+    def start():
+        monkeypatch.setattr(pretokenized, "_OPENED", {})  # what a new process starts with
+        lines = []
+        m = pretokenized.open_corpus(data, log=lines.append)
+        return {k: v for k, v in m.items() if k != "seconds"}, lines[-1]
+
+    first, line = start()
+    assert len(scans) == 1 and "as recorded" not in line and len(list(records.glob("*.json"))) == 1
+    again, line = start()
+    assert len(scans) == 1 and again == first  # the same splits, documents and EOD counts, from the record
+    assert line.endswith(f"(1 of 1 files as recorded in {records})")
+    record = next(records.glob("*.json"))
+    text = record.read_text()
+    record.write_text(text[: len(text) // 2])  # a torn or damaged record: scanned again, and recorded anew
+    assert start()[0] == first and len(scans) == 2 and record.read_text() != text[: len(text) // 2]
+    record.write_text(text.replace(f'"cut": {first["splits"]["train"]["tokens"]}', '"cut": 1'))
+    assert start()[0] == first and len(scans) == 3  # a record naming other fields than its key's: scanned
+    megatron_by_spec(tmp_path / "c", documents(n=200, eod=eod, seed=1), np.uint16, 8)  # rewritten in place
+    changed, _ = start()
+    assert len(scans) == 4 and changed["splits"] != first["splits"]
+    start()
+    assert len(scans) == 4 and len(list(records.glob("*.json"))) == 2  # each version of the file has its record
+    bad = np.concatenate(documents(eod=eod))
+    bad[5] = 600
+    bad.astype(np.uint16).tofile(tmp_path / "bad.bin")
+    data = data_config("nanogpt", [tmp_path / "bad.bin"], tokenizer, check_cache_dir=str(records))
+    for _ in range(2):
+        with pytest.raises(DataError, match="id 600 at token offset 5"):
+            start()
+    assert len(scans) == 6 and len(list(records.glob("*.json"))) == 2  # refused, never recorded
+
+
+def test_an_unwritable_record_folder_costs_only_the_record(tmp_path, tokenizer, eod, monkeypatch):
+    import lit_pretrain.data.pretokenized as pretokenized
+
+    (tmp_path / "not-a-folder").write_text("x")
+    megatron_by_spec(tmp_path / "c", documents(eod=eod), np.uint16, 8)
+    for setting in (str(tmp_path / "not-a-folder"), None):  # a file where the folder should be; records off
+        monkeypatch.setattr(pretokenized, "_OPENED", {})
+        m = pretokenized.open_corpus(data_config("megatron", [tmp_path / "c"], tokenizer, check_cache_dir=setting),
+                                     log=lambda _: None)
+        assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 40
+    assert (tmp_path / "not-a-folder").read_text() == "x"
+
+
+def test_ranks_starting_together_scan_a_file_once(tmp_path):
+    """The first of two concurrent starts takes the key's lock and scans; the other waits, then reads its record."""
+    import threading
+    import time
+
+    from lit_pretrain.data.check_record import checked
+
+    scans, results = [], []
+
+    def scan():
+        scans.append(1)
+        time.sleep(0.3)  # long enough that the second start arrives while the first scans
+        return 7, 3
+
+    threads = [threading.Thread(target=lambda: results.append(checked(tmp_path, {"file": "x"}, scan)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(scans) == 1 and sorted(results) == [((7, 3), False), ((7, 3), True)]
+
+
+def test_the_record_folder_follows_the_xdg_rule(monkeypatch, tmp_path):
+    from lit_pretrain.data.check_record import cache_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_folder("auto") == tmp_path / "lit-pretrain" / "corpus-checks"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_folder("auto") == Path.home() / ".cache" / "lit-pretrain" / "corpus-checks"
+    assert cache_folder("~/x") == Path.home() / "x" and cache_folder(None) is None

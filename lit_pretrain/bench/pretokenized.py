@@ -8,6 +8,10 @@ megatron_bytes_read_per_token: bytes the process fetched from storage (/proc/sel
   sequential read and is not counted). The reference is the id width: "the tokens, nothing more". The detail
   holds the floor that page-granular reads allow: the distinct 4 KiB pages the read windows touch, per token.
   The corpus is larger than what is read, so no page is read twice: what a corpus far larger than memory costs.
+megatron_restart_setup_bytes: bytes a start reads from storage before its first batch (open_corpus: the checks,
+  the fingerprint, the index) when data.check_cache_dir holds the record of the first start (data/check_record.py),
+  against what the first start read (the whole corpus: the vocabulary scan), the same corpus dropped from the page
+  cache before each. Goal: what the fingerprint reads (its first and last MiB and the index), not the corpus.
 """
 
 import dataclasses
@@ -21,6 +25,7 @@ import numpy as np
 
 from lit_pretrain.bench import datamodule as dm_case
 from lit_pretrain.bench import stats
+from lit_pretrain.data import pretokenized
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.export import export_data, write_megatron_index
 
@@ -84,6 +89,23 @@ def bytes_per_token(data, seq_len: int, micro_batch_size: int, seed: int,
             len(pages) * PAGE / tokens, "read_seconds": seconds, "tokens": tokens}
 
 
+def setup_reads(data, records: Path) -> Dict:
+    """Bytes read and seconds of open_corpus at a first start and at the next (a new process: nothing cached in
+    memory, the files dropped from the page cache), the checks recorded under `records`."""
+    data = dataclasses.replace(data, check_cache_dir=str(records))
+    files = [f"{p}.{ext}" for p in data.paths for ext in ("bin", "idx")]
+    out = {}
+    for start in ("first_start", "restart"):
+        pretokenized._OPENED.clear()
+        for f in files:
+            drop_from_page_cache(f)
+        before, t = read_bytes(), time.perf_counter()
+        pretokenized.open_corpus(data, log=lambda _: None)
+        out[start] = {"bytes": read_bytes() - before, "seconds": time.perf_counter() - t}
+    out["corpus_bytes"] = sum(os.path.getsize(f) for f in files)
+    return out
+
+
 def run(c, sample_data, consumed_tokens_per_s: float, repeats: int, tmp: Path) -> List[Dict]:
     data = megatron_sample(sample_data, tmp / "megatron")
     delivered = {f"num_workers_{n}": [] for n in dm_case.WORKER_SETTINGS}
@@ -108,4 +130,9 @@ def run(c, sample_data, consumed_tokens_per_s: float, repeats: int, tmp: Path) -
                   "reference": float(itemsize), "goal": "1 (the ids only)", "unit": "bytes/token",
                   "detail": {"runs": reads, "corpus_tokens": CORPUS_TOKENS, "page_bytes": PAGE,
                              "seq_len": c.model.seq_len, "micro_batch_size": c.trainer.micro_batch_size}}
-    return [tokens_case, bytes_case]
+    setups = [setup_reads(big, tmp / f"check-records-{r}") for r in range(repeats)]
+    restart_case = {"case": "megatron_restart_setup_bytes",
+                    **stats.single([r["restart"]["bytes"] / r["first_start"]["bytes"] for r in setups], lambda v: v),
+                    "reference": "bytes the first start read", "goal": "the fingerprint's (2 MiB + the .idx)",
+                    "unit": "ratio", "detail": {"runs": setups, "corpus_tokens": CORPUS_TOKENS}}
+    return [tokens_case, bytes_case, restart_case]

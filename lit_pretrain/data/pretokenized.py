@@ -18,8 +18,9 @@ Formats (little-endian, as their writers produce on every machine they run on):
             ids) or magic 20240801 with version 7 (Llama 3, uint32 ids), [2] the token count, then the ids.
 
 Checks before training, each naming the file: the header and sizes agree; the ids fit the tokenizer named by
-data.tokenizer_path (a chunked min/max over the memmap: one sequential read of the corpus at setup, the only read
-of a token that is not a training read; an id >= the vocabulary is refused with its file and offset); with
+data.tokenizer_path (a chunked min/max over the memmap: one sequential read of the corpus at the first setup, the only
+read of a token that is not a training read; an id >= the vocabulary is refused with its file and offset; a file that
+passed is recorded under data.check_cache_dir, so later starts and restarts skip the read: data/check_record.py); with
 data.document_masking, every document the format delimits ends in data.eos_token's id (documents are told apart by
 that id in the window, datamodule's contract), or the stream holds that id at all where the format has no
 boundaries.
@@ -28,6 +29,7 @@ Validation: data.val_paths when given, else the last data.val_fraction of each f
 boundary where the format has them (Megatron's own splits are contiguous document ranges too).
 """
 
+import functools
 import glob
 import gzip
 import hashlib
@@ -40,6 +42,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from lit_pretrain.data.check_record import cache_folder, checked
 from lit_pretrain.data.shards import FORMAT_VERSION, PRETOKENIZED, token_dtype
 from lit_pretrain.data.tokenizer import load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import DataError
@@ -277,6 +280,14 @@ def check_documents(tf: TokenFile, eod: int, eods: int, eos_token: str) -> None:
                         "document masking would see one document: set data.eos_token, or data.document_masking=false")
 
 
+def _scan(tf: TokenFile, vocab_size: int, eod: int, cut: int, cfg) -> tuple:
+    """The checks that read the file's ids: the vocabulary scan, then document masking's; the EOD counts."""
+    eods = check_ids(tf, vocab_size, eod, cfg.tokenizer_path, cut)
+    if cfg.document_masking:
+        check_documents(tf, eod, sum(eods), cfg.eos_token)
+    return eods
+
+
 _OPENED: Dict[str, Dict] = {}
 
 
@@ -299,6 +310,7 @@ def open_corpus(cfg, log: Callable[[str], None] = print) -> Dict:
     eod = tokenizer.token_to_id(cfg.eos_token)
     dtype = token_dtype(vocab_size, cfg.token_dtype, cfg.tokenizer_path)  # numpy's files, which carry no dtype
     groups = {"train": token_files(cfg, list(cfg.paths), dtype), "val": token_files(cfg, list(cfg.val_paths), dtype)}
+    tokenizer_sha, records, from_records = tokenizer_sha256(cfg.tokenizer_path), cache_folder(cfg.check_cache_dir), 0
     splits = {"train": {"documents": 0, "tokens": 0, "shards": []}, "val": {"documents": 0, "tokens": 0, "shards": []}}
     for group, files in groups.items():
         for tf in files:
@@ -308,10 +320,14 @@ def open_corpus(cfg, log: Callable[[str], None] = print) -> Dict:
             train_span, val_span = ((None, (0, tf.tokens)) if group == "val" else
                                     _split(tf, None if groups["val"] else cfg.val_fraction))
             cut = train_span[1] if train_span else 0
-            eods = check_ids(tf, vocab_size, eod, cfg.tokenizer_path, cut)
-            if cfg.document_masking:
-                check_documents(tf, eod, sum(eods), cfg.eos_token)
             sha = fingerprint(tf)
+            stat = Path(tf.path).stat()
+            fields = {"file": str(Path(tf.path).resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                      "sha256": sha, "dtype": str(tf.dtype), "offset": tf.offset, "tokens": tf.tokens,
+                      "tokenizer_sha256": tokenizer_sha, "vocab_size": vocab_size, "eod_id": eod, "cut": cut,
+                      "document_masking": cfg.document_masking}
+            eods, recorded = checked(records, fields, functools.partial(_scan, tf, vocab_size, eod, cut, cfg))
+            from_records += recorded
             for split, span, count in (("train", train_span, eods[0]), ("val", val_span, eods[1])):
                 if span is None or span[1] <= span[0]:
                     continue
@@ -322,13 +338,15 @@ def open_corpus(cfg, log: Callable[[str], None] = print) -> Dict:
                     "offset": tf.offset + span[0] * tf.dtype.itemsize, "dtype": str(tf.dtype)})
     seconds = time.perf_counter() - started
     tokens = sum(s["tokens"] for s in splits.values())
-    log(f"{cfg.corpus} corpus: {len(groups['train']) + len(groups['val'])} files, {tokens:,} tokens, ids checked "
-        f"against {Path(cfg.tokenizer_path).name} ({vocab_size} ids) in {seconds:.2f} s")
+    files = len(groups['train']) + len(groups['val'])
+    earlier = f" ({from_records} of {files} files as recorded in {records})" if from_records else ""
+    log(f"{cfg.corpus} corpus: {files} files, {tokens:,} tokens, ids checked against {Path(cfg.tokenizer_path).name} "
+        f"({vocab_size} ids) in {seconds:.2f} s{earlier}")
     manifest = {
         "format_version": FORMAT_VERSION, "pretokenized": cfg.corpus,
         "corpus": {"kind": cfg.corpus, "paths": [str(p) for p in cfg.paths], "val_paths": [str(p) for p in
                                                                                          cfg.val_paths]},
-        "tokenizer": {"file": str(Path(cfg.tokenizer_path).resolve()), "sha256": tokenizer_sha256(cfg.tokenizer_path),
+        "tokenizer": {"file": str(Path(cfg.tokenizer_path).resolve()), "sha256": tokenizer_sha,
                       "vocab_size": vocab_size, "eod_id": eod},
         "dtype": str(groups["train"][0].dtype), "splits": splits, "unigram_entropy_nats": None, "deduplication": None,
         "seconds": {"check": round(seconds, 3)},
