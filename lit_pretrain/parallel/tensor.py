@@ -45,43 +45,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_pretrain.moe import moe_layers
-from lit_pretrain.parallel.collectives import all_reduce_flat
+from lit_pretrain.parallel.collectives import CopyToParallel, ReduceFromParallel, all_reduce_flat
 from lit_pretrain.parallel.moe_mesh import replicate_over_sequence
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel
+from lit_pretrain.parallel.vocab import apply_vocab_parallel
 
 # Which dim of a weight each style splits: an nn.Linear's (out, in); "vocab" the rows of the (V, d) embedding and
 # head (parallel/vocab.py).
 SHARD_DIM = {"column": 0, "row": 1, "vocab": 0}
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."
-
-
-class _CopyToParallel(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce of the input gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromParallel(torch.autograd.Function):
-    """Megatron's g: all-reduce forward (sum the partial products), identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -101,7 +73,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def forward(self, x):
         if not self.sequence_parallel:
-            x = _CopyToParallel.apply(x, self.group)
+            x = CopyToParallel.apply(x, self.group)
         return F.linear(x, self.weight)
 
 
@@ -112,7 +84,7 @@ class RowParallelLinear(ColumnParallelLinear):
     tensor_parallel = "row"
 
     def forward(self, x):
-        reduce = ReduceScatterFromRow if self.sequence_parallel else _ReduceFromParallel
+        reduce = ReduceScatterFromRow if self.sequence_parallel else ReduceFromParallel
         return reduce.apply(F.linear(x, self.weight), self.group)
 
 
@@ -200,8 +172,6 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group, sp,
                                    getattr(module, "residual_projection", False)))
         replaced += 1
-    from lit_pretrain.parallel.vocab import apply_vocab_parallel
-
     replaced += apply_vocab_parallel(model, group, sequence_parallel)
     if sequence_parallel:
         install_sequence_parallel(model, group, column_parents)

@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lit_pretrain.parallel.collectives import CopyToParallel, ReduceFromParallel
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow
-from lit_pretrain.parallel.tensor import ColumnParallelLinear, _ReduceFromParallel, shard
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -52,16 +52,29 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.num_embeddings)  # (B, T): another rank's rows
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, d)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # their partial sums come from the other ranks
-        reduce = ReduceScatterFromRow if self.sequence_parallel else _ReduceFromParallel
+        reduce = ReduceScatterFromRow if self.sequence_parallel else ReduceFromParallel
         return reduce.apply(x, self.group)  # (B, T, d), or (B, T/t, d) under sequence parallelism
 
 
-class VocabParallelHead(ColumnParallelLinear):
-    """The output head's slice of the vocabulary: this rank's (B, T, V/t) logits of the whole input. f on the input
-    (ColumnParallelLinear's), or under sequence parallelism the all-gather before it, installed on it by
-    sequence.install_sequence_parallel."""
+class VocabParallelHead(nn.Linear):
+    """The output head's slice of the vocabulary, (V/t, d): this rank's (B, T, V/t) logits of the whole input, as
+    tensor.ColumnParallelLinear computes its output slice. f on the input, or under sequence parallelism the
+    all-gather before it, installed on it by sequence.install_sequence_parallel. A subclass of nn.Linear so weight
+    decay, the optimizer's parameter kinds and the initializer treat it as the head."""
 
     tensor_parallel = "vocab"
+
+    def __init__(self, weight: torch.Tensor, group, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight)
+        self.register_parameter("bias", None)
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x):
+        if not self.sequence_parallel:
+            x = CopyToParallel.apply(x, self.group)
+        return F.linear(x, self.weight)  # (B, T, V/t)
 
 
 def vocab_group(gpt: nn.Module):
@@ -123,6 +136,11 @@ def whole_logits(logits: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _rows(weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rows [rank·V/t, (rank+1)·V/t) of a (V, d) weight, as tensor.shard's "vocab" style slices it."""
+    return weight.detach().chunk(world, dim=0)[rank].clone()
+
+
 def apply_vocab_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> int:
     """Replace the GPT's embedding and head (whichever this rank holds: a pipeline stage may hold one) by their
     vocabulary-parallel versions holding this rank's rows of the current (full) weights, keeping a tie. Idempotent.
@@ -140,11 +158,11 @@ def apply_vocab_parallel(model: nn.Module, group, sequence_parallel: bool = Fals
     tied = emb is not None and head is not None and head.weight is emb.weight
     replaced = 0
     if emb is not None and not isinstance(emb, VocabParallelEmbedding):
-        model.tok_embeddings = VocabParallelEmbedding(shard(emb.weight.detach(), "vocab", rank, world), start, group,
+        model.tok_embeddings = VocabParallelEmbedding(_rows(emb.weight, rank, world), start, group,
                                                       sequence_parallel)
         replaced += 1
-    if head is not None and not isinstance(head, ColumnParallelLinear):
-        new = VocabParallelHead(shard(head.weight.detach(), "vocab", rank, world), group, sequence_parallel)
+    if head is not None and not isinstance(head, VocabParallelHead):
+        new = VocabParallelHead(_rows(head.weight, rank, world), group, sequence_parallel)
         if tied:
             new.weight = model.tok_embeddings.weight  # one Parameter, as in the full model
         # μP's readout multiplier is a forward hook on the head (lit_pretrain/init.py): carried to the new head.
