@@ -1,5 +1,7 @@
-"""The language-model loss as a pure function of logits and targets (no Lightning), shared by PretrainModule and
-the pipeline's last stage (parallel/pipeline.py), so the two cannot drift and neither imports the other."""
+"""The language-model loss as a pure function of logits and targets (no Lightning), shared by PretrainModule, the
+pipeline's last stage (parallel/pipeline.py) and the compiled step (parallel/compile.py), so they cannot drift and
+none imports another. Under tensor parallelism the logits are split along the vocabulary and the same function,
+given the tensor-parallel group, computes the same losses over them (parallel/vocab.py)."""
 
 import torch
 import torch.nn.functional as F
@@ -7,17 +9,29 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, written out where targets are masked
 
 
-def lm_losses(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0):
+def lm_losses(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, vocab_group=None):
     """(task loss, z-loss) of logits (B, T, V) against targets (B, T) (IGNORE_INDEX: not predicted).
 
     Task: the mean cross-entropy over the predicted targets, in fp32 (under bf16 the log-softmax over a large
     vocabulary loses most of its precision). z-loss (PaLM, Chowdhery et al. 2022 §5): z_loss x log(Z)^2, Z the
     softmax normalizer of the final logits (after any soft-cap: these are the logits the model predicts with), its
-    mean over the same predicted targets; None when z_loss is 0 (nothing extra computed)."""
-    logits, targets = logits.float().flatten(0, 1), targets.flatten()  # (B*T, V), (B*T,)
-    task = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
-    if not z_loss:
-        return task, None
+    mean over the same predicted targets; None when z_loss is 0 (nothing extra computed).
+
+    vocab_group: the tensor-parallel group when the logits are this rank's (B, T, V/t) columns of the vocabulary
+    (parallel/vocab.py `vocab_group(gpt)`); the losses are then those of the whole logits, equal on every rank of
+    the group, and backward gives each rank its own columns' gradient. A collective: every rank of it calls this."""
+    logits, targets = logits.float().flatten(0, 1), targets.flatten()  # (B*T, V or V/t), (B*T,)
     kept = (targets != IGNORE_INDEX).float()  # (B*T,)
-    log_z = torch.logsumexp(logits, dim=-1)  # (B*T,)
+    if vocab_group is None:
+        task = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+        if not z_loss:
+            return task, None
+        log_z = torch.logsumexp(logits, dim=-1)  # (B*T,)
+    else:
+        from lit_pretrain.parallel.vocab import vocab_parallel_cross_entropy
+
+        nll, log_z = vocab_parallel_cross_entropy(logits, targets, vocab_group)  # (B*T,) each
+        task = (nll * kept).sum() / kept.sum()  # F.cross_entropy's mean (NaN when nothing is predicted, as there)
+        if not z_loss:
+            return task, None
     return task, z_loss * (log_z.square() * kept).sum() / kept.sum().clamp(min=1.0)

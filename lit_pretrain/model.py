@@ -2,10 +2,10 @@
 variants of `GPTConfig` (grouped-query attention, QK-norm, logit soft-capping, LayerNorm, GELU MLP).
 
 Knows nothing of Lightning or distribution: tensor parallelism, activation checkpointing and FSDP wrap it from
-outside. Every module is built from the architecture table (`GPTConfig.block_modules`), and each nn.Linear carries
-its roles as attributes, `tensor_parallel` ("column" | "row" | None) and `residual_projection` (bool), which the
-initializer and the tensor-parallel plan read instead of lists of names. Names (`blocks.{i}.attn.wq`, ...) are
-still the checkpoint interface. Layout follows LLaMA (Touvron et al. 2023);
+outside. Every module is built from the architecture table (`GPTConfig.block_modules`), and each nn.Linear (and
+the embedding) carries its roles as attributes, `tensor_parallel` ("column" | "row" | "vocab" | None) and
+`residual_projection` (bool), which the initializer and the tensor-parallel plan read instead of lists of names.
+Names (`blocks.{i}.attn.wq`, ...) are still the checkpoint interface. Layout follows LLaMA (Touvron et al. 2023);
 readable in one sitting like nanoGPT.
 """
 
@@ -235,9 +235,10 @@ class GPT(nn.Module):
             )
         cfg.check()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         spec = cfg.modules()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_embeddings.tensor_parallel = spec["tok_embeddings"].tensor_parallel  # "vocab": its rows split
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = build_norm(cfg, spec["norm"])
         self.lm_head = build_linear(spec["lm_head"])
         if cfg.tie_embeddings:

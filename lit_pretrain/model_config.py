@@ -209,14 +209,15 @@ class GPTConfig:
         if self.vocab_size is None:
             raise ValueError("model.vocab_size is null: the model's shapes need the vocabulary size")
         v, d = self.vocab_size, self.d_model
-        out = {"tok_embeddings": ModuleSpec("embedding", (v, d))}
+        # Both vocabulary matrices split their rows under tensor parallelism (parallel/vocab.py, Megatron-LM).
+        out = {"tok_embeddings": ModuleSpec("embedding", (v, d), "vocab")}
         blocks = {}  # one table per kind of block (dense, MoE)
         for i in range(self.n_layers):
             kind = self.is_moe_layer(i)
             block = blocks[kind] = blocks[kind] if kind in blocks else self.block_modules(i)
             out.update({f"blocks.{i}.{name}": spec for name, spec in block.items()})
         out["norm"] = ModuleSpec("norm", (d,))
-        out["lm_head"] = ModuleSpec("linear", (v, d), tied=self.tie_embeddings)
+        out["lm_head"] = ModuleSpec("linear", (v, d), "vocab", tied=self.tie_embeddings)
         return out
 
     def check(self) -> None:
@@ -264,8 +265,8 @@ class ModuleSpec:
     shape: Tuple[int, ...]
     """Its weight's shape."""
     tensor_parallel: Optional[str] = None
-    """column | row (Megatron-LM's split of a linear), partial (replicated, but its gradient is a partial sum
-    over the tensor-parallel group) or None (replicated)."""
+    """column | row (Megatron-LM's split of a linear), vocab (the embedding's and head's rows: the vocabulary),
+    partial (replicated, but its gradient is a partial sum over the tensor-parallel group) or None (replicated)."""
     residual_projection: bool = False
     """Writes into the residual stream (attn.wo, mlp.w_down): the initializer scales it by depth."""
     tied: bool = False

@@ -151,8 +151,10 @@ class PretrainModule(L.LightningModule):
             docs, y = document_ids(x, self.eod_id), loss_targets(x, y, self.eod_id)  # (B, T) each
         if self.parallel is not None and self.parallel.forward_losses is not None:  # trainer.compile
             return self.parallel.forward_losses(x, y, docs, self.optim_cfg.z_loss)
-        logits = self.model(x) if docs is None else self.model(x, document_ids=docs)  # (B, T, V)
-        return lm_losses(logits, y, self.optim_cfg.z_loss)
+        # (B, T, V), or this rank's (B, T, V/t) under tensor parallelism, whose group the loss then reduces over
+        logits = self.model(x) if docs is None else self.model(x, document_ids=docs)
+        group = self.parallel.vocab_group if self.parallel is not None else None
+        return lm_losses(logits, y, self.optim_cfg.z_loss, group)
 
     def on_fit_start(self):
         # The one place the guard's norm is chosen: the plan's (ParallelModel.grad_norm counts each parameter once

@@ -27,7 +27,7 @@ from lit_pretrain.faults.watchdog import WatchdogCallback
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.memory_log import MemoryAccounting
 from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
-from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, compile_decision, sized_model
+from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, check_vocab, compile_decision, sized_model
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.world import check_launcher_world
 from lit_pretrain.resume import session as resume_session
@@ -136,6 +136,7 @@ def train(cfg: DictConfig) -> dict:
     train_windows, _ = datamodule.windows(manifest, parallel_plan.data_parallel)
     datamodule.check_mixture(train_windows, c.trainer.max_steps, tokens_per_step // c.model.seq_len)
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
+    check_vocab(c.model.vocab_size, parallel_plan.tensor_parallel)  # model.vocab_size=null: the tokenizer's size
     cfg.model.vocab_size = c.model.vocab_size
     run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
     resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)

@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from lit_pretrain.losses import lm_losses
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.moe import moe_layers
@@ -51,7 +51,7 @@ def routing_counts(plan) -> dict:
     if par.runner is not None:
         par.runner.loss((x, y))
     else:
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        lm_losses(model(x), y, vocab_group=par.vocab_group)[0].backward()  # logits: this rank's vocabulary columns
     counts = {}
     for m in moe_layers(model):
         load = m.load[:4].clone()

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lit_pretrain.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.optim import build_adamw, build_optimizer, clip_by_global_norm
@@ -20,6 +21,7 @@ from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.mesh import build_mesh, like
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.tensor import apply_tensor_parallel, plain_name, shard, style_of
+from lit_pretrain.parallel.vocab import whole_logits
 from lit_pretrain.schema import OptimConfig
 
 CFG = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, seq_len=16, tie_embeddings=True)
@@ -78,8 +80,8 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         opt.zero_grad()
         if par.runner is not None:
             loss = par.runner.loss((x, y))
-        else:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        else:  # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
+            loss = lm_losses(model(x), y, vocab_group=par.vocab_group)[0]
             loss.backward()
             loss = loss.detach()
         par.sync_gradients()
@@ -126,7 +128,10 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
     tp_logits = None
     if par.runner is None:  # the layout's own forward (TP, DP×TP) on the reference weights
         with torch.no_grad():
-            tp_logits = model(xs[0])
+            tp_logits = model(xs[0])  # (B, T, V/t) under tensor parallelism: this rank's vocabulary columns
+            if par.vocab_group is not None:
+                tp_logits = whole_logits(tp_logits, par.vocab_group)
+    rows = vocab_rows(model)
     if dist.get_rank() != 0:
         return
     ref_names = {id(p): n for n, p in ref_model.named_parameters()}
@@ -153,7 +158,45 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
         "loaded_logits": (loaded_logits - ref_logits).abs().max().item(),
         "layout_logits": None if tp_logits is None else (tp_logits - ref_logits).abs().max().item(),
         "sequence_parallel": any(getattr(m, "sequence_parallel", False) for m in par.gpt.modules()),
+        "vocab_rows": rows, "t": par.t,
     }
+
+
+def vocab_rows(model) -> list:
+    """(module, rows, vocab-parallel) of the embedding and head on every rank that holds them, gathered to every
+    rank (an object gather over the world: a collective)."""
+    held = [(name, module.weight.shape[0], getattr(module, "tensor_parallel", None) == "vocab"
+             and hasattr(module, "group")) for name in ("tok_embeddings", "lm_head")
+            if (module := getattr(model, name, None)) is not None]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, held)
+    return [h for rank in out for h in rank]
+
+
+def vocab_cross_entropy_case(out: dict) -> None:
+    """losses.lm_losses over logits split along the vocabulary across the world (as the tensor-parallel group)
+    against the whole logits' F.cross_entropy path: task loss, z-loss, and the logits' gradient, with ignored
+    targets, targets on every rank, and a batch that predicts nothing."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(11)
+    V = 16 * world
+    logits = torch.randn(3, 5, V, generator=g) * 3  # (B, T, V): spread, so the softmax is far from uniform
+    targets = torch.randint(0, V, (3, 5), generator=g)
+    targets[0, :2] = targets[2, 4] = IGNORE_INDEX
+    ref = logits.clone().requires_grad_(True)
+    task, z = lm_losses(ref, targets, 1e-2)
+    (task + z).backward()
+    part = logits.chunk(world, dim=-1)[rank].clone().requires_grad_(True)
+    group = dist.group.WORLD
+    p_task, p_z = lm_losses(part, targets, 1e-2, vocab_group=group)
+    (p_task + p_z).backward()
+    grad = whole_logits(part.grad, group)
+    none = lm_losses(part, torch.full_like(targets, IGNORE_INDEX), 1e-2, vocab_group=group)
+    if rank == 0:
+        out["vocab_ce"] = {"task": (p_task - task).abs().item(), "z": (p_z - z).abs().item(),
+                           "grad": (grad - ref.grad).abs().max().item(), "grad_scale": ref.grad.abs().max().item(),
+                           "none": [none[0].isnan().item(), none[1].item()],
+                           "ref_none": lm_losses(logits, torch.full_like(targets, IGNORE_INDEX))[0].isnan().item()}
 
 
 def saved_block_bytes(tp_group, sequence_parallel: bool) -> int:
@@ -285,6 +328,7 @@ def worker(rank: int, world: int, port: int, cases: list, results, measure_activ
             dist.barrier()
         if measure_activations:
             activation_case(out)
+            vocab_cross_entropy_case(out)
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lit_pretrain.losses import lm_losses
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.moe import end_step, moe_layers, moe_loss
@@ -77,7 +78,7 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))  # the MoE losses train inside the schedule's backward
         else:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = lm_losses(model(x), y, vocab_group=par.vocab_group)[0]  # logits: this rank's vocabulary columns
             balance = moe_loss(model)
             (loss if balance is None else loss + balance).backward()
             loss = loss.detach()
@@ -99,7 +100,7 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
 
 
 def replicas_equal(par, model) -> bool:
-    """Whether every parameter replicated over the tensor-parallel group (router, routed experts, norms, embedding)
+    """Whether every parameter replicated over the tensor-parallel group (router, routed experts, norms)
     holds the same values on all its ranks, bitwise, after training: their gradients agreed at every step."""
     same = torch.ones(())
     for name, p in model.named_parameters():

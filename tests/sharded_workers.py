@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from lit_pretrain.losses import lm_losses
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.optim import clip_by_global_norm
@@ -46,7 +46,8 @@ def train_steps(par, model, opt, xs, ys) -> list:
         if par is not None and par.runner is not None:
             loss = par.runner.loss((x, y))
         else:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
+            loss = lm_losses(model(x), y, vocab_group=par.vocab_group if par is not None else None)[0]
             loss.backward()
             loss = loss.detach()
         if par is not None:

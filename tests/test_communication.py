@@ -25,14 +25,18 @@ def test_padding_by_hand():
     # ZeRO-2 gathers once; HSDP adds an all-reduce of each reduce-scattered shard (212 / 4 elements).
     (lambda: cm.zero(1, 4, 6, 10, w=4, stage=2, replicas=2),
      {"all_gather": 848, "reduce_scatter": 848, "all_reduce": 212}),
-    # TP 2 slices: column dims 0, row dim 1 (wq (2, 4), w_gate (3, 4), w_down (4, 3)); then FSDP pads per slice.
-    (lambda: cm.zero(1, 4, 6, 10, w=2, t=2), {"all_gather": 8 * (4 * 8 + 2 * 16 + 12 + 8 + 44),
-                                             "reduce_scatter": 4 * (4 * 8 + 2 * 16 + 12 + 8 + 44), "all_reduce": 0}),
-    # TP: (2 forward + 5 backward) all-reduces of B T d per block: B 2, T 3, d 4, L 2.
-    (lambda: cm.tensor_parallel(2, 4, 2, 3), {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4 * 24 * 2 * 7}),
-    # TP + SP: 4L + 2 all-gathers, 4L reduce-scatters of B T d; the 2L + 1 norms' d-element gradients all-reduced.
-    (lambda: cm.sequence_parallel(2, 4, 2, 3), {"all_gather": 4 * 24 * 10, "reduce_scatter": 4 * 24 * 8,
-                                                "all_reduce": 4 * 4 * 5}),
+    # TP 2 slices: column dims 0, row dim 1 (wq (2, 4), w_gate (3, 4), w_down (4, 3)), the embedding's vocabulary
+    # rows (5, 4), padded to (6, 4) = 24, + norm 4 = 28; then FSDP pads per slice.
+    (lambda: cm.zero(1, 4, 6, 10, w=2, t=2), {"all_gather": 8 * (4 * 8 + 2 * 16 + 12 + 8 + 28),
+                                             "reduce_scatter": 4 * (4 * 8 + 2 * 16 + 12 + 8 + 28), "all_reduce": 0}),
+    # TP: (2 forward + 5 backward) all-reduces of B T d per block, + the vocabulary-parallel embedding's and head's
+    # (B T d each), + the cross-entropy's 3 B T: B 2, T 3, d 4, L 2.
+    (lambda: cm.tensor_parallel(2, 4, 2, 3), {"all_gather": 0, "reduce_scatter": 0,
+                                              "all_reduce": 4 * 24 * (2 * 7 + 2) + 4 * 3 * 6}),
+    # TP + SP: 4L + 2 all-gathers and 4L + 2 reduce-scatters of B T d; the 2L + 1 norms' d-element gradients and
+    # the cross-entropy's 3 B T all-reduced.
+    (lambda: cm.sequence_parallel(2, 4, 2, 3), {"all_gather": 4 * 24 * 10, "reduce_scatter": 4 * 24 * 10,
+                                                "all_reduce": 4 * (4 * 5 + 3 * 6)}),
 ])
 def test_formulas_by_hand(parts, expected):
     assert parts() == expected
@@ -44,12 +48,15 @@ L, D, F, V, T, B = 2, 64, 192, 8192, 32, 4
 @pytest.mark.parametrize("formula, measured", [
     (lambda: cm.total(cm.zero(L, D, F, V, w=4), cm.grad_norm(1)),
      {"all_gather": 5_048_832, "reduce_scatter": 2_524_416, "all_reduce": 4}),
-    (lambda: cm.total(cm.tensor_parallel(L, D, B, T), cm.replicas_all_reduce(L, D, F, V, t=2), cm.grad_norm(1)),
-     {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 2_770_180}),
-    (lambda: cm.total(cm.zero(L, D, F, V, w=2, t=2), cm.tensor_parallel(L, D, B, T), cm.grad_norm(2)),
-     {"all_gather": 4_622_848, "reduce_scatter": 2_311_424, "all_reduce": 458_760}),
-    (lambda: cm.total(cm.sequence_parallel(L, D, B, T), cm.replicas_all_reduce(L, D, F, V, t=2), cm.grad_norm(1)),
-     {"all_gather": 327_680, "reduce_scatter": 262_144, "all_reduce": 2_312_708}),
+    # Measured again with the vocabulary-parallel embedding, head and cross-entropy (parallel/vocab.py).
+    (lambda: cm.total(cm.tensor_parallel(L, D, B, T), cm.replicas_all_reduce(L, D, F, V, t=2),
+                      cm.grad_norm(0, 1)),
+     {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 1_788_680}),
+    (lambda: cm.total(cm.zero(L, D, F, V, w=2, t=2), cm.tensor_parallel(L, D, B, T), cm.grad_norm(1, 1)),
+     {"all_gather": 2_525_696, "reduce_scatter": 1_262_848, "all_reduce": 525_836}),
+    (lambda: cm.total(cm.sequence_parallel(L, D, B, T), cm.replicas_all_reduce(L, D, F, V, t=2),
+                      cm.grad_norm(0, 1)),
+     {"all_gather": 327_680, "reduce_scatter": 327_680, "all_reduce": 1_265_672}),
 ])
 def test_formulas_match_the_measured_bytes(formula, measured):
     assert formula() == measured

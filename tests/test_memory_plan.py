@@ -2,6 +2,7 @@
 PyTorch really holds for our model's parameters, gradients and AdamW states in one process."""
 
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -66,6 +67,9 @@ def test_tensor_parallel_splits_matrices_not_norms():
     assert two["params_per_device"] == (one["params_per_device"] - norms) / 2 + norms
     with pytest.raises(ConfigError, match="must divide --heads"):
         memory.memory_plan(cfg, 1, tensor_parallel=3)
+    # The embedding and head are split along the vocabulary (parallel/vocab.py): V must divide by t, as in train.
+    with pytest.raises(ConfigError, match="must divide --vocab 1001"):
+        memory.memory_plan(GPTConfig(**{**asdict(cfg), "vocab_size": 1001}), 1, tensor_parallel=2)
 
 
 def test_exact_shards_pad_dim0_like_fsdp2():

@@ -97,6 +97,10 @@ def check(results, names):
         # sync the first-step gradients are 2e-4 off, the norm 2e-3 (relative) and the weights 5e-2 (seen once, sync
         # commented out).
         assert r["sequence_parallel"] == ("_sp" in name), (name, r)
+        # Vocabulary parallelism (parallel/vocab.py): every rank holding the embedding or head holds exactly V/t
+        # rows of it, and under tensor parallelism they are the vocabulary-parallel modules.
+        assert r["vocab_rows"] and {rows for _, rows, _ in r["vocab_rows"]} == {CFG["vocab_size"] // r["t"]}, (name, r)
+        assert all(parallel == (r["t"] > 1) for _, _, parallel in r["vocab_rows"]), (name, r)
 
 
 def check_muon(results, names):
@@ -123,6 +127,20 @@ def test_two_process_layouts_match_one_process():
     check(results, [c[0] for c in CASES_2])
     check_muon(results, [c[0] for c in MUON_CASES_2])
     check_activations(results["activations"])
+    check_vocab_cross_entropy(results["vocab_ce"])
+
+
+def check_vocab_cross_entropy(r):
+    """The vocabulary-parallel cross-entropy (2 ranks, half the columns each) against F.cross_entropy + z-loss on the
+    whole logits. Forward: the same max and log-sum-exp, summed in another order (two partial sums then their sum);
+    fp32 losses ~3-10 have an ulp of 2.4e-7 to 9.5e-7, so 4e-6 allows a few. Gradient: softmax minus one-hot over
+    the 10 predicted rows, entries up to 0.1; 1e-7 is a few ulps of them. A wrong offset of the target's column or a
+    missing all-reduce changes the loss by more than 1e-1 and the gradient by its own size."""
+    print("vocab-parallel cross-entropy:", r)
+    assert r["task"] < 4e-6 and r["z"] < 4e-6, r
+    assert r["grad"] < 1e-7 and r["grad_scale"] > 1e-2, r
+    # Nothing predicted: a NaN task loss as F.cross_entropy's mean (pipeline validation weighs it 0), z-loss 0.
+    assert r["none"] == [True, 0.0] and r["ref_none"], r
 
 
 def check_activations(measured):

@@ -11,11 +11,13 @@ distance from one process is bounded alike by tests/test_mesh_parallel.py).
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
 
 from lit_pretrain.errors import DataError
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
 from lit_pretrain.resume.sharded import save as sharded
 from tests.conftest import free_port
+from tests.mesh_workers import CFG
 from tests.sharded_workers import K1, adamw, compare, data, full, init_model, save, train_steps, worker
 
 
@@ -70,6 +72,12 @@ def test_four_process_reshard_to_and_from_one_process(tmp_path):
     model, opt = init_model(), None
     opt = adamw(model)
     folder = tmp_path / "zero3_tp2"
+    # The vocabulary-parallel embedding and (tied) head were saved at their vocabulary offsets: each TP rank's V/2
+    # rows, FSDP-sharded in two, make four chunks of V/4 rows (a replicated table would be two chunks of V/2).
+    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    V = CFG["vocab_size"]
+    for key in ("model.tok_embeddings.weight", "model.lm_head.weight"):
+        assert sorted((c.offsets[0], c.sizes[0]) for c in meta[key].chunks) == [(i * V // 4, V // 4) for i in range(4)]
     sharded.load_model(folder, model, None)
     sharded.load_optimizer(folder, model, None, opt, sharded.read_trainer_state(folder))
     loaded = full(None, model, opt)

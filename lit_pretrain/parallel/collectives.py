@@ -1,4 +1,5 @@
-"""Collectives the parallel wrappers share, written once."""
+"""Collectives the parallel wrappers share, written once: Megatron-LM's f and g operators (Shoeybi et al. 2019,
+§3; tensor.py's linears, vocab.py's embedding and head) and the flat all-reduce."""
 
 from typing import List, Optional
 
@@ -21,3 +22,32 @@ def all_reduce_flat(tensors: List[torch.Tensor], group, divide_by: Optional[int]
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+class CopyToParallel(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromParallel(torch.autograd.Function):
+    """Megatron's g: all-reduce forward (sum the partial products), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

@@ -79,6 +79,14 @@ class ParallelModel:
             self.tp_rank = dist.get_rank(self.tp)
 
     @property
+    def vocab_group(self):
+        """The tensor-parallel group the head's logits are split over (parallel/vocab.py), for losses.lm_losses;
+        None when the head is whole."""
+        from lit_pretrain.parallel.vocab import vocab_group
+
+        return vocab_group(self.gpt)
+
+    @property
     def holds_first_stage(self) -> bool:
         return self.runner is None or self.runner.holds_first
 
@@ -87,7 +95,7 @@ class ParallelModel:
             return  # DDP and Lightning's FSDP strategy reduce gradients themselves
         fsdp_shard = (dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)) if self.plan.uses_fsdp \
             else None
-        tied_grad_sync(self.gpt, self.pp, fsdp_shard)
+        tied_grad_sync(self.gpt, self.pp, fsdp_shard, self.t)
         if self.t > 1:
             sync_partial_grads(self.gpt, self.tp)  # QK-norm's weights saw only this rank's heads
         if self.plan.sequence_parallel:

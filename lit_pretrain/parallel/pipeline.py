@@ -25,6 +25,7 @@ from lit_pretrain.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.model import softcap
 from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
 from lit_pretrain.parallel.moe_mesh import install_pipeline_losses
+from lit_pretrain.parallel.vocab import vocab_group
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -93,11 +94,13 @@ def prune_to_stages(gpt: nn.Module, bounds: List[Tuple[int, int]], stages: List[
     return [StageForward(gpt, *bounds[s], first=s == 0, last=s == n - 1) for s in stages]
 
 
-def tied_grad_sync(gpt: nn.Module, pp_group, fsdp_shard: Optional[Tuple[int, int]] = None) -> None:
+def tied_grad_sync(gpt: nn.Module, pp_group, fsdp_shard: Optional[Tuple[int, int]] = None,
+                   tensor_parallel: int = 1) -> None:
     """Sum the tied embedding's gradient over the first and last stages (the other stages add zeros).
 
-    Under FSDP each rank sums its own shard (`fsdp_shard` = (rank, size) in the shard group): both stages' copies
-    are sharded alike (dim 0, torch.chunk's split) over the same data-parallel coordinates."""
+    Under tensor parallelism each rank sums its vocabulary rows (V/t of them, the same on both stages for the same
+    tensor-parallel rank); under FSDP each rank its own shard of those (`fsdp_shard` = (rank, size) in the shard
+    group): both stages' copies are sharded alike (dim 0, torch.chunk's split) over the same coordinates."""
     if not gpt.cfg.tie_embeddings or pp_group is None or dist.get_world_size(pp_group) == 1:
         return
     cfg = gpt.cfg
@@ -108,7 +111,7 @@ def tied_grad_sync(gpt: nn.Module, pp_group, fsdp_shard: Optional[Tuple[int, int
         grad = emb.weight.grad
         grad = grad.to_local() if hasattr(grad, "to_local") else grad
     else:  # a middle stage: zeros shaped like this rank's share of the (vocab_size, d_model) matrix
-        grad = torch.zeros(cfg.vocab_size, cfg.d_model)
+        grad = torch.zeros(cfg.vocab_size // tensor_parallel, cfg.d_model)
         if fsdp_shard is not None:
             rank, size = fsdp_shard
             rows = grad.chunk(size, dim=0)
@@ -157,12 +160,18 @@ class PipelineRunner:
         self.last_idle_fraction: Optional[float] = None
 
     def refresh_blocks(self) -> None:
-        """Point each stage's blocks at the GPT's current ones (activation checkpointing replaces block objects in
-        `gpt.blocks` by their wrappers after the split)."""
+        """Point each stage's modules at the GPT's current ones (activation checkpointing replaces block objects in
+        `gpt.blocks` by their wrappers after the split; tensor parallelism the embedding and head by their
+        vocabulary-parallel versions)."""
+        n_stages = self.p * self.v
         for forward, s in zip(self.forwards, self.stage_ids):
             start, end = self.bounds[s]
             for j, i in enumerate(range(start, end)):
                 forward.blocks[j] = self.gpt.blocks[i]
+            if s == 0:
+                forward.tok_embeddings = self.gpt.tok_embeddings
+            if s == n_stages - 1:
+                forward.lm_head = self.gpt.lm_head
 
     def _count_routing_in(self, stage) -> None:
         """model.moe: only the micro-batches' forwards add to the routing counts (the bias update, the MoE monitor),
@@ -204,7 +213,8 @@ class PipelineRunner:
     def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # fp32 cross-entropy (and optim.z_loss) as in PretrainModule.losses; scaled so gradients match Lightning's
         # accumulation. The parts are kept apart for logging: the schedule sees only their sum.
-        task, z = lm_losses(logits, target, self.z_loss)
+        # Under tensor parallelism logits are this rank's vocabulary columns: the loss reduces over the group.
+        task, z = lm_losses(logits, target, self.z_loss, vocab_group(self.gpt))
         predicted = (target != IGNORE_INDEX).sum().to(task.dtype)  # validation weighs micro-batches by it
         self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(()), predicted]))
         return (task if z is None else task + z) * self.scale

@@ -232,10 +232,21 @@ def _check_model(plan: ParallelPlan, trainer, model) -> None:
     if model.hidden_dim % t:
         raise ConfigError(f"the MLP width (model.d_ff, here {model.hidden_dim}) is not divisible by "
                           f"strategy.tensor_parallel={t}: set model.d_ff to a multiple of {t}")
+    check_vocab(model.vocab_size, t)
     if plan.sequence_parallel and model.seq_len % t:
         raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by strategy.tensor_parallel={t}: "
                           "sequence parallelism gives each tensor-parallel rank seq_len / tensor_parallel positions; "
                           "choose a seq_len that is a multiple of tensor_parallel")
+
+
+def check_vocab(vocab_size, t: int) -> None:
+    """The embedding and head split their rows over the tensor-parallel ranks (parallel/vocab.py): V divides by t.
+    Checked when the config loads, and again for model.vocab_size=null once the tokenizer gives the size."""
+    if vocab_size is not None and t > 1 and vocab_size % t:
+        raise ConfigError(f"model.vocab_size={vocab_size} is not divisible by strategy.tensor_parallel={t}: the "
+                          "embedding and output head are split along the vocabulary across tensor-parallel ranks; "
+                          f"choose a vocab size that is a multiple of {t} (Megatron-LM pads it to a multiple of "
+                          f"128 x {t})")
 
 
 def _check_expert_parallel(plan: ParallelPlan, model) -> None:

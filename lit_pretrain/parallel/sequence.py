@@ -12,12 +12,14 @@ around a block's attention or MLP becomes g/ḡ:
 An all-reduce costs a reduce-scatter plus an all-gather, so a block moves the same bytes as under tensor
 parallelism alone (§4.2.2).
 
-At the edges of the sharded region: the embedding's output is split along the sequence (each rank keeps its chunk;
-backward: all-gather), and the replicated head's input is all-gathered (backward: each rank keeps the gradient of
-its own chunk; the head and the loss are computed in full on every rank, so those gradients are already complete).
+At the edges of the sharded region: the vocabulary-parallel embedding (parallel/vocab.py) reduce-scatters its
+partial lookups along the sequence instead of all-reducing them (each rank keeps its chunk of the sum; backward:
+all-gather), and the vocabulary-parallel head's input is all-gathered (backward: reduce-scatter, summing the
+partial input gradients of each rank's vocabulary columns), as before any column-parallel linear.
 
-Everything is installed as forward hooks on modules (the embedding, the modules holding column-parallel linears, the
-head), not in GPT.forward, so a pipeline stage that calls those modules directly gets the same behaviour.
+Everything is installed on modules (the gathers as forward pre-hooks on the modules holding column-parallel linears
+and on the head; the embedding's reduce-scatter inside it), not in GPT.forward, so a pipeline stage that calls
+those modules directly gets the same behaviour.
 
 The norms' weight gradients are partial under sequence parallelism (each rank saw T/t positions):
 `sync_sequence_parallel_grads` sums them over the tensor-parallel group, once per optimizer step.
@@ -119,8 +121,9 @@ class ReduceScatterFromRow(torch.autograd.Function):
 
 
 class SplitSequence(torch.autograd.Function):
-    """Into the sharded region (the embedding's output): keep this rank's chunk; backward all-gathers the chunks'
-    gradients, so the (replicated) embedding gets the whole sequence's gradient on every rank."""
+    """Into the sharded region (a replicated module's output, as model.moe's layers: parallel/moe_mesh.py): keep
+    this rank's chunk; backward all-gathers the chunks' gradients, so the replicated module gets the whole
+    sequence's gradient on every rank."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -133,8 +136,9 @@ class SplitSequence(torch.autograd.Function):
 
 
 class GatherForReplicated(torch.autograd.Function):
-    """Out of the sharded region (the head's input): all-gather forward; backward keeps this rank's chunk, since the
-    replicated head and loss produce the same complete gradient on every rank (summing would count it t times)."""
+    """Out of the sharded region into a replicated module (model.moe's layers, parallel/moe_mesh.py): all-gather
+    forward; backward keeps this rank's chunk, since the replicated computation produces the same complete gradient
+    on every rank (summing would count it t times)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -154,9 +158,10 @@ def _first_arg(fn, group):
 
 
 def install_sequence_parallel(model: nn.Module, group, column_parents: Iterable[nn.Module]) -> None:
-    """Hook `model` (a GPT, whole or pruned to pipeline stages) for sequence parallelism over `group`:
-    split after `tok_embeddings`, gather into each of `column_parents` (the modules whose column-parallel linears
-    read their first input: attn, mlp) and into `lm_head`. Idempotent: a hooked module is not hooked twice."""
+    """Hook `model` (a GPT, whole or pruned to pipeline stages) for sequence parallelism over `group`: gather into
+    each of `column_parents` (the modules whose column-parallel linears read their first input: attn, mlp) and into
+    the vocabulary-parallel `lm_head`. The embedding needs no hook: built with sequence_parallel=True it
+    reduce-scatters itself (parallel/vocab.py). Idempotent: a hooked module is not hooked twice."""
     check_seq_len(model.cfg.seq_len, dist.get_world_size(group))
 
     def once(module, register, hook):
@@ -164,11 +169,9 @@ def install_sequence_parallel(model: nn.Module, group, column_parents: Iterable[
             register(module)(hook)
             module._sequence_parallel_hooked = True
 
-    emb = getattr(model, "tok_embeddings", None)
-    once(emb, lambda m: m.register_forward_hook, lambda _m, _args, out: SplitSequence.apply(out, group))
     for parent in column_parents:
         once(parent, lambda m: m.register_forward_pre_hook, _first_arg(GatherForColumn, group))
-    once(getattr(model, "lm_head", None), lambda m: m.register_forward_pre_hook, _first_arg(GatherForReplicated, group))
+    once(getattr(model, "lm_head", None), lambda m: m.register_forward_pre_hook, _first_arg(GatherForColumn, group))
 
 
 NORM_TYPES = (nn.RMSNorm, nn.LayerNorm)

@@ -13,9 +13,13 @@ Which linear is which is not listed here: each nn.Linear of the GPT carries `ten
 None), set from the architecture table (`GPTConfig.block_modules`), and `plan_of(model)` reads it.
 QK-norm's weights (one per head_dim, shared by the heads) are replicated but see only this rank's heads: they are
 marked "partial" and their gradients summed over the group (`sync_partial_grads`).
-Norms, the embedding and the head stay replicated: their gradients come
-out identical on every tensor-parallel rank because f sums the input gradients. Vocabulary-parallel embedding and
-cross-entropy are not built: the head is replicated, so model.vocab_size needs no divisibility.
+Norms stay replicated: their gradients come out identical on every tensor-parallel rank because f sums the input
+gradients. The embedding and the output head are split along the vocabulary (parallel/vocab.py, Megatron-LM's
+VocabParallelEmbedding, column-parallel output layer and vocab_parallel_cross_entropy): rank r holds rows
+[r·V/t, (r+1)·V/t) of both (one shared Parameter when tied), the head returns this rank's (B, T, V/t) logits and
+losses.lm_losses, given the group, computes the cross-entropy over them, so model.vocab_size must divide by t.
+Their style is "vocab" (dim 0 of the (V, d) weights), read by `shard`/`gather` like "column" and "row", so
+checkpoints place each rank's rows at their vocabulary offset.
 
 Why not DTensor's `parallelize_module` with the same plan (Colwise/Rowwise): measured on CPU, gloo, TP=2, a GPT of
 4 layers, d 256, T 128, vocab 4096, batch 8, forward + backward + clipping + AdamW. With DTensor, foreach AdamW,
@@ -41,41 +45,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_pretrain.moe import moe_layers
-from lit_pretrain.parallel.collectives import all_reduce_flat
+from lit_pretrain.parallel.collectives import CopyToParallel, ReduceFromParallel, all_reduce_flat
 from lit_pretrain.parallel.moe_mesh import replicate_over_sequence
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel
+from lit_pretrain.parallel.vocab import apply_vocab_parallel
 
-SHARD_DIM = {"column": 0, "row": 1}  # which dim of an nn.Linear weight (out, in) each style splits
+# Which dim of a weight each style splits: an nn.Linear's (out, in); "vocab" the rows of the (V, d) embedding and
+# head (parallel/vocab.py).
+SHARD_DIM = {"column": 0, "row": 1, "vocab": 0}
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."
-
-
-class _CopyToParallel(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce of the input gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromParallel(torch.autograd.Function):
-    """Megatron's g: all-reduce forward (sum the partial products), identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -95,7 +73,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def forward(self, x):
         if not self.sequence_parallel:
-            x = _CopyToParallel.apply(x, self.group)
+            x = CopyToParallel.apply(x, self.group)
         return F.linear(x, self.weight)
 
 
@@ -106,7 +84,7 @@ class RowParallelLinear(ColumnParallelLinear):
     tensor_parallel = "row"
 
     def forward(self, x):
-        reduce = ReduceScatterFromRow if self.sequence_parallel else _ReduceFromParallel
+        reduce = ReduceScatterFromRow if self.sequence_parallel else ReduceFromParallel
         return reduce.apply(F.linear(x, self.weight), self.group)
 
 
@@ -121,7 +99,7 @@ def plan_of(model: nn.Module) -> Dict[str, str]:
 
 
 def style_of(name: str, plan: Dict[str, str]) -> Optional[str]:
-    """The plan's sharding style ("column" | "row") for a module name or a parameter name (ending in .weight);
+    """The plan's sharding style ("column" | "row" | "vocab") for a module name or a parameter name (ending in .weight);
     None when the tensor is whole on every rank (replicated or "partial")."""
     name = plain_name(name)
     if name.endswith(".weight"):
@@ -156,11 +134,13 @@ def gather(local: torch.Tensor, style: Optional[str], group, world: int) -> torc
 
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> int:
     """Replace the nn.Linears of `model` marked column or row in place by their parallel versions holding this
-    rank's slice of the current (full) weights; return how many were replaced. Idempotent.
+    rank's slice of the current (full) weights, and the embedding and head by their vocabulary-parallel versions
+    (parallel/vocab.py); return how many modules were replaced. Idempotent.
 
     sequence_parallel: also shard the region between them along the sequence (parallel/sequence.py); the caller
     must then call `sequence.sync_sequence_parallel_grads(model, group)` once per optimizer step. Raises ValueError
-    when model.seq_len does not divide by the group's size, or when a split does not give whole heads."""
+    when model.seq_len does not divide by the group's size, when a split does not give whole heads, or when
+    model.vocab_size does not divide by it."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cfg = model.cfg
     if cfg.n_heads % world or cfg.kv_heads % world:
@@ -175,8 +155,8 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     in_moe_layer = {id(m) for layer in moe_layers(model) for m in layer.modules()}
     for name, module in list(model.named_modules()):
         style = getattr(module, "tensor_parallel", None)
-        if style not in SHARD_DIM or not isinstance(module, nn.Linear):
-            continue
+        if style not in ("column", "row") or not isinstance(module, nn.Linear):
+            continue  # the head ("vocab") is replaced below, with the embedding
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         in_moe = id(module) in in_moe_layer
@@ -192,6 +172,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group, sp,
                                    getattr(module, "residual_projection", False)))
         replaced += 1
+    replaced += apply_vocab_parallel(model, group, sequence_parallel)
     if sequence_parallel:
         install_sequence_parallel(model, group, column_parents)
         replicate_over_sequence(model, group)

@@ -18,7 +18,8 @@ ZeRO-3 (FSDP2 `fully_shard` on each block, then on the root; `reshard_after_forw
   The root group (embedding/head, final norm) too: measured on torch 2.13, 2 (L + 1) all-gather calls per step
   (FSDP1 and older FSDP2 kept the root gathered after forward, which would make it 2 P_blocks + P_root);
 - every group's gradient is reduce-scattered once, after its backward: 1 x (blocks + root);
-- our grad_norm all-reduces one fp32 scalar over the shard group (and one over each other group of size > 1).
+- our grad_norm all-reduces one fp32 scalar over the shard group (and a (dense, experts) pair over each
+  tensor-parallel or pipeline group of size > 1).
   all_gather = 2 e (P_blocks + P_root),  reduce_scatter = e (P_blocks + P_root)  (P: padded element counts)
 ZeRO-2 (`reshard_after_forward=False`) gathers every group once: all_gather = e (P_blocks + P_root) (not measured).
 HSDP adds an all-reduce of each reduce-scattered shard over the replicas: e (P_blocks + P_root) / w.
@@ -26,16 +27,22 @@ HSDP adds an all-reduce of each reduce-scattered shard over the replicas: e (P_b
 Tensor parallelism (parallel/tensor.py), per block: forward, g all-reduces the (B, T, d) output of wo and of
 w_down (2 all-reduces); backward, f all-reduces the input gradient of every column-parallel linear. Our f sits in
 each ColumnParallelLinear, so wq, wk, wv, w_gate and w_up each all-reduce (B, T, d) (5 per block, where Megatron's
-f, once per attention and MLP input, makes it 2). The replicated parts (embedding/head, norms) need nothing: f's
-sum makes their gradients equal on every rank. With data-parallel replicas (no FSDP) `sync_gradients` all-reduces
-every local gradient once (the TP slices: 1/t of the block matrices, whole norms and embedding).
-  all_reduce = e B T d L (2 + 5)  [+ e * local parameters with replicas]
+f, once per attention and MLP input, makes it 2). The vocabulary-parallel ends (parallel/vocab.py): the embedding's
+g all-reduces its (B, T, d) partial lookups forward, the head's f its (B, T, d) input gradient backward, and the
+cross-entropy all-reduces one fp32 per position for the max and two (sum of exponentials, target logit) for the
+rest: 3 B T. The norms need nothing: f's sum makes their gradients equal on every rank. With data-parallel
+replicas (no FSDP) `sync_gradients` all-reduces every local gradient once (the TP slices: 1/t of the block
+matrices and of the embedding, whole norms).
+  all_reduce = e B T d (L (2 + 5) + 2) + 3 e B T  [+ e * local parameters with replicas]
 
 Tensor + sequence parallelism (parallel/sequence.py), per block: before attention and MLP an all-gather (forward)
 and its reduce-scatter (backward); after wo and w_down a reduce-scatter (forward) and its all-gather (backward),
-each on the whole (B, T, d). At the edges: the embedding's split all-gathers its gradient (backward), the head's
-input is all-gathered (forward). The norms' weight gradients are summed over the group once per step: (2L + 1) d.
-  all_gather = e B T d (4L + 2),  reduce_scatter = e B T d 4L,  all_reduce = e d (2L + 1) [+ replicas' gradients]
+each on the whole (B, T, d). At the edges: the embedding reduce-scatters its partial lookups (forward) and
+all-gathers its gradient (backward); the head's input is all-gathered (forward) and its gradient reduce-scattered
+(backward). The norms' weight gradients are summed over the group once per step, (2L + 1) d, and the
+cross-entropy all-reduces 3 B T as without sequence parallelism.
+  all_gather = e B T d (4L + 2),  reduce_scatter = e B T d (4L + 2),  all_reduce = e (d (2L + 1) + 3 B T)
+  [+ replicas' gradients]
 """
 
 from typing import Dict, List, Tuple
@@ -77,9 +84,10 @@ def padded(shapes: List[Shape], w: int) -> int:
 
 
 def groups(L: int, d: int, f: int, V: int, t: int = 1) -> Tuple[List[List[Shape]], List[Shape]]:
-    """(each block's local shapes, the root's: tied embedding/head and final norm) under tensor degree t."""
+    """(each block's local shapes, the root's: tied embedding/head, its V/t vocabulary rows, and final norm) under
+    tensor degree t."""
     block = list(tp_local(block_shapes(d, f), t).values())
-    return [block] * L, [(V, d), (d,)]
+    return [block] * L, [(V // t, d), (d,)]
 
 
 def local_params(L: int, d: int, f: int, V: int, t: int = 1) -> int:
@@ -100,14 +108,18 @@ def zero(L: int, d: int, f: int, V: int, w: int, stage: int = 3, t: int = 1, rep
 
 
 def tensor_parallel(L: int, d: int, B: int, T: int, column_all_reduces: int = 5, e: int = 4) -> Dict[str, int]:
-    """Megatron layers as ours are built: 2 forward + `column_all_reduces` backward all-reduces of (B, T, d)."""
-    return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": e * B * T * d * L * (2 + column_all_reduces)}
+    """Megatron layers as ours are built: per block 2 forward + `column_all_reduces` backward all-reduces of
+    (B, T, d); the vocabulary-parallel embedding's and head's (B, T, d) all-reduces and the cross-entropy's 3 B T."""
+    return {"all_gather": 0, "reduce_scatter": 0,
+            "all_reduce": e * B * T * d * (L * (2 + column_all_reduces) + 2) + 3 * e * B * T}
 
 
 def sequence_parallel(L: int, d: int, B: int, T: int, e: int = 4) -> Dict[str, int]:
-    """Tensor + sequence parallelism: gathers and scatters of (B, T, d), and the norms' gradient all-reduce."""
+    """Tensor + sequence parallelism: gathers and scatters of (B, T, d), the norms' gradient all-reduce and the
+    vocabulary-parallel cross-entropy's."""
     btd = e * B * T * d
-    return {"all_gather": btd * (4 * L + 2), "reduce_scatter": btd * 4 * L, "all_reduce": e * d * (2 * L + 1)}
+    return {"all_gather": btd * (4 * L + 2), "reduce_scatter": btd * (4 * L + 2),
+            "all_reduce": e * (d * (2 * L + 1) + 3 * B * T)}
 
 
 def replicas_all_reduce(L: int, d: int, f: int, V: int, t: int = 1, e: int = 4) -> Dict[str, int]:
@@ -115,9 +127,10 @@ def replicas_all_reduce(L: int, d: int, f: int, V: int, t: int = 1, e: int = 4) 
     return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": e * local_params(L, d, f, V, t)}
 
 
-def grad_norm(groups_over_one: int, e: int = 4) -> Dict[str, int]:
-    """ParallelModel.grad_norm: one scalar all-reduce per group (tensor, pipeline, FSDP shard) of size > 1."""
-    return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": e * groups_over_one}
+def grad_norm(shard_groups: int, tensor_pipeline_groups: int = 0, e: int = 4) -> Dict[str, int]:
+    """ParallelModel.grad_norm: one scalar all-reduce over the FSDP shard group (the dense squares), and the
+    (dense, experts) pair over each tensor-parallel and pipeline group, counting the groups of size > 1."""
+    return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": e * (shard_groups + 2 * tensor_pipeline_groups)}
 
 
 def total(*parts: Dict[str, int]) -> Dict[str, int]:

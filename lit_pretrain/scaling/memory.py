@@ -40,7 +40,13 @@ Not counted: the CUDA context, NCCL buffers, the allocator's fragmentation, the 
 come after the activations are freed): what `run_plan.MIN_HEADROOM` is kept free for.
 Under 1F1B pipeline parallelism the first stage keeps p micro-batches of its L/p layers in flight, i.e. L layers'
 worth whatever p is (§4.2.3); it also holds the input embedding. Logits for the cross-entropy are stored in fp32,
-4·s·b·v/t bytes (§4.3), on the last stage. For fp32 activations ("32-true") the 16-bit formulas are doubled (for the
+4·s·b·v/t bytes (§4.3), on the last stage.
+Vocabulary terms under tensor parallelism, as the code holds them (parallel/vocab.py, Megatron-LM's
+VocabParallelEmbedding, column-parallel output layer and vocab_parallel_cross_entropy; Shoeybi et al. 2019 §3): each
+tensor-parallel rank keeps V/t rows of the embedding and of an untied head (v·d/t parameters each, their state and,
+under ZeRO-3, their gathered copies likewise), computes only its (B, T, V/t) logits, and the cross-entropy saves
+their fp32 softmax (4·s·b·v/t) and backward makes a gradient of the same size (`transient_bytes`).
+For fp32 activations ("32-true") the 16-bit formulas are doubled (for the
 recomputation rows an upper estimate: they count 1-byte dropout masks our model does not have).
 """
 
@@ -222,6 +228,9 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     if cfg.n_heads % t or cfg.kv_heads % t:
         raise ConfigError(f"--tensor-parallel {t} must divide --heads {cfg.n_heads} and the key/value heads "
                           f"{cfg.kv_heads} (tensor parallelism splits whole heads)")
+    if cfg.vocab_size % t:
+        raise ConfigError(f"--tensor-parallel {t} must divide --vocab {cfg.vocab_size} (the embedding and head split "
+                          f"their rows over the tensor-parallel ranks, parallel/vocab.py): choose a multiple of {t}")
     if p > L:
         raise ConfigError(f"--pipeline-parallel {p} exceeds --layers {L}: every stage needs at least one layer")
     if activation_checkpointing not in CHECKPOINTING:
@@ -232,8 +241,9 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     layers_here = math.ceil(L / p)
     d, v = cfg.d_model, cfg.vocab_size
     norms = shapes.block_norm_params(cfg)  # norm weights are replicated across the tensor-parallel group
-    # The first stage holds its layers and the (vocab-parallel) embedding; with one stage also the final norm and,
-    # untied, the head. Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits)
+    # The first stage holds its layers and the vocabulary-parallel embedding (V/t rows, parallel/vocab.py); with one
+    # stage also the final norm and, untied, the head (V/t rows too).
+    # Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits)
     # but an MoE block's router and routed experts, replicated over the group (parallel/moe_mesh.py); with
     # model.moe the larger of a dense and an MoE block. Expert parallelism splits the routed experts instead.
     local_block = max((block - norms - kept) / t + norms + kept
