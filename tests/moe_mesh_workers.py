@@ -95,7 +95,14 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         losses.append(loss.item() / d)
         norms.append(norm.item())
     _RECORDED["replicas_equal"] = replicas_equal(par, model)
+    _RECORDED["expert_shapes"] = expert_shapes(par)
     return par, model, opt, losses, norms, grads0
+
+
+def expert_shapes(par) -> set:
+    """The shapes of the routed experts' stacks this rank holds, as tensor and expert parallelism leave them (an FSDP2
+    shard's global shape: its split of dim 0 is ZeRO's, counted apart)."""
+    return {tuple(linear.weight.shape) for layer in moe_layers(par.gpt) for linear in layer.experts.values()}
 
 
 def replicas_equal(par, model) -> bool:
@@ -135,8 +142,9 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
     case(plan, out, name, variant, train=(partial(moe_reference, micro=micro), moe_run_layout))
     # Every rank's layers, per step: a layer lives on one pipeline stage and on every tensor- and data-parallel
     # rank of it, whose copies must agree bit for bit.
-    parts = [None] * dist.get_world_size()
+    parts, shapes = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(parts, _RECORDED["layout"])
+    dist.all_gather_object(shapes, _RECORDED["expert_shapes"])
     if dist.get_rank() != 0:
         return
     ref = _RECORDED["reference"]
@@ -159,7 +167,8 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
                     bias = max(bias, (b - r_bias).abs().max().item())
     r = out[name]
     r.update(counts=counts, z_stat=stats_z, bias=bias, stats_consistent=consistent,
-             replicas_equal=_RECORDED["replicas_equal"],
+             replicas_equal=_RECORDED["replicas_equal"], expert_shapes=shapes,
+             tensor_parallel=plan.tensor_parallel,
              layers_seen=sorted(seen) == cfg.moe_layers(), bias_on=cfg.moe.bias_update_rate > 0)
     if micro > 1:  # the auxiliary loss's own share of the first MoE router's gradient, in one process
         no_aux = GPTConfig(**{**CFG, **variant, "moe": {**variant["moe"], "aux_loss": 0.0}})
