@@ -106,7 +106,7 @@ def expert_shapes(par) -> set:
 
 
 def replicas_equal(par, model) -> bool:
-    """Whether every parameter replicated over the tensor-parallel group (router, routed experts, norms, embedding)
+    """Whether every parameter replicated over the tensor-parallel group (router, norms, embedding)
     holds the same values on all its ranks, bitwise, after training: their gradients agreed at every step."""
     same = torch.ones(())
     for name, p in model.named_parameters():

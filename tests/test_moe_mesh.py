@@ -48,7 +48,7 @@ CASES_4 = [
     # (aux_loss 0: each data-parallel rank's Switch loss is its half-batch's).
     ("zero3_tp2_sp_moe", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2, sequence_parallel=True),
      {"moe": {**TP_MOE["moe"], "aux_loss": 0.0}}),
-    # Both: replicated routing inside the stages, the shared expert split, the z-loss through the scaler.
+    # Both: replicated routing inside the stages, the routed and shared experts split, the z-loss through the scaler.
     ("tp2_pp2_moe", Plan(tensor_parallel=2, pipeline_parallel=2, schedule="gpipe", micro_batches=4),
      {"moe": {**TP_MOE["moe"], "aux_loss": 0.0}}),
 ]
