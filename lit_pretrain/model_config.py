@@ -187,7 +187,7 @@ class GPTConfig:
             E, k = moe.num_experts, moe.top_k
             # Under tensor parallelism the router stays replicated; each routed expert is split along its hidden
             # size like the dense MLP (Megatron-LM's expert tensor parallelism), on dim 1 of the gate/up stacks and
-            # dim 2 of the down stack, behind the leading expert dim (parallel/moe_mesh.py).
+            # dim 2 of the down stack, behind the leading expert dim (parallel/expert_tensor.py).
             out["mlp.router"] = ModuleSpec("linear", (E, d))
             out["mlp.experts.w_gate"] = ModuleSpec("experts", (E, e, d), "expert_column", active_experts=k)
             out["mlp.experts.w_up"] = ModuleSpec("experts", (E, e, d), "expert_column", active_experts=k)

@@ -181,6 +181,7 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
 def planner_case(out: dict) -> None:
     """One MoE block (a shared expert) under tensor parallelism over the whole world, with and without sequence
     parallelism: its parameters on this rank and the bytes it saves for backward, against the memory planner."""
+    from lit_pretrain.parallel.expert_tensor import apply_expert_tensor_parallel
     from lit_pretrain.parallel.memory import SavedActivations
     from lit_pretrain.parallel.tensor import apply_tensor_parallel
     from lit_pretrain.scaling.memory import block_activation_bytes, memory_plan
@@ -196,6 +197,7 @@ def planner_case(out: dict) -> None:
         torch.manual_seed(0)
         model = GPT(cfg)
         apply_tensor_parallel(model, tp, sequence_parallel=sp)
+        apply_expert_tensor_parallel(model, tp)  # the routed experts too, as apply_plan does
         block = model.blocks[0]
         h = model.tok_embeddings(x)  # (B, T, d), or this rank's (B, T/t, d) under sequence parallelism
         with SavedActivations(model) as meter:

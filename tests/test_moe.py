@@ -416,7 +416,7 @@ def test_memory_planner_splits_the_routed_experts_by_expert_and_tensor_paralleli
     """OLMoE-1B-7B (the preset; 6,442,450,944 routed-expert weights of 6,919,161,856, counted above against
     transformers): expert parallelism 8 leaves each rank 1/8 of the experts, with their state sharded over the
     64 / 8 = 8 ranks holding the same experts at ZeRO-3; tensor parallelism splits the dense matrices and each routed
-    expert along its width (parallel/moe_mesh.py), not the router; both together leave 1/16 of the experts."""
+    expert along its width (parallel/expert_tensor.py), not the router; both together leave 1/16 of the experts."""
     from lit_pretrain.errors import ConfigError
     from lit_pretrain.scaling.memory import memory_plan
 

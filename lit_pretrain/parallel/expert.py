@@ -8,7 +8,7 @@ shard index (the sampler's order); expert group q is d in [qP, (q+1)P), and rank
 the experts' own data-parallel group (torchtitan's "dp_shard_mod_ep", OLMo-core's expert data-parallel mesh):
 under ZeRO stages 2/3 and HSDP, FSDP2 shards the experts over that group (parallel/zero.py); without FSDP, our mesh
 all-reduces their gradients over it (ParallelModel.sync_gradients). Tensor-parallel ranks hold the same experts,
-each split along its width over them (parallel/moe_mesh.py split_experts, applied first: this rank's E/P experts
+each split along its width over them (parallel/expert_tensor.py, applied first: this rank's E/P experts
 are rows of its tensor-parallel slices): every tensor-parallel rank routes the same tokens, so at a fixed tensor-
 parallel position the exchange below is the same on every one, and the experts' f and g run over the tensor-parallel
 group inside it. Pipeline stages hold different layers: all of it is one 4-D mesh (`expert_mesh`), (pipeline,

@@ -5,21 +5,8 @@ for a mixture-of-experts layer (lit_pretrain/moe.py), applied from outside it (e
   identically (the MoE sees the replicated residual stream), so its gradient comes out complete and equal on every
   rank, like a norm's, and `ParallelModel.grad_norm` counts it once (style None). The shared experts are split like
   the dense MLP (the table marks them column/row), as Megatron-LM's SharedExpertMLP is
-  (megatron/core/transformer/moe/shared_experts.py). Each routed expert is split too (Megatron-LM's expert tensor
-  parallelism, `expert_tensor_parallel_size` equal to the tensor-parallel size, its default): rank r holds slice r
-  of every expert's hidden size, rows of the gate/up stacks (E, f/t, d), columns of the down stack (E, d, f/t)
-  (`split_experts`). As the routing is the same on every rank, the token copies sorted by expert, xs (M, d), are the
-  same too, and the experts are one column/row pair over them: f on xs (identity; backward: the partial input
-  gradients summed over the group), the grouped kernel on this rank's slices (a SwiGLU is elementwise in the hidden
-  units, so the slice of h is the slice of the whole h), then g on the (M, d) outputs (the partial products summed)
-  before the routing weights and the combine. So the combine, the router and their gradients are as without the
-  split, complete and equal on every rank, and each rank's expert gradient is exactly its slice of the whole one:
-  `grad_norm` sums its squares over the group, once (a style, like any column/row shard). The price: one all-reduce
-  of the (M, d) outputs forward and of their input gradient backward per MoE layer (M = k·N copies, k times a dense
-  MLP's), where the replicated experts cost t copies of their compute, parameters, gradients, optimizer state and
-  activations. No key keeps the replicated layout: no Megatron-LM configuration computes the same expert on the
-  same tokens on t ranks (its expert_tensor_parallel_size=1 spreads the experts over the tensor-parallel ranks by
-  expert parallelism instead, which our expert groups, made of data-parallel ranks, do not span).
+  (megatron/core/transformer/moe/shared_experts.py). Each routed expert is split along its width too (Megatron-LM's
+  expert tensor parallelism: parallel/expert_tensor.py), its gradient a slice summed into the norm over the group.
 - Sequence parallelism: the MoE gathers the whole sequence on entry (backward: each rank keeps its chunk of the
   complete gradient) and keeps its chunk on exit (backward: all-gather), so inside it nothing differs from tensor
   parallelism alone: the same tokens routed on every rank, capacity and auxiliary loss over the whole micro-batch as
@@ -39,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_pretrain.moe import ExpertLinear, MoE, moe_layers
+from lit_pretrain.moe import MoE, moe_layers
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
@@ -89,33 +76,6 @@ def install_pipeline_losses(gpt: nn.Module, accumulation_scale: Callable[[], flo
         if not getattr(layer, "_pipeline_losses_hooked", False):
             layer.register_forward_hook(hook)
             layer._pipeline_losses_hooked = True
-    return len(layers)
-
-
-def split_experts(model: nn.Module, group) -> int:
-    """Under tensor parallelism over `group`: keep this rank's slice of every routed expert's hidden size in each MoE
-    layer of `model` (the table's expert_column / expert_row styles) and run the experts between Megatron's f and
-    g (see the module docstring); return how many layers were split. Idempotent; before expert parallelism keeps
-    this rank's experts and FSDP2 shards them (apply_plan's order). Hooks on the layer's `experts` module, so the
-    expert-parallel dispatch, which calls it on the copies this rank received, runs the same f and g."""
-    from lit_pretrain.parallel.tensor import SHARD_DIM, _CopyToParallel, _ReduceFromParallel, shard
-
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    layers = moe_layers(model)
-    for layer in layers:
-        if world == 1 or getattr(layer.experts, "_tensor_parallel", False):
-            continue
-        for linear in layer.experts.values():
-            assert isinstance(linear, ExpertLinear) and linear.tensor_parallel in SHARD_DIM, linear.tensor_parallel
-            width = linear.weight.shape[SHARD_DIM[linear.tensor_parallel]]
-            if width % world:
-                raise ValueError(f"model.moe.d_ff_expert={width} is not divisible by strategy.tensor_parallel="
-                                 f"{world}: each rank holds an equal slice of every routed expert")
-            linear.weight = nn.Parameter(shard(linear.weight.detach(), linear.tensor_parallel, rank, world))
-        # The same copies on every rank (f: their gradient summed); the slices' partial outputs summed (g).
-        layer.experts.register_forward_pre_hook(lambda _m, args: (_CopyToParallel.apply(args[0], group), *args[1:]))
-        layer.experts.register_forward_hook(lambda _m, _args, out: _ReduceFromParallel.apply(out, group))
-        layer.experts._tensor_parallel = True
     return len(layers)
 
 

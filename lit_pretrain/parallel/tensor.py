@@ -42,11 +42,11 @@ from torch import nn
 
 from lit_pretrain.moe import moe_layers
 from lit_pretrain.parallel.collectives import all_reduce_flat
-from lit_pretrain.parallel.moe_mesh import replicate_over_sequence, split_experts
+from lit_pretrain.parallel.moe_mesh import replicate_over_sequence
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel
 
 # Which dim of an nn.Linear weight (out, in) each style splits; the routed experts' stacks (E, out, in) split the
-# same dims one further in (parallel/moe_mesh.py split_experts).
+# same dims one further in (parallel/expert_tensor.py).
 SHARD_DIM = {"column": 0, "row": 1, "expert_column": 1, "expert_row": 2}
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
@@ -194,7 +194,6 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         setattr(parent, child, cls(shard(module.weight.detach(), style, rank, world), group, sp,
                                    getattr(module, "residual_projection", False)))
         replaced += 1
-    split_experts(model, group)  # the routed experts' stacks are no nn.Linear: split apart, with their own f and g
     if sequence_parallel:
         install_sequence_parallel(model, group, column_parents)
         replicate_over_sequence(model, group)

@@ -162,7 +162,7 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       Under tensor parallelism the router routes the whole micro-batch on every rank, with or without sequence
       parallelism, so the copies' input and outputs (R·h + 2kNh) stay whole on every rank; the routed experts'
       gate and up projections (2R·f_e) are split along the expert width and divided by t, as the shared experts'
-      term is (parallel/moe_mesh.py).
+      term is (parallel/expert_tensor.py).
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.

@@ -30,7 +30,7 @@ def block_params(cfg: GPTConfig) -> int:
 
 def block_params_replicated(cfg: GPTConfig) -> List[Tuple[int, int]]:
     """(parameters, of which the router) of each kind of block (dense, MoE): under tensor parallelism the latter
-    is replicated over the group, not split; the routed experts are split (parallel/moe_mesh.py)."""
+    is replicated over the group, not split; the routed experts are split (parallel/expert_tensor.py)."""
     out = []
     for i in _block_kinds(cfg):
         specs = cfg.block_modules(i)
