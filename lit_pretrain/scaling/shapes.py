@@ -76,8 +76,9 @@ def param_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
 
 
 def tensor_parallel_plan(cfg: GPTConfig) -> Dict[str, str]:
-    """Module name -> "column" | "row" | "partial" for every module tensor parallelism treats specially; the built
-    model's Linears carry the same roles (`tensor_parallel` attribute), which parallel/tensor.py reads."""
+    """Module name -> "column" | "row" | "expert_column" | "expert_row" | "partial" for every module tensor
+    parallelism treats specially; the built model's Linears and expert stacks carry the same roles
+    (`tensor_parallel` attribute), which parallel/tensor.py reads."""
     return {name: spec.tensor_parallel for name, spec in _modules(cfg).items() if spec.tensor_parallel}
 
 
