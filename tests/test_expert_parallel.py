@@ -56,7 +56,9 @@ def test_two_process_expert_parallelism_matches_one_process(tmp_path):
     cases = {"ep2": Plan(data_parallel_replicate=2, expert_parallel=2),
              "ep2_zero3": Plan(data_parallel_shard=2, zero_stage=3, expert_parallel=2)}
     reshard = {"ep2_zero3_to_zero3": (cases["ep2_zero3"], Plan(data_parallel_shard=2, zero_stage=3)),
-               "zero2_to_ep2": (Plan(data_parallel_shard=2, zero_stage=2), cases["ep2"])}
+               "zero2_to_ep2": (Plan(data_parallel_shard=2, zero_stage=2), cases["ep2"]),
+               # each rank 1/2 of every expert's width (offset on dim 1 or 2) into half the experts whole (dim 0)
+               "tp2_to_ep2": (Plan(tensor_parallel=2), cases["ep2"])}
     results = spawn(2, [("parity", plan, name) for name, plan in cases.items()]
                     + [("reshard", src, dst, tmp_path / name) for name, (src, dst) in reshard.items()])
     print({k: {m: v for m, v in r.items() if isinstance(v, (int, float))} for k, r in results.items()})
