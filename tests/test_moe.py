@@ -447,6 +447,9 @@ def test_memory_planner_splits_the_routed_experts_by_expert_and_tensor_paralleli
     assert ep8_tp2["param_bytes"] == pytest.approx(4 * (dense / 64 + routed / 16 / 8))
     with pytest.raises(ConfigError, match="--expert-parallel 3"):
         memory_plan(cfg, 1, expert_parallel=3)
+    narrow = GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, moe=MoEConfig(d_ff_expert=10))
+    with pytest.raises(ConfigError, match="--tensor-parallel 4 must divide the experts' width 10"):
+        memory_plan(narrow, 1, tensor_parallel=4)
 
 
 def test_global_aux_loss_scope_makes_the_ranks_mean_one_process_loss_and_gradient():

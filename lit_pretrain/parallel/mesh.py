@@ -194,7 +194,7 @@ class ParallelModel:
 
     def _share(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """This rank's share of whole tensor `value` of parameter `name` (before any FSDP sharding): its tensor-
-        parallel slice, of its experts under expert parallelism."""
+        parallel slice (of its own experts only, under expert parallelism)."""
         if self.is_expert(name):
             value = self.ep.slice(value)
         return shard(value, style_of(name, self.tp_plan), self.tp_rank, self.t)
