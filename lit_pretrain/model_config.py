@@ -185,14 +185,17 @@ class GPTConfig:
         if self.is_moe_layer(layer):
             moe, e = self.moe, self.d_ff_expert
             E, k = moe.num_experts, moe.top_k
+            # Under tensor parallelism the router stays replicated; each routed expert is split along its hidden
+            # size like the dense MLP (Megatron-LM's expert tensor parallelism), on dim 1 of the gate/up stacks and
+            # dim 2 of the down stack, behind the leading expert dim (parallel/expert_tensor.py).
             out["mlp.router"] = ModuleSpec("linear", (E, d))
-            out["mlp.experts.w_gate"] = ModuleSpec("experts", (E, e, d), active_experts=k)
-            out["mlp.experts.w_up"] = ModuleSpec("experts", (E, e, d), active_experts=k)
-            out["mlp.experts.w_down"] = ModuleSpec("experts", (E, d, e), residual_projection=True, active_experts=k)
+            out["mlp.experts.w_gate"] = ModuleSpec("experts", (E, e, d), "expert_column", active_experts=k)
+            out["mlp.experts.w_up"] = ModuleSpec("experts", (E, e, d), "expert_column", active_experts=k)
+            out["mlp.experts.w_down"] = ModuleSpec("experts", (E, d, e), "expert_row", residual_projection=True,
+                                                   active_experts=k)
             if moe.num_shared_experts:
                 s = moe.num_shared_experts * e
-                # Split like the dense MLP under tensor parallelism (Megatron-LM's SharedExpertMLP); the router and
-                # the routed experts stay replicated over the group (parallel/moe_mesh.py).
+                # Split like the dense MLP under tensor parallelism (Megatron-LM's SharedExpertMLP).
                 out["mlp.shared.w_gate"] = ModuleSpec("linear", (s, d), "column")
                 out["mlp.shared.w_up"] = ModuleSpec("linear", (s, d), "column")
                 out["mlp.shared.w_down"] = ModuleSpec("linear", (d, s), "row", residual_projection=True)
@@ -266,7 +269,8 @@ class ModuleSpec:
     """Its weight's shape."""
     tensor_parallel: Optional[str] = None
     """column | row (Megatron-LM's split of a linear), vocab (the embedding's and head's rows: the vocabulary),
-    partial (replicated, but its gradient is a partial sum over the tensor-parallel group) or None (replicated)."""
+    expert_column | expert_row (the same splits of a routed expert stack (E, out, in), one dim further in), partial
+    (replicated, but its gradient is a partial sum over the tensor-parallel group) or None (replicated)."""
     residual_projection: bool = False
     """Writes into the residual stream (attn.wo, mlp.w_down): the initializer scales it by depth."""
     tied: bool = False

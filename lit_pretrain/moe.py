@@ -29,7 +29,8 @@ from lit_pretrain.moe_kernels import swiglu_experts
 
 class ExpertLinear(nn.Module):
     """The stacked weights (E, out, in) of E bias-free linears, one per expert; `expert` marks it for the
-    initializer and the optimizer (a "hidden" matrix, decayed)."""
+    initializer and the optimizer (a "hidden" matrix, decayed); `tensor_parallel` its split from the table
+    (expert_column | expert_row), which parallel/moe_mesh.py applies from outside."""
 
     expert = True
 
@@ -37,7 +38,7 @@ class ExpertLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(spec.shape))
         self.residual_projection = spec.residual_projection
-        self.tensor_parallel = None
+        self.tensor_parallel = spec.tensor_parallel
 
 
 class Experts(nn.ModuleDict):

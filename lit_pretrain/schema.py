@@ -482,7 +482,8 @@ class StrategyConfig:
     layer (parameters, gradients, optimizer state) and computes them for its group's tokens, exchanged by
     all-to-all (lit_pretrain/parallel/expert.py). Divides the data-parallel degree D; the D/P ranks holding the same
     experts are their own data-parallel group (FSDP2 shards them over it at zero_stage 2/3). Composes with
-    tensor_parallel (experts replicated over it) and pipeline_parallel; not with zero_stage 1. 1: off."""
+    tensor_parallel (each expert split along its width over it: E/P experts x 1/t of their width a rank) and
+    pipeline_parallel; not with zero_stage 1. 1: off."""
 
 
 @dataclass

@@ -62,7 +62,10 @@ def routing_counts(plan) -> dict:
     dist.all_gather_object(parts, counts, group=par.pp)
     merged = {k: v for part in parts for k, v in part.items()}
     held = held_experts(par)
-    return {"counts": merged, "expected": expected, "held_expert_rows": held}
+    # The stacks' shapes (an FSDP2 shard's global shape) on every rank: E/P experts x 1/t of their width.
+    widths = [None] * dist.get_world_size()
+    dist.all_gather_object(widths, {tuple(w.weight.shape) for m in moe_layers(model) for w in m.experts.values()})
+    return {"counts": merged, "expected": expected, "held_expert_rows": held, "expert_shapes": widths}
 
 
 def ep_case(plan, name: str, out: dict) -> None:

@@ -96,11 +96,18 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         losses.append(loss.item() / d)
         norms.append(norm.item())
     _RECORDED["replicas_equal"] = replicas_equal(par, model)
+    _RECORDED["expert_shapes"] = expert_shapes(par)
     return par, model, opt, losses, norms, grads0
 
 
+def expert_shapes(par) -> set:
+    """The shapes of the routed experts' stacks this rank holds, as tensor and expert parallelism leave them (an FSDP2
+    shard's global shape: its split of dim 0 is ZeRO's, counted apart)."""
+    return {tuple(linear.weight.shape) for layer in moe_layers(par.gpt) for linear in layer.experts.values()}
+
+
 def replicas_equal(par, model) -> bool:
-    """Whether every parameter replicated over the tensor-parallel group (router, routed experts, norms)
+    """Whether every parameter replicated over the tensor-parallel group (router, norms)
     holds the same values on all its ranks, bitwise, after training: their gradients agreed at every step."""
     same = torch.ones(())
     for name, p in model.named_parameters():
@@ -136,8 +143,9 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
     case(plan, out, name, variant, train=(partial(moe_reference, micro=micro), moe_run_layout))
     # Every rank's layers, per step: a layer lives on one pipeline stage and on every tensor- and data-parallel
     # rank of it, whose copies must agree bit for bit.
-    parts = [None] * dist.get_world_size()
+    parts, shapes = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(parts, _RECORDED["layout"])
+    dist.all_gather_object(shapes, _RECORDED["expert_shapes"])
     if dist.get_rank() != 0:
         return
     ref = _RECORDED["reference"]
@@ -160,7 +168,8 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
                     bias = max(bias, (b - r_bias).abs().max().item())
     r = out[name]
     r.update(counts=counts, z_stat=stats_z, bias=bias, stats_consistent=consistent,
-             replicas_equal=_RECORDED["replicas_equal"],
+             replicas_equal=_RECORDED["replicas_equal"], expert_shapes=shapes,
+             tensor_parallel=plan.tensor_parallel,
              layers_seen=sorted(seen) == cfg.moe_layers(), bias_on=cfg.moe.bias_update_rate > 0)
     if micro > 1:  # the auxiliary loss's own share of the first MoE router's gradient, in one process
         no_aux = GPTConfig(**{**CFG, **variant, "moe": {**variant["moe"], "aux_loss": 0.0}})
@@ -173,6 +182,7 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
 def planner_case(out: dict) -> None:
     """One MoE block (a shared expert) under tensor parallelism over the whole world, with and without sequence
     parallelism: its parameters on this rank and the bytes it saves for backward, against the memory planner."""
+    from lit_pretrain.parallel.expert_tensor import apply_expert_tensor_parallel
     from lit_pretrain.parallel.memory import SavedActivations
     from lit_pretrain.parallel.tensor import apply_tensor_parallel
     from lit_pretrain.scaling.memory import block_activation_bytes, memory_plan
@@ -188,6 +198,7 @@ def planner_case(out: dict) -> None:
         torch.manual_seed(0)
         model = GPT(cfg)
         apply_tensor_parallel(model, tp, sequence_parallel=sp)
+        apply_expert_tensor_parallel(model, tp)  # the routed experts too, as apply_plan does
         block = model.blocks[0]
         h = model.tok_embeddings(x)  # (B, T, d), or this rank's (B, T/t, d) under sequence parallelism
         with SavedActivations(model) as meter:

@@ -128,6 +128,7 @@ def reshard_case(src: ParallelPlan, dst: ParallelPlan, folder: Path, out: dict, 
     if dist.get_rank() == 0:
         out[name] = {"loaded": compare(saved, loaded), "continued": compare(reference, after),
                      "loss": abs(continued[-1] - straight[-1])}
+        torch.save(saved, folder.parent / f"{folder.name}.full.pt")  # for a test reading the folder in one process
 
 
 def worker(rank: int, world: int, port: int, cases: list, results):

@@ -200,6 +200,9 @@ def _route_to(layer, flat, expert):
     # tensor and pipeline parallelism compose (tests/test_moe_mesh.py); the shared experts split in whole units
     (["strategy=tensor", "strategy.tensor_parallel=3", "trainer.devices=3", "model.moe.num_shared_experts=1",
       "model.moe.d_ff_expert=8"], "model.moe.num_shared_experts"),
+    # each rank holds a slice of every routed expert's width: 8 / 2 = 4 units, not a multiple of 8 (16-byte rows)
+    (["strategy=tensor", "strategy.tensor_parallel=2", "trainer.devices=2", "model.moe.d_ff_expert=8"],
+     "model.moe.d_ff_expert"),
     (["trainer.compile=true"], "trainer.compile"),
     (["optim.name=muon"], "optim.name"),
     (["model.moe.top_k=9"], "model.moe.top_k"),
@@ -409,11 +412,11 @@ def test_a_checkpoint_written_before_model_moe_resumes_unless_a_new_key_left_its
         compat.check_resume(saved, compat.run_meta(moe, manifest, 512), [], "c", "t")
 
 
-def test_memory_planner_splits_the_routed_experts_by_expert_parallel_only():
+def test_memory_planner_splits_the_routed_experts_by_expert_and_tensor_parallelism():
     """OLMoE-1B-7B (the preset; 6,442,450,944 routed-expert weights of 6,919,161,856, counted above against
     transformers): expert parallelism 8 leaves each rank 1/8 of the experts, with their state sharded over the
-    64 / 8 = 8 ranks holding the same experts at ZeRO-3; tensor parallelism splits the dense matrices, not them nor the
-    router."""
+    64 / 8 = 8 ranks holding the same experts at ZeRO-3; tensor parallelism splits the dense matrices and each routed
+    expert along its width (parallel/expert_tensor.py), not the router; both together leave 1/16 of the experts."""
     from lit_pretrain.errors import ConfigError
     from lit_pretrain.scaling.memory import memory_plan
 
@@ -432,11 +435,21 @@ def test_memory_planner_splits_the_routed_experts_by_expert_parallel_only():
     tp2 = memory_plan(cfg, 1, data_parallel=1, zero_stage=0, precision="32-true", tensor_parallel=2)
     norms = 16 * 2 * 2048 + 16 * 2 * 2048 + 2048  # two RMSNorms a block, QK-norm over the projections, final norm
     embeddings = 2 * 50304 * 2048
-    router = 16 * 64 * 2048  # replicated over tensor parallelism too: every rank routes the same tokens
-    assert tp2["params_per_device"] == (6_919_161_856 - routed - router - norms - embeddings) / 2 + routed + router \
-        + norms + embeddings / 2
+    router = 16 * 64 * 2048  # replicated over tensor parallelism: every rank routes the same tokens
+    split = 6_919_161_856 - router - norms - embeddings  # every matrix of the blocks, the routed experts included
+    assert tp2["params_per_device"] == split / 2 + router + norms + embeddings / 2
+    # EP 8 x TP 2 (64 data-parallel ranks, 128 in all): E/8 experts x 1/2 of their width, their state sharded at
+    # ZeRO-3 over the 64 / 8 = 8 ranks holding the same slices; the dense part over all 64.
+    ep8_tp2 = memory_plan(cfg, 1, data_parallel=64, zero_stage=3, precision="32-true", expert_parallel=8,
+                          tensor_parallel=2)
+    dense = (split - routed) / 2 + router + norms + embeddings / 2
+    assert ep8_tp2["params_per_device"] == dense + routed / 16
+    assert ep8_tp2["param_bytes"] == pytest.approx(4 * (dense / 64 + routed / 16 / 8))
     with pytest.raises(ConfigError, match="--expert-parallel 3"):
         memory_plan(cfg, 1, expert_parallel=3)
+    narrow = GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, moe=MoEConfig(d_ff_expert=10))
+    with pytest.raises(ConfigError, match="--tensor-parallel 4 must divide the experts' width 10"):
+        memory_plan(narrow, 1, tensor_parallel=4)
 
 
 def test_global_aux_loss_scope_makes_the_ranks_mean_one_process_loss_and_gradient():

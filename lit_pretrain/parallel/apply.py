@@ -16,8 +16,9 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     1. pipeline split: keep this rank's stages' blocks (the rest become nn.Identity), so every later step touches
        only what this rank holds;
     2. tensor parallelism (and sequence parallelism): swap the planned linears for our column/row layers, on the
-       plain module names (before any wrapper prefixes them); then expert parallelism: keep this rank's experts and
-       give the MoE layers their all-to-all dispatch (parallel/expert.py);
+       plain module names (before any wrapper prefixes them), and split each routed expert along its width
+       (parallel/expert_tensor.py); then expert parallelism: keep this rank's experts (of those slices) and give the
+       MoE layers their all-to-all dispatch (parallel/expert.py);
     3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
     4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
        with data parallelism, FSDP or checkpointing each block's forward (torchtitan's regional compile, inside its
@@ -46,6 +47,9 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(gpt, par.tp, sequence_parallel=plan.sequence_parallel)
+        from lit_pretrain.parallel.expert_tensor import apply_expert_tensor_parallel
+
+        apply_expert_tensor_parallel(gpt, par.tp)  # model.moe: each routed expert along its width
     if plan.expert_parallel > 1:  # after the pipeline split (this stage's layers), before checkpointing and FSDP
         from lit_pretrain.parallel.expert import apply_expert_parallel
 

@@ -7,10 +7,12 @@ shard index (the sampler's order); expert group q is d in [qP, (q+1)P), and rank
 (`apply_expert_parallel` slices the one-process stack). The D/P ranks holding the same experts (d mod P equal) are
 the experts' own data-parallel group (torchtitan's "dp_shard_mod_ep", OLMo-core's expert data-parallel mesh):
 under ZeRO stages 2/3 and HSDP, FSDP2 shards the experts over that group (parallel/zero.py); without FSDP, our mesh
-all-reduces their gradients over it (ParallelModel.sync_gradients). Tensor-parallel ranks hold the same experts
-(the experts are not split by tensor parallelism: every tensor-parallel rank routes the same tokens and computes
-them, as the dense replicated parameters do), and pipeline stages hold different layers: all of it is one 4-D mesh
-(`expert_mesh`), (pipeline, tensor_parallel, expert_data_parallel, expert_parallel).
+all-reduces their gradients over it (ParallelModel.sync_gradients). Tensor-parallel ranks hold the same experts,
+each split along its width over them (parallel/expert_tensor.py, applied first: this rank's E/P experts
+are rows of its tensor-parallel slices): every tensor-parallel rank routes the same tokens, so at a fixed tensor-
+parallel position the exchange below is the same on every one, and the experts' f and g run over the tensor-parallel
+group inside it. Pipeline stages hold different layers: all of it is one 4-D mesh (`expert_mesh`), (pipeline,
+tensor_parallel, expert_data_parallel, expert_parallel).
 
 Gradients. The one-process gradient of an expert is the mean-loss gradient over all B tokens of the global batch.
 Each rank's loss is the mean over its own B/D tokens, and the backward of the combine/dispatch all-to-alls brings

@@ -12,12 +12,14 @@
   this rank's local values (a DTensor's local shard), where a tensor-parallel shard counts on every tensor-parallel
   rank but a parameter replicated over that group only on its rank 0, and the pipeline's tied copy not at all; then
   summed over the FSDP shard, tensor-parallel and pipeline groups; the experts' squares over the expert-parallel
-  group (and their FSDP group). Replicas hold equal gradients after the sync.
+  group (and their FSDP group), and, split along their width by tensor parallelism, over that group like any
+  column/row slice. Replicas hold equal gradients after the sync.
 - `whole` / `part`: one matrix's whole value from this rank's shard and back, for Muon's Newton–Schulz step
   (optim.whole_matrix_muon_step): FSDP's `full_tensor`, then the tensor-parallel slices gathered.
 - `full_state` / `load_full_state` and the optimizer's: layout-independent state by single-process names, gathered
-  onto rank 0 (FSDP shards with `full_tensor`, tensor-parallel slices with `tensor.gather`, stages by object
-  gather); loading slices a full tensor into this rank's share of any layout.
+  onto rank 0 (FSDP shards with `full_tensor`, tensor-parallel slices with `tensor.gather`, the routed experts'
+  too, then their expert-parallel share, stages by object gather); loading slices a full tensor into this rank's
+  share of any layout.
 """
 
 from typing import Dict, Optional
@@ -193,15 +195,16 @@ class ParallelModel:
         v = full(v).detach()
         if v.dim() == 0:
             return v
+        v = gather(v, style_of(key.split("\0")[0], self.tp_plan), self.tp, self.t)  # routed experts: their width
         if self.is_expert(key.split("\0")[0]):
             return gather(v, "column", self.ep.group, self.ep.degree)  # dim 0: the experts, in expert order
-        return gather(v, style_of(key.split("\0")[0], self.tp_plan), self.tp, self.t)
+        return v
 
     def _share(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """This rank's share of whole tensor `value` of parameter `name` (before any FSDP sharding): its tensor-
-        parallel slice, or its experts."""
+        parallel slice (of its own experts only, under expert parallelism)."""
         if self.is_expert(name):
-            return self.ep.slice(value)
+            value = self.ep.slice(value)
         return shard(value, style_of(name, self.tp_plan), self.tp_rank, self.t)
 
     def full_state(self) -> Optional[Dict[str, torch.Tensor]]:

@@ -1,18 +1,18 @@
-"""model.moe on our mesh (without expert parallelism): what tensor, sequence and pipeline parallelism and the mesh's
-data-parallel groups change for a mixture-of-experts layer (lit_pretrain/moe.py), applied from outside it.
+"""model.moe on our mesh: what tensor, sequence and pipeline parallelism and the mesh's data-parallel groups change
+for a mixture-of-experts layer (lit_pretrain/moe.py), applied from outside it (expert parallelism: parallel/expert.py).
 
-- Tensor parallelism: the router and the routed experts are replicated over the tensor-parallel group and every rank
-  routes the same tokens identically (the MoE sees the replicated residual stream), so their gradients come out
-  complete and equal on every rank, like a norm's, and `ParallelModel.grad_norm` counts them once (style None).
-  The shared experts are split like the dense MLP (the table marks them column/row), as Megatron-LM's
-  SharedExpertMLP is (megatron/core/transformer/moe/shared_experts.py). Expert tensor parallelism (each expert's
-  matrices split too, Megatron's `expert_tensor_parallel_size`) is not done: routed experts cost t copies.
+- Tensor parallelism: the router is replicated over the tensor-parallel group and every rank routes the same tokens
+  identically (the MoE sees the replicated residual stream), so its gradient comes out complete and equal on every
+  rank, like a norm's, and `ParallelModel.grad_norm` counts it once (style None). The shared experts are split like
+  the dense MLP (the table marks them column/row), as Megatron-LM's SharedExpertMLP is
+  (megatron/core/transformer/moe/shared_experts.py). Each routed expert is split along its width too (Megatron-LM's
+  expert tensor parallelism: parallel/expert_tensor.py), its gradient a slice summed into the norm over the group.
 - Sequence parallelism: the MoE gathers the whole sequence on entry (backward: each rank keeps its chunk of the
   complete gradient) and keeps its chunk on exit (backward: all-gather), so inside it nothing differs from tensor
   parallelism alone: the same tokens routed on every rank, capacity and auxiliary loss over the whole micro-batch as
   one process computes them (`replicate_over_sequence`). Megatron-LM instead routes each rank's own chunk and
-  all-reduces the counts over the group for its auxiliary loss; that saves the routed experts' redundant work but
-  makes capacity drops depend on the chunking.
+  all-reduces the counts over the group for its auxiliary loss (then gathers the copies over the group for the
+  experts' split); that routes 1/t of the tokens on each rank but makes capacity drops depend on the chunking.
 - Pipeline parallelism: each MoE layer's auxiliary and z losses enter backward through Megatron-LM's
   MoEAuxLossAutoScaler (megatron/core/transformer/moe/moe_utils.py), since a stage cannot add a loss of its layers
   to the last stage's task loss (`install_pipeline_losses`).

@@ -271,14 +271,21 @@ def _check_expert_parallel(plan: ParallelPlan, model) -> None:
 def _check_moe(plan: ParallelPlan, model) -> None:
     """What model.moe composes with: one process, DDP, ZeRO 1-3, HSDP, tensor parallelism (with sequence
     parallelism) and pipeline parallelism (parallel/moe_mesh.py; tests/test_moe_parallel.py and
-    tests/test_moe_mesh.py check parity with one process). Under tensor parallelism the router and the routed experts
-    are replicated and the shared experts split like the dense MLP, whole units per rank."""
+    tests/test_moe_mesh.py check parity with one process). Under tensor parallelism the router is replicated, each
+    routed expert split along its hidden size and the shared experts like the dense MLP, whole units per rank."""
     t, moe = plan.tensor_parallel, model.moe
     shared = moe.num_shared_experts * model.d_ff_expert
     if t > 1 and shared % t:
         raise ConfigError(f"model.moe.num_shared_experts x d_ff_expert = {shared} shared-expert units do not divide "
                           f"over strategy.tensor_parallel={t} ranks (they are split like the dense MLP): choose a "
                           f"model.moe.d_ff_expert or num_shared_experts whose product is a multiple of {t}")
+    width = model.d_ff_expert
+    if t > 1 and (width % t or width // t % 8):
+        # 8: the grouped matmul's 16-byte rows (GPTConfig.check), now of each rank's slice
+        raise ConfigError(f"model.moe.d_ff_expert={width} (null: model.d_ff) does not split over strategy."
+                          f"tensor_parallel={t} ranks into slices of a multiple of 8 units (each rank holds a slice "
+                          f"of every routed expert's hidden size, and the grouped matmul needs 16-byte rows): choose "
+                          f"a d_ff_expert that is a multiple of {8 * t}")
     if plan.compile:
         raise ConfigError("model.moe with trainer.compile=true is not supported yet (the routing's data-dependent "
                           "shapes, argsort and bincount break the block's full graph): set trainer.compile=false")

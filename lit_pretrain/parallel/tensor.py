@@ -51,8 +51,9 @@ from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, 
 from lit_pretrain.parallel.vocab import apply_vocab_parallel
 
 # Which dim of a weight each style splits: an nn.Linear's (out, in); "vocab" the rows of the (V, d) embedding and
-# head (parallel/vocab.py).
-SHARD_DIM = {"column": 0, "row": 1, "vocab": 0}
+# head (parallel/vocab.py); the routed experts' stacks (E, out, in) split the linear dims one further in
+# (parallel/expert_tensor.py).
+SHARD_DIM = {"column": 0, "row": 1, "vocab": 0, "expert_column": 1, "expert_row": 2}
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 

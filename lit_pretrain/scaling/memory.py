@@ -165,9 +165,10 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       4sNf_e for the shared experts, 2kNh for the copies' outputs (kept by their weighting) and the weighted
       copies (kept by index_add_), 2NE fp32 router scores and 32kN bytes of int64 routing indices. Measured
       against SavedActivations within 1% (tests/test_moe.py): the rest is a few per-token scalars of the routing.
-      Under tensor parallelism only the shared experts' term is divided by t: the router and the routed experts are
-      replicated and route the whole micro-batch on every rank, with or without sequence parallelism
-      (parallel/moe_mesh.py).
+      Under tensor parallelism the router routes the whole micro-batch on every rank, with or without sequence
+      parallelism, so the copies' input and outputs (R·h + 2kNh) stay whole on every rank; the routed experts'
+      gate and up projections (2R·f_e) are split along the expert width and divided by t, as the shared experts'
+      term is (parallel/expert_tensor.py).
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.
@@ -192,13 +193,13 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     if moe is not None:
         experts, k, f_e, shared = moe
         rows = k * n
-        mlp_elements = 4 * shared * n * f_e
-        replicated = rows * h + 2 * rows * f_e + 2 * k * n * h  # the routed experts: the same on every TP rank
+        mlp_elements = 4 * shared * n * f_e + 2 * rows * f_e  # split over t: the experts' hidden units
+        replicated = rows * h + 2 * k * n * h  # the copies in and out of the experts: the same on every TP rank
         routing_bytes = 4.0 * 2 * n * experts + 32.0 * k * n
     sharded = (attention + mlp_elements) / t + replicated
     if autocast:
         # q, k, v and the MLP's column linears each save their own cast; an MoE block's router saves one cast of
-        # its input and its experts' input is already among mlp_elements (estimated, not measured under autocast).
+        # its input and its experts' input is already counted (R·h; estimated, not measured under autocast).
         column_inputs = (3 + (1 if moe is not None else 2 if mlp == "swiglu" else 1)) * n * h
         return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + 4.0 * n * a / t + routing_bytes
     return bytes_per_element * (norm_region + column_inputs + sharded) + 4.0 * n * a / t + routing_bytes
@@ -216,10 +217,13 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     activation_checkpointing: none (our block's count), selective or full (Korthikanti et al.'s rows; full keeps our
     block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others none).
     exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only.
-    expert_parallel (model.moe): each rank holds 1/expert_parallel of every MoE layer's routed experts, their state
-    sharded at zero_stage over `expert_data_parallel` ranks (the data-parallel ranks holding the same experts;
-    default data_parallel / expert_parallel); the dense part as before. Activations are unchanged: a rank computes
-    the token copies routed to its experts, as many as its own on average (parallel/expert.py)."""
+    tensor_parallel (model.moe): the routed experts are split along their width like the dense MLP (parameters,
+    gradients, AdamW state and their hidden activations divided by t); the router is replicated.
+    expert_parallel (model.moe): each rank holds 1/expert_parallel of every MoE layer's routed experts (of their
+    tensor-parallel slices: E/P experts x 1/t of their width), their state sharded at zero_stage over
+    `expert_data_parallel` ranks (the data-parallel ranks holding the same experts; default data_parallel /
+    expert_parallel); the dense part as before. Activations are unchanged: a rank computes the token copies routed
+    to its experts, as many as its own on average (parallel/expert.py)."""
     b = _precision(precision)
     _check_parallel(data_parallel, zero_stage)
     t, p, L = tensor_parallel, pipeline_parallel, cfg.n_layers
@@ -231,6 +235,9 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     if cfg.vocab_size % t:
         raise ConfigError(f"--tensor-parallel {t} must divide --vocab {cfg.vocab_size} (the embedding and head split "
                           f"their rows over the tensor-parallel ranks, parallel/vocab.py): choose a multiple of {t}")
+    if cfg.moe is not None and cfg.d_ff_expert % t:
+        raise ConfigError(f"--tensor-parallel {t} must divide the experts' width {cfg.d_ff_expert} (model.moe."
+                          "d_ff_expert: tensor parallelism splits every routed expert along it)")
     if p > L:
         raise ConfigError(f"--pipeline-parallel {p} exceeds --layers {L}: every stage needs at least one layer")
     if activation_checkpointing not in CHECKPOINTING:
@@ -242,10 +249,10 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     d, v = cfg.d_model, cfg.vocab_size
     norms = shapes.block_norm_params(cfg)  # norm weights are replicated across the tensor-parallel group
     # The first stage holds its layers and the vocabulary-parallel embedding (V/t rows, parallel/vocab.py); with one
-    # stage also the final norm and, untied, the head (V/t rows too).
-    # Tensor parallelism splits every matrix by t (Megatron-LM's column/row and vocab splits)
-    # but an MoE block's router and routed experts, replicated over the group (parallel/moe_mesh.py); with
-    # model.moe the larger of a dense and an MoE block. Expert parallelism splits the routed experts instead.
+    # stage also the final norm and, untied, the head (V/t rows too). Tensor parallelism splits every matrix by t
+    # (Megatron-LM's column/row and vocab splits, the routed experts' along their width) but an MoE block's router,
+    # replicated over the group (parallel/moe_mesh.py); with model.moe the larger of a dense and an MoE block.
+    # Expert parallelism splits the routed experts' tensor-parallel slices further, by expert.
     local_block = max((block - norms - kept) / t + norms + kept
                       for block, kept in shapes.block_params_replicated(cfg))
     routed_block = 3 * cfg.moe.num_experts * cfg.d_ff_expert * cfg.d_model if cfg.moe is not None else 0
@@ -256,8 +263,8 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         raise ConfigError("--exact sums FSDP2's per-tensor shards under data parallelism alone: drop --exact or "
                           "set --tensor-parallel 1 --pipeline-parallel 1")
     ep = expert_parallel
-    # this stage's routed-expert parameters, whole (of its MoE layers, at most layers_here)
-    routed = min(layers_here, sum(cfg.is_moe_layer(i) for i in range(L))) * routed_block
+    # this stage's routed-expert parameters (of its MoE layers, at most layers_here), this rank's 1/t of each
+    routed = min(layers_here, sum(cfg.is_moe_layer(i) for i in range(L))) * routed_block / t
     if ep < 1 or (ep > 1 and (cfg.moe is None or cfg.moe.num_experts % ep)):
         raise ConfigError(f"--expert-parallel {ep} must be at least 1 and, above 1, divide the MoE's routed experts")
     if exact and ep > 1:

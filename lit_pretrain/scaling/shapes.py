@@ -29,12 +29,12 @@ def block_params(cfg: GPTConfig) -> int:
 
 
 def block_params_replicated(cfg: GPTConfig) -> List[Tuple[int, int]]:
-    """(parameters, of which the router and routed experts) of each kind of block (dense, MoE): under tensor
-    parallelism the latter are replicated over the group, not split (parallel/moe_mesh.py)."""
+    """(parameters, of which the router) of each kind of block (dense, MoE): under tensor parallelism the latter
+    is replicated over the group, not split; the routed experts are split (parallel/expert_tensor.py)."""
     out = []
     for i in _block_kinds(cfg):
         specs = cfg.block_modules(i)
-        kept = sum(s.numel for name, s in specs.items() if s.kind == "experts" or name == "mlp.router")
+        kept = sum(s.numel for name, s in specs.items() if name == "mlp.router")
         out.append((sum(s.numel for s in specs.values()), kept))
     return out
 
@@ -76,8 +76,9 @@ def param_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
 
 
 def tensor_parallel_plan(cfg: GPTConfig) -> Dict[str, str]:
-    """Module name -> "column" | "row" | "partial" for every module tensor parallelism treats specially; the built
-    model's Linears carry the same roles (`tensor_parallel` attribute), which parallel/tensor.py reads."""
+    """Module name -> "column" | "row" | "expert_column" | "expert_row" | "partial" for every module tensor
+    parallelism treats specially; the built model's Linears and expert stacks carry the same roles
+    (`tensor_parallel` attribute), which parallel/tensor.py reads."""
     return {name: spec.tensor_parallel for name, spec in _modules(cfg).items() if spec.tensor_parallel}
 
 

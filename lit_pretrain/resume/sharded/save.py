@@ -10,8 +10,9 @@ lies in the global tensor (offsets per dim). An FSDP2 shard (a DTensor) gives it
 (compute_local_shape_and_global_offset: Shard(0), HSDP's Replicate x Shard); our tensor-parallel slices are plain
 tensors, so their offset along the split dim is tp_rank x slice (parallel/tensor.py SHARD_DIM); both compose, since
 FSDP2 shards the TP slice along dim 0. Expert parallelism's experts are the rows [rank·E/P, (rank+1)·E/P) of the
-(E, ...) stack, which FSDP2 shards further over the experts' own data-parallel group. DCP's planner then writes each
-chunk once: chunks with the same offsets
+(E, ...) stack, and under tensor parallelism a slice of their width (dim 1 of the gate/up stacks, 2 of the down
+stack: SHARD_DIM's expert styles), which FSDP2 shards further over the experts' own data-parallel group. DCP's
+planner then writes each chunk once: chunks with the same offsets
 (replicated tensors, data-parallel replicas, the tied embedding on two pipeline stages) are written by one rank
 only (DCP's dedup_save_plans). Loading builds the same chunks for the target layout and DCP reads every overlap from
 whichever saved chunks hold it: that is the resharding, for any pair of layouts, with no arithmetic (bitwise).
