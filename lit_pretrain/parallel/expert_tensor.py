@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_pretrain.moe import ExpertLinear, moe_layers
-from lit_pretrain.parallel.tensor import SHARD_DIM, _CopyToParallel, _ReduceFromParallel, shard
+from lit_pretrain.parallel.collectives import CopyToParallel, ReduceFromParallel
+from lit_pretrain.parallel.tensor import SHARD_DIM, shard
 
 
 def apply_expert_tensor_parallel(model: nn.Module, group) -> int:
@@ -54,7 +55,7 @@ def apply_expert_tensor_parallel(model: nn.Module, group) -> int:
                                  f"{world}: each rank holds an equal slice of every routed expert")
             linear.weight = nn.Parameter(shard(linear.weight.detach(), linear.tensor_parallel, rank, world))
         # The same copies on every rank (f: their gradient summed); the slices' partial outputs summed (g).
-        layer.experts.register_forward_pre_hook(lambda _m, args: (_CopyToParallel.apply(args[0], group), *args[1:]))
-        layer.experts.register_forward_hook(lambda _m, _args, out: _ReduceFromParallel.apply(out, group))
+        layer.experts.register_forward_pre_hook(lambda _m, args: (CopyToParallel.apply(args[0], group), *args[1:]))
+        layer.experts.register_forward_hook(lambda _m, _args, out: ReduceFromParallel.apply(out, group))
         layer.experts._tensor_parallel = True
     return len(layers)
