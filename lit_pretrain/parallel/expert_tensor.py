@@ -24,7 +24,8 @@ the same expert on the same tokens on t ranks (its expert_tensor_parallel_size=1
 tensor-parallel ranks by expert parallelism instead, which our expert groups, made of data-parallel ranks, do not
 span).
 
-Its own module, not tensor.py nor moe_mesh.py: it uses tensor.py's f and g, and tensor.py imports moe_mesh.py.
+Its own module, not tensor.py nor moe_mesh.py: it uses tensor.py's SHARD_DIM and shard, and tensor.py imports
+moe_mesh.py.
 """
 
 import torch.distributed as dist

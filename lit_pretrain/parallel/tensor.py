@@ -100,7 +100,7 @@ def plan_of(model: nn.Module) -> Dict[str, str]:
 
 
 def style_of(name: str, plan: Dict[str, str]) -> Optional[str]:
-    """The plan's sharding style ("column" | "row" | "vocab") for a module name or a parameter name (ending in .weight);
+    """The plan's sharding style (a key of SHARD_DIM) for a module name or a parameter name (ending in .weight);
     None when the tensor is whole on every rank (replicated or "partial")."""
     name = plain_name(name)
     if name.endswith(".weight"):
