@@ -123,7 +123,9 @@ def test_text_corpus_reads_files_directories_and_globs(tmp_path):
     stats = CorpusStats()
     docs = read_documents(cfg, stats)
     expected = ["d/a.txt", "d/e.py", "d/sub/b.md", "d/sub/c.rst", "other.log", "g/y.txt", "g/z.txt"]
-    assert [d.id for d in docs] == [str(tmp_path / e) for e in expected]
+    # Names are relative to the folder holding each entry (for the glob, the one holding g/), not absolute paths.
+    assert [d.id for d in docs] == expected
+    assert [d.id for d in read_documents(cfg, absolute_ids=True)] == [str(tmp_path / e) for e in expected]
     assert [d.text for d in docs] == [files[e] for e in expected]
     assert stats.empty == 1 and stats.documents == 7
     assert [d.id for d in read_documents(replace(cfg, max_documents=2))] == [d.id for d in docs[:2]]
@@ -148,7 +150,9 @@ def test_jsonl_corpus_and_its_errors(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"body": "one"}\n\n{"body": "two", "meta": 1}\n{"body": "  "}\n{"body": "three"}\n')
     docs = read_documents(DataConfig(corpus="jsonl", paths=[str(good)], text_field="body"))
-    assert [(d.id, d.text) for d in docs] == [(f"{good}:1", "one"), (f"{good}:3", "two"), (f"{good}:5", "three")]
+    # Ids count lines from 1 (blank and whitespace-only lines too) after the file's name: its path below tmp_path.
+    assert [(d.id, d.text) for d in docs] == [("good.jsonl:1", "one"), ("good.jsonl:3", "two"),
+                                              ("good.jsonl:5", "three")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "ok"}\nnot json\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:2.*data\.text_field"):
@@ -273,6 +277,38 @@ def test_prepare_refuses_a_changed_corpus(prepared, tmp_path, corpus_texts):
     cfg = replace(prepared[0], paths=[str(corpus)], prepared_dir=str(tmp_path / "shards"))
     prepare(cfg, log=lambda _: None)
     (corpus / "doc_0003.txt").write_text("edited")
+    with pytest.raises(DataError, match="changed since"):
+        prepare(cfg, log=lambda _: None)
+
+
+def test_a_corpus_moved_to_another_folder_splits_and_fingerprints_the_same(prepared, tmp_path):
+    # The split hashes document ids; were they absolute paths, a corpus copied elsewhere (another machine's
+    # scratch, another pytest folder) would put other documents in validation: 200 documents, 13 of them there.
+    cfg, m = prepared
+    moved = tmp_path / "elsewhere" / "corpus"
+    shutil.copytree(cfg.paths[0], moved)
+    m2 = prepare(replace(cfg, paths=[str(moved)], prepared_dir=str(tmp_path / "shards")), log=lambda _: None)
+    assert m2["corpus"]["fingerprint"] == m["corpus"]["fingerprint"] and m2["splits"] == m["splits"]
+    assert m["splits"]["val"]["documents"] == 13
+    for split in ("train", "val"):
+        for a, b in zip(m["splits"][split]["shards"], m2["splits"][split]["shards"]):
+            assert (Path(cfg.prepared_dir) / a["file"]).read_bytes() == (tmp_path / "shards" / b["file"]).read_bytes()
+
+
+def test_a_folder_prepared_with_absolute_ids_is_still_reused_and_still_checked(prepared, tmp_path):
+    # Manifests written before ids were relative fingerprint absolute paths and have no corpus.document_ids.
+    cfg = copy_prepared(prepared, tmp_path)
+    path = Path(cfg.prepared_dir) / "manifest.json"
+    old = json.loads(path.read_text())
+    del old["corpus"]["document_ids"]
+    old["corpus"]["fingerprint"] = corpus_fingerprint(read_documents(cfg, absolute_ids=True))
+    assert old["corpus"]["fingerprint"] != prepared[1]["corpus"]["fingerprint"]
+    path.write_text(json.dumps(old))
+    lines = []
+    assert prepare(cfg, log=lines.append) == old and lines[0].startswith("reusing")
+    # The old fingerprint is only believed without the marker: a new manifest holding it means a changed corpus.
+    marked = {**old["corpus"], "document_ids": prepared[1]["corpus"]["document_ids"]}
+    path.write_text(json.dumps({**old, "corpus": marked}))
     with pytest.raises(DataError, match="changed since"):
         prepare(cfg, log=lambda _: None)
 

@@ -50,9 +50,8 @@ def test_eighty_random_binary_files_are_refused_before_anything_is_written(tmp_p
 
 
 def test_the_same_files_prepare_when_the_gate_is_opened(tmp_path):
-    # The split hashes each document's id, here its path under tmp_path, which changes from run to run: with 12
-    # files at val_fraction 0.2 the validation split came out empty in 0.8^12 = 7% of runs (seen once). 24 files at
-    # 0.5 leave either split empty in 2 x 0.5^24 = 1.2e-7 of runs.
+    # The split hashes each document's id, its path below tmp_path (the same every run since ids are relative):
+    # 24 files at val_fraction 0.5 put documents in both splits.
     corpus = random_binary_files(tmp_path / "blobs", 24, 600)
     cfg = DataConfig(corpus="text", paths=[str(corpus)], prepared_dir=str(tmp_path / "out"), vocab_size=300,
                      val_fraction=0.5, max_invalid_fraction=1.0)
@@ -71,7 +70,7 @@ def test_a_few_bad_files_among_good_ones_are_the_ones_named(tmp_path):
     read_documents(DataConfig(corpus="text", paths=[str(folder)]), stats)
     total = corpus_quality(stats.sources)
     assert (total.control, total.replaced) == (300, 400)
-    assert stats.sources[str(folder / "nul.txt")].fraction == pytest.approx(0.2)
+    assert stats.sources["mixed/nul.txt"].fraction == pytest.approx(0.2)
     with pytest.raises(DataError, match=r"latin1\.txt \(20\.0% of 2,000 characters\), .*nul\.txt \(20\.0% of 1,500 "
                                         r"characters\)\. Remove or convert"):
         check_quality(stats.sources, 0.01, "here")
@@ -83,7 +82,7 @@ def test_control_characters_inside_jsonl_text_count(tmp_path):
     path.write_text('{"text": "a\\u0000b\\u0001c\\td"}\n{"text": "clean"}\n')
     stats = CorpusStats()
     read_documents(DataConfig(corpus="jsonl", paths=[str(path)]), stats)
-    assert stats.sources[str(path)] == SourceQuality(characters=7 + 5, control=2, replaced=0)
+    assert stats.sources["c.jsonl"] == SourceQuality(characters=7 + 5, control=2, replaced=0)
 
 
 def test_the_default_stdlib_corpus_passes_the_default_gate():

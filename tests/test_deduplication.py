@@ -320,11 +320,11 @@ def test_prepare_writes_the_report_and_tokens_before_and_after(tmp_path):
     report = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
     # removed.jsonl beside it: the exact repeat of d003 and the near copy of d005, each with the document it repeats.
     removed = {r["id"]: r for r in read_removed(tmp_path / "out")}
-    assert set(removed) == {str(corpus / "d060.txt"), str(corpus / "d062.txt")}
-    assert removed[str(corpus / "d060.txt")] == {"id": str(corpus / "d060.txt"), "kind": "exact",
-                                                 "duplicates": str(corpus / "d003.txt"), "jaccard": 1.0}
-    near = removed[str(corpus / "d062.txt")]
-    assert near["kind"] == "near" and near["duplicates"] == str(corpus / "d005.txt") and near["jaccard"] > 0.9
+    assert set(removed) == {"corpus/d060.txt", "corpus/d062.txt"}
+    assert removed["corpus/d060.txt"] == {"id": "corpus/d060.txt", "kind": "exact", "duplicates": "corpus/d003.txt",
+                                          "jaccard": 1.0}
+    near = removed["corpus/d062.txt"]
+    assert near["kind"] == "near" and near["duplicates"] == "corpus/d005.txt" and near["jaccard"] > 0.9
     assert report["tokens_after"] == entry["tokens_after"] and report["near"]["candidate_probability"]
     assert "deduplication" in "\n".join(lines) and "near duplicates" in format_report(report)
 

@@ -3,11 +3,16 @@
 Corpora (`data.corpus`):
   stdlib  every `*.py` under the running Python's standard library (no download), id = path relative to it
   text    one document per file of `data.paths`; a directory contributes every regular file ending in
-          .txt, .md, .rst or .py beneath it; id = the file's path
+          .txt, .md, .rst or .py beneath it; id = the file's name (below)
   jsonl   one document per line of each file of `data.paths` (a directory contributes its .jsonl, .jsonl.gz and
-          .jsonl.zst files), text under `data.text_field`; id = `path:line`
+          .jsonl.zst files), text under `data.text_field`; id = `name:line`
   parquet one document per row of each file's `data.text_field` column (a directory contributes its .parquet
-          files); id = `path:row`, rows counted from 1
+          files); id = `name:row`, rows counted from 1
+A file's name is its path relative to the folder holding the `data.paths` entry that found it (for a glob, the
+folder holding its last component without wildcards): `/data/web` finds `web/part-0.jsonl`, `/data/web/*.jsonl`
+finds the same, `/data/web/a.txt` finds `a.txt`. The split hashes the id (`is_validation`), so it must not depend
+on where the corpus lies: a corpus copied to another machine or folder splits the same way and fingerprints the
+same. (Until 2026-12 ids were absolute paths; `absolute_ids=True` gives those back to check old manifests.)
 Every kind is read as a stream (data/readers.py): one file, one line or one record batch at a time.
 Order: `data.paths` in the order given; inside a directory or glob match, sorted by path. Empty or whitespace-only
 documents are dropped; `data.max_documents` keeps the first N documents left. Bytes that are not UTF-8 are decoded
@@ -70,10 +75,10 @@ def corpus_roots(cfg) -> List[str]:
     return [str(stdlib_root())] if cfg.corpus == "stdlib" else [str(p) for p in cfg.paths]
 
 
-def iter_documents(cfg, stats: Optional[CorpusStats] = None) -> Iterator[Document]:
+def iter_documents(cfg, stats: Optional[CorpusStats] = None, absolute_ids: bool = False) -> Iterator[Document]:
     """Yield the corpus's non-empty documents in order, stopping after `data.max_documents`."""
     stats = stats if stats is not None else CorpusStats()
-    source = read_files(cfg.corpus, corpus_files(cfg), cfg.text_field, stats)
+    source = read_files(cfg.corpus, corpus_files(cfg, absolute_ids), cfg.text_field, stats)
     for origin, doc in source:
         if not doc.text.strip():
             stats.empty += 1
@@ -93,9 +98,10 @@ def iter_documents(cfg, stats: Optional[CorpusStats] = None) -> Iterator[Documen
         )
 
 
-def corpus_files(cfg) -> List[Tuple[str, str]]:
-    """(source name, path) of every file of the corpus, in corpus order: what `read_files` reads. The source name
-    is what the quality gate names (for stdlib, the path relative to the standard library, also the id)."""
+def corpus_files(cfg, absolute_ids: bool = False) -> List[Tuple[str, str]]:
+    """(name, path) of every file of the corpus, in corpus order: what `read_files` reads. The name (see the
+    module docstring; for stdlib, the path relative to the standard library) is what the quality gate names and
+    what each document's id starts with; `absolute_ids` names each file by its path, as before 2026-12."""
     if cfg.corpus == "stdlib":
         if len(cfg.paths):
             raise DataError(
@@ -105,7 +111,8 @@ def corpus_files(cfg) -> List[Tuple[str, str]]:
         root = stdlib_root()
         return [(rel, str(root / rel)) for rel in _stdlib_files(root)]
     if cfg.corpus in _SUFFIXES:
-        return [(str(path), str(path)) for path in _resolve_paths(cfg.paths, cfg.corpus)]
+        return [(str(path) if absolute_ids else name, str(path))
+                for name, path in _resolve_paths(cfg.paths, cfg.corpus)]
     raise DataError(f"data.corpus={cfg.corpus!r} is not a corpus kind: use one of {', '.join(CORPUS_KINDS)}")
 
 
@@ -124,8 +131,8 @@ def read_files(kind: str, files: List[Tuple[str, str]], text_field: str, stats: 
                             "corpus sees this file (and may read it), or remove it from data.paths") from None
 
 
-def read_documents(cfg, stats: Optional[CorpusStats] = None) -> List[Document]:
-    return list(iter_documents(cfg, stats))
+def read_documents(cfg, stats: Optional[CorpusStats] = None, absolute_ids: bool = False) -> List[Document]:
+    return list(iter_documents(cfg, stats, absolute_ids))
 
 
 def corpus_fingerprint(docs) -> str:
@@ -177,12 +184,12 @@ def _stdlib_documents(rel: str, path: Path, _field: str, stats: CorpusStats) -> 
     yield rel, Document(id=rel, text=decode_utf8(path.read_bytes(), stats, rel))
 
 
-def _resolve_paths(paths, kind: str) -> List[Path]:
-    """Expand `data.paths` (files, directories, glob patterns) into files, in order, each file once."""
+def _resolve_paths(paths, kind: str) -> List[Tuple[str, Path]]:
+    """Expand `data.paths` (files, directories, glob patterns) into (name, file), in order, each file once."""
     if not len(paths):
         raise DataError(f"data.paths is empty: the {kind} corpus needs files, directories or glob patterns to read")
     suffixes = _SUFFIXES[kind]
-    files: List[Path] = []
+    files: Dict[Path, str] = {}
     for entry in paths:
         entry = str(entry)
         if glob.has_magic(entry):
@@ -193,14 +200,24 @@ def _resolve_paths(paths, kind: str) -> List[Path]:
             if not os.path.exists(entry):
                 raise DataError(f"data.paths entry {entry!r} does not exist: fix the path or remove it")
             matches = [Path(entry)]
+        base = _names_base(entry)
         for match in matches:
             found = _files_under(match, suffixes) if match.is_dir() else [match]
             if not found:
                 raise DataError(
                     f"data.paths entry {entry!r}: directory {str(match)!r} holds no {'/'.join(suffixes)} files"
                 )
-            files += found
-    return list(dict.fromkeys(files))
+            for path in found:  # a file two entries find keeps its first name and place
+                files.setdefault(path, Path(os.path.abspath(path)).relative_to(base).as_posix())
+    return [(name, path) for path, name in files.items()]
+
+
+def _names_base(entry: str) -> Path:
+    """The folder the names of an entry's files are relative to: the one holding the entry, or for a glob, the
+    one holding its last component without wildcards (`/data/web/*/a.jsonl` → `/data`)."""
+    parts = Path(os.path.abspath(entry)).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    return Path(*parts[:max(fixed - 1, 1)])
 
 
 def _files_under(folder: Path, suffixes) -> List[Path]:
@@ -233,14 +250,14 @@ def _text_documents(name: str, path: Path, _field: str, stats: CorpusStats) -> I
 
 
 def _jsonl_documents(name: str, path: Path, text_field: str, stats: CorpusStats) -> Iterator[Tuple[str, Document]]:
-    for where, text in jsonl_records(path, text_field, lambda raw: decode_utf8(raw, stats, name)):
-        yield name, Document(id=where, text=text)
+    for line, text in jsonl_records(path, text_field, lambda raw: decode_utf8(raw, stats, name)):
+        yield name, Document(id=f"{name}:{line}", text=text)
 
 
 def _parquet_documents(name: str, path: Path, text_field: str, _stats) -> Iterator[Tuple[str, Document]]:
     # Parquet strings are UTF-8 already validated by pyarrow: nothing to replace or count.
-    for where, text in parquet_records(path, text_field):
-        yield name, Document(id=where, text=text or "")
+    for row, text in parquet_records(path, text_field):
+        yield name, Document(id=f"{name}:{row}", text=text or "")
 
 
 def is_validation(doc_id: str, split_seed: int, val_fraction: float) -> bool:

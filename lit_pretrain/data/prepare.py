@@ -73,6 +73,8 @@ from lit_pretrain.data.tokenizer import load_tokenizer, save_tokenizer, tokenize
 from lit_pretrain.errors import DataError
 from lit_pretrain.paths import safe_rmtree
 
+# The manifest's corpus.document_ids: what each document id names (data/corpus.py); manifests without it used paths.
+RELATIVE_IDS = "relative to the folder holding each data.paths entry"
 _STAGING = "staging"  # inside the temporary folder: deduplication's spill files, deleted before the rename
 
 
@@ -153,6 +155,7 @@ def _prepare(cfg, out: Path, loaded, engine, log: Callable[[str], None]) -> Dict
                 "kind": cfg.corpus,
                 "paths": corpus_roots(cfg),
                 "fingerprint": fingerprint,
+                "document_ids": RELATIVE_IDS,
                 "documents": stats.documents,
                 "bytes": stats.bytes,
                 "invalid_utf8_documents": stats.invalid_utf8_documents,
@@ -257,7 +260,7 @@ def reuse_prepared(out: Path, cfg, log: Callable[[str], None] = print) -> Option
         )
     # Reading the corpus again (~0.4 s for the 31 MB stdlib) catches edited source files that would otherwise go
     # unnoticed behind an unchanged config.
-    if corpus_fingerprint(iter_documents(cfg)) != manifest["corpus"]["fingerprint"]:
+    if not _same_corpus(cfg, manifest["corpus"]):
         raise DataError(
             f"the corpus at data.paths={corpus_roots(cfg)} changed since {out} was prepared from it (fingerprint "
             "differs): prepare into a new data.prepared_dir, or delete that folder"
@@ -266,6 +269,16 @@ def reuse_prepared(out: Path, cfg, log: Callable[[str], None] = print) -> Option
     if "deduplication" in manifest:
         log(summary_line(manifest["deduplication"]))
     return manifest
+
+
+def _same_corpus(cfg, recorded: Dict) -> bool:
+    """Whether the corpus still fingerprints as `recorded` (a manifest's corpus entry). A manifest written before
+    document ids were relative (data/corpus.py) fingerprinted absolute paths: its shards are still right for an
+    unchanged corpus, so that fingerprint is checked too."""
+    if corpus_fingerprint(iter_documents(cfg)) == recorded["fingerprint"]:
+        return True
+    return (cfg.corpus != "stdlib" and recorded.get("document_ids") != RELATIVE_IDS
+            and corpus_fingerprint(iter_documents(cfg, absolute_ids=True)) == recorded["fingerprint"])
 
 
 def split_documents(docs: List[Document], cfg) -> Dict[str, List[Document]]:

@@ -85,8 +85,8 @@ def _raw_lines(path: Path) -> Iterator[bytes]:
             yield from f
 
 
-def jsonl_records(path: Path, text_field: str, decode) -> Iterator[Tuple[str, str]]:
-    """(id `path:line`, text) of each non-blank line of a .jsonl, .jsonl.gz or .jsonl.zst file; `decode` turns a
+def jsonl_records(path: Path, text_field: str, decode) -> Iterator[Tuple[int, str]]:
+    """(line number, text) of each non-blank line of a .jsonl, .jsonl.gz or .jsonl.zst file; `decode` turns a
     line's bytes into str (corpus.decode_utf8, which counts replacements)."""
     for line_no, raw in enumerate(_raw_lines(path), start=1):
         where = f"{path}:{line_no}"
@@ -110,11 +110,11 @@ def jsonl_records(path: Path, text_field: str, decode) -> Iterator[Tuple[str, st
                 f"{where} has no string field data.text_field={text_field!r}: set data.text_field to the "
                 "key that holds the text, or fix the line"
             )
-        yield where, record[text_field]
+        yield line_no, record[text_field]
 
 
-def parquet_records(path: Path, text_field: str) -> Iterator[Tuple[str, Union[str, None]]]:
-    """(id `path:row`, text) of each row of a Parquet file's `text_field` column, rows counted from 1, read one
+def parquet_records(path: Path, text_field: str) -> Iterator[Tuple[int, Union[str, None]]]:
+    """(row number, text) of each row of a Parquet file's `text_field` column, rows counted from 1, read one
     record batch at a time; a null is an empty document."""
     try:
         import pyarrow as pa
@@ -140,6 +140,6 @@ def parquet_records(path: Path, text_field: str) -> Iterator[Tuple[str, Union[st
         for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
             for text in batch.column(0).to_pylist():
                 row += 1
-                yield f"{path}:{row}", text
+                yield row, text
     except (pa.ArrowException, OSError) as err:
         raise _truncated(path, err) from None
