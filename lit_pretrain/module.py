@@ -266,7 +266,11 @@ class PretrainModule(L.LightningModule):
                                                   device=loss.device)
             self._val_by_source[sources[batch_idx]] += batch_totals
 
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        self._val_batches_done = time.perf_counter()
+
     def on_validation_epoch_end(self):
+        hook_started = time.perf_counter()
         totals, self._val_totals = getattr(self, "_val_totals", None), None
         if totals is None:
             return
@@ -286,8 +290,10 @@ class PretrainModule(L.LightningModule):
                 if n_bytes > 0:
                     values[f"val/{name}/bits_per_byte"] = bits_per_byte(nats, n_bytes)
         started, self._val_started = getattr(self, "_val_started", None), None
-        if started is not None:  # validation's own time, kept apart from the training step's (throughput monitor)
-            values["val/seconds"] = time.perf_counter() - started
+        if started is not None:  # validation's own time, kept apart from the training step's (throughput monitor):
+            # its batches and this hook's reductions. Lightning runs the callbacks' on_validation_epoch_end before
+            # this one: the downstream evaluation's time (eval/seconds) came between and is not counted twice.
+            values["val/seconds"] = (self._val_batches_done - started) + (time.perf_counter() - hook_started)
         for key, value in values.items():
             # Every rank holds the same reduced value (val/seconds: its own clock; the slowest rank's is the time
             # validation took). sync_dist with max returns it bit for bit, and tells Lightning it is not one rank's

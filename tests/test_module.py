@@ -1,6 +1,7 @@
 """PretrainModule: gradient clipping by global norm, AdamW parameter groups, the schedule stepped per optimizer step."""
 
 import csv
+import time
 
 import lightning as L
 import pytest
@@ -110,3 +111,20 @@ def test_schedule_is_stepped_per_optimizer_step_under_accumulation(tmp_path):
     assert [float(r["train/lr"]) for r in rows] == pytest.approx(expected, rel=1e-6)
     assert [float(r["train/tokens_seen"]) for r in rows] == [(s + 1) * 128 for s in range(6)]
     assert all(float(r["train/grad_norm"]) > 0 for r in rows)
+
+
+def test_validation_seconds_leave_out_what_callbacks_run_at_the_epoch_end(tmp_path):
+    # Lightning calls callbacks' on_validation_epoch_end before the module's: the downstream evaluation runs there
+    # and is timed as eval/seconds. val/seconds once counted it again (seen: evaluation_seconds above wall_seconds).
+    class SlowEpochEnd(L.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            time.sleep(0.5)
+
+    x = torch.randint(0, 64, (2, 16))
+    cfg = GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=2, seq_len=16)
+    module = PretrainModule(cfg, OptimConfig(), ScheduleConfig(), max_steps=1, tokens_per_step=1, seed=0)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[SlowEpochEnd()])
+    logged = trainer.validate(module, DataLoader(TensorDataset(x, x), batch_size=1), verbose=False)[0]
+    # Two batches of 16 tokens through one 32-wide block take milliseconds: 0.5 s is far above them, even loaded.
+    assert 0 < logged["val/seconds"] < 0.5
