@@ -135,8 +135,9 @@ def train(cfg: DictConfig) -> dict:
     manifest = datamodule.manifest
     train_windows, _ = datamodule.windows(manifest, parallel_plan.data_parallel)
     datamodule.check_mixture(train_windows, c.trainer.max_steps, tokens_per_step // c.model.seq_len)
+    from_tokenizer = c.model.vocab_size is None
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
-    check_vocab(c.model.vocab_size, parallel_plan.tensor_parallel)  # model.vocab_size=null: the tokenizer's size
+    check_vocab(c.model.vocab_size, parallel_plan.tensor_parallel, "tokenizer" if from_tokenizer else None)
     cfg.model.vocab_size = c.model.vocab_size
     run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
     resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)

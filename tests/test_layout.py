@@ -163,3 +163,30 @@ def test_bubble_formula(p, m, v, expected):
 
 def test_stages_of_rank_interleave():
     assert stage_of_rank(0, 2, 2) == [0, 2] and stage_of_rank(1, 2, 2) == [1, 3] and stage_of_rank(1, 4, 1) == [1]
+
+
+
+def test_a_tokenizer_size_tensor_parallelism_does_not_divide_is_refused_before_any_rank_starts(tmp_path, capsys):
+    # model.vocab_size=null: at the config load V is data.vocab_size (the tokenizer's target); train checks again
+    # with the prepared tokenizer's own size, here a given tokenizer of 301 tokens while data.vocab_size is 512.
+    from lit_pretrain.data.tokenizer import save_tokenizer, train_tokenizer
+
+    at_load = ["model.vocab_size=null", "data.vocab_size=301", "strategy=tensor", "trainer.devices=2"]
+    with pytest.raises(ConfigError, match=r"model\.vocab_size=null takes data\.vocab_size=301 \(the tokenizer's "
+                                          r"target size\), which is not divisible by strategy\.tensor_parallel=2"):
+        config.load(TINY, at_load)
+    words = [f"w{i} x{i % 7} y{i % 11}" for i in range(400)]
+    tokenizer = train_tokenizer(words, vocab_size=301)
+    assert tokenizer.get_vocab_size() == 301
+    save_tokenizer(tokenizer, tmp_path / "odd.json")
+    prepared, runs = tmp_path / "odd-vocab", tmp_path / "runs"
+    args = ["train", str(TINY), f"data.prepared_dir={prepared}", "data.max_documents=60", "model.vocab_size=null",
+            f"data.tokenizer_path={tmp_path / 'odd.json'}", "strategy=tensor", "trainer.devices=2",
+            f"run.root_dir={runs}"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert ("model.vocab_size=null takes the tokenizer's 301 tokens, which is not divisible by "
+            "strategy.tensor_parallel=2" in err[0]) and "such as 302" in err[0], err[0]
+    # Refused after prepare (the size comes from there) and before any checkpoint.
+    assert (prepared / "manifest.json").is_file() and not any(runs.glob("*/checkpoints/*"))

@@ -107,10 +107,11 @@ def _resolve(world: int, degrees: dict) -> dict:
     return degrees
 
 
-def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]] = None) -> ParallelPlan:
+def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]] = None,
+              vocab_from: Optional[str] = None) -> ParallelPlan:
     """The plan a `strategy` section asks for on trainer.devices x trainer.num_nodes processes, or a ConfigError
     naming the key to change. `model` (a GPTConfig) adds the checks of the model's shape; `compile` defaults to
-    trainer.compile, and "auto" is resolved here (compile_policy.decide)."""
+    trainer.compile, and "auto" is resolved here (compile_policy.decide). `vocab_from`: see check_vocab."""
     world = trainer.devices * trainer.num_nodes
     name = strategy.name
     stage = strategy.zero_stage if strategy.zero_stage is not None else (3 if name in ("zero", "fsdp") else 0)
@@ -138,7 +139,7 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
         activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
         compile=compile_decision(trainer, model, degrees, compile).compile,
         expert_parallel=getattr(strategy, "expert_parallel", 1))
-    check_plan(plan, trainer, model)
+    check_plan(plan, trainer, model, vocab_from)
     return plan
 
 
@@ -161,7 +162,7 @@ def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool
     return decide(setting, flops, degrees["tensor_parallel"], degrees["pipeline_parallel"], missing)
 
 
-def check_plan(plan: ParallelPlan, trainer, model=None) -> None:
+def check_plan(plan: ParallelPlan, trainer, model=None, vocab_from: Optional[str] = None) -> None:
     t, p = plan.tensor_parallel, plan.pipeline_parallel
     if plan.data_parallel_shard > 1 and plan.zero_stage == 0:
         raise ConfigError(f"strategy.data_parallel_shard={plan.data_parallel_shard} shards model state across "
@@ -189,7 +190,7 @@ def check_plan(plan: ParallelPlan, trainer, model=None) -> None:
     if plan.expert_parallel > 1:
         _check_expert_parallel(plan, model)
     if model is not None:
-        _check_model(plan, trainer, model)
+        _check_model(plan, trainer, model, vocab_from)
 
 
 def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
@@ -214,7 +215,7 @@ def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
                           "needs a block; lower pipeline_parallel or add layers")
 
 
-def _check_model(plan: ParallelPlan, trainer, model) -> None:
+def _check_model(plan: ParallelPlan, trainer, model, vocab_from: Optional[str] = None) -> None:
     t = plan.tensor_parallel
     if model.moe is not None:
         _check_moe(plan, model)
@@ -232,21 +233,28 @@ def _check_model(plan: ParallelPlan, trainer, model) -> None:
     if model.hidden_dim % t:
         raise ConfigError(f"the MLP width (model.d_ff, here {model.hidden_dim}) is not divisible by "
                           f"strategy.tensor_parallel={t}: set model.d_ff to a multiple of {t}")
-    check_vocab(model.vocab_size, t)
+    check_vocab(model.vocab_size, t, vocab_from)
     if plan.sequence_parallel and model.seq_len % t:
         raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by strategy.tensor_parallel={t}: "
                           "sequence parallelism gives each tensor-parallel rank seq_len / tensor_parallel positions; "
                           "choose a seq_len that is a multiple of tensor_parallel")
 
 
-def check_vocab(vocab_size, t: int) -> None:
+def check_vocab(vocab_size, t: int, vocab_from: Optional[str] = None) -> None:
     """The embedding and head split their rows over the tensor-parallel ranks (parallel/vocab.py): V divides by t.
-    Checked when the config loads, and again for model.vocab_size=null once the tokenizer gives the size."""
+    Checked when the config loads, and again for model.vocab_size=null once the tokenizer gives the size.
+    `vocab_from` says where a null model.vocab_size took V: "data.vocab_size" (the tokenizer's target, at load) or
+    "tokenizer" (the prepared tokenizer's own size, in train); None: model.vocab_size itself."""
     if vocab_size is not None and t > 1 and vocab_size % t:
-        raise ConfigError(f"model.vocab_size={vocab_size} is not divisible by strategy.tensor_parallel={t}: the "
-                          "embedding and output head are split along the vocabulary across tensor-parallel ranks; "
-                          f"choose a vocab size that is a multiple of {t} (Megatron-LM pads it to a multiple of "
-                          f"128 x {t})")
+        padded = -(-vocab_size // t) * t
+        given = {None: f"model.vocab_size={vocab_size}",
+                 "data.vocab_size": f"model.vocab_size=null takes data.vocab_size={vocab_size} (the tokenizer's "
+                                    "target size), which",
+                 "tokenizer": f"model.vocab_size=null takes the tokenizer's {vocab_size} tokens, which"}[vocab_from]
+        raise ConfigError(f"{given} is not divisible by strategy.tensor_parallel={t}: the embedding and output head "
+                          "are split along the vocabulary across tensor-parallel ranks; set model.vocab_size to a "
+                          f"multiple of {t} at least as large, such as {padded} (the extra rows are never a target; "
+                          f"Megatron-LM pads to a multiple of 128 x {t})")
 
 
 def _check_expert_parallel(plan: ParallelPlan, model) -> None:
@@ -302,7 +310,8 @@ def sized_model(config):
 
 def build_plan(config) -> ParallelPlan:
     """The plan of a whole config (schema.Config): `show` and `train` both call this when the config loads."""
-    plan = plan_from(config.strategy, config.trainer, sized_model(config), config.trainer.compile)
+    plan = plan_from(config.strategy, config.trainer, sized_model(config), config.trainer.compile,
+                     vocab_from=None if config.model.vocab_size is not None else "data.vocab_size")
     if config.data.document_masking and plan.pipeline_parallel > 1:
         raise ConfigError(f"data.document_masking=true is not supported with strategy.pipeline_parallel="
                           f"{plan.pipeline_parallel}: the pipeline stages call the blocks without the document mask "
