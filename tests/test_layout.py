@@ -165,7 +165,6 @@ def test_stages_of_rank_interleave():
     assert stage_of_rank(0, 2, 2) == [0, 2] and stage_of_rank(1, 2, 2) == [1, 3] and stage_of_rank(1, 4, 1) == [1]
 
 
-
 def test_a_tokenizer_size_tensor_parallelism_does_not_divide_is_refused_before_any_rank_starts(tmp_path, capsys):
     # model.vocab_size=null: at the config load V is data.vocab_size (the tokenizer's target); train checks again
     # with the prepared tokenizer's own size, here a given tokenizer of 301 tokens while data.vocab_size is 512.

@@ -75,7 +75,7 @@ def test_every_format_reads_the_same_documents_from_files_folders_and_globs(tmp_
     assert [d.text for d in docs] == texts * 3 and docs[0].id == "mixed/gz/c.jsonl.gz:1"
     # The glob's names start at the folder holding mixed/, its last part without wildcards: the same ids.
     globbed = read_documents(DataConfig(corpus="jsonl", paths=[str(mixed / "*" / "c.jsonl*")]))
-    assert [d.id for d in globbed] == [d.id for d in docs] and len(docs) == 60
+    assert [d.id for d in globbed] == [d.id for d in docs]
     # A Parquet null is an empty document: dropped and counted, like an empty line.
     import pyarrow as pa
     import pyarrow.parquet as pq
