@@ -91,7 +91,8 @@ def test_a_callback_beside_the_run_file_is_imported_when_the_config_loads(tmp_pa
                                          "    def __init__(self, every: int = 1):\n        self.every = every\n")
     run = folder / "zl.yaml"
     spec = "- {class_path: 'beside_cb:Beside', init_args: {every: 3}}"
-    run.write_text(f"defaults: [base, {{model: tiny}}]\ncallbacks:\n  extra:\n    {spec}\n")
+    head = "defaults: [base, {model: tiny}]\ncallbacks:\n  extra:\n    "
+    run.write_text(f"{head}{spec}\n")
     monkeypatch.chdir(tmp_path)  # not the run file's folder
     monkeypatch.setattr(sys, "path", list(sys.path))  # restored after the test
     monkeypatch.delitem(sys.modules, "beside_cb", raising=False)
@@ -100,10 +101,10 @@ def test_a_callback_beside_the_run_file_is_imported_when_the_config_loads(tmp_pa
     (callback,) = user_callbacks(config.to_object(cfg).callbacks)
     assert type(callback).__name__ == "Beside" and callback.every == 3
 
-    run.write_text(f"defaults: [base, {{model: tiny}}]\ncallbacks:\n  extra:\n    {spec.replace('every: 3', 'evry: 3')}\n")
+    run.write_text(f"{head}{spec.replace('every: 3', 'evry: 3')}\n")
     with pytest.raises(ConfigError, match=r"^callbacks\.extra\[0\]\.init_args do not fit beside_cb:Beside: .*evry"):
         config.load(run)
-    run.write_text(f"defaults: [base, {{model: tiny}}]\ncallbacks:\n  extra:\n    {spec.replace('beside_cb', 'gone_cb')}\n")
+    run.write_text(f"{head}{spec.replace('beside_cb', 'gone_cb')}\n")
     assert cli.main(["show", str(run)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"lit-pretrain show: error: callbacks.extra[0].class_path='gone_cb:Beside': cannot import module 'gone_cb' "
