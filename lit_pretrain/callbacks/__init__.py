@@ -71,12 +71,12 @@ def stability_callbacks(c: Config) -> list[Callback]:
 
 
 def import_user_module(module_name: str, key: str, folders=()):
-    """The module of a `module:Class`: found on sys.path (PYTHONPATH, installed packages, and for `python -m` the
-    working directory), else in each of `folders` (config.load passes the run file's folder), else in the working
-    directory (the `lit-pretrain` script does not put it on sys.path, `python -m` does: both load
-    `experiments.callbacks.x:Cls` alike). A folder that finds it stays on sys.path, at the end (it shadows nothing
-    installed), so later imports in this process and processes spawned from it (multiprocessing passes sys.path on)
-    find it too; ranks a launcher starts run the command again and load the config themselves."""
+    """The module of a `module:Class`, looked up on sys.path (PYTHONPATH, installed packages; the working directory
+    under `python -m`), then in each of `folders` (config.load passes the run file's folder), then in the working
+    directory (which the `lit-pretrain` script does not put on sys.path). A folder that finds it stays on sys.path,
+    last (it shadows nothing installed): later imports here and processes spawned from here (multiprocessing passes
+    sys.path on) find it; ranks a launcher starts (Lightning's, torchrun, srun) run the command again and load the
+    config, and with it the module, themselves."""
     looked = list(dict.fromkeys(str(Path(f)) for f in (*folders, os.getcwd())))
     missing = None
     for folder in [None, *looked]:
