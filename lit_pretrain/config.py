@@ -19,11 +19,20 @@ Where `defaults` names are found (the search path, first match wins):
 So a run file anywhere can write `defaults: [base, {model: tiny}]` and get the shipped base and tiny model, while a
 file of the same name in its own root overrides the shipped one. An installed wheel carries no `experiments/`:
 there only the run file's root is searched, and a name not found there says so. Errors list every folder searched.
+
+A key that holds a list of strings takes one string as a one-element list, in a file or on the command line:
+`data.paths=/corpus` is `data.paths=[/corpus]`.
+
+What a config names outside itself is checked when it loads (`check_inputs`), so `show` refuses what `train` would:
+every data.paths entry exists (data/locate.py), and every callbacks.extra `module:Class` imports, is a Lightning
+Callback and takes its init_args (callbacks/__init__.py: the module is looked up on sys.path, then in the run
+file's folder, then in the working directory).
 """
 
 import dataclasses
 import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
@@ -129,8 +138,35 @@ def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
             _check_keys(value, target, f"{full}.", source)
 
 
+def _one_as_list(data: Any, schema: Any) -> Any:
+    """`data` with each list-of-strings key given one string (`paths: /corpus`, `data.paths=/corpus`) holding it as a
+    one-element list, in sections and in list items that are sections (data.sources[i].paths). OmegaConf would
+    refuse the string ("AnyNode is not a ListConfig")."""
+    if not isinstance(data, dict):
+        return data
+    schema = schema if isinstance(schema, type) else type(schema)
+    hints = typing.get_type_hints(schema)
+    out = {}
+    for key, value in data.items():
+        kind = hints.get(key)
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(args) == 1:  # Optional[X] is Union[X, None]
+            kind = args[0]
+        if typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            if item is str and isinstance(value, str):
+                value = [value]
+            elif dataclasses.is_dataclass(item) and isinstance(value, list):
+                value = [_one_as_list(v, item) for v in value]
+        elif dataclasses.is_dataclass(kind) and isinstance(value, dict):
+            value = _one_as_list(value, kind)
+        out[key] = value
+    return out
+
+
 def _merge(base: DictConfig, data: dict, source: str) -> DictConfig:
     _check_keys(data, Config(), "", source)
+    data = _one_as_list(data, Config)
     try:
         return OmegaConf.merge(base, data)
     except OmegaConfBaseException as err:
@@ -195,9 +231,12 @@ def _base_file(roots: Sequence[Path], name: str, source: Path) -> Path:
     return path
 
 
-def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), check_memory: bool = True) -> DictConfig:
+def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), check_memory: bool = True,
+         check_inputs: bool = True) -> DictConfig:
     """Compose the run file with its defaults and the overrides into a checked, struct-mode config.
-    check_memory=False: leave trainer.device_memory_gb unchecked (`lit-pretrain memory --run` shows why it fails)."""
+    check_memory=False: leave trainer.device_memory_gb unchecked (`lit-pretrain memory --run` shows why it fails).
+    check_inputs=False: leave data.paths and callbacks.extra unchecked, for a finished run's config.yaml read for its
+    model and tokenizer (generate, export, evaluate), whose corpus may have moved since."""
     cfg = OmegaConf.structured(Config)
     groups, key_overrides = _parse_overrides(list(overrides))
     steps_given = [COMMAND_LINE for o in key_overrides if o.split("=", 1)[0].strip() == "trainer.max_steps"]
@@ -237,7 +276,23 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), c
         from lit_pretrain.scaling.run_plan import check_fits
 
         check_fits(to_object(cfg))
+    if check_inputs:
+        check_inputs_exist(to_object(cfg), None if run_file is None else Path(run_file))
     return cfg
+
+
+def check_inputs_exist(config: Config, run_file: Optional[Path]) -> None:
+    """What the config names outside itself, as `prepare` and `train` will look for it: every data.paths entry
+    (relative to the working directory), and each callbacks.extra module, imported now (sys.path, then the run
+    file's folder, then the working directory: callbacks.import_user_module)."""
+    from lit_pretrain.data.locate import check_paths_exist
+
+    check_paths_exist(config.data)
+    if config.callbacks.extra:
+        from lit_pretrain.callbacks import user_classes  # imports Lightning: only when a user callback is named
+
+        folders = [run_file.resolve().parent] if run_file is not None else []
+        user_classes(config.callbacks, folders)
 
 
 def _token_budget(cfg: DictConfig, steps_given: List[str]) -> None:
@@ -286,6 +341,9 @@ def check_ranges(cfg: DictConfig) -> None:
         )
     if cfg.schedule.lr_min > cfg.optim.lr_peak:
         raise ConfigError(f"schedule.lr_min={cfg.schedule.lr_min} exceeds optim.lr_peak={cfg.optim.lr_peak}")
+    from lit_pretrain.data.locate import check_corpus_reads_paths
+
+    check_corpus_reads_paths(config.data)
     for i, spec in enumerate(cfg.callbacks.extra):
         module, _, cls = spec.class_path.partition(":")
         if not module or not cls:

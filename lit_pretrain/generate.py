@@ -150,9 +150,17 @@ def run_tokenizer(run_dir: Path):
     from lit_pretrain.data.shards import run_tokenizer_entry
     from lit_pretrain.data.tokenizer import load_tokenizer
 
-    folder, tok = run_tokenizer_entry(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
+    saved = config_lib.load(run_dir / "config.yaml", check_inputs=False)  # its corpus may have moved since
+    folder, tok = run_tokenizer_entry(config_lib.to_object(saved).data)
     # eos_token=None: prepare checked the folder's end-of-document token (data.eos_token, any name); its id is here.
     return load_tokenizer(folder / tok["file"], eos_token=None), tok["eod_id"]
+
+
+def prompt_ids(tokenizer, eod: int, text: str) -> List[int]:
+    """The ids a prompt is decoded from: the end-of-document token first (in the token shards it precedes every
+    document, so the prompt starts a document), then the text's. An exported tokenizer adds the same token
+    (hf.exported_tokenizer), so transformers continues the same ids."""
+    return [eod, *tokenizer.encode(text, add_special_tokens=False).ids]
 
 
 def main(args) -> None:
@@ -172,8 +180,7 @@ def main(args) -> None:
     prompts = args.prompt or [""]
     total_tokens, total_seconds = 0, 0.0
     for p, text in enumerate(prompts):
-        # The EOD token first: in the token shards it precedes every document, so the prompt starts a document.
-        ids = [eod, *tokenizer.encode(text, add_special_tokens=False).ids]
+        ids = prompt_ids(tokenizer, eod, text)
         seq_len = model.cfg.seq_len
         if len(ids) >= seq_len:
             raise ConfigError(f"--prompt {p + 1} is {len(ids) - 1} tokens (+1 end-of-document token put first) but "

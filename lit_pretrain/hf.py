@@ -2,9 +2,12 @@
 
 `lit-pretrain export RUN_OR_CKPT --to hf OUT` writes a transformers folder: config.json (LlamaForCausalLM),
 model.safetensors, and the run's tokenizer (tokenizer.json, tokenizer_config.json naming the end-of-document token as
-eos). `lit-pretrain import HF_FOLDER RUN_FILE [overrides]` trains a run whose model.* keys come from config.json and
-whose weights start from the folder's (`run.init_from=HF_FOLDER`); `--out FILE` instead writes the weights under
-our own names, for `run.init_from=FILE`.
+eos and bos). The exported tokenizer puts the end-of-document token first, as `lit-pretrain generate` does and as
+the shards have it before every document, the way Llama 3's tokenizer adds <|begin_of_text|>: AutoTokenizer's ids
+for a text are the ones our model continues.
+`lit-pretrain import HF_FOLDER RUN_FILE [overrides]` trains a run whose model.* keys come from config.json and whose
+weights start from the folder's (`run.init_from=HF_FOLDER`); `--out FILE` instead writes the weights under our own
+names, for `run.init_from=FILE`.
 
 Why `run.init_from` names the folder itself rather than a converted copy: the run's config.yaml then records where
 its weights came from, and there is no intermediate file to keep beside it. Converting is only renaming (llama.py),
@@ -12,9 +15,9 @@ so it is done on load. Neither direction needs transformers: only safetensors (n
 run code when read). Nothing is ever written into an existing, non-empty folder.
 """
 
+import hashlib
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -72,7 +75,7 @@ def resolve_source(source: str | Path) -> Tuple[Path, str]:
 
 def run_tokenizer(run_dir: Path) -> Path:
     """The tokenizer.json a run trained with: its data.prepared_dir's, checked against the manifest's sha256."""
-    data = config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data
+    data = config_lib.to_object(config_lib.load(run_dir / "config.yaml", check_inputs=False)).data
     prepared = tokenizer_folder(data)
     if not pretokenized_run(data) and not prepared.is_dir():
         raise DataError(f"data.prepared_dir {prepared} in {run_dir / 'config.yaml'} does not exist: export copies the "
@@ -125,10 +128,12 @@ def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
         st.save_file(tensors, staging / WEIGHTS, metadata={"format": "pt"})
         _write_json(staging / CONFIG, to_llama_config(cfg, eod, dtypes[0]))
         _write_json(staging / "generation_config.json", {"bos_token_id": eod, "eos_token_id": eod})
-        shutil.copyfile(tokenizer_file, staging / TOKENIZER)
+        (staging / TOKENIZER).write_text(json.dumps(exported_tokenizer(tokenizer_file, eod), indent=2,
+                                                    ensure_ascii=False), encoding="utf-8")
+        # add_bos_token: transformers 5 rebuilds the post-processor from it (the same template); 4.x reads the file's.
         _write_json(staging / "tokenizer_config.json", {
-            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD, "bos_token": EOD,
-            "model_max_length": cfg.seq_len, "clean_up_tokenization_spaces": False})
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD, "bos_token": EOD, "add_bos_token": True,
+            "add_eos_token": False, "model_max_length": cfg.seq_len, "clean_up_tokenization_spaces": False})
         _write_json(staging / "special_tokens_map.json", {"eos_token": EOD, "bos_token": EOD})
         try:
             os.rename(staging, out)
@@ -137,6 +142,29 @@ def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
     finally:
         _remove_staging(staging, out.parent)
     return out
+
+
+def exported_tokenizer(tokenizer_file: str | Path, eod: int) -> Dict[str, Any]:
+    """The run's tokenizer.json with a post-processor that puts token `eod` before a text's ids (and before each of
+    a pair's), as generate.prompt_ids does. It replaces any post-processor the file had: our trained tokenizers have
+    none; a Llama 3 one adds <|begin_of_text|>, which the data (data.bos_token) may not have put before documents."""
+    from tokenizers import Tokenizer, models, processors
+
+    data = json.loads(Path(tokenizer_file).read_text(encoding="utf-8"))
+    token = load_tokenizer(tokenizer_file, eos_token=None).id_to_token(eod)
+    carrier = Tokenizer(models.BPE())
+    carrier.post_processor = processors.TemplateProcessing(single=f"{token} $A", pair=f"{token} $A {token} $B:1",
+                                                           special_tokens=[(token, eod)])
+    data["post_processor"] = json.loads(carrier.to_str())["post_processor"]
+    return data
+
+
+def vocabulary_sha256(tokenizer_file: str | Path) -> str:
+    """sha256 of a tokenizer.json without its post-processor: what the ids mean, which an export leaves as it was
+    (`exported_tokenizer` only adds the token put first), so an exported folder imports with the run's data."""
+    data = json.loads(Path(tokenizer_file).read_text(encoding="utf-8"))
+    data.pop("post_processor", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def _write_json(path: Path, data: Dict[str, Any]) -> None:
@@ -201,7 +229,7 @@ def read_init(path: str | Path) -> Tuple[Optional[Dict[str, Any]], Dict[str, tor
         fields = read_hf_config(path)
         tokenizer = path / TOKENIZER
         return fields, read_hf_weights(path, fields["tie_embeddings"]), \
-            tokenizer_sha256(tokenizer) if tokenizer.is_file() else None
+            vocabulary_sha256(tokenizer) if tokenizer.is_file() else None
     if not path.is_file():
         raise DataError(f"run.init_from {path} does not exist: give a transformers folder or a .safetensors file")
     _safetensors()
@@ -257,7 +285,10 @@ def load_init(model: GPT, path: str | Path, tokenizer_file: Optional[str | Path]
         if fields is not None and fields[key] != ours[key]:
             raise ConfigError(f"model.{key}={ours[key]!r} but run.init_from {path} has {fields[key]!r}: set "
                               f"model.{key}={fields[key]!r} (lit-pretrain import sets every model key from the folder)")
-    if tokenizer_sha and tokenizer_file and tokenizer_sha256(tokenizer_file) != tokenizer_sha:
+    # A folder's (and `import --out`'s) sha256 is of the vocabulary (vocabulary_sha256); a consolidated checkpoint's
+    # is of the data's tokenizer.json file.
+    if tokenizer_sha and tokenizer_file and tokenizer_sha not in (tokenizer_sha256(tokenizer_file),
+                                                                  vocabulary_sha256(tokenizer_file)):
         raise DataError(f"the tokenizer of run.init_from {path} differs from the data's {tokenizer_file} (sha256): the "
                         "weights' token ids would mean other tokens; tokenize the data with it: "
                         f"data.tokenizer_path=<its tokenizer.json> and a new data.prepared_dir")
@@ -281,7 +312,7 @@ def write_weights(folder: str | Path, out: str | Path) -> Path:
                if not (fields["tie_embeddings"] and k == "lm_head.weight")}  # one copy of a tied matrix
     tokenizer = Path(folder) / TOKENIZER
     meta = {"format": "pt", META_MODEL: json.dumps(fields),
-            META_TOKENIZER: tokenizer_sha256(tokenizer) if tokenizer.is_file() else ""}
+            META_TOKENIZER: vocabulary_sha256(tokenizer) if tokenizer.is_file() else ""}
     out.parent.mkdir(parents=True, exist_ok=True)
     # A staging name mkstemp made for this call (never a file of the user's), linked to OUT, then removed.
     fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)

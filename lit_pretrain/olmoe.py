@@ -43,19 +43,28 @@ def moe_function_fields(cfg: GPTConfig):
 
 
 def check_exportable(cfg: GPTConfig) -> None:
-    """A DataError naming the first model key OlmoeForCausalLM cannot express."""
+    """A DataError naming the first model key OlmoeForCausalLM cannot express, and every key a model must be trained
+    with to be exported (transformers has no other mixture-of-experts class ours maps onto)."""
     moe = cfg.moe
-    for key, ours, theirs in (("model.qk_norm", cfg.qk_norm, True), ("model.qk_norm_scope", cfg.qk_norm_scope,
-                                                                      "projection"),
-                              ("model.moe.first_dense_layers", moe.first_dense_layers, 0),
-                              ("model.moe.every_k", moe.every_k, 1),
-                              ("model.moe.num_shared_experts", moe.num_shared_experts, 0),
-                              ("model.moe.score", moe.score, "softmax"),
-                              ("model.moe.bias_update_rate", moe.bias_update_rate, 0.0),
-                              ("model.moe.capacity_factor", moe.capacity_factor, None)):
-        if ours != theirs:
-            raise DataError(f"{key}={ours!r} cannot be expressed by transformers' {ARCHITECTURE} (it has "
-                            f"{theirs!r}): this model cannot be exported to Hugging Face format")
+    differ = [(key, ours, theirs) for key, ours, theirs in (
+        ("model.qk_norm", cfg.qk_norm, True), ("model.qk_norm_scope", cfg.qk_norm_scope, "projection"),
+        ("model.moe.first_dense_layers", moe.first_dense_layers, 0), ("model.moe.every_k", moe.every_k, 1),
+        ("model.moe.num_shared_experts", moe.num_shared_experts, 0), ("model.moe.score", moe.score, "softmax"),
+        ("model.moe.bias_update_rate", moe.bias_update_rate, 0.0),
+        ("model.moe.capacity_factor", moe.capacity_factor, None)) if ours != theirs]
+    if differ:
+        key, ours, theirs = differ[0]
+        fix = " ".join(f"{k}={_override(v)}" for k, _, v in differ)
+        raise DataError(f"{key}={ours!r} cannot be expressed by transformers' {ARCHITECTURE} (it has {theirs!r}): "
+                        "this model cannot be exported to Hugging Face format; a mixture-of-experts model exports "
+                        f"as OLMoE when trained with {fix} (as model=olmoe_1b_7b is)")
+
+
+def _override(value) -> str:
+    """A value as a command-line override writes it (true, null, 0.0, projection)."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def to_config(llama: Dict[str, Any], cfg: GPTConfig) -> Dict[str, Any]:

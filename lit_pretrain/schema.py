@@ -145,7 +145,9 @@ class DataConfig:
     uint16 .bin files or llm.c's headed ones. They need data.tokenizer_path (the tokenizer the ids came from)."""
     paths: List[str] = field(default_factory=list)
     """Files, directories or glob patterns of the corpus (text and jsonl); directories are searched recursively.
-    megatron: prefixes (or their .bin/.idx files); numpy, nanogpt: the id files."""
+    megatron: prefixes (or their .bin/.idx files); numpy, nanogpt: the id files. One path may be given as a string
+    (`data.paths=/corpus`). Each entry must exist (relative: from the working directory) when the config loads
+    (data/locate.py); data.corpus=stdlib takes none."""
     val_paths: List[str] = field(default_factory=list)
     """megatron, numpy, nanogpt only: files of the validation split (e.g. nanoGPT's val.bin). Empty: the last
     data.val_fraction of each file of data.paths (cut at a document boundary where the format has them)."""
@@ -489,7 +491,9 @@ class StrategyConfig:
 @dataclass
 class CallbackSpec:
     class_path: str = ""
-    """A user's own Lightning callback as `module:Class` (the only import string a config may hold)."""
+    """A user's own Lightning callback as `module:Class` (the only import string a config may hold), imported when
+    the config loads: the module is looked up on sys.path (PYTHONPATH), then in the run file's folder, then in the
+    working directory (callbacks.import_user_module)."""
     init_args: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for its constructor (plain data)."""
 

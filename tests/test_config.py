@@ -34,7 +34,14 @@ def test_every_group_file_loads_into_a_run(group_file):
     # A preset with tensor or pipeline degrees needs as many processes: the plan is checked when the config loads.
     data = OmegaConf.load(group_file)
     devices = data.get("tensor_parallel", 1) * data.get("pipeline_parallel", 1) if group == "strategy" else 1
-    cfg = config.load(ROOT / "runs" / "tiny.yaml", [f"{group}={name}", f"trainer.devices={devices}"])
+    overrides = [f"{group}={name}", f"trainer.devices={devices}"]
+    # The pretokenized presets name where their files would lie (data/megatron/train, ...): not here, so the load
+    # refuses them by name unless told not to look.
+    missing = [p for p in data.get("paths", []) if not Path(p).exists()] if group == "data" else []
+    if missing:
+        with pytest.raises(ConfigError, match=rf"^data\.paths entry '{missing[0]}' does not exist"):
+            config.load(ROOT / "runs" / "tiny.yaml", overrides)
+    cfg = config.load(ROOT / "runs" / "tiny.yaml", overrides, check_inputs=not missing)
     run_own = OmegaConf.load(ROOT / "runs" / "tiny.yaml").get(group, {})
     for key, value in OmegaConf.load(group_file).items():
         if key not in run_own:  # the run file's own keys win over its group files
@@ -146,3 +153,56 @@ def test_each_subcommand_help_names_the_sections_its_keys_come_from(command, nam
     sections = text.split("lit_pretrain/schema.py):", 1)[1]
     for section in not_named:
         assert section not in sections, section
+
+
+# --- what a config names outside itself (issue 37, item 10) ------------------------------------------------------
+
+def test_one_string_is_a_one_element_list_on_the_command_line_and_in_a_file(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("one document\n")
+    tiny = ROOT / "runs" / "tiny.yaml"
+    # OmegaConf alone refuses it: "AnyNode is not a ListConfig, TupleConfig, list, or tuple".
+    assert list(config.load(tiny, ["data=text", f"data.paths={corpus}"]).data.paths) == [str(corpus)]
+    run = tmp_path / "mine.yaml"
+    run.write_text(f"defaults: [base, {{model: tiny}}, {{data: text}}]\ndata:\n  paths: {corpus}\n"
+                   f"  sources: [{{name: a, paths: {corpus}, weight: 1}}]\ntrainer: {{loggers: csv}}\n")
+    cfg = config.load(run)
+    assert list(cfg.data.paths) == [str(corpus)] and list(cfg.data.sources[0].paths) == [str(corpus)]
+    assert list(cfg.trainer.loggers) == ["csv"]  # any list-of-strings key, not only paths
+    assert list(config.load(tiny, ["data=text", f"data.paths=[{corpus},{corpus}/a.txt]"]).data.paths) == [
+        str(corpus), f"{corpus}/a.txt"]  # a list is a list as before
+
+
+def test_data_paths_are_checked_when_the_config_loads_and_show_refuses_them(tmp_path, capsys):
+    from lit_pretrain import cli
+
+    tiny = ROOT / "runs" / "tiny.yaml"
+    missing = tmp_path / "no-such-corpus"
+    with pytest.raises(ConfigError, match=rf"^data\.paths entry '{missing}' does not exist \(no such file or folder\): "
+                                          "fix the path or remove it$"):
+        config.load(tiny, ["data=text", f"data.paths=[{missing}]"])
+    assert cli.main(["show", str(tiny), "data=jsonl", f"data.paths=[{tmp_path}/*.jsonl]"]) == 2
+    assert f"data.paths entry '{tmp_path}/*.jsonl' matches no file" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^data\.paths entry 'nowhere/x\.txt' does not exist \(no such file or "
+                                          r"folder, looked for from the working directory /"):
+        config.load(tiny, ["data=text", "data.paths=[nowhere/x.txt]"])
+    # a mixture source: the key of its own paths, or data.paths where it has none
+    (tmp_path / "a.txt").write_text("text\n")
+    sources = f"data.sources=[{{name: a, paths: [{tmp_path / 'a.txt'}]}}, {{name: b, paths: [{missing}]}}]"
+    with pytest.raises(ConfigError, match=r"^data\.sources\[1\]\.paths entry .* does not exist"):
+        config.load(tiny, ["data.corpus=text", sources])
+
+
+def test_paths_given_to_the_stdlib_corpus_are_refused_first_naming_the_presets(tmp_path):
+    """data.paths set, data=text forgotten: the corpus ignores paths. Said before anything else (the next complaint
+    would be that the stdlib prepared folder does not match the config)."""
+    (tmp_path / "a.txt").write_text("text\n")
+    tiny = ROOT / "runs" / "tiny.yaml"
+    with pytest.raises(ConfigError, match=r"^data\.paths=\[.*a\.txt'\] is set but data\.corpus=stdlib reads the "
+                                          r"Python standard library and ignores paths: choose the preset of your "
+                                          r"files: data=text \(plain-text files.*data=jsonl or data=parquet"):
+        config.load(tiny, [f"data.paths=[{tmp_path / 'a.txt'}]"])
+    with pytest.raises(ConfigError, match=r"^data\.sources\[0\]\.paths=.* is set but data\.sources\[0\]\.corpus="
+                                          r"stdlib .*: set data\.sources\[0\]\.corpus to the kind of your files"):
+        config.load(tiny, [f"data.sources=[{{name: a, corpus: stdlib, paths: [{tmp_path / 'a.txt'}]}}]"])

@@ -107,6 +107,28 @@ def test_greedy_generation_matches_transformers(tmp_path, tokenizer_file, tied):
     assert torch.equal(theirs, ours)
 
 
+def test_exported_tokenizer_puts_the_end_of_document_token_first_as_generate_does(tmp_path, tokenizer_file):
+    """`lit-pretrain generate` decodes from [EOD, prompt ids] (the shards put EOD before every document); the exported
+    tokenizer adds the same EOD, so transformers' greedy tokens from AutoTokenizer's ids are generate's."""
+    from transformers import AutoTokenizer
+
+    from lit_pretrain.generate import generate, prompt_ids
+
+    model = tiny_gpt(tied=True, seed=2)
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    ours, text = load_tokenizer(tokenizer_file), "def export(model):"
+    ids = prompt_ids(ours, eod_id(ours), text)
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    batch = theirs(text, return_tensors="pt")
+    assert batch.input_ids[0].tolist() == ids and ids[0] == eod_id(ours)
+    assert theirs.decode(batch.input_ids[0], skip_special_tokens=True) == text
+    new = generate(model, ids, 32 - len(ids), temperature=0).tokens[0]  # greedy, to model.seq_len
+    out = hf_model(tmp_path / "hf").generate(**batch, max_new_tokens=len(new), do_sample=False, eos_token_id=None,
+                                             pad_token_id=0)
+    assert len(set(new)) > 5  # a real sequence, not one token repeated
+    assert out[0].tolist() == ids + new
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_export_then_import_round_trips_bitwise(tmp_path, tokenizer_file, tied):
     model = tiny_gpt(tied)
@@ -249,6 +271,7 @@ def test_init_from_must_compute_with_the_models_settings_and_tokenizer(tmp_path,
 def test_trained_run_exports_loads_in_transformers_and_continues_training(tmp_path, tiny_data_dir):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from lit_pretrain.generate import prompt_ids
     from lit_pretrain.train import train
 
     run_file = EXPERIMENTS / "runs" / "tiny.yaml"
@@ -264,7 +287,7 @@ def test_trained_run_exports_loads_in_transformers_and_continues_training(tmp_pa
     for tokenizer in (AutoTokenizer.from_pretrained(tmp_path / "hf"),
                       PreTrainedTokenizerFast.from_pretrained(tmp_path / "hf")):
         assert tokenizer.eos_token == EOD and tokenizer.eos_token_id == eod_id(ours)
-        assert tokenizer(text).input_ids == ours.encode(text).ids
+        assert tokenizer(text).input_ids == prompt_ids(ours, eod_id(ours), text)  # generate's ids, EOD first
         assert tokenizer.decode(ours.encode(text).ids) == text
     model = load_gpt(run_dir)
     idx = torch.randint(0, model.cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))

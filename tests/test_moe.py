@@ -362,6 +362,25 @@ def test_olmoe_export_refuses_what_it_cannot_express_naming_the_key(tmp_path, to
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_default_moe_refusal_names_every_key_to_train_with_and_they_export(tmp_path, tokenizer_file):
+    """model.moe with the tiny model's defaults (per-head or no QK-norm) is not an OLMoE: the refusal lists every key
+    to set, and a model trained with them exports."""
+    from lit_pretrain import config
+    from lit_pretrain.errors import DataError
+    from lit_pretrain.hf import export_gpt
+
+    tiny, moe = EXPERIMENTS / "runs" / "tiny.yaml", ["model.moe={num_experts: 4, top_k: 2}", "model.vocab_size=320"]
+    with pytest.raises(DataError) as err:
+        export_gpt(build(config.to_object(config.load(tiny, moe)).model), tokenizer_file, tmp_path / "a")
+    assert str(err.value) == (
+        "model.qk_norm=False cannot be expressed by transformers' OlmoeForCausalLM (it has True): this model cannot "
+        "be exported to Hugging Face format; a mixture-of-experts model exports as OLMoE when trained with "
+        "model.qk_norm=true model.qk_norm_scope=projection (as model=olmoe_1b_7b is)")
+    fix = str(err.value).split("trained with ")[1].split(" (")[0].split()
+    export_gpt(build(config.to_object(config.load(tiny, [*moe, *fix])).model), tokenizer_file, tmp_path / "b")
+    assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("experts, k, width, shared", [(4, 2, 32, 0), (8, 2, 32, 0), (4, 1, 64, 1), (8, 1, 32, 0)])
 def test_memory_planner_counts_an_moe_blocks_saved_activations_within_3_percent(experts, k, width, shared):
     from lit_pretrain.parallel.memory import SavedActivations

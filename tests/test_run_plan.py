@@ -138,3 +138,20 @@ def test_fsdp_transients_gather_the_root_and_two_blocks():
     assert z2["transient_bytes"] == logits_grad + 4 * (block + 1000 * 64)  # parameters stay gathered: states
     assert z3["total_bytes"] == (z3["model_state_bytes"] + z3["cast_weight_bytes"] + z3["activation_bytes"]
                                  + z3["transient_bytes"])
+
+
+def test_memory_and_plan_state_every_size_in_gb(capsys):
+    """One unit in `memory` and `plan`: GB (1e9 bytes), that of trainer.device_memory_gb (the table said GiB beside
+    the line's GB: 106.063 GiB under 113.9 GB for the same total)."""
+    run = str(RUNS / "llama3_1_8b_h200x8.yaml")
+    shape = ["--layers", "2", "--hidden", "64", "--heads", "4", "--device-memory", "80GiB"]
+    outputs = []
+    for argv in (["memory", "--run", run], ["plan", "--run", run], ["memory", *shape]):
+        assert main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    for out in outputs:
+        assert " GB" in out and "GiB" not in out and "MiB" not in out
+    total = run_memory(config.to_object(config.load(run)))["total_bytes"]
+    assert f"{total / 1e9:.1f} GB per device" in outputs[0] and f"{total / 1e9:.3f} GB" in outputs[0]
+    assert f"{total / 1e9:.1f} GB per device" in outputs[1]
+    assert "fits in 85.9 GB: yes" in outputs[2]  # 80 GiB given = 85.9 GB stated

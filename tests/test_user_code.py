@@ -1,5 +1,7 @@
 """A researcher's own code meets no traps: own callbacks, run files outside experiments/, a plain lightning.Trainer."""
 
+import sys
+
 import lightning as L
 import pytest
 import torch
@@ -77,6 +79,37 @@ def test_a_callback_refusing_its_arguments_exits_2_with_one_line(tmp_path, tiny_
     assert rc == 2
     assert err == ("lit-pretrain train: error: callbacks.extra[0] (tests.test_user_code:ChecksItsArguments): "
                    "ValueError: every_n_steps must be >= 1, got 0")
+
+
+def test_a_callback_beside_the_run_file_is_imported_when_the_config_loads(tmp_path, monkeypatch, capsys):
+    """A module beside a run file outside the repository: found when the config loads (and so by `train`, which
+    loads it again in every rank a launcher starts), from any working directory; one that is missing is refused by
+    `show` and the load, naming the key and where it was looked for."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "beside_cb.py").write_text("import lightning\n\n\nclass Beside(lightning.Callback):\n"
+                                         "    def __init__(self, every: int = 1):\n        self.every = every\n")
+    run = folder / "zl.yaml"
+    spec = "- {class_path: 'beside_cb:Beside', init_args: {every: 3}}"
+    head = "defaults: [base, {model: tiny}]\ncallbacks:\n  extra:\n    "
+    run.write_text(f"{head}{spec}\n")
+    monkeypatch.chdir(tmp_path)  # not the run file's folder
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored after the test
+    monkeypatch.delitem(sys.modules, "beside_cb", raising=False)
+    cfg = config.load(run)
+    assert "beside_cb" in sys.modules and sys.path[-1] == str(folder)  # kept: spawned processes get sys.path
+    (callback,) = user_callbacks(config.to_object(cfg).callbacks)
+    assert type(callback).__name__ == "Beside" and callback.every == 3
+
+    run.write_text(f"{head}{spec.replace('every: 3', 'evry: 3')}\n")
+    with pytest.raises(ConfigError, match=r"^callbacks\.extra\[0\]\.init_args do not fit beside_cb:Beside: .*evry"):
+        config.load(run)
+    run.write_text(f"{head}{spec.replace('beside_cb', 'gone_cb')}\n")
+    assert cli.main(["show", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"lit-pretrain show: error: callbacks.extra[0].class_path='gone_cb:Beside': cannot import module 'gone_cb' "
+        f"(No module named 'gone_cb'); looked on sys.path (PYTHONPATH, installed packages), then in {folder}, "
+        f"{tmp_path}: put it beside the run file or in the working directory, or add its folder to PYTHONPATH")
 
 
 # --- run files outside experiments/ -------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ def load_run_tokenizer(run_dir: Path):
     from lit_pretrain.data.shards import run_tokenizer_entry
     from lit_pretrain.data.tokenizer import load_tokenizer
 
-    folder, tok = run_tokenizer_entry(config_lib.to_object(config_lib.load(run_dir / "config.yaml")).data)
+    saved = config_lib.load(run_dir / "config.yaml", check_inputs=False)  # its corpus may have moved since
+    folder, tok = run_tokenizer_entry(config_lib.to_object(saved).data)
     return load_tokenizer(folder / tok["file"], eos_token=None)
 
 

@@ -231,8 +231,10 @@ def _memory(args) -> dict:
 
 
 def format_memory(r: dict) -> str:
+    """The table of `lit-pretrain memory`. Sizes in GB (1e9 bytes), the unit of trainer.device_memory_gb and of the
+    `plan`/`memory --run` line above it, and what devices are sold by (an 80 GB H100, a 141 GB H200)."""
     s = r["shape"]
-    gib = 2**30
+    gb = 1e9
     variant = "".join(f", {k} {s[k]}" for k in VARIANT_KEYS
                       if k != "moe" and s.get(k) not in (None, False, "rmsnorm", "swiglu", "head"))
     if s.get("moe"):
@@ -249,16 +251,16 @@ def format_memory(r: dict) -> str:
              f"{r['precision']}, micro_batch {r['micro_batch']} × seq_len {r['seq_len']}"]
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes", "cast_weight_bytes",
                 "activation_bytes_per_layer", "activation_bytes", "total_bytes"):
-        lines.append(f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gib:>10.3f} GiB")
+        lines.append(f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gb:>10.3f} GB")
     for key in ("recompute_bytes", "transient_bytes"):
         if key in r:
-            lines.insert(-1, f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gib:>10.3f} GiB")
+            lines.insert(-1, f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gb:>10.3f} GB")
     if "run" in r:
         from lit_pretrain.scaling.run_plan import format_fit
 
         lines.insert(0, f"run {r['run']}: {format_fit(r)}")
     elif "fits" in r:
-        lines.append(f"fits in {r['device_memory'] / gib:.1f} GiB: {'yes' if r['fits'] else 'NO'}")
+        lines.append(f"fits in {r['device_memory'] / gb:.1f} GB: {'yes' if r['fits'] else 'NO'}")
     return "\n".join(lines)
 
 
