@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+from lit_pretrain.resume.preemption import EXIT_INTERRUPTED, Interrupted
 
 USAGE_ERRORS = (ConfigError, DataError, RunFolderError)
 
@@ -255,6 +256,10 @@ def main(argv=None) -> int:
             from lit_pretrain.train import train
 
             train(cfg)
+    except Interrupted as stop:  # Ctrl-C: the checkpoint is written; rank 0 says how to resume
+        if stop.message:
+            print(stop.message, flush=True)
+        return EXIT_INTERRUPTED
     except USAGE_ERRORS as err:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -10,7 +10,8 @@ from lightning.pytorch.callbacks import Callback
 
 class Fault(Callback):
     """At the start of micro-batch `micro_batch` of optimizer step `step` + 1 (global_step == step), send `signal`:
-    KILL to the whole process group (every rank dies at once, as when a node is lost), TERM to this process only."""
+    KILL to the whole process group (every rank dies at once, as when a node is lost), TERM to this process only,
+    INT to the whole process group (a terminal's Ctrl-C reaches every local rank), INT0 to rank 0 only (`kill -INT`)."""
 
     def __init__(self, step: int, micro_batch: int = 0, signal: str = "KILL"):
         self.step, self.micro_batch, self.signal = step, micro_batch, signal
@@ -23,6 +24,12 @@ class Fault(Callback):
         if self.seen - 1 == self.micro_batch:
             if self.signal == "KILL":
                 os.killpg(os.getpgid(0), signal.SIGKILL)
+            elif self.signal == "INT":
+                if trainer.is_global_zero:
+                    os.killpg(os.getpgid(0), signal.SIGINT)
+            elif self.signal == "INT0":
+                if trainer.is_global_zero:
+                    os.kill(os.getpid(), signal.SIGINT)
             elif trainer.is_global_zero:
                 os.kill(os.getpid(), signal.SIGTERM)
 

@@ -13,6 +13,7 @@ publishes after the manifest, from the writer's thread when `async_save`, and th
 and a preemption wait for that write.
 """
 
+import signal
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -34,6 +35,8 @@ class StepCheckpoint(Callback):
         self._saved_step: Optional[int] = None
         self._at_boundary = True
         self.preempted = False
+        self.interrupted = False
+        """The stop was a Ctrl-C (SIGINT) on any rank: train() then ends with the command that resumes, exit 130."""
         self._metrics_rows = 0
         self._due = False  # a periodic checkpoint postponed from an epoch's first batch
         self._in_flight = 0
@@ -72,8 +75,11 @@ class StepCheckpoint(Callback):
         if preempt:
             self.wait()  # the checkpoint is on disk before the process exits
             self.preempted = True
+            # A terminal's Ctrl-C reaches every local rank, a `kill -INT` perhaps one: any rank's decides.
+            ctrl_c = self.flag is not None and self.flag.signum == signal.SIGINT
+            self.interrupted = trainer.strategy.reduce_boolean_decision(ctrl_c, all=False)
             trainer.should_stop = True
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and not self.interrupted:  # after Ctrl-C, train() prints the way back
                 print(f"preemption: checkpoint at step {step} written, stopping", flush=True)
                 requeue_slurm_job()
 
