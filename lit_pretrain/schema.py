@@ -641,8 +641,9 @@ class RunConfig:
     """Allow starting again in an existing run folder: its previous contents are deleted first, but only when the
     project made it (it holds the `.lit-pretrain-run` marker, or a config.yaml of an older version's run)."""
     resume: Optional[str] = None
-    """null: start afresh; auto: continue from the newest valid checkpoint of this run (afresh if it has none);
-    or the path of a checkpoint file. See lit_pretrain/resume/."""
+    """null: start afresh; auto: continue from the newest valid checkpoint of this run (afresh if it has none: the
+    files of a start killed before its first checkpoint are moved to runs/<name>/attempts/<n>/, never deleted); or
+    the path of a checkpoint file. See lit_pretrain/resume/."""
     resume_allow_changes: List[str] = field(default_factory=list)
     """Config keys a resume may change on purpose (e.g. [optim.lr_peak]); any other change is refused."""
     max_restarts: int = field(default=0, metadata={"ge": 0})

@@ -126,9 +126,17 @@ def single_ref(train):
 
 
 def test_single_process_sigkill_twice_sigterm_and_ctrl_c(train, single_ref, tiny_data_dir):
-    """SIGKILL mid-accumulation, SIGTERM, SIGKILL at a step no checkpoint follows, Ctrl-C: bitwise the uninterrupted
-    run."""
-    run, _ = train("single", faults=[{"step": 3, "micro_batch": 1}], rc=-signal.SIGKILL)
+    """SIGKILL before the first checkpoint, SIGKILL mid-accumulation, SIGTERM, SIGKILL at a step no checkpoint
+    follows, Ctrl-C: bitwise the uninterrupted run."""
+    # SIGKILL before the first checkpoint, with step 1's metrics row on disk: run.resume=auto starts the run again
+    # (then SIGKILL mid-accumulation), the killed attempt's files kept in attempts/1/.
+    run, _ = train("single", faults=[{"step": 1, "micro_batch": 1, "flush": True}], rc=-signal.SIGKILL)
+    killed = read_metrics(run / "metrics.csv")
+    assert killed and not (run / "checkpoints" / "latest").exists()
+    _, out = train("single", "run.resume=auto", faults=[{"step": 3, "micro_batch": 1}], rc=-signal.SIGKILL)
+    assert f"the earlier attempt's files are kept in {run / 'attempts' / '1'}" in out.stdout
+    assert read_metrics(run / "attempts" / "1" / "metrics.csv") == killed
+    assert (run / "attempts" / "1" / "config.yaml").is_file()
     assert latest(run) == "step0000002.ckpt"
     # SIGTERM during step 4, periodic checkpoints off: a checkpoint at the next boundary, after step 4; exit code 0.
     _, out = train("single", "run.resume=auto", "trainer.checkpoint_every_n_steps=0",

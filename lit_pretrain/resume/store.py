@@ -155,6 +155,12 @@ def scan(folder: Path) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
     return found, skipped
 
 
+def resumable_step(folder: Path) -> Optional[int]:
+    """The step of the newest checkpoint whose size matches its sidecar or manifest (no sha256 pass: for a message,
+    not for loading), None when there is none."""
+    return next((step_of(p) for p in reversed(step_files(folder)) if is_valid(p, check_sha256=False)), None)
+
+
 def newest_valid(folder: Path) -> Optional[Path]:
     """The checkpoint `latest` names if it verifies, else the newest step file that verifies, else None."""
     return scan(folder)[0]
