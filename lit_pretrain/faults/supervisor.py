@@ -53,7 +53,7 @@ def restart_args(argv: List[str], run_dir: Path, fresh_allowed: bool, resume: Op
         return [*argv, "run.overwrite=false"]
     if fresh_allowed:
         return [*argv, "run.resume=null", "run.overwrite=true"]
-    return [*argv, "run.resume=auto"]  # refused with its own line: a folder from before, without a checkpoint
+    return [*argv, "run.resume=auto"]  # a folder from before, without a checkpoint: its files go to attempts/<n>/
 
 
 def kill_session(pid: int) -> None:
