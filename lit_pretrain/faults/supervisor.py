@@ -46,7 +46,7 @@ def latest_step(run_dir: Path) -> Optional[int]:
 def restart_args(argv: List[str], run_dir: Path, fresh_allowed: bool, resume: Optional[str]) -> List[str]:
     """The command of a restart: resume from the newest verified checkpoint of the run; with none yet, the first
     command again (a run.resume=PATH resumes from that file again), and a fresh start again in the folder the first
-    attempt made (never in one that was there before the supervisor started: resume=auto then refuses it)."""
+    attempt made (never in one that was there before the supervisor started: resume=auto keeps its files aside)."""
     if latest_step(run_dir) is not None:
         return [*argv, "run.resume=auto", "run.overwrite=false"]
     if resume not in (None, "auto"):
