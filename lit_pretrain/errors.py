@@ -21,3 +21,7 @@ class DiskFullError(OSError):
     """A checkpoint write found no space left (ENOSPC, EDQUOT). The data is safe (the write was atomic: `latest`
     names the newest complete checkpoint); the message names the file, the bytes needed and free, that checkpoint
     and the fix."""
+
+
+class StartupError(TimeoutError):
+    """Ranks did not all join the rendezvous within strategy.startup_timeout_seconds; the message names them."""
