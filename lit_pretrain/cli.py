@@ -6,7 +6,8 @@ import dataclasses
 import sys
 import textwrap
 
-from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+from lit_pretrain.errors import ConfigError, DataError, DiskFullError, RunFolderError, StartupError
+from lit_pretrain.resume.preemption import EXIT_INTERRUPTED, Interrupted
 
 USAGE_ERRORS = (ConfigError, DataError, RunFolderError)
 
@@ -255,6 +256,16 @@ def main(argv=None) -> int:
             from lit_pretrain.train import train
 
             train(cfg)
+    except StartupError as err:  # a rank that never arrived: as the watchdog's failed peer, exit 3 (restartable)
+        print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
+        return 3
+    except DiskFullError as err:  # the data is safe (atomic writes); a restart would fail the same way: exit 2
+        print(f"lit-pretrain {args.command}: error: {err.strerror}", file=sys.stderr)
+        return 2
+    except Interrupted as stop:  # Ctrl-C: the checkpoint is written; rank 0 says how to resume
+        if stop.message:
+            print(stop.message, flush=True)
+        return EXIT_INTERRUPTED
     except USAGE_ERRORS as err:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -15,3 +15,13 @@ class RunFolderError(FileExistsError):
 
 class WorkerError(DataError):
     """A worker process of a data stage could not start, died twice on the same chunk, raised, or went silent."""
+
+
+class DiskFullError(OSError):
+    """A checkpoint write found no space left (ENOSPC, EDQUOT). The data is safe (the write was atomic: `latest`
+    names the newest complete checkpoint); the message names the file, the bytes needed and free, that checkpoint
+    and the fix."""
+
+
+class StartupError(TimeoutError):
+    """Ranks did not all join the rendezvous within strategy.startup_timeout_seconds; the message names them."""

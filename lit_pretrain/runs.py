@@ -19,6 +19,9 @@ from lit_pretrain.paths import SAFE_NAME_RULE, confined, is_safe_name, safe_rmtr
 # folders holding it (or, from versions before it, a config.yaml naming the run).
 MARKER = ".lit-pretrain-run"
 CLAIMS_LOCK = ".lit-pretrain-claims"  # in run.root_dir: see _claiming
+ATTEMPTS = "attempts"
+"""In a run folder: attempts/<n>/ holds the files of a start that was killed before its first checkpoint, set aside
+(never deleted) when run.resume=auto starts the run again (set_aside_attempt)."""
 
 
 def is_primary_process() -> bool:
@@ -55,10 +58,11 @@ def made_by_this_project(run_dir: Path) -> bool:
 
 
 def holds_results(run_dir: Path) -> bool:
-    """Anything a run would lose: a file under checkpoints/, or a metrics row."""
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        return True
+    """Anything a run would lose: a file under checkpoints/ or attempts/, or a metrics row."""
+    for sub in ("checkpoints", ATTEMPTS):
+        folder = run_dir / sub
+        if folder.is_dir() and any(folder.iterdir()):
+            return True
     metrics = run_dir / "metrics.csv"
     if not metrics.is_file():
         return False
@@ -109,6 +113,7 @@ class Claim:
 
     def __init__(self, run_dir: Path, lock=None):
         self.run_dir, self._lock = run_dir, lock
+        self.aside: Optional[Path] = None  # claim_run_dir(restart=True): where the earlier attempt's files went
 
     def release(self) -> None:
         if self._lock is not None:
@@ -159,17 +164,24 @@ def _hold(run_dir: Path) -> Claim:
     return Claim(run_dir, lock)
 
 
-def claim_run_dir(root_dir: str, name: str, overwrite: bool, resume: bool = False) -> Claim:
+def claim_run_dir(root_dir: str, name: str, overwrite: bool, resume: bool = False, restart: bool = False) -> Claim:
     """On rank 0: make root_dir/name with its checkpoints/ folder and our marker, and hold it (Claim); or, with
     `resume`, hold the existing folder as it is. Other ranks get the path unheld. Check, delete, make and hold run
     under one lock (_claiming), so of starts at the same moment exactly one gets the folder and the others a
     RunFolderError. An existing folder is refused unless check_run_dir allows it; a non-empty allowed one is deleted
-    first; one in use by another start is refused always."""
+    first; one in use by another start is refused always. With `restart` (run.resume=auto in a folder of ours that
+    holds no checkpoint) its files are set aside in attempts/<n>/ (Claim.aside) and the folder is held as new."""
     run_dir = run_dir_path(root_dir, name)
     if not is_primary_process():
         return Claim(run_dir)
     with _claiming(root_dir):
         refuse_in_use(run_dir)
+        if restart:
+            aside = set_aside_attempt(root_dir, run_dir)
+            (run_dir / "checkpoints").mkdir()
+            claim = _hold(run_dir) if has_marker(run_dir) else Claim(run_dir)
+            claim.aside = aside
+            return claim
         if resume:
             (run_dir / "checkpoints").mkdir(exist_ok=True)
             # A folder of a version before the marker holds none: held by nothing then, as it was.
@@ -181,6 +193,25 @@ def claim_run_dir(root_dir: str, name: str, overwrite: bool, resume: bool = Fals
         marker = {"lit_pretrain": "run folder", "name": name, "created_unix": round(time.time(), 3)}
         (run_dir / MARKER).write_text(json.dumps(marker) + "\n")
         return _hold(run_dir)
+
+
+def set_aside_attempt(root_dir: str, run_dir: Path) -> Path:
+    """Move every entry of the run folder but its marker and attempts/ into attempts/<n>/ (n the first free number
+    from 1), on rank 0 under the claims lock: renames inside the run folder, nothing deleted or copied. The run
+    folder and attempts/ are checked to lie inside root_dir and not to be links (paths.confined, symlinks
+    resolved); an entry that is a link is moved as the link. Returns attempts/<n>."""
+    run_dir = confined(root_dir, run_dir, "run folder")
+    attempts = confined(run_dir, run_dir / ATTEMPTS, "attempts folder")
+    attempts.mkdir(exist_ok=True)
+    n = 1
+    while (attempts / str(n)).exists() or (attempts / str(n)).is_symlink():
+        n += 1
+    aside = attempts / str(n)
+    aside.mkdir()
+    for entry in sorted(run_dir.iterdir()):
+        if entry.name not in (MARKER, ATTEMPTS):
+            os.rename(entry, aside / entry.name)
+    return aside
 
 
 def create_run_dir(root_dir: str, name: str, overwrite: bool) -> Path:

@@ -460,6 +460,10 @@ class StrategyConfig:
     """Process-group timeout: how long a rank waits for its peers in a collective before failing. Kept long: it
     also bounds legitimate waits (rank 0 alone running downstream evaluation or writing a large checkpoint); a dead,
     stopped or hung peer is caught sooner by the watchdog (peer_failure_timeout_seconds, hang_timeout_seconds)."""
+    startup_timeout_seconds: float = field(default=300.0, metadata={"gt": 0})
+    """How long every rank may take to join the rendezvous at start-up (torchtitan's default, 300 s), bounded apart
+    from timeout_seconds: a rank that never arrives ends the job with one line naming it (lit_pretrain/parallel/
+    startup.py, exit code 3). Raise it where nodes start slowly (large images, cold file systems)."""
     peer_failure_timeout_seconds: float = field(default=10.0, metadata={"ge": 0})
     """Watchdog (lit_pretrain/faults/watchdog.py): a rank whose heartbeat stops this long (killed, stopped, its node
     lost; a process gone on the same host is seen within a second) ends the job on every rank, with one line naming
@@ -645,8 +649,9 @@ class RunConfig:
     """Allow starting again in an existing run folder: its previous contents are deleted first, but only when the
     project made it (it holds the `.lit-pretrain-run` marker, or a config.yaml of an older version's run)."""
     resume: Optional[str] = None
-    """null: start afresh; auto: continue from the newest valid checkpoint of this run (afresh if it has none);
-    or the path of a checkpoint file. See lit_pretrain/resume/."""
+    """null: start afresh; auto: continue from the newest valid checkpoint of this run (afresh if it has none: the
+    files of a start killed before its first checkpoint are moved to runs/<name>/attempts/<n>/, never deleted); or
+    the path of a checkpoint file. See lit_pretrain/resume/."""
     resume_allow_changes: List[str] = field(default_factory=list)
     """Config keys a resume may change on purpose (e.g. [optim.lr_peak]); any other change is refused."""
     max_restarts: int = field(default=0, metadata={"ge": 0})

@@ -31,7 +31,9 @@ from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, check_vocab, com
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.world import check_launcher_world
 from lit_pretrain.resume import session as resume_session
+from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.compat import run_meta as resume_meta
+from lit_pretrain.resume.preemption import Interrupted, resume_command
 from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
 from lit_pretrain.schema import Config, TrainerConfig
 
@@ -256,6 +258,10 @@ def train(cfg: DictConfig) -> dict:
             if type(logger).__name__ == "WandbLogger":
                 logger.experiment.finish()  # else a second train() in this process would log into this run
     resume_session.release(plan)
+    stopper = next(cb for cb in callbacks if isinstance(cb, StepCheckpoint))
+    if stopper.interrupted:  # Ctrl-C: checkpoint and summary written; the last line says how to go on
+        raise Interrupted(trainer.global_step, f"interrupted: checkpoint at step {trainer.global_step} written; "
+                          f"resume with: {resume_command()}" if trainer.is_global_zero else "")
     return summary
 
 

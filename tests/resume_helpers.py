@@ -10,10 +10,12 @@ from lightning.pytorch.callbacks import Callback
 
 class Fault(Callback):
     """At the start of micro-batch `micro_batch` of optimizer step `step` + 1 (global_step == step), send `signal`:
-    KILL to the whole process group (every rank dies at once, as when a node is lost), TERM to this process only."""
+    KILL to the whole process group (every rank dies at once, as when a node is lost), TERM to this process only,
+    INT to the whole process group (a terminal's Ctrl-C reaches every local rank), INT0 to rank 0 only (`kill -INT`).
+    `flush` writes the metrics rows first."""
 
-    def __init__(self, step: int, micro_batch: int = 0, signal: str = "KILL"):
-        self.step, self.micro_batch, self.signal = step, micro_batch, signal
+    def __init__(self, step: int, micro_batch: int = 0, signal: str = "KILL", flush: bool = False):
+        self.step, self.micro_batch, self.signal, self.flush = step, micro_batch, signal, flush
         self.seen = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -21,8 +23,17 @@ class Fault(Callback):
             return
         self.seen += 1
         if self.seen - 1 == self.micro_batch:
+            if self.flush:  # the metrics rows on disk, as Lightning writes them every 100 steps of a longer run
+                for logger in trainer.loggers:
+                    logger.save()
             if self.signal == "KILL":
                 os.killpg(os.getpgid(0), signal.SIGKILL)
+            elif self.signal == "INT":
+                if trainer.is_global_zero:
+                    os.killpg(os.getpgid(0), signal.SIGINT)
+            elif self.signal == "INT0":
+                if trainer.is_global_zero:
+                    os.kill(os.getpid(), signal.SIGINT)
             elif trainer.is_global_zero:
                 os.kill(os.getpid(), signal.SIGTERM)
 

@@ -193,3 +193,28 @@ def test_sigterm_to_the_supervisor_checkpoints_and_is_not_restarted(job):
     assert run.left == [] and run.matching(r"^supervisor: ") == []
     assert len(run.matching(r"^preemption: checkpoint at step 4 written, stopping$")) == 1, run.text()[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step0000004.ckpt"
+
+
+def test_a_rank_that_never_starts_ends_the_start_within_the_startup_timeout(tmp_path, tiny_data_dir):
+    """Issue 37, item 8: rank 0 of a 2-rank world (torchrun's variables) whose rank 1 never starts: the job ends
+    after strategy.startup_timeout_seconds, not strategy.timeout_seconds (1800), with one line naming rank 1 and
+    the key to raise; exit code 3, as for a peer the watchdog finds failed."""
+    from tests.conftest import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "t",
+           "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}
+    env.pop("NODE_RANK", None)
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", *train_args(tiny_data_dir, tmp_path, "alone"), "strategy=ddp",
+                          "trainer.devices=1", "trainer.num_nodes=2", "trainer.progress_bar=false",
+                          "strategy.startup_timeout_seconds=3"], env=env, capture_output=True, text=True,
+                         timeout=240, cwd=ROOT)
+    seconds = time.monotonic() - started
+    lines = [line for line in out.stderr.splitlines() if line.startswith("lit-pretrain train: error:")]
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert lines == ["lit-pretrain train: error: start-up: rank 1 of 2 did not arrive within "
+                     "strategy.startup_timeout_seconds=3 (seen by rank 0): check that every rank's process started "
+                     "(its node, its log), or raise strategy.startup_timeout_seconds (now 3)"]
+    # Process start, imports and the data check take ~10-20 s on this 2-core machine; 1800 s was the bound before.
+    assert seconds < 120
+    assert not (tmp_path / "alone").exists()  # the failed start left no folder blocking its retry

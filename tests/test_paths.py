@@ -327,3 +327,43 @@ def test_a_run_folder_in_use_is_refused_to_resume_overwrite_and_the_cli(tmp_path
     claim.release()
     assert not in_use(claim.run_dir)
     claim_run_dir(str(root), "busy", overwrite=False, resume=True).release()
+
+
+def test_a_fresh_start_into_a_resumable_run_leads_with_resume_auto_and_auto_restarts_one_without(tmp_path):
+    """Issue 37, item 5: the refusal of a fresh start into a run folder with a checkpoint leads with run.resume=auto
+    and its step; run.resume=auto in one killed before its first checkpoint starts it again, the earlier files kept
+    in attempts/1/ (nothing deleted), and again in attempts/2/ after a second such kill."""
+    import torch
+
+    from lit_pretrain.resume import session
+    from lit_pretrain.resume.verified import save_atomic
+    from lit_pretrain.schema import RunConfig
+
+    root = tmp_path / "runs"
+    run_dir = create_run_dir(str(root), "r", overwrite=False)
+    save_atomic({"w": torch.zeros(2)}, run_dir / "checkpoints" / "step0000004.ckpt")
+    with pytest.raises(RunFolderError) as err:
+        session.open_run(RunConfig(name="r", root_dir=str(root)))
+    assert str(err.value) == (f"run.resume=auto continues run folder {run_dir} from its checkpoint at step 4; it "
+                              "already exists: choose another run.name, or set run.overwrite=true to delete it and "
+                              "start again")
+    killed = create_run_dir(str(root), "k", overwrite=False)
+    (killed / "metrics.csv").write_text("step,train/loss\n1,6.2\n")  # a metrics row, no checkpoint
+    (killed / "config.yaml").write_text("run:\n  name: k\n")
+    with pytest.raises(RunFolderError, match=r"already exists: choose another run\.name, or set run\.overwrite=true"):
+        session.open_run(RunConfig(name="k", root_dir=str(root)))
+    for n in (1, 2):
+        run = RunConfig(name="k", root_dir=str(root), resume="auto")
+        plan = session.open_run(run)
+        assert plan.restart and plan.checkpoint is None and (killed / "metrics.csv").is_file()  # checked, not moved
+        session.make_run_dir(plan, run)
+        session.release(plan)
+        assert plan.claim.aside == killed / "attempts" / str(n) and not plan.created
+        assert sorted(p.name for p in killed.iterdir()) == [".lit-pretrain-run", "attempts", "checkpoints"]
+        kept = killed / "attempts" / "1"
+        assert (kept / "metrics.csv").read_text() == "step,train/loss\n1,6.2\n" and (kept / "config.yaml").is_file()
+        (killed / "metrics.csv").write_text("step,train/loss\n1,6.2\n")  # the restart killed again the same way
+    # A fresh start is refused there now (attempts/ holds work), never reused and emptied.
+    (killed / "metrics.csv").unlink()
+    with pytest.raises(RunFolderError, match=r"already exists"):
+        session.open_run(RunConfig(name="k", root_dir=str(root)))

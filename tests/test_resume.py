@@ -15,6 +15,7 @@ the same TrainLoader machinery, covered in-process by tests/test_data.py and tes
 """
 
 import json
+import shlex
 import signal
 from pathlib import Path
 
@@ -124,9 +125,18 @@ def single_ref(train):
     return train("single-ref", record=True)[0]
 
 
-def test_single_process_sigkill_twice_and_sigterm(train, single_ref):
-    """SIGKILL mid-accumulation, SIGTERM, SIGKILL at a step no checkpoint follows: bitwise the uninterrupted run."""
-    run, _ = train("single", faults=[{"step": 3, "micro_batch": 1}], rc=-signal.SIGKILL)
+def test_single_process_sigkill_twice_sigterm_and_ctrl_c(train, single_ref, tiny_data_dir):
+    """SIGKILL before the first checkpoint, SIGKILL mid-accumulation, SIGTERM, SIGKILL at a step no checkpoint
+    follows, Ctrl-C: bitwise the uninterrupted run."""
+    # SIGKILL before the first checkpoint, with step 1's metrics row on disk: run.resume=auto starts the run again
+    # (then SIGKILL mid-accumulation), the killed attempt's files kept in attempts/1/.
+    run, _ = train("single", faults=[{"step": 1, "micro_batch": 1, "flush": True}], rc=-signal.SIGKILL)
+    killed = read_metrics(run / "metrics.csv")
+    assert killed and not (run / "checkpoints" / "latest").exists()
+    _, out = train("single", "run.resume=auto", faults=[{"step": 3, "micro_batch": 1}], rc=-signal.SIGKILL)
+    assert f"the earlier attempt's files are kept in {run / 'attempts' / '1'}" in out.stdout
+    assert read_metrics(run / "attempts" / "1" / "metrics.csv") == killed
+    assert (run / "attempts" / "1" / "config.yaml").is_file()
     assert latest(run) == "step0000002.ckpt"
     # SIGTERM during step 4, periodic checkpoints off: a checkpoint at the next boundary, after step 4; exit code 0.
     _, out = train("single", "run.resume=auto", "trainer.checkpoint_every_n_steps=0",
@@ -137,24 +147,41 @@ def test_single_process_sigkill_twice_and_sigterm(train, single_ref):
     train("single", "run.resume=auto", "trainer.checkpoint_every_n_steps=4", faults=[{"step": 5}],
           rc=-signal.SIGKILL)
     assert latest(run) == "step0000004.ckpt"
+    # Ctrl-C (SIGINT to the process group, as a terminal sends it) mid-accumulation of step 5: a checkpoint at the
+    # next boundary, exit 130, and one line whose command, run again, continues the run.
+    fault = {"step": 4, "micro_batch": 1, "signal": "INT"}
+    _, out = train("single", "run.resume=auto", "trainer.checkpoint_every_n_steps=0", faults=[fault], rc=130)
+    assert latest(run) == "step0000005.ckpt" and "preemption:" not in out.stdout
+    assert "Ctrl-C: a checkpoint at the next optimizer step" in out.stderr
+    command = [*train_args(tiny_data_dir, run.parent, "single")[1:], *COMMON, *mixture(tiny_data_dir),
+               "trainer.checkpoint_every_n_steps=0", extra(("Fault", fault)), "run.resume=auto"]
+    assert out.stdout.splitlines()[-1] == ("interrupted: checkpoint at step 5 written; resume with: python -m "
+                                           f"lit_pretrain.cli {shlex.join(command)}")
     _, out = train("single", "run.resume=auto", record=True)
-    assert "(step 4)" in out.stdout
+    assert "(step 5)" in out.stdout
     assert_same_run(single_ref, run)
-    assert_same_windows(single_ref, run, (4, 5))  # the data after the last resume
+    assert_same_windows(single_ref, run, (5,))  # the data after the last resume
 
 
 def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):
-    """1 → 2 processes from step 2; on 2 processes (sharded checkpoints, the default there) SIGKILL of every rank
-    mid-accumulation, and in the middle of an asynchronous checkpoint write, each time bitwise the uninterrupted
-    2-process run; 2 → 1 process from step 4 (a sharded folder into one process). Windows always the global
-    sequence. Then ZeRO-3 on 2 processes resumes the DDP run's sharded step-4 folder (resharded into FSDP shards),
-    is killed mid-accumulation, and resumes bitwise its own uninterrupted run."""
+    """1 → 2 processes from step 2; on 2 processes (sharded checkpoints, the default there) Ctrl-C to rank 0 alone,
+    SIGKILL of every rank mid-accumulation, SIGKILL in the middle of an asynchronous checkpoint write and Ctrl-C to
+    every rank, each time bitwise the uninterrupted 2-process run; 2 → 1 process from step 4 (a sharded folder into
+    one process). Windows always the global sequence. Then ZeRO-3 on 2 processes resumes the DDP run's sharded
+    step-4 folder (resharded into FSDP shards), is killed mid-accumulation, and resumes bitwise its own
+    uninterrupted run."""
     step2 = single_ref / "checkpoints" / store.step_file(2)
     ref, _ = train("ddp-ref", *DDP, f"run.resume={step2}", record=True)
     assert (ref / "checkpoints" / "step0000004" / "manifest.json").is_file()  # sharded by default on 2 processes
     assert_same_windows(single_ref, ref, range(2, STEPS))
     assert_close_losses(single_ref, ref, range(2, STEPS))
-    run, _ = train("ddp", *DDP, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}], rc=-signal.SIGKILL)
+    # Ctrl-C reaching rank 0 alone (`kill -INT`) mid-accumulation of step 3: every rank stops after the step-3
+    # checkpoint, exit 130.
+    run, out = train("ddp", *DDP, f"run.resume={step2}", faults=[{"step": 2, "micro_batch": 1, "signal": "INT0"}],
+                     rc=130)
+    assert latest(run) == "step0000003"
+    assert out.stdout.splitlines()[-1].startswith("interrupted: checkpoint at step 3 written; resume with: ")
+    train("ddp", *DDP, "run.resume=auto", faults=[{"step": 4, "micro_batch": 1}], rc=-signal.SIGKILL)
     assert latest(run) == "step0000004"
     # A checkpoint after every step, written in the background; step 5's write sleeps (SlowWrite) and every rank is
     # killed during it: only its hidden staging folder exists, without a manifest; `latest` still names step 4.
@@ -163,8 +190,12 @@ def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):
     staging = run / "checkpoints" / ".step0000005.saving"
     assert latest(run) == "step0000004" and not (run / "checkpoints" / "step0000005").exists()
     assert staging.is_dir() and not (staging / "manifest.json").exists()
-    train("ddp", *DDP, "run.resume=auto")
+    # Ctrl-C from a terminal (SIGINT to every rank) mid-accumulation of step 5: the step-5 checkpoint, exit 130.
+    _, out = train("ddp", *DDP, "run.resume=auto", faults=[{"step": 4, "micro_batch": 1, "signal": "INT"}], rc=130)
+    assert latest(run) == "step0000005"
+    assert out.stdout.splitlines()[-1].startswith("interrupted: checkpoint at step 5 written; resume with: ")
     assert not staging.exists()  # the next save tidied it
+    train("ddp", *DDP, "run.resume=auto")
     assert_same_run(ref, run, first_step=2)
     back, _ = train("ddp-to-single", f"run.resume={ref / 'checkpoints' / store.step_dir(4)}", record=True)
     assert_same_windows(single_ref, back, (4, 5))

@@ -13,7 +13,7 @@ from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.optim import build_adamw
 from lit_pretrain.resume import rank_state
-from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
+from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job, resume_command
 from lit_pretrain.schema import OptimConfig
 
 
@@ -88,6 +88,34 @@ def test_sigterm_and_sigusr1_set_the_flag_and_slurm_requeue(monkeypatch, capsys)
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol here: the failure is reported, not raised
     assert requeue_slurm_job() == "scontrol requeue 4242"
     assert "failed" in capsys.readouterr().out
+
+
+def test_first_ctrl_c_sets_the_flag_and_the_second_is_sigints_default(monkeypatch):
+    """The first SIGINT asks for the checkpoint like SIGTERM; from then on SIGINT is the default action (the process
+    ends at once, even inside a collective), also after the flag is uninstalled."""
+    flag = PreemptionFlag()
+    before = signal.getsignal(signal.SIGINT)
+    flag.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.signum == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's signal after Ctrl-C: its exit code (0) wins
+        assert flag.signum == signal.SIGTERM
+    finally:
+        flag.uninstall()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["/venv/bin/lit-pretrain", "train", "run.yaml", "run.name=a b"], "lit-pretrain train run.yaml 'run.name=a b' "
+     "run.resume=auto"),
+    (["/x/lit_pretrain/cli.py", "train", "r.yaml", "run.resume=/p/step0000002.ckpt", "run.overwrite=true", "k=1"],
+     "python -m lit_pretrain.cli train r.yaml k=1 run.resume=auto"),
+])
+def test_resume_command_is_the_command_with_resume_auto(argv, expected):
+    assert resume_command(argv) == expected
 
 
 def test_allowed_lr_peak_change_takes_effect_on_the_restored_schedule():

@@ -104,3 +104,71 @@ def test_tokens_per_step_must_divide(tmp_path, tiny_data_dir):
 
     with pytest.raises(ConfigError, match=r"trainer\.tokens_per_step=1000 is not a multiple of .* 512"):
         train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.tokens_per_step=1000"))
+
+
+def test_a_full_disk_while_saving_ends_in_one_line_and_keeps_the_newest_checkpoint(tmp_path, tiny_data_dir,
+                                                                                    monkeypatch, capsys):
+    """Issue 37, item 8: ENOSPC while writing the step-2 checkpoint (injected into the atomic writer: no mount
+    privileges needed). One line names the file, the bytes needed and free, the newest checkpoint and the fix; exit
+    2; `latest` still names step 1, and no temporary or partial file is left."""
+    import errno
+
+    from lit_pretrain.resume import atomic, verified
+
+    class FullAtStep2(atomic.HashingWriter):
+        def write(self, data):
+            if "step0000002" in self.f.f.name and self.bytes > 4096:  # WriteBehind over the temporary file
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(data)
+
+    monkeypatch.setattr(verified, "HashingWriter", FullAtStep2)
+    code = cli.main(["train", str(EXPERIMENTS / "runs" / "tiny.yaml"), *tiny_data_overrides(tiny_data_dir),
+                     f"run.root_dir={tmp_path / 'runs'}", "trainer.progress_bar=false", "trainer.max_steps=3",
+                     "trainer.val_every_n_steps=3", "schedule.warmup_steps=1", "trainer.checkpoint_every_n_steps=1"])
+    err = capsys.readouterr().err
+    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    lines = [line for line in err.splitlines() if line.startswith("lit-pretrain train: error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert re.fullmatch(
+        rf"lit-pretrain train: error: disk full while writing {re.escape(str(folder / 'step0000002.ckpt'))}: it needs "
+        r"about [\d,]+ bytes, [\d,]+ bytes are free; the newest complete checkpoint is "
+        rf"{re.escape(str(folder / 'step0000001.ckpt'))} \(step 1\): free space, keep fewer checkpoints "
+        r"\(run\.keep_last_checkpoints\), or set another run\.root_dir, then resume with run\.resume=auto", lines[0])
+    assert (folder / "latest").read_text() == "step0000001.ckpt\n"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "last.ckpt.json", "latest", "step0000001.ckpt",
+                                                        "step0000001.ckpt.json"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (room for three of the tiny model's 1.7 MB checkpoints); skipped where mounting is not
+    permitted (CI's unprivileged container): the injected test above covers the same path everywhere."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a 6 MiB tmpfs here ({(out.stderr or out.stdout).strip()}): needs root or "
+                    "CAP_SYS_ADMIN; test_a_full_disk_while_saving_... injects the error instead")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_real_full_disk_ends_in_one_line(small_disk, tiny_data_dir, capsys):
+    from lit_pretrain.resume import store
+
+    code = cli.main(["train", str(EXPERIMENTS / "runs" / "tiny.yaml"), *tiny_data_overrides(tiny_data_dir),
+                     f"run.root_dir={small_disk}", "trainer.progress_bar=false", "trainer.max_steps=6",
+                     "trainer.val_every_n_steps=6", "schedule.warmup_steps=1", "trainer.checkpoint_every_n_steps=1",
+                     "run.keep_last_checkpoints=0"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("lit-pretrain train: error: disk full")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    folder = small_disk / "tiny" / "checkpoints"
+    newest = folder / (folder / "latest").read_text().strip()
+    assert store.is_valid(newest) and f"the newest complete checkpoint is {newest} (step" in lines[0]
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+    # No step file newer than `latest` (a torn one, or one without its sidecar).
+    assert max(store.step_of(p) for p in store.step_files(folder)) == store.step_of(newest)

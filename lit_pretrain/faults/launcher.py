@@ -19,6 +19,8 @@ from typing import Any, Callable, List, Optional
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from lit_pretrain.resume.preemption import EXIT_INTERRUPTED
+
 CHILDREN: List[subprocess.Popen] = []
 """The local ranks this process started (rank 0 under Lightning's launcher; empty elsewhere)."""
 
@@ -46,12 +48,13 @@ class ChildObserver(threading.Thread):
         while True:
             time.sleep(1.0)
             codes = [p.poll() for p in self.children]
-            if all(code == 0 for code in codes):
+            if all(code in (0, EXIT_INTERRUPTED) for code in codes):
                 return
-            if failed_at is None and any(code not in (None, 0) for code in codes):
+            # 130: a rank that stopped after a Ctrl-C's checkpoint, as rank 0 is about to (not a failure).
+            if failed_at is None and any(code not in (None, 0, EXIT_INTERRUPTED) for code in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > self.grace:
-                rank, code = next((i + 1, c) for i, c in enumerate(codes) if c not in (None, 0))
+                rank, code = next((i + 1, c) for i, c in enumerate(codes) if c not in (None, 0, EXIT_INTERRUPTED))
                 print(f"launcher: local rank {rank} exited with code {code} and the job did not end within "
                       f"{self.grace:.0f} s: killing the other ranks", file=sys.stderr, flush=True)
                 kill_children()

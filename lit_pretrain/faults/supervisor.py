@@ -9,8 +9,9 @@ on one node: under torchrun (several nodes) its agents restart the workers (--ma
 does (`lit-pretrain launch slurm`), so the key is refused there.
 
 What is not restarted: a success (exit 0, a preemption's checkpoint-and-stop included), a refused start (exit 2: the
-config or the data is wrong, a restart would fail the same way). SIGTERM, SIGUSR1 and SIGINT to the supervisor are
-passed to every process of the run (the scheduler's preemption signal reaches the ranks, which checkpoint).
+config or the data is wrong, a restart would fail the same way), a Ctrl-C (exit 130: the user stopped it). SIGTERM,
+SIGUSR1 and SIGINT to the supervisor are passed to every process of the run (the scheduler's preemption signal and
+a terminal's Ctrl-C reach the ranks, which checkpoint).
 """
 
 import os
@@ -21,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 from typing import List, Optional
+
+from lit_pretrain.resume.preemption import EXIT_INTERRUPTED
 
 ATTEMPT_ENV = "LIT_PRETRAIN_ATTEMPT"
 """Set in the supervised run (its attempt, 0 first): it trains, it does not supervise again."""
@@ -43,14 +46,14 @@ def latest_step(run_dir: Path) -> Optional[int]:
 def restart_args(argv: List[str], run_dir: Path, fresh_allowed: bool, resume: Optional[str]) -> List[str]:
     """The command of a restart: resume from the newest verified checkpoint of the run; with none yet, the first
     command again (a run.resume=PATH resumes from that file again), and a fresh start again in the folder the first
-    attempt made (never in one that was there before the supervisor started: resume=auto then refuses it)."""
+    attempt made (never in one that was there before the supervisor started: resume=auto keeps its files aside)."""
     if latest_step(run_dir) is not None:
         return [*argv, "run.resume=auto", "run.overwrite=false"]
     if resume not in (None, "auto"):
         return [*argv, "run.overwrite=false"]
     if fresh_allowed:
         return [*argv, "run.resume=null", "run.overwrite=true"]
-    return [*argv, "run.resume=auto"]  # refused with its own line: a folder from before, without a checkpoint
+    return [*argv, "run.resume=auto"]  # a folder from before, without a checkpoint: its files go to attempts/<n>/
 
 
 def kill_session(pid: int) -> None:
@@ -84,6 +87,8 @@ def supervise(argv: List[str], max_restarts: int, run_dir: Path, overwrite: bool
             kill_session(child[0].pid)
             if code in (0, 2):
                 return code
+            if code in (EXIT_INTERRUPTED, -signal.SIGINT):  # Ctrl-C: checkpointed (or a second Ctrl-C): no restart
+                return EXIT_INTERRUPTED
             code = 128 - code if code < 0 else code
             step = latest_step(run_dir)
             failures.append(f"exit code {code}, newest checkpoint " + (f"step {step}" if step is not None else "none"))

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.parallel.startup import BoundedStartup
 from lit_pretrain.resume.sharded.load import ShardedLoad
 
 MODULE_PREFIX = "model."
@@ -40,7 +41,7 @@ def full_gpt_on_meta(model_cfg):
         return GPT(model_cfg)
 
 
-class MeshStrategy(WatchedLaunch, ShardedLoad, ModelParallelStrategy):
+class MeshStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStrategy):
     def __init__(self, plan: ParallelPlan, process_group_backend: Optional[str], timeout: timedelta):
         super().__init__(data_parallel_size=plan.data_parallel, tensor_parallel_size=plan.tensor_parallel,
                          save_distributed_checkpoint=False, process_group_backend=process_group_backend,

@@ -22,12 +22,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
 from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.parallel.plan import ParallelPlan, plan_from
+from lit_pretrain.parallel.startup import BoundedStartup
 from lit_pretrain.resume.sharded.load import ShardedDDPStrategy, ShardedLoad
 from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
-class VerifiedModelParallelStrategy(WatchedLaunch, ShardedLoad, ModelParallelStrategy):
+class VerifiedModelParallelStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy loads a one-file checkpoint with its own torch.load, not through
     checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only. A
     sharded folder: ShardedLoad (resume/sharded/load.py)."""
@@ -70,7 +71,9 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
 
 def watched(strategy: Strategy, config: StrategyConfig) -> Strategy:
     """Lightning's local launcher kills every rank soon after one fails; with the watchdog on, it waits for the
-    watchdog's report first (faults/launcher.py), a margin past its peer timeout."""
+    watchdog's report first (faults/launcher.py), a margin past its peer timeout. The world forms within
+    strategy.startup_timeout_seconds (parallel/startup.py)."""
     if config.peer_failure_timeout_seconds > 0:
         strategy.launch_grace_seconds = config.peer_failure_timeout_seconds + 10.0
+    strategy.startup_timeout_seconds = config.startup_timeout_seconds  # parallel/startup.py
     return strategy

@@ -13,15 +13,18 @@ publishes after the manifest, from the writer's thread when `async_save`, and th
 and a preemption wait for that write.
 """
 
+import shutil
+import signal
 from pathlib import Path
 from typing import Dict, Optional
 
 from lightning.pytorch.callbacks import Callback
 
+from lit_pretrain.errors import DiskFullError
 from lit_pretrain.resume import store
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, data_rows
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
-from lit_pretrain.resume.verified import META_KEY
+from lit_pretrain.resume.verified import DISK_FULL, META_KEY
 
 
 class StepCheckpoint(Callback):
@@ -34,6 +37,8 @@ class StepCheckpoint(Callback):
         self._saved_step: Optional[int] = None
         self._at_boundary = True
         self.preempted = False
+        self.interrupted = False
+        """The stop was a Ctrl-C (SIGINT) on any rank: train() then ends with the command that resumes, exit 130."""
         self._metrics_rows = 0
         self._due = False  # a periodic checkpoint postponed from an epoch's first batch
         self._in_flight = 0
@@ -72,8 +77,11 @@ class StepCheckpoint(Callback):
         if preempt:
             self.wait()  # the checkpoint is on disk before the process exits
             self.preempted = True
+            # A terminal's Ctrl-C reaches every local rank, a `kill -INT` perhaps one: any rank's decides.
+            ctrl_c = self.flag is not None and self.flag.signum == signal.SIGINT
+            self.interrupted = trainer.strategy.reduce_boolean_decision(ctrl_c, all=False)
             trainer.should_stop = True
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and not self.interrupted:  # after Ctrl-C, train() prints the way back
                 print(f"preemption: checkpoint at step {step} written, stopping", flush=True)
                 requeue_slurm_job()
 
@@ -101,6 +109,15 @@ class StepCheckpoint(Callback):
                                 "metrics_rows": self._metrics_rows, **self.run_meta}
 
     def save(self, trainer, step: int, in_flight: int) -> None:
+        path = self.folder / (store.step_dir(step) if self.saver is not None else store.step_file(step))
+        try:
+            self._save(trainer, step, path, in_flight)
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            raise disk_full_error(err, path, self.folder) from None  # one line, no traceback (cli.py)
+
+    def _save(self, trainer, step: int, path: Path, in_flight: int) -> None:
         for logger in trainer.loggers:
             logger.save()  # metrics up to here on disk before the checkpoint that a resume continues them from
         # Rank 0's count is the one written (Lightning saves rank 0's checkpoint dict).
@@ -112,11 +129,9 @@ class StepCheckpoint(Callback):
         self._in_flight = in_flight
         try:
             if self.saver is not None:
-                path = self.folder / store.step_dir(step)
                 publish = (lambda: self.publish(path)) if trainer.is_global_zero else None
                 self.saver.save(trainer, path, step, self.sharded_layout, on_complete=publish)
             else:
-                path = self.folder / store.step_file(step)
                 trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint, said explicitly
         finally:
             self._in_flight = 0
@@ -131,6 +146,21 @@ class StepCheckpoint(Callback):
         """On rank 0, once `path` is complete: `latest` (and last.ckpt for a file), then retention."""
         store.publish(self.folder, path)
         store.retain(self.folder, self.keep_last)
+
+
+def disk_full_error(err: OSError, path: Path, folder: Path) -> DiskFullError:
+    """The one line of a checkpoint write that ran out of space: the file, the bytes it needs (its tensors; else the
+    newest checkpoint's size) and those free, the newest complete checkpoint (`latest`: the write was atomic, so it
+    is untouched) and the fix."""
+    latest = store.latest_path(folder)
+    needed = getattr(err, "needed_bytes", None) or (store.size_of(latest) if latest is not None else None)
+    free = shutil.disk_usage(folder).free
+    newest = f"{latest} (step {store.step_of(latest)})" if latest is not None else "none yet"
+    return DiskFullError(
+        err.errno, f"disk full while writing {err.filename or path}: it needs about "
+        f"{f'{needed:,} bytes' if needed else 'more space'}, {free:,} bytes are free; the newest complete checkpoint "
+        f"is {newest}: free space, keep fewer checkpoints (run.keep_last_checkpoints), or set another run.root_dir, "
+        "then resume with run.resume=auto")
 
 
 def as_saved_at_previous_batch_end(fit_loop: Dict) -> None:

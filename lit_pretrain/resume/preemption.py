@@ -1,5 +1,7 @@
-"""Preemption: SIGTERM (a scheduler ending the job) and SIGUSR1 (SLURM's warning before the time limit, with
-`#SBATCH --signal=USR1@90`) ask for a checkpoint at the next optimizer-step boundary, then a clean exit.
+"""Preemption: SIGTERM (a scheduler ending the job), SIGUSR1 (SLURM's warning before the time limit, with
+`#SBATCH --signal=USR1@90`) and a first SIGINT (Ctrl-C) ask for a checkpoint at the next optimizer-step boundary,
+then a clean exit (130 after Ctrl-C, with the command that resumes; 0 otherwise). A second SIGINT ends the process at
+once, without the checkpoint: SIGINT's default action, which works even while a rank waits in a collective.
 
 The handler only sets a flag: saving inside a signal handler could interrupt a collective or a half-done step. The
 flag is agreed across ranks at each step boundary (a signal reaches one process, the checkpoint needs all). Our
@@ -9,11 +11,26 @@ the next allocation resumes it with run.resume=auto.
 """
 
 import os
+import shlex
 import signal
 import subprocess
-from typing import Dict, Optional
+import sys
+from typing import Dict, List, Optional
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C, as a shell reports a process ended by SIGINT (128 + 2): the run is resumable, not
+failed, and the supervisor does not restart it."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised by train() after a Ctrl-C's checkpoint and summary: a KeyboardInterrupt, so callers that catch
+    Exception (the ladder's rungs) stop as on any Ctrl-C; the CLI prints `message` (rank 0's; empty on the other
+    ranks) and exits EXIT_INTERRUPTED."""
+
+    def __init__(self, step: int, message: str = ""):
+        super().__init__(message)
+        self.step, self.message = step, message
 
 
 class PreemptionFlag:
@@ -31,7 +48,29 @@ class PreemptionFlag:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
+        if signum == signal.SIGINT:
+            # The next Ctrl-C ends the process (SIGINT's default, kept to the end: no KeyboardInterrupt traceback).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            self._previous.pop(signal.SIGINT, None)
+            if self.signum is None and _is_rank_zero():
+                # os.write: safe inside a signal handler, where print may interrupt a print of the progress bar.
+                os.write(2, b"\nCtrl-C: a checkpoint at the next optimizer step, then stop (Ctrl-C again: stop now, "
+                            b"without it)\n")
+        if self.signum is None or signum != signal.SIGINT:
+            self.signum = signum  # a scheduler's signal after Ctrl-C: it stops the run as well, exit code 0
+
+
+def _is_rank_zero() -> bool:
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
+def resume_command(argv: Optional[List[str]] = None) -> str:
+    """The command that started this process, as a user types it, with run.resume=auto in place of any run.resume
+    and run.overwrite given (overwrite would contradict the resume)."""
+    argv = list(sys.argv if argv is None else argv)
+    program = "lit-pretrain" if os.path.basename(argv[0]) == "lit-pretrain" else "python -m lit_pretrain.cli"
+    kept = [a for a in argv[1:] if not a.startswith(("run.resume=", "run.overwrite=", "+run.resume="))]
+    return f"{program} {shlex.join([*kept, 'run.resume=auto'])}"
 
 
 def requeue_slurm_job() -> Optional[str]:

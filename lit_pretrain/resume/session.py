@@ -23,6 +23,7 @@ from lit_pretrain.runs import (
     is_empty,
     is_primary_process,
     is_reusable,
+    made_by_this_project,
     refuse_in_use,
     run_dir_path,
 )
@@ -41,6 +42,9 @@ class Plan:
     """This process made run_dir (so a failed start may remove it again: runs.remove_failed_start)."""
     claim: Optional[Claim] = None
     """This process's hold on run_dir (runs.Claim), from make_run_dir to release."""
+    restart: bool = False
+    """run.resume=auto in a run folder of ours without a checkpoint: its files go to attempts/<n>/, the run starts
+    again there."""
 
 
 def open_run(run) -> Plan:
@@ -56,8 +60,14 @@ def open_run(run) -> Plan:
     if checkpoint is None:
         if run.resume == "auto" and run_dir.is_dir() and not is_empty(run_dir) and not is_reusable(run_dir) \
                 and not run.overwrite:
-            raise RunFolderError(f"run.resume=auto: run folder {run_dir} exists but holds no checkpoint to resume "
-                                 "from: set run.overwrite=true to start it again, or choose another run.name")
+            if not made_by_this_project(run_dir):
+                raise RunFolderError(f"run.resume=auto: run folder {run_dir} holds no checkpoint to resume from and "
+                                     "was not made by lit-pretrain: move it away or choose another run.name")
+            # Killed before its first checkpoint (a requeued job after a node failure): start again, the earlier
+            # attempt's files kept in attempts/<n>/ (make_run_dir moves them, once every check has passed).
+            return Plan(run_dir, None, [], restart=True)
+        if run.resume is None and not run.overwrite and run_dir.is_dir():
+            refuse_existing_with_checkpoint(run_dir)
         check_run_dir(run.root_dir, run.name, run.overwrite)  # refused now, before any data is prepared
         return Plan(run_dir, None, [])
     if run.overwrite:
@@ -74,6 +84,16 @@ def open_run(run) -> Plan:
     return Plan(run_dir, checkpoint, [])
 
 
+def refuse_existing_with_checkpoint(run_dir: Path) -> None:
+    """A fresh start into a run folder that can be resumed: the refusal leads with run.resume=auto and its step."""
+    folder = run_dir / "checkpoints"
+    step = store.resumable_step(folder) if folder.is_dir() else None
+    if step is not None:
+        raise RunFolderError(f"run.resume=auto continues run folder {run_dir} from its checkpoint at step {step}; "
+                             "it already exists: choose another run.name, or set run.overwrite=true to delete it "
+                             "and start again")
+
+
 def make_run_dir(plan: Plan, run) -> None:
     """On rank 0: a new run folder, or the resumed one as it is, held by this start until release (runs.claim_run_dir:
     of starts at the same moment exactly one gets it). A resume from a file into a run folder holding no results yet
@@ -81,8 +101,12 @@ def make_run_dir(plan: Plan, run) -> None:
     if not is_primary_process():
         return
     resume = plan.checkpoint is not None and plan.run_dir.is_dir() and holds_results(plan.run_dir)
-    plan.claim = claim_run_dir(run.root_dir, run.name, run.overwrite and plan.checkpoint is None, resume=resume)
-    plan.created = not resume
+    plan.claim = claim_run_dir(run.root_dir, run.name, run.overwrite and plan.checkpoint is None, resume=resume,
+                               restart=plan.restart)
+    plan.created = not (resume or plan.restart)  # never remove a folder holding an earlier attempt's files
+    if plan.restart:
+        print(f"run.resume=auto: run folder {plan.run_dir} holds no checkpoint yet (a start killed before its first "
+              f"one): starting it again; the earlier attempt's files are kept in {plan.claim.aside}", flush=True)
 
 
 def release(plan: Plan) -> None:

@@ -155,6 +155,28 @@ def scan(folder: Path) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
     return found, skipped
 
 
+def resumable_step(folder: Path) -> Optional[int]:
+    """The step of the newest checkpoint whose size matches its sidecar or manifest (no sha256 pass: for a message,
+    not for loading), None when there is none."""
+    return next((step_of(p) for p in reversed(step_files(folder)) if is_valid(p, check_sha256=False)), None)
+
+
+def latest_path(folder: Path) -> Optional[Path]:
+    """The checkpoint the `latest` pointer names (written only after it was complete), None without a pointer."""
+    pointer = folder / LATEST
+    if not pointer.is_file():
+        return None
+    named = folder / pointer.read_text().strip()
+    return named if STEP_FILE.match(named.name) or STEP_DIR.match(named.name) else None
+
+
+def size_of(path: Path) -> int:
+    """Bytes of a step file, or of the files in a step folder."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size if path.is_file() else 0
+
+
 def newest_valid(folder: Path) -> Optional[Path]:
     """The checkpoint `latest` names if it verifies, else the newest step file that verifies, else None."""
     return scan(folder)[0]

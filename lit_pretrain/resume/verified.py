@@ -6,14 +6,18 @@ not the checkpoint. `load_verified` is the one way the project opens a checkpoin
 Lightning, so reading a checkpoint into a plain GPT (lit_pretrain/checkpoints.py) stays quick to start.
 """
 
+import contextlib
+import errno
 import json
 import pickle
+import re
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 
 from lit_pretrain.errors import DataError
+from lit_pretrain.paths import safe_unlink
 from lit_pretrain.resume.atomic import HashingWriter, atomic_open, atomic_write_bytes, file_sha256
 
 META_KEY = "lit_pretrain"  # our metadata inside a checkpoint (written by resume.checkpointing.StepCheckpoint)
@@ -37,7 +41,15 @@ def torch_save(obj: Any, f) -> None:
     """torch.save(obj, f) (default pickle module and protocol) through `zip_writer`: a file torch.load reads back the
     same."""
     zip_file = zip_writer(f)
-    torch.serialization._save(obj, zip_file, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    try:
+        torch.serialization._save(obj, zip_file, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # A write failed (a full disk): end the writer here, where its errors are Python exceptions. Left unended,
+        # its destructor writes the end of the file into a closed file and aborts the process (std::terminate;
+        # pytorch#87997 marks it ended even when ending fails, so it is tried once, here).
+        with contextlib.suppress(Exception):
+            zip_file.write_end_of_file()
+        raise
     zip_file.write_end_of_file()
 
 
@@ -52,12 +64,36 @@ def save_atomic(checkpoint: Dict[str, Any], path: str | Path) -> Dict:
     a checkpoint its sidecar does not describe.
     """
     path = Path(path)
-    with atomic_open(path, sync_folder=False) as f:
-        writer = HashingWriter(f)
-        torch_save(checkpoint, writer)
-    side = {"file": path.name, **writer.record(), "meta": checkpoint.get(META_KEY, {})}
-    atomic_write_bytes(sidecar_path(path), (json.dumps(side, indent=1) + "\n").encode())
+    try:
+        with atomic_open(path, sync_folder=False) as f:
+            writer = HashingWriter(f)
+            torch_save(checkpoint, writer)
+        side = {"file": path.name, **writer.record(), "meta": checkpoint.get(META_KEY, {})}
+        try:
+            atomic_write_bytes(sidecar_path(path), (json.dumps(side, indent=1) + "\n").encode())
+        except OSError:
+            # Without its sidecar the file can never be verified, so never loaded: no such file is left behind.
+            safe_unlink(path, path.parent, re.compile(re.escape(path.name)))
+            raise
+    except OSError as err:
+        if err.errno in DISK_FULL:  # what the file needs, for the one-line report (checkpointing.disk_full_error)
+            err.filename, err.needed_bytes = str(path), tensor_bytes(checkpoint)
+        raise
     return side
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) checkpoint: what its file needs, less the pickled structure's few KiB."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def read_sidecar(path: str | Path) -> Optional[Dict]:

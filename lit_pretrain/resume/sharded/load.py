@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lit_pretrain.errors import DataError
 from lit_pretrain.faults.launcher import WatchedLaunch
+from lit_pretrain.parallel.startup import BoundedStartup
 from lit_pretrain.resume.sharded import save as sharded
 
 
@@ -73,5 +74,5 @@ class ShardedLoad:
             self._load_sharded(checkpoint, model=False, optimizer=True)
 
 
-class ShardedDDPStrategy(WatchedLaunch, ShardedLoad, DDPStrategy):
+class ShardedDDPStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, DDPStrategy):
     """Lightning's DDPStrategy (ZeRO-1 included) that also resumes from a sharded folder."""
