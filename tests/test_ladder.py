@@ -2,12 +2,12 @@
 ladder's resume rung by rung (a killed ladder restarts without training its finished rungs again), a signal that
 stops the ladder at a checkpoint, and a partial rung kept out of the fit, the predictions and the report."""
 
+import csv
 import dataclasses
 import json
 import math
 import os
 import re
-import shutil
 import signal
 from pathlib import Path
 
@@ -86,18 +86,16 @@ class Console(list):
 
 
 class Signal(Callback):
-    """Sends SIG`signal` to this process at the start of optimizer step `step` + 1 (global_step == step), once."""
+    """Sends SIG`name` to this process at the start of optimizer step `step` + 1 (global_step == step), once."""
 
-    def __init__(self, step: int, signal: str):
-        self.step, self.signum, self.sent = step, getattr(signal_module, f"SIG{signal}"), False
+    def __init__(self, step: int, name: str):
+        self.step, self.signum, self.sent = step, getattr(signal, f"SIG{name}"), False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step and not self.sent:
             self.sent = True
             os.kill(os.getpid(), self.signum)
 
-
-signal_module = signal
 
 
 def write_grid(tmp_path: Path, data_dir: Path = None, extra=(), **changes) -> Path:
@@ -281,7 +279,7 @@ def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(t
     # second call resumes there, SIGTERM during step 16 stops it again at 16; a third call resumes rung 2 at 16 and
     # finishes the ladder. In-process: the signals go to this process, as the terminal's or the scheduler's would.
     def grid(*faults):
-        callbacks = ", ".join(f"{{class_path: 'tests.test_ladder:Signal', init_args: {{step: {step}, signal: {name}}}}}"
+        callbacks = ", ".join(f"{{class_path: 'tests.test_ladder:Signal', init_args: {{step: {step}, name: {name}}}}}"
                               for step, name in faults)
         # 2 bootstrap resamples: the fit's seconds are not what is tested here
         return write_grid(tmp_path, tiny_data_dir, extra=[f"callbacks.extra=[{callbacks}]"] if faults else [],
@@ -310,7 +308,7 @@ def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(t
     assert "torch.compile: off — this run's" in log and "run folder: " in log
     steps = [STEP_LINE.fullmatch(x) for x in log.splitlines() if x.startswith("step ")]
     assert [m and (m[1], m[2]) for m in steps] == [("5", "10"), ("10", "10")], log
-    rows = [r for r in __import__("csv").DictReader(open(root / names[0] / "metrics.csv")) if r.get("train/loss")]
+    rows = [r for r in csv.DictReader(open(root / names[0] / "metrics.csv")) if r.get("train/loss")]
     assert f"train/loss {float(rows[-1]['train/loss']):.4f}" in log.splitlines()[log.splitlines().index(
         steps[-1][0])]
     assert sorted(p.name for p in root.iterdir() if p.is_file()) == [".lit-pretrain-claims"]
