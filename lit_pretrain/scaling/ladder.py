@@ -4,9 +4,9 @@ fit L(N, D) = E + A/N^alpha + B/D^beta to the rungs below a compute limit, predi
 A grid file is data (yaml.safe_load). Each rung is a normal `lit-pretrain train` run in <root_dir>/<rung name>,
 trained in order of compute, in this process, its output in <root_dir>/<rung name>/train.log; the console shows one
 line a rung (scaling/ladder_rung.py). The ladder resumes rung by rung: a rung whose summary.json records all its
-planned steps and its parameter count is complete (rung_complete) and never trained again; a rung folder with a
-checkpoint continues from it (run.resume=auto); a rung folder without one (killed before its first checkpoint) starts
-again. SIGINT or SIGTERM stops the whole ladder at the running rung's next checkpoint and prints the command that
+planned steps and its parameter count is complete (ladder_state.rung_complete) and never trained again; a rung folder
+with a checkpoint continues from it (run.resume=auto); a rung folder without one (killed before its first checkpoint)
+starts again. SIGINT or SIGTERM stops the whole ladder at the running rung's next checkpoint and prints the command that
 continues it; a rung short of its planned steps is never fitted, predicted from or reported as measured. Before the
 first held-out rung trains, the law is fitted and its predictions written to prediction.json; the file is kept while
 the fitted rungs it came from are unchanged, and written again when they change. The fit, the predictions and the
@@ -19,7 +19,6 @@ flops_per_token (6N + 12LHQT, PaLM appendix B), closer to what a step costs.
 
 import argparse
 import dataclasses
-import json
 import math
 import shlex
 import signal
@@ -32,10 +31,10 @@ from typing import Callable, List, Optional
 import yaml
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete, steps_completed
 
 DEFAULT_GRID = Path("experiments") / "ladder" / "default.yaml"
 SMALL_GRID = Path("experiments") / "ladder" / "tiny.yaml"
-LAW_PARAMETERS = 5  # E, A, B, alpha, beta
 
 
 @dataclass
@@ -203,25 +202,6 @@ def check_fittable(rungs: List[dict], grid: LadderGrid, path: Path) -> None:
                           "limit or add a rung above it")
 
 
-def read_summary(folder: Path) -> Optional[dict]:
-    """A rung folder's summary.json, or None where there is none yet."""
-    summary = folder / "summary.json"
-    return json.loads(summary.read_text()) if summary.is_file() else None
-
-
-def steps_completed(summary: Optional[dict]) -> int:
-    """The optimizer steps a run's summary records as done (0 without a summary)."""
-    return int((summary or {}).get("steps") or 0)
-
-
-def rung_complete(summary: Optional[dict], rung: dict) -> bool:
-    """Whether a rung's summary records the whole rung: its parameter count, every planned optimizer step, and a final
-    validation loss. The one test of a finished rung, for training, fitting, predicting and reporting alike: a run
-    stopped by a signal writes a summary too, of the steps it completed."""
-    return (summary is not None and summary.get("params") == rung["params"]
-            and steps_completed(summary) == rung["steps"] and summary.get("final_val_loss") is not None)
-
-
 def rung_state(folder: Path, rung: dict) -> str:
     """finished (rung_complete), partial (a checkpoint to resume), or new."""
     s = read_summary(folder)
@@ -268,8 +248,6 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
     """Train every unfinished rung (at most `max_rungs` in this call), then fit, predict and write the report.
     `log(text, end="\n")` prints like print (a rung's line is begun before it trains and ended after). `command`:
     the command line that continues the ladder, printed when a signal stops it (LadderStopped is raised then)."""
-    from lit_pretrain.scaling.ladder_rung import LadderSignals
-
     path = Path(grid_file)
     command = command or f"lit-pretrain ladder {shlex.quote(str(path))}"
     grid = load_grid(path)
@@ -285,6 +263,8 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
             f"tokens_per_param {r['tokens_per_param']:>6.3g}  C {r['flops']:.3g}")
     if plan_only:
         return None
+    from lit_pretrain.scaling.ladder_rung import LadderSignals  # imports Lightning: not for --plan
+
     log(f"each rung's output: {Path(grid.root_dir) / '<rung>' / 'train.log'}")
     signals = LadderSignals().install()
     try:

@@ -14,7 +14,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from lit_pretrain.errors import RunFolderError
 from lit_pretrain.scaling import fit as fit_lib
+from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete
 from lit_pretrain.scaling.laws import ParametricLaw
 
 # Hoffmann et al. 2022, Table 3: their compute-optimal models train on about 20 tokens per parameter (1B parameters,
@@ -69,10 +71,8 @@ def ratio_at(fitted: Dict, flops: float, level: float) -> Dict:
 
 
 def complete_rows(root: Path, rungs: List[dict]) -> List[dict]:
-    """A row per rung whose summary.json records the whole rung (ladder.rung_complete); a rung short of its planned
-    steps (stopped by a signal, or not trained yet) has none: it is never fitted, predicted from or measured."""
-    from lit_pretrain.scaling.ladder import read_summary, rung_complete
-
+    """A row per rung whose summary.json records the whole rung (ladder_state.rung_complete); a rung short of its
+    planned steps (stopped by a signal, or not trained yet) has none: it is never fitted, predicted from or measured."""
     rows = []
     for rung in rungs:
         s = read_summary(root / rung["name"])
@@ -87,9 +87,6 @@ def complete_rows(root: Path, rungs: List[dict]) -> List[dict]:
 def fit_rungs(grid, rungs: List[dict]) -> Dict:
     """The law fitted to the complete rungs at or below the compute limit (their summary.json), with its bootstrap;
     `excluded` names the fitted rungs left out as not complete."""
-    from lit_pretrain.errors import RunFolderError
-    from lit_pretrain.scaling.ladder import LAW_PARAMETERS
-
     fit = [r for r in rungs if r["role"] == "fit"]
     rows = complete_rows(Path(grid.root_dir), fit)
     excluded = [r["name"] for r in fit if r["name"] not in {row["name"] for row in rows}]
