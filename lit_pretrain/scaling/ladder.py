@@ -284,7 +284,7 @@ def _train_rungs(grid: LadderGrid, rungs: List[dict], max_rungs: Optional[int], 
                  command: str):
     """The loop of run_ladder: the fit write_prediction made in this call (or None), or False where --max-rungs
     stopped it; LadderStopped where a signal did."""
-    from lit_pretrain.scaling.ladder_rung import train_rung
+    from lit_pretrain.scaling.ladder_rung import RungOutput, train_rung
 
     root = Path(grid.root_dir)
     started, trained, done_flops, fitted = time.perf_counter(), 0, 0.0, None
@@ -313,15 +313,18 @@ def _train_rungs(grid: LadderGrid, rungs: List[dict], max_rungs: Optional[int], 
         resumed = f"resumed from step {checkpointed_step(folder)}, " if state == "partial" else ""
         log(f"{head}: ", end="")
         rung_started = time.perf_counter()
+        output = RungOutput(root, folder)
         try:
-            summary = train_rung(grid, rung, state, signals)
+            summary = train_rung(grid, rung, state, signals, output)
         except BaseException as err:
             # A signal during the rung's start or final validation (Lightning's own SIGTERM handling raises
             # SIGTERMException there): the rung's checkpoints stand, the next call continues from them.
             if signals.signum is not None and not isinstance(err, KeyboardInterrupt):
                 log(f"stopped by {signals.name} before its next checkpoint (log {folder / 'train.log'})")
                 stop(f"in rung {k} of {len(rungs)} {rung['name']}")
-            log(f"failed: {type(err).__name__} (its output: {folder / 'train.log'})")
+            log(f"failed: {type(err).__name__} (its output: {'below' if output.unplaced else folder / 'train.log'})")
+            if output.unplaced:  # refused before its folder was made: no log holds these lines
+                log(output.unplaced.rstrip("\n"))
             raise
         trained += 1
         if not rung_complete(summary, rung):

@@ -11,7 +11,7 @@ Output. A rung's lines (data, compile decision, memory, progress, report, warnin
 processes write) go to <root_dir>/<rung>/train.log, appended on each session: file descriptors 1 and 2 point at it
 while the rung runs. Its folder is made by train() only after its checks pass, so the lines before that wait in
 <root_dir>/.<rung>.train.log and move into the folder's log once it is there (RungOutput); a start refused before
-making its folder shows them on the console.
+making its folder leaves them to the ladder, which shows them on the console.
 """
 
 import os
@@ -99,6 +99,8 @@ class RungOutput:
         self.log = folder / "train.log"
         self._saved_fds: List[int] = []
         self._saved_streams = None
+        self.unplaced = ""
+        """The lines of a start refused before its folder was made (no log to hold them)."""
 
     def __enter__(self) -> "RungOutput":
         self.staging.parent.mkdir(parents=True, exist_ok=True)
@@ -131,9 +133,8 @@ class RungOutput:
             if self.log.parent.is_dir():
                 with open(self.log, "ab") as out:
                     out.write(self.staging.read_bytes())
-            else:  # refused before making its folder: its lines are the reason, shown here
-                sys.stderr.write(self.staging.read_text(errors="replace"))
-                sys.stderr.flush()
+            else:  # refused before making its folder: its lines tell why, for the ladder to show
+                self.unplaced = self.staging.read_text(errors="replace")
             self.staging.unlink()
 
     @staticmethod
@@ -152,7 +153,7 @@ class RungOutput:
                 pass
 
 
-def train_rung(grid, rung: dict, state: str, signals: LadderSignals) -> dict:
+def train_rung(grid, rung: dict, state: str, signals: LadderSignals, output: Optional[RungOutput] = None) -> dict:
     """Train one rung through `lit-pretrain train`'s entry point, its output into its folder's log; return its
     summary (of fewer steps than planned when a signal stopped it at a checkpoint)."""
     from lit_pretrain import config as config_lib
@@ -170,5 +171,5 @@ def train_rung(grid, rung: dict, state: str, signals: LadderSignals) -> dict:
         # a folder killed before its first checkpoint holds nothing to resume: it starts again
         f"run.overwrite={str(state == 'new' and folder.exists()).lower()}"]
     cfg = config_lib.load(grid.run_file, [*grid.overrides, *rung_overrides])
-    with RungOutput(root, folder) as output:
-        return train(cfg, extra_callbacks=[StopRung(signals, output)])
+    with output or RungOutput(root, folder) as out:
+        return train(cfg, extra_callbacks=[StopRung(signals, out)])
