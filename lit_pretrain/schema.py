@@ -387,18 +387,19 @@ class TrainerConfig:
     layout, split across the data-parallel ranks (data/validation.py). val/loss is the mean over all their predicted
     tokens. Replaces trainer.val_batches (batches per device, so the set grew with the processes)."""
     log_every_n_steps: int = field(default=10, metadata={"ge": 1})
-    """Write metrics every this many optimizer steps."""
+    """Write metrics every this many optimizer steps; without a terminal (a log file) also print a line then: step,
+    training loss, tokens/s, MFU, time left (lit_pretrain/console.py)."""
     checkpoint_every_n_steps: int = field(default=500, metadata={"ge": 0})
     """Save a checkpoint every this many optimizer steps (0: only the final one)."""
     progress_bar: bool = True
-    """Show Lightning's progress bar when stdout is a terminal; otherwise (a log file) print one line per validation,
-    step and losses, instead of the bar's redraws (lit_pretrain/console.py)."""
+    """Show Lightning's progress bar when stdout is a terminal; otherwise (a log file) print a line every
+    log_every_n_steps steps and one per validation instead of the bar's redraws (lit_pretrain/console.py)."""
     compile: Union[bool, str] = field(default="auto", metadata={"choices": [True, False, "auto"]})
     """torch.compile of the training step (parallel/compile.py: each block's forward and the loss). The first steps
     pay the compile time (tens of seconds on a cold cache), later ones run faster. auto: compile when a C++
     compiler is found (inductor builds its kernels with it), no tensor or pipeline parallelism is used and
     max_steps is long enough to pay the compile time back (parallel/compile_policy.py); `train` prints which and
-    why. true needs a C++ compiler."""
+    why just before training. true needs a C++ compiler."""
     loggers: List[str] = field(default_factory=lambda: ["csv", "tensorboard"])
     """Where metrics go: csv (runs/<name>/metrics.csv, required: resume and the summary read it), tensorboard
     (runs/<name>/tensorboard/; skipped with a notice when tensorboard is not installed), wandb (Weights & Biases,

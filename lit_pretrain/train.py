@@ -6,11 +6,11 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -109,8 +109,9 @@ def loggers(run_dir: Path, c: Config) -> list:
     return out
 
 
-def train(cfg: DictConfig) -> dict:
-    """Run one experiment; return its summary (also written to runs/<name>/summary.json)."""
+def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
+    """Run one experiment; return its summary (also written to runs/<name>/summary.json). `extra_callbacks`: a
+    caller's own (the ladder's, scaling/ladder_rung.py), run before the checkpointing ones."""
     started = time.perf_counter()
     console.quiet()
     c = config_lib.to_object(cfg)
@@ -119,9 +120,9 @@ def train(cfg: DictConfig) -> dict:
     setup_process(c.trainer)
     accumulate, tokens_per_step = accumulation(c)
     parallel_plan = build_plan(c)
-    if is_primary_process():  # why this run compiles or not ("auto" weighs the run and the toolchain): the plan's own
-        degrees = {k: getattr(parallel_plan, k) for k in DEGREE_KEYS}
-        print(compile_decision(c.trainer, sized_model(c), degrees).note(), flush=True)
+    # Why this run compiles or not ("auto" weighs the run and the toolchain): the plan's own decision, printed just
+    # before training, once every check that can refuse the start has passed.
+    compiling = compile_decision(c.trainer, sized_model(c), {k: getattr(parallel_plan, k) for k in DEGREE_KEYS})
     strategy = build_strategy(c.strategy, c.trainer, parallel_plan)
     # Everything that can be checked is checked before the run folder is made, so a refused start leaves nothing
     # behind that would block its retry: the run name and folder, the checkpoint to resume from, the data (prepared
@@ -158,6 +159,7 @@ def train(cfg: DictConfig) -> dict:
         *([WatchdogCallback(run_dir, c.strategy.peer_failure_timeout_seconds, c.strategy.hang_timeout_seconds)]
           if c.strategy.peer_failure_timeout_seconds > 0 else []),
         timer,
+        *extra_callbacks,
         *resume_session.callbacks(plan, c.trainer.checkpoint_every_n_steps, c.run.keep_last_checkpoints, run_meta,
                                   c.optim.lr_peak, sharded_layout=checkpoint_layout(c, parallel_plan),
                                   async_save=c.checkpoint.async_save),
@@ -169,7 +171,8 @@ def train(cfg: DictConfig) -> dict:
         *([ProfileSteps(run_dir, c.trainer.profile.start_step, c.trainer.profile.steps)] if c.trainer.profile else []),
         *([MixtureMetrics()] if c.data.sources else []),  # data/<source>/tokens_seen and epochs
     ]
-    callbacks += console.progress_callbacks(c.trainer.progress_bar, refresh_rate=max(1, accumulate))
+    callbacks += console.progress_callbacks(c.trainer.progress_bar, refresh_rate=max(1, accumulate),
+                                          log_every_n_steps=c.trainer.log_every_n_steps)
     trainer = L.Trainer(
         accelerator=c.trainer.accelerator, devices=c.trainer.devices, num_nodes=c.trainer.num_nodes,
         strategy=strategy, precision=c.trainer.precision, max_steps=c.trainer.max_steps,
@@ -194,6 +197,8 @@ def train(cfg: DictConfig) -> dict:
             # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
             # already refused to reuse a folder from another run.
             warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
+            if is_primary_process():
+                print(compiling.note(), flush=True)
             trainer.fit(module, datamodule=datamodule, ckpt_path=plan.checkpoint)
     except BaseException:
         # A start that failed before any checkpoint or metric was written: remove the folder it made (rank 0 only,

@@ -149,21 +149,47 @@ BIG, SMALL = AUTO_MIN_FLOPS, AUTO_MIN_FLOPS * 0.99
 
 
 @pytest.mark.parametrize("setting, flops, degrees, missing, expected, words", [
-    (True, 1.0, (1, 1), NO_CXX, True, "trainer.compile=true"),  # as given; check_toolchain stops it where applied
-    (False, 1e30, (1, 1), None, False, "trainer.compile=false"),
-    ("auto", BIG, (1, 1), None, True, "pay back the compile time"),
-    ("auto", SMALL, (1, 1), None, False, "under the"),
-    ("auto", None, (1, 1), None, False, "unknown"),
-    ("auto", 1e30, (1, 1), NO_CXX, False, NO_CXX),
+    (True, 1.0, (1, 1), NO_CXX, True, "trainer.compile=true asks for it"),  # check_toolchain stops it where applied
+    (False, 1e30, (1, 1), None, False, "trainer.compile=false asks for eager steps"),
+    ("auto", BIG, (1, 1), None, True, "a C++ compiler was found and this run's 9.9e+12 training FLOPs a process "
+                                      "pay back the ~20 s a first compile takes (from 9.9e+12, trainer.compile=auto); "
+                                      "set trainer.compile=false to run eager"),
+    ("auto", SMALL, (1, 1), None, False, "this run's 9.8e+12 training FLOPs a process are under the 9.9e+12 that pay "
+                                         "back the ~20 s a first compile takes (trainer.compile=auto); set "
+                                         "trainer.compile=true to compile anyway"),
+    ("auto", None, (1, 1), None, False, "cannot weigh the run without the model's size"),
+    ("auto", 1e30, (1, 1), NO_CXX, False, f"{NO_CXX}, which inductor needs to build its kernels; install it to let "
+                                          "trainer.compile=auto compile"),
     ("auto", 1e30, (1, 1), "Python's headers are missing", False, "Python's headers"),
-    ("auto", 1e30, (2, 1), None, False, "tensor and pipeline parallelism"),
-    ("auto", 1e30, (1, 2), None, False, "tensor and pipeline parallelism"),
+    # trainer.compile=true is refused with them (plan.check_plan): the line offers no way to force it
+    ("auto", 1e30, (2, 1), None, False, "tensor parallelism is on (strategy.tensor_parallel=2): our tensor-parallel "
+                                        "layers call collectives inside each block, which a full-graph compile cannot "
+                                        "trace"),
+    ("auto", 1e30, (1, 2), None, False, "pipeline parallelism is on (strategy.pipeline_parallel=2)"),
 ])
 def test_auto_compiles_where_the_toolchain_the_plan_and_the_run_size_allow(setting, flops, degrees, missing,
                                                                            expected, words):
     decision = decide(setting, flops, *degrees, missing=missing)
     assert decision.compile is expected and words in decision.note()
-    assert decision.note().startswith(f"trainer.compile: {'compiling' if expected else 'not compiling'} (")
+    # what it decided, then why, in words (not "auto: ..."), and how to decide otherwise where that is allowed
+    assert decision.note().startswith(f"torch.compile: {'on' if expected else 'off'} — ")
+    assert ("set trainer.compile" in decision.note()) == (setting == "auto" and max(degrees) == 1 and missing is None)
+
+
+def test_a_start_refused_by_a_config_error_prints_no_compile_line(tmp_path, tiny_data_dir, capsys):
+    """The compile decision is printed just before training: a start that a check refuses (here the model's
+    vocabulary against the tokenizer's, checked once the data is verified) says only why it was refused."""
+    from lit_pretrain import config
+    from lit_pretrain.train import train
+    from tests.conftest import EXPERIMENTS, tiny_data_overrides
+
+    cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", [*tiny_data_overrides(tiny_data_dir),
+                                                          f"run.root_dir={tmp_path}", "model.vocab_size=256"])
+    with pytest.raises(ConfigError, match="model.vocab_size=256 is smaller than the tokenizer's 512"):
+        train(cfg)
+    out = capsys.readouterr().out
+    assert "compile" not in out and out.strip(), out  # the data lines came; the compile line did not
+    assert not (tmp_path / "tiny").exists()
 
 
 def test_auto_weighs_each_process_s_training_flops():

@@ -1,17 +1,32 @@
-"""`lit-pretrain ladder`: the fit on synthetic losses of a known law, the refusal of grids that cannot fit, and the
-ladder's resume rung by rung (a killed ladder restarts without training its finished rungs again)."""
+"""`lit-pretrain ladder`: the fit on synthetic losses of a known law, the refusal of grids that cannot fit, the
+ladder's resume rung by rung (a killed ladder restarts without training its finished rungs again), a signal that
+stops the ladder at a checkpoint, and a partial rung kept out of the fit, the predictions and the report."""
 
+import csv
+import dataclasses
 import json
 import math
+import os
+import re
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.errors import ConfigError, RunFolderError
 from lit_pretrain.scaling import ladder
-from lit_pretrain.scaling.ladder_report import fit_ladder, optimal_tokens_per_param, predict, ratio_at
+from lit_pretrain.scaling.ladder_report import (
+    fit_ladder,
+    fit_rungs,
+    optimal_tokens_per_param,
+    predict,
+    ratio_at,
+    report,
+    write_prediction,
+)
 from lit_pretrain.scaling.laws import ParametricLaw
 from tests.conftest import EXPERIMENTS, run_module, tiny_data_overrides
 
@@ -58,6 +73,29 @@ def test_fit_recovers_a_known_law_and_predicts_the_held_out_rungs():
     assert ratio["tokens_per_param"] == pytest.approx(truth, rel=0.25)
     assert ratio["interval"][0] < ratio["tokens_per_param"] < ratio["interval"][1]
     assert ratio["resamples_without_optimum"] == 0
+
+
+class Console(list):
+    """run_ladder's log: its lines, a rung's line begun before it trains (end="") and ended after."""
+
+    def __call__(self, text: str = "", end: str = "\n") -> None:
+        self.part = getattr(self, "part", "") + text
+        if end:
+            self.append(self.part)
+            self.part = ""
+
+
+class Signal(Callback):
+    """Sends SIG`name` to this process at the start of optimizer step `step` + 1 (global_step == step), once."""
+
+    def __init__(self, step: int, name: str):
+        self.step, self.signum, self.sent = step, getattr(signal, f"SIG{name}"), False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
 
 
 def write_grid(tmp_path: Path, data_dir: Path = None, extra=(), **changes) -> Path:
@@ -121,7 +159,7 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
     names = [r["name"] for r in ladder.plan_rungs(ladder.load_grid(path), path)]
     root = tmp_path / "runs"
     killed = run_module("lit_pretrain.cli", "ladder", str(path), rc=-9, start_new_session=True)
-    assert "rung 2 of 7" in killed.stdout
+    assert f"rung 2 of 7 {names[1]}" in killed.stdout.splitlines()[-1]  # begun, never ended
     first = root / names[0] / "summary.json"
     assert first.is_file() and not (root / names[1] / "summary.json").exists()
     assert sorted(p.name for p in (root / names[1] / "checkpoints").glob("step*.ckpt")) == ["step0000010.ckpt"]
@@ -129,10 +167,10 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
     before = first.stat().st_mtime_ns
 
     path = write_grid(tmp_path, tiny_data_dir)  # the same grid without the fault (callbacks.extra may change)
-    lines = []
-    result = ladder.run_ladder(path, log=lines.append)
+    lines = Console()
+    result = ladder.run_ladder(path, log=lines)
     assert any(line.startswith(f"rung 1 of 7 {names[0]}") and "finished earlier" in line for line in lines), lines
-    assert any(line.startswith(f"rung 2 of 7 {names[1]}") and "resuming from its checkpoint" in line
+    assert any(line.startswith(f"rung 2 of 7 {names[1]}") and "resumed from step 10" in line
                for line in lines), lines
     assert first.stat().st_mtime_ns == before  # not trained again
     second = json.loads((root / names[1] / "summary.json").read_text())
@@ -153,8 +191,151 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
 
     # a finished ladder trains nothing: every rung is reused and only the report is written again
     stamps = {n: (root / n / "summary.json").stat().st_mtime_ns for n in names}
-    lines = []
-    again = ladder.run_ladder(path, log=lines.append)
+    lines = Console()
+    again = ladder.run_ladder(path, log=lines)
     assert sum("finished earlier" in line for line in lines) == 7
     assert stamps == {n: (root / n / "summary.json").stat().st_mtime_ns for n in names}
     assert again["predictions"][0]["predicted_loss"] == pytest.approx(held[0]["predicted_loss"])
+
+
+def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, monkeypatch):
+    # The default grid's rungs with summaries of losses drawn from TRUE; then a fitted and a held-out rung stopped by
+    # a signal partway (summary.json of fewer steps, as a preempted session writes, and a loss far off the law). The
+    # fit itself is replaced by one that records its points and returns TRUE (the fit is tested above; here, what
+    # enters it): seconds instead of a minute.
+    from lit_pretrain.scaling import ladder_report
+
+    points = []
+
+    def fake_fit(n, d, loss, resamples, level):
+        points.append(sorted(zip(n.tolist(), d.tolist(), loss.tolist())))
+        return {"law": TRUE, "fit": {"objective": 0.0, "starts_at_best": 1}, "samples": [TRUE, TRUE],
+                "intervals": {}, "degenerate": 0}
+
+    monkeypatch.setattr(ladder_report, "fit_ladder", fake_fit)
+    path = EXPERIMENTS / "ladder" / "default.yaml"
+    grid = dataclasses.replace(ladder.load_grid(path), root_dir=str(tmp_path))
+    rungs = ladder.plan_rungs(grid, path)
+    fit, held = [r for r in rungs if r["role"] == "fit"], [r for r in rungs if r["role"] == "held_out"]
+
+    def summary(rung, steps, loss):
+        (tmp_path / rung["name"]).mkdir(exist_ok=True)
+        (tmp_path / rung["name"] / "summary.json").write_text(
+            json.dumps({"params": rung["params"], "steps": steps, "final_val_loss": loss}))
+
+    def point(rung):
+        return (rung["params"], rung["tokens"], TRUE.loss(rung["params"], rung["tokens"]))
+
+    for r in rungs:
+        summary(r, r["steps"], TRUE.loss(r["params"], r["tokens"]))
+    log = Console()
+    write_prediction(grid, rungs, log)
+    written = (tmp_path / "prediction.json").read_text()
+    write_prediction(grid, rungs, log)
+    assert (tmp_path / "prediction.json").read_text() == written  # the same fitted losses: kept as written
+    assert points[-1] == sorted(point(r) for r in fit)
+
+    partial_fit, partial_held = fit[3], held[-1]
+    summary(partial_fit, partial_fit["steps"] // 3, 9.0)
+    summary(partial_held, partial_held["steps"] - 1, 9.0)
+    assert ladder.rung_state(tmp_path / partial_fit["name"], partial_fit) == "new"  # (no checkpoint in this test)
+    fitted = fit_rungs(grid, rungs)
+    assert points[-1] == sorted(point(r) for r in fit if r is not partial_fit)  # 12 points, not the 9.0
+    assert [row["name"] for row in fitted["rows"]] == [r["name"] for r in fit if r is not partial_fit]
+    assert fitted["excluded"] == [partial_fit["name"]]
+
+    # prediction.json came from 13 rungs: written again from the 12 complete ones, saying so
+    log.clear()
+    write_prediction(grid, rungs, log)
+    again = json.loads((tmp_path / "prediction.json").read_text())
+    assert sorted(again["fitted_val_losses"]) == sorted(r["name"] for r in fit if r is not partial_fit)
+    assert again["held_out_measured_before"] == [held[0]["name"]]  # the partial held-out rung is not measured
+    assert "written again" in log[0] and any(f"predicted {held[0]['name']} after measuring it" in x for x in log)
+
+    result = report(grid, path, rungs, log=log)
+    assert [r["name"] for r in result["rungs"]] == [r["name"] for r in rungs if r not in (partial_fit, partial_held)]
+    assert result["unfinished_rungs"] == [partial_fit["name"], partial_held["name"]]
+    last = result["predictions"][-1]
+    assert last["name"] == partial_held["name"] and last["measured_loss"] is None and last["relative_error"] is None
+    assert result["predictions"][0]["measured_loss"] == TRUE.loss(held[0]["params"], held[0]["tokens"])
+    md = (tmp_path / "report.md").read_text()
+    assert "| not complete | - |" in md and f"Not complete (not fitted, not measured): {partial_fit['name']}" in md
+    assert any("not measured: the rung is not complete" in x for x in log)
+
+    # too few complete fitted rungs: refused, naming them, rather than fitted on what is left
+    for r in fit[:8]:
+        summary(r, r["steps"] - 1, 9.0)
+    with pytest.raises(RunFolderError, match=f"5 fitted rungs are complete.*not complete: {fit[0]['name']}"):
+        fit_rungs(grid, rungs)
+
+
+STEP_LINE = re.compile(r"step (\d+)/(\d+): train/loss \d+\.\d{4}, [\d,]+ tokens/s, MFU \d+\.\d%, \d+:\d\d left")
+
+
+@pytest.mark.slow
+def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(tmp_path, tiny_data_dir, capfd):
+    # The --small grid in order of compute: rung 1 trains 10 steps, rung 2 19 (a checkpoint every 5). Ctrl-C during
+    # step 13 (global_step 12) of rung 2 stops the ladder at the next step boundary, with a checkpoint of step 13; a
+    # second call resumes there, SIGTERM during step 16 stops it again at 16; a third call resumes rung 2 at 16 and
+    # finishes the ladder. In-process: the signals go to this process, as the terminal's or the scheduler's would.
+    def grid(*faults):
+        callbacks = ", ".join(f"{{class_path: 'tests.test_ladder:Signal', init_args: {{step: {step}, name: {name}}}}}"
+                              for step, name in faults)
+        # 2 bootstrap resamples: the fit's seconds are not what is tested here
+        return write_grid(tmp_path, tiny_data_dir, extra=[f"callbacks.extra=[{callbacks}]"] if faults else [],
+                          bootstrap=2)
+
+    path = grid((12, "INT"))
+    names = [r["name"] for r in ladder.plan_rungs(ladder.load_grid(path), path)]
+    root = tmp_path / "runs"
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    assert ladder.main([str(path)]) == 130  # 128 + SIGINT
+    out = capfd.readouterr().out.splitlines()
+    # one line a rung, and one line that says how to continue
+    assert [x.split(":")[0] for x in out if x.startswith("rung ")] == [
+        f"rung 1 of 7 {names[0]} (fit, C 3.79e+08)", f"rung 2 of 7 {names[1]} (fit, C 7.2e+08)"], out
+    assert out[-2].endswith("stopped by SIGINT with its checkpoint of step 13 of 19; not fitted or reported until it "
+                            "is complete")
+    assert out[-1] == f"ladder stopped by SIGINT in rung 2 of 7 {names[1]}; continue with: lit-pretrain ladder {path}"
+    assert len(out) == 1 + 7 + 1 + 2 + 1  # header, the plan's rungs, where the logs are, two rungs, the stop
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # restored
+    assert [p.name for p in (root / names[1] / "checkpoints").glob("step*.ckpt")] == ["step0000013.ckpt"]
+    assert ladder.rung_state(root / names[1], {"name": names[1], "params": 12336, "steps": 19}) == "partial"
+    assert not (root / names[2]).exists() and not (root / "prediction.json").exists()
+    # each rung's own output is in its folder's log: the compile decision, a line every trainer.log_every_n_steps
+    # (5 in the grid) with the step's loss, and the report; nothing is left in root_dir
+    log = (root / names[0] / "train.log").read_text()
+    assert "torch.compile: off — this run's" in log and "run folder: " in log
+    steps = [STEP_LINE.fullmatch(x) for x in log.splitlines() if x.startswith("step ")]
+    assert [m and (m[1], m[2]) for m in steps] == [("5", "10"), ("10", "10")], log
+    rows = [r for r in csv.DictReader(open(root / names[0] / "metrics.csv")) if r.get("train/loss")]
+    assert f"train/loss {float(rows[-1]['train/loss']):.4f}" in log.splitlines()[log.splitlines().index(
+        steps[-1][0])]
+    assert sorted(p.name for p in root.iterdir() if p.is_file()) == [".lit-pretrain-claims"]
+
+    assert ladder.main([str(grid((15, "TERM")))]) == 143  # 128 + SIGTERM
+    out = capfd.readouterr().out.splitlines()
+    assert "finished earlier" in out[-3] and "resumed" not in out[-2] and "checkpoint of step 16 of 19" in out[-2]
+    assert out[-1].startswith(f"ladder stopped by SIGTERM in rung 2 of 7 {names[1]}; continue with: ")
+
+    lines = Console()
+    result = ladder.run_ladder(grid(), log=lines)
+    assert any(x.startswith(f"rung 2 of 7 {names[1]}") and "resumed from step 16, val loss" in x for x in lines)
+    assert sum(x.startswith("rung ") for x in lines) == 7 and all(":" in x for x in lines if x.startswith("rung "))
+    second = json.loads((root / names[1] / "summary.json").read_text())
+    assert second["steps"] == 19 and second["session_train_seconds"] < second["train_seconds"]
+    assert len([x for x in (root / names[1] / "train.log").read_text().splitlines() if x.startswith("run folder")]) \
+        == 3  # one log over its three sessions
+
+    # The same rung trained without a signal: the interrupted rung's losses are bitwise those of an uninterrupted one,
+    # so the report (a function of the rungs' final validation losses, its fit seeded) is the uninterrupted ladder's.
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    ref_path = write_grid(reference, tiny_data_dir)
+    ref_grid = ladder.load_grid(ref_path)
+    from lit_pretrain.scaling.ladder_rung import LadderSignals, train_rung
+
+    uninterrupted = train_rung(ref_grid, ladder.plan_rungs(ref_grid, ref_path)[1], "new", LadderSignals())
+    assert (uninterrupted["final_val_loss"], uninterrupted["final_train_loss"]) == (
+        second["final_val_loss"], second["final_train_loss"])
+    assert result["rungs"][1]["final_val_loss"] == uninterrupted["final_val_loss"]

@@ -77,10 +77,11 @@ def missing_toolchain() -> Optional[str]:
 class CompileDecision:
     compile: bool
     reason: str
+    """Why, in words, with what to set to decide otherwise where another choice is allowed."""
 
     def note(self) -> str:
-        """The line `lit-pretrain train` prints."""
-        return f"trainer.compile: {'compiling' if self.compile else 'not compiling'} ({self.reason})"
+        """The line `lit-pretrain train` prints just before training."""
+        return f"torch.compile: {'on' if self.compile else 'off'} — {self.reason}"
 
 
 def decide(setting: Union[bool, str], flops: Optional[float], tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -89,24 +90,35 @@ def decide(setting: Union[bool, str], flops: Optional[float], tensor_parallel: i
     when unknown. `missing`: what the toolchain lacks (missing_toolchain's answer; None: nothing), looked up by
     default. true and false are taken as given (true's requirements are checked where it is applied: check_plan for
     the layout, compile.check_toolchain for the toolchain)."""
-    if setting is True or setting is False:
-        return CompileDecision(setting, f"trainer.compile={str(setting).lower()}")
+    if setting is True:
+        return CompileDecision(True, "trainer.compile=true asks for it (the first steps pay the compile time)")
+    if setting is False:
+        return CompileDecision(False, "trainer.compile=false asks for eager steps")
     if setting != "auto":
         raise ValueError(f"trainer.compile={setting!r}: expected true, false or auto")
-    if tensor_parallel > 1 or pipeline_parallel > 1:
-        return CompileDecision(False, "auto: tensor and pipeline parallelism run eager")
+    # trainer.compile=true is refused with tensor or pipeline parallelism (plan.check_plan): no hint to force it.
+    if tensor_parallel > 1:
+        return CompileDecision(False, f"tensor parallelism is on (strategy.tensor_parallel={tensor_parallel}): our "
+                                      "tensor-parallel layers call collectives inside each block, which a full-graph "
+                                      "compile cannot trace")
+    if pipeline_parallel > 1:
+        return CompileDecision(False, f"pipeline parallelism is on (strategy.pipeline_parallel={pipeline_parallel}): "
+                                      "its stages run under torch's pipeline schedule, not as one compiled step")
     if flops is None:
-        return CompileDecision(False, "auto: the run's size is unknown without the model")
+        return CompileDecision(False, "trainer.compile=auto cannot weigh the run without the model's size; set "
+                                      "trainer.compile=true to compile")
     if missing == "lookup":
         missing = missing_toolchain()
     if missing is not None:
-        return CompileDecision(False, f"auto: {missing}, which inductor needs to build its kernels")
-    size = f"{flops:.2g} training FLOPs a process"
+        return CompileDecision(False, f"{missing}, which inductor needs to build its kernels; install it to let "
+                                      "trainer.compile=auto compile")
+    size = f"this run's {flops:.2g} training FLOPs a process"
+    cost = f"the ~{COMPILE_S_COLD:.0f} s a first compile takes"
     if flops < AUTO_MIN_FLOPS:
-        return CompileDecision(False, f"auto: {size}, under the {AUTO_MIN_FLOPS:.2g} that pay back the compile "
-                                      "time; trainer.compile=true compiles anyway")
-    return CompileDecision(True, f"auto: {size} pay back the compile time (from {AUTO_MIN_FLOPS:.2g}); "
-                                 "trainer.compile=false runs eager")
+        return CompileDecision(False, f"{size} are under the {AUTO_MIN_FLOPS:.2g} that pay back {cost} "
+                                      "(trainer.compile=auto); set trainer.compile=true to compile anyway")
+    return CompileDecision(True, f"a C++ compiler was found and {size} pay back {cost} (from {AUTO_MIN_FLOPS:.2g}, "
+                                 "trainer.compile=auto); set trainer.compile=false to run eager")
 
 
 def run_flops(max_steps: int, tokens_per_step: int, flops_per_token: float) -> float:

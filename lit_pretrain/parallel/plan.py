@@ -150,7 +150,8 @@ def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool
     the plan's (or the dict of them plan_from resolves)."""
     setting = trainer.compile if compile is None else compile
     if setting == "auto" and model is not None and model.moe is not None:
-        return CompileDecision(False, "auto: model.moe runs eager (its routing has data-dependent shapes)")
+        return CompileDecision(False, "model.moe is set: its routing has data-dependent shapes, so "
+                                      "trainer.compile=auto runs it eager")
     flops = None
     if model is not None and model.vocab_size is not None:
         from lit_pretrain.scaling.shapes import flops_per_token  # pure arithmetic, no torch

@@ -2,11 +2,15 @@
 fit L(N, D) = E + A/N^alpha + B/D^beta to the rungs below a compute limit, predict the rungs above it, and report.
 
 A grid file is data (yaml.safe_load). Each rung is a normal `lit-pretrain train` run in <root_dir>/<rung name>,
-trained in order of compute. The ladder resumes rung by rung: a rung whose summary.json records its planned steps
-and parameter count is finished and never trained again; a rung folder with a checkpoint continues from it
-(run.resume=auto); a rung folder without one (killed before its first checkpoint) starts again. Before the first
-held-out rung trains, the law is fitted and its predictions written to prediction.json (kept once written). The fit,
-the predictions and the picture are lit_pretrain/scaling/ladder_report.py.
+trained in order of compute, in this process, its output in <root_dir>/<rung name>/train.log; the console shows one
+line a rung (scaling/ladder_rung.py). The ladder resumes rung by rung: a rung whose summary.json records all its
+planned steps and its parameter count is complete (ladder_state.rung_complete) and never trained again; a rung folder
+with a checkpoint continues from it (run.resume=auto); a rung folder without one (killed before its first checkpoint)
+starts again. SIGINT or SIGTERM stops the whole ladder at the running rung's next checkpoint and prints the command that
+continues it; a rung short of its planned steps is never fitted, predicted from or reported as measured. Before the
+first held-out rung trains, the law is fitted and its predictions written to prediction.json; the file is kept while
+the fitted rungs it came from are unchanged, and written again when they change. The fit, the predictions and the
+picture are lit_pretrain/scaling/ladder_report.py.
 
 Compute is C = 6·N·D throughout (N all parameters, D training tokens: Hoffmann et al. 2022 §3.3), so the compute
 limit and the law's compute-optimal allocation (eq. 4) count alike; the time estimate uses each rung's
@@ -15,8 +19,9 @@ flops_per_token (6N + 12LHQT, PaLM appendix B), closer to what a step costs.
 
 import argparse
 import dataclasses
-import json
 import math
+import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,10 +31,10 @@ from typing import Callable, List, Optional
 import yaml
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete, steps_completed
 
 DEFAULT_GRID = Path("experiments") / "ladder" / "default.yaml"
 SMALL_GRID = Path("experiments") / "ladder" / "tiny.yaml"
-LAW_PARAMETERS = 5  # E, A, B, alpha, beta
 
 
 @dataclass
@@ -198,38 +203,34 @@ def check_fittable(rungs: List[dict], grid: LadderGrid, path: Path) -> None:
 
 
 def rung_state(folder: Path, rung: dict) -> str:
-    """finished (summary.json of the planned steps and size), partial (a checkpoint to resume), or new."""
-    summary = folder / "summary.json"
-    if summary.is_file():
-        s = json.loads(summary.read_text())
-        if s.get("params") != rung["params"] or (s.get("steps") or 0) > rung["steps"]:
+    """finished (rung_complete), partial (a checkpoint to resume), or new."""
+    s = read_summary(folder)
+    if s is not None:
+        if s.get("params") != rung["params"] or steps_completed(s) > rung["steps"]:
             raise RunFolderError(f"{folder} holds a run of {s.get('params')} parameters and {s.get('steps')} steps, "
                                  f"not the rung's {rung['params']} and {rung['steps']}: move it away or set another "
                                  "root_dir in the grid file (a rung folder is never overwritten)")
-        if s.get("steps") == rung["steps"] and s.get("final_val_loss") is not None:
+        if rung_complete(s, rung):
             return "finished"
-    from lit_pretrain.resume.store import step_files
+    return "partial" if checkpointed_step(folder) is not None else "new"
+
+
+def checkpointed_step(folder: Path) -> Optional[int]:
+    """The step of a run folder's newest checkpoint (where a resume continues), None without one."""
+    from lit_pretrain.resume.store import step_files, step_of
 
     checkpoints = folder / "checkpoints"
-    return "partial" if checkpoints.is_dir() and step_files(checkpoints) else "new"
+    found = step_files(checkpoints) if checkpoints.is_dir() else []
+    return step_of(found[-1]) if found else None
 
 
-def train_rung(grid: LadderGrid, rung: dict, state: str) -> dict:
-    """Train one rung through `lit-pretrain train`'s entry point; return its summary."""
-    from lit_pretrain import config as config_lib
-    from lit_pretrain.train import train
+class LadderStopped(Exception):
+    """A signal stopped the ladder at a rung's checkpoint (or between rungs); `signum` None where the run's own
+    handler took it. The command that continues it is printed."""
 
-    folder = Path(grid.root_dir) / rung["name"]
-    shape = rung["shape"]
-    rung_overrides = [
-        f"run.name={rung['name']}", f"run.root_dir={grid.root_dir}", f"trainer.precision={grid.precision}",
-        f"trainer.max_steps={rung['steps']}", f"schedule.warmup_steps={rung['warmup_steps']}",
-        f"model.n_layers={shape['n_layers']}", f"model.d_model={shape['d_model']}", f"model.n_heads={shape['n_heads']}",
-        f"trainer.checkpoint_every_n_steps={rung['checkpoint_every']}", "run.keep_last_checkpoints=1",
-        "trainer.progress_bar=false", "run.resume=auto",
-        # a folder killed before its first checkpoint holds nothing to resume: it starts again
-        f"run.overwrite={str(state == 'new' and folder.exists()).lower()}"]
-    return train(config_lib.load(grid.run_file, [*grid.overrides, *rung_overrides]))
+    def __init__(self, signum: Optional[int]):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
 
 
 def _duration(seconds: float) -> str:
@@ -243,9 +244,12 @@ def estimate_seconds(rungs: List[dict], flops_per_second: float) -> float:
 
 
 def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only: bool = False,
-               log: Callable = print) -> Optional[dict]:
-    """Train every unfinished rung (at most `max_rungs` in this call), then fit, predict and write the report."""
+               log: Callable = print, command: Optional[str] = None) -> Optional[dict]:
+    """Train every unfinished rung (at most `max_rungs` in this call), then fit, predict and write the report.
+    `log(text, end="\n")` prints like print (a rung's line is begun before it trains and ended after). `command`:
+    the command line that continues the ladder, printed when a signal stops it (LadderStopped is raised then)."""
     path = Path(grid_file)
+    command = command or f"lit-pretrain ladder {shlex.quote(str(path))}"
     grid = load_grid(path)
     rungs = plan_rungs(grid, path)
     fitted = [r for r in rungs if r["role"] == "fit"]
@@ -259,40 +263,90 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
             f"tokens_per_param {r['tokens_per_param']:>6.3g}  C {r['flops']:.3g}")
     if plan_only:
         return None
+    from lit_pretrain.scaling.ladder_rung import LadderSignals  # imports Lightning: not for --plan
+
+    log(f"each rung's output: {Path(grid.root_dir) / '<rung>' / 'train.log'}")
+    signals = LadderSignals().install()
+    try:
+        fitted = _train_rungs(grid, rungs, max_rungs, log, signals, command)
+        if fitted is False:
+            return None
+        from lit_pretrain.scaling.ladder_report import report, write_prediction
+
+        # every rung is complete now: a prediction.json from other fitted losses is written again before reporting
+        fitted = write_prediction(grid, rungs, log, fitted)
+        return report(grid, path, rungs, log=log, fitted=fitted)
+    finally:
+        signals.uninstall()
+
+
+def _train_rungs(grid: LadderGrid, rungs: List[dict], max_rungs: Optional[int], log: Callable, signals,
+                 command: str):
+    """The loop of run_ladder: the fit write_prediction made in this call (or None), or False where --max-rungs
+    stopped it; LadderStopped where a signal did."""
+    from lit_pretrain.scaling.ladder_rung import RungOutput, train_rung
+
     root = Path(grid.root_dir)
     started, trained, done_flops, fitted = time.perf_counter(), 0, 0.0, None
+
+    def stop(where: str):
+        log(f"ladder stopped by {signals.name} {where}; continue with: {command}")
+        raise LadderStopped(signals.signum)
+
     for k, rung in enumerate(rungs, start=1):
         folder = root / rung["name"]
         state = rung_state(folder, rung)
         head = f"rung {k} of {len(rungs)} {rung['name']} ({rung['role']}, C {rung['flops']:.3g})"
         if state == "finished":
-            loss = json.loads((folder / "summary.json").read_text())["final_val_loss"]
-            log(f"{head}: finished earlier, val loss {loss:.4f}, not trained again")
+            log(f"{head}: finished earlier, val loss {read_summary(folder)['final_val_loss']:.4f}, not trained again")
             continue
+        if signals.signum is not None:
+            stop(f"before rung {k} of {len(rungs)} {rung['name']}")
         if max_rungs is not None and trained >= max_rungs:
             log(f"stopping after {trained} rungs (--max-rungs {max_rungs}): run the same command again to continue")
-            return None
+            return False
         if rung["role"] == "held_out":
             from lit_pretrain.scaling.ladder_report import write_prediction
 
-            # every fitted rung is finished (rungs run in order of compute): predict before training this one
-            fitted = write_prediction(grid, rungs, log) or fitted
-        log(f"{head}: {'resuming from its checkpoint' if state == 'partial' else 'training'}")
+            # every fitted rung is complete (rungs run in order of compute): predict before training this one
+            fitted = write_prediction(grid, rungs, log, fitted)
+        resumed = f"resumed from step {checkpointed_step(folder)}, " if state == "partial" else ""
+        log(f"{head}: ", end="")
         rung_started = time.perf_counter()
-        summary = train_rung(grid, rung, state)
+        output = RungOutput(root, folder)
+        try:
+            summary = train_rung(grid, rung, state, signals, output)
+        except BaseException as err:
+            # A signal during the rung's start or final validation (Lightning's own SIGTERM handling raises
+            # SIGTERMException there): the rung's checkpoints stand, the next call continues from them.
+            if signals.signum is not None and not isinstance(err, KeyboardInterrupt):
+                log(f"stopped by {signals.name} before its next checkpoint (log {folder / 'train.log'})")
+                stop(f"in rung {k} of {len(rungs)} {rung['name']}")
+            log(f"failed: {type(err).__name__} (its output: {'below' if output.unplaced else folder / 'train.log'})")
+            if output.unplaced:  # refused before its folder was made: no log holds these lines
+                log(output.unplaced.rstrip("\n"))
+            raise
         trained += 1
+        if not rung_complete(summary, rung):
+            log(f"stopped by {signals.name} with its checkpoint of step {checkpointed_step(folder)} of "
+                f"{rung['steps']}; not fitted or reported until it is complete")
+            stop(f"in rung {k} of {len(rungs)} {rung['name']}")
         # a resumed rung trained only its remaining part in this call
         share = summary["session_train_seconds"] / summary["train_seconds"] if summary.get("train_seconds") else 1.0
         done_flops += rung["train_flops"] * share
         elapsed = time.perf_counter() - started
         rate = done_flops / elapsed if done_flops > 0 else grid.flops_per_second
         left = [r for r in rungs[k:] if rung_state(root / r["name"], r) != "finished"]
-        log(f"{head}: val loss {summary['final_val_loss']:.4f} in {_duration(time.perf_counter() - rung_started)}; "
+        log(f"{resumed}val loss {summary['final_val_loss']:.4f} in {_duration(time.perf_counter() - rung_started)}; "
             f"elapsed {_duration(elapsed)}, estimated time left {_duration(estimate_seconds(left, rate))} "
             f"({rate:.3g} FLOP/s so far)")
-    from lit_pretrain.scaling.ladder_report import report
+        if signals.signum is not None:  # it reached the rung as its last step was done
+            stop(f"after rung {k} of {len(rungs)} {rung['name']}")
+    return fitted
 
-    return report(grid, path, rungs, log=log, fitted=fitted)
+
+def _print(text: str = "", end: str = "\n") -> None:
+    print(text, end=end, flush=True)
 
 
 def main(argv=None) -> int:
@@ -301,13 +355,22 @@ def main(argv=None) -> int:
     parser.add_argument("--small", action="store_true", help=f"the small grid of seconds-long rungs ({SMALL_GRID})")
     parser.add_argument("--max-rungs", type=int, help="train at most this many rungs in this call, then stop")
     parser.add_argument("--plan", action="store_true", help="print the rungs and the time estimate; train nothing")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     grid = args.grid or (SMALL_GRID if args.small else DEFAULT_GRID)
+    command = " ".join(["lit-pretrain", "ladder", *map(shlex.quote, argv)])
     try:
-        run_ladder(grid, max_rungs=args.max_rungs, plan_only=args.plan, log=lambda *a: print(*a, flush=True))
+        run_ladder(grid, max_rungs=args.max_rungs, plan_only=args.plan, log=_print, command=command)
     except (ConfigError, DataError, RunFolderError) as err:
         print(f"lit-pretrain ladder: error: {err}", file=sys.stderr)
         return 2
+    except LadderStopped as stopped:
+        # 128 + the signal, as a shell reports a process ended by it (130 for Ctrl-C); SIGTERM's where the run's own
+        # handler took the signal
+        return 128 + (stopped.signum or signal.SIGTERM)
+    except KeyboardInterrupt:
+        print(f"\nlit-pretrain ladder: stopped at once by a second Ctrl-C; continue with: {command}", flush=True)
+        return 130
     return 0
 
 

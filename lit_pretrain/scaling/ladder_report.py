@@ -14,7 +14,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from lit_pretrain.errors import RunFolderError
 from lit_pretrain.scaling import fit as fit_lib
+from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete
 from lit_pretrain.scaling.laws import ParametricLaw
 
 # Hoffmann et al. 2022, Table 3: their compute-optimal models train on about 20 tokens per parameter (1B parameters,
@@ -68,18 +70,32 @@ def ratio_at(fitted: Dict, flops: float, level: float) -> Dict:
             "chinchilla_tokens_per_param": CHINCHILLA_TOKENS_PER_PARAM}
 
 
-def _row(root: Path, rung: dict) -> dict:
-    s = json.loads((root / rung["name"] / "summary.json").read_text())
-    return {**{k: rung[k] for k in ("name", "role", "shape", "params", "steps", "tokens", "tokens_per_param", "flops")},
-            "final_val_loss": s["final_val_loss"], "train_seconds": s.get("train_seconds"),
-            "tokens_per_second": s.get("tokens_per_second")}
+def complete_rows(root: Path, rungs: List[dict]) -> List[dict]:
+    """A row per rung whose summary.json records the whole rung (ladder_state.rung_complete); a rung short of its
+    planned steps (stopped by a signal, or not trained yet) has none: it is never fitted, predicted from or measured."""
+    rows = []
+    for rung in rungs:
+        s = read_summary(root / rung["name"])
+        if rung_complete(s, rung):
+            rows.append({**{k: rung[k] for k in ("name", "role", "shape", "params", "steps", "tokens",
+                                                   "tokens_per_param", "flops")},
+                         "final_val_loss": s["final_val_loss"], "train_seconds": s.get("train_seconds"),
+                         "tokens_per_second": s.get("tokens_per_second")})
+    return rows
 
 
 def fit_rungs(grid, rungs: List[dict]) -> Dict:
-    """The law fitted to the finished rungs at or below the compute limit (their summary.json), with its bootstrap."""
-    rows = [_row(Path(grid.root_dir), r) for r in rungs if r["role"] == "fit"]
+    """The law fitted to the complete rungs at or below the compute limit (their summary.json), with its bootstrap;
+    `excluded` names the fitted rungs left out as not complete."""
+    fit = [r for r in rungs if r["role"] == "fit"]
+    rows = complete_rows(Path(grid.root_dir), fit)
+    excluded = [r["name"] for r in fit if r["name"] not in {row["name"] for row in rows}]
+    if len(rows) < LAW_PARAMETERS + 1:
+        raise RunFolderError(f"{grid.root_dir}: {len(rows)} fitted rungs are complete, and L(N, D) needs at least "
+                             f"{LAW_PARAMETERS + 1}; not complete: {', '.join(excluded)}: run the ladder again to "
+                             "finish them")
     n, d, loss = (np.array([r[k] for r in rows], dtype=float) for k in ("params", "tokens", "final_val_loss"))
-    return {**fit_ladder(n, d, loss, grid.bootstrap, grid.interval), "rows": rows}
+    return {**fit_ladder(n, d, loss, grid.bootstrap, grid.interval), "rows": rows, "excluded": excluded}
 
 
 def predictions_of(grid, fitted: Dict, rungs: List[dict]) -> List[dict]:
@@ -95,22 +111,42 @@ def predictions_of(grid, fitted: Dict, rungs: List[dict]) -> List[dict]:
     return out
 
 
-def write_prediction(grid, rungs: List[dict], log: Callable = print) -> Optional[Dict]:
-    """<root_dir>/prediction.json: the held-out rungs' predicted losses, written once the fitted rungs are done and
-    before the first held-out rung trains; kept as it is afterwards (the record that the prediction came first).
-    Returns the fit it made (None when the file was there), which `report` reuses: the fit is seeded."""
+def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Optional[Dict] = None) -> Dict:
+    """<root_dir>/prediction.json: the held-out rungs' predicted losses from the complete fitted rungs, written
+    before the first held-out rung trains, with the fitted losses it came from. Kept while those are the same (the
+    record that the prediction came first); written again where they changed (a rung fitted earlier was partial, or
+    was trained again), naming the held-out rungs already measured then. Returns the fit (`fitted`, or made here),
+    which `report` reuses: the fit is seeded."""
     from lit_pretrain.resume.atomic import atomic_write_bytes
 
+    fitted = fitted or fit_rungs(grid, rungs)
+    inputs = {r["name"]: r["final_val_loss"] for r in fitted["rows"]}
     path = Path(grid.root_dir) / "prediction.json"
-    if path.is_file():
-        return None
-    fitted = fit_rungs(grid, rungs)
-    record = {"predictions": predictions_of(grid, fitted, rungs),
+    old = json.loads(path.read_text()) if path.is_file() else None
+    if old is not None and _same_inputs(old, inputs, predictions_of(grid, fitted, rungs)):
+        return fitted
+    measured = [r["name"] for r in complete_rows(Path(grid.root_dir), rungs) if r["role"] == "held_out"]
+    record = {"predictions": predictions_of(grid, fitted, rungs), "fitted_val_losses": inputs,
+              "held_out_measured_before": measured,
               "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
+    if old is not None:
+        log(f"{path} written again: the fitted rungs' losses differ from those it was predicted from"
+            + (f" (measured already: {', '.join(measured)})" if measured else ""))
     for p in record["predictions"]:
-        log(f"predicted {p['name']} before training it: {p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}")
+        when = "after measuring it" if p["name"] in measured else "before training it"
+        log(f"predicted {p['name']} {when}: {p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}")
     return fitted
+
+
+def _same_inputs(old: Dict, inputs: Dict[str, float], predictions: List[dict]) -> bool:
+    """Whether a prediction.json came from these fitted losses; one written before it recorded them, from its
+    predicted losses (the fit is seeded: the same losses give the same predictions)."""
+    if "fitted_val_losses" in old:
+        return old["fitted_val_losses"] == inputs
+    before = {p["name"]: p["predicted_loss"] for p in old.get("predictions", [])}
+    return set(before) == {p["name"] for p in predictions} and all(
+        math.isclose(before[p["name"]], p["predicted_loss"], rel_tol=1e-9) for p in predictions)
 
 
 def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitted: Optional[Dict] = None) -> dict:
@@ -119,15 +155,17 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     from lit_pretrain.resume.atomic import atomic_write_bytes
 
     root = Path(grid.root_dir)
-    rows = [_row(root, r) for r in rungs]
+    rows = complete_rows(root, rungs)  # a rung short of its planned steps is not reported as measured
     fitted = fitted or fit_rungs(grid, rungs)
     law, fit_rows = fitted["law"], fitted["rows"]
     measured = {r["name"]: r["final_val_loss"] for r in rows}
-    predictions = [{**p, "measured_loss": measured[p["name"]],
-                    "relative_error": (p["predicted_loss"] - measured[p["name"]]) / measured[p["name"]]}
+    predictions = [{**p, "measured_loss": measured.get(p["name"]),
+                    "relative_error": (p["predicted_loss"] - measured[p["name"]]) / measured[p["name"]]
+                    if p["name"] in measured else None}
                    for p in predictions_of(grid, fitted, rungs)]
     written = root / "prediction.json"
     predicted_at = json.loads(written.read_text()).get("written_at") if written.is_file() else None
+    unfinished = [r["name"] for r in rungs if r["name"] not in measured]
     largest_held = max(p["flops"] for p in predictions)
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
@@ -141,6 +179,7 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
         "compute_optimal": {"at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval),
                             "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval)},
         "predictions": predictions, "prediction_written_at": predicted_at, "goal": GOAL, "rungs": rows,
+        "unfinished_rungs": unfinished,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     root.mkdir(parents=True, exist_ok=True)
@@ -153,8 +192,9 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
         f"{_interval(ratio['interval'], '.1f')} at C {largest_held:.3g} (Chinchilla: 20)")
     for p in predictions:
         log(f"held-out {p['name']} ({p['compute_over_largest_fitted']:.1f}x the largest fitted compute): predicted "
-            f"{p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}, measured {p['measured_loss']:.4f}, "
-            f"relative error {100 * p['relative_error']:+.2f}%")
+            f"{p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}, " + (
+                f"measured {p['measured_loss']:.4f}, relative error {100 * p['relative_error']:+.2f}%"
+                if p["measured_loss"] is not None else "not measured: the rung is not complete"))
     log(f"wrote {root / 'report.json'}, {root / 'report.md'}, {root / 'ladder.png'}")
     return result
 
@@ -183,19 +223,23 @@ def markdown(result: dict) -> str:
     lines += ["", "| held-out rung | C | C / largest fitted | predicted | interval | measured | relative error |",
               "|---|---|---|---|---|---|---|"]
     for p in result["predictions"]:
+        measured, error = ("not complete", "-") if p["measured_loss"] is None else \
+            (f"{p['measured_loss']:.4f}", f"{100 * p['relative_error']:+.2f}%")
         lines.append(f"| {p['name']} | {p['flops']:.3g} | {p['compute_over_largest_fitted']:.1f} | "
-                     f"{p['predicted_loss']:.4f} | {_interval(p['interval'], '.4f')} | {p['measured_loss']:.4f} | "
-                     f"{100 * p['relative_error']:+.2f}% |")
+                     f"{p['predicted_loss']:.4f} | {_interval(p['interval'], '.4f')} | {measured} | {error} |")
     far = max(result["predictions"], key=lambda p: p["flops"])
     lo, hi = far["interval_relative"]
+    error = f"relative error {100 * far['relative_error']:+.2f}%" if far["relative_error"] is not None else \
+        "not measured (the rung is not complete)"
     lines += ["", f"Goal: {result['goal']}. Measured on {far['name']} ({far['compute_over_largest_fitted']:.1f}x): "
-              f"relative error {100 * far['relative_error']:+.2f}%, interval {100 * lo:+.2f}% .. {100 * hi:+.2f}% "
-              "of the prediction.", "", "| rung | role | N | D | tokens/param | C | val loss | train s |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"{error}, interval {100 * lo:+.2f}% .. {100 * hi:+.2f}% of the prediction.", "",
+              "| rung | role | N | D | tokens/param | C | val loss | train s |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rungs"]:
         seconds = f"{r['train_seconds']:.0f}" if r.get("train_seconds") is not None else "-"
         lines.append(f"| {r['name']} | {r['role']} | {r['params']:,} | {r['tokens']:,} | {r['tokens_per_param']:.3g} "
                      f"| {r['flops']:.3g} | {r['final_val_loss']:.4f} | {seconds} |")
+    if result.get("unfinished_rungs"):
+        lines += ["", f"Not complete (not fitted, not measured): {', '.join(result['unfinished_rungs'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -228,8 +272,9 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
         ax.errorbar([p["flops"]], [p["predicted_loss"]], yerr=[[p["predicted_loss"] - lo], [hi - p["predicted_loss"]]],
                     fmt="s", color="tab:red", capsize=4, mfc="none",
                     label=f"prediction, {level:.0%} bootstrap interval" if j == 0 else None)
-        ax.plot([p["flops"]], [p["measured_loss"]], "*", color="tab:red", ms=12,
-                label="held-out rung, measured" if j == 0 else None)
+        if p["measured_loss"] is not None:
+            ax.plot([p["flops"]], [p["measured_loss"]], "*", color="tab:red", ms=12,
+                    label="held-out rung, measured" if j == 0 else None)
     ax.axvline(result["compute_limit_flops"], color="grey", lw=0.8, ls=":", label="compute limit of the fit")
     ax.set(xscale="log", xlabel="training compute C = 6ND (FLOPs)", ylabel="final validation loss (nats / token)",
            title="model ladder: fitted below the limit, predicted above")
