@@ -335,7 +335,7 @@ def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(t
     ref_grid = ladder.load_grid(ref_path)
     from lit_pretrain.scaling.ladder_rung import LadderSignals, train_rung
 
-    uninterrupted = train_rung(ref_grid, ladder.plan_rungs(ref_grid, ref_path)[1], "new", LadderSignals())
+    uninterrupted = train_rung(ref_grid, ladder.plan_rungs(ref_grid, ref_path)[1], LadderSignals())
     assert (uninterrupted["final_val_loss"], uninterrupted["final_train_loss"]) == (
         second["final_val_loss"], second["final_train_loss"])
     assert result["rungs"][1]["final_val_loss"] == uninterrupted["final_val_loss"]

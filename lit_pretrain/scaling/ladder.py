@@ -315,7 +315,7 @@ def _train_rungs(grid: LadderGrid, rungs: List[dict], max_rungs: Optional[int], 
         rung_started = time.perf_counter()
         output = RungOutput(root, folder)
         try:
-            summary = train_rung(grid, rung, state, signals, output)
+            summary = train_rung(grid, rung, signals, output)
         except BaseException as err:
             # A signal during the rung's start or final validation (Lightning's own SIGTERM handling raises
             # SIGTERMException there): the rung's checkpoints stand, the next call continues from them.

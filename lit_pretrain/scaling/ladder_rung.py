@@ -153,10 +153,12 @@ class RungOutput:
                 pass
 
 
-def train_rung(grid, rung: dict, state: str, signals: LadderSignals, output: Optional[RungOutput] = None) -> dict:
+def train_rung(grid, rung: dict, signals: LadderSignals, output: Optional[RungOutput] = None) -> dict:
     """Train one rung through `lit-pretrain train`'s entry point, its output into its folder's log; return its
     summary (of fewer steps than planned when a signal stopped it at a checkpoint)."""
     from lit_pretrain import config as config_lib
+    from lit_pretrain.resume.preemption import Interrupted
+    from lit_pretrain.scaling.ladder_state import read_summary
     from lit_pretrain.train import train
 
     root = Path(grid.root_dir)
@@ -167,9 +169,12 @@ def train_rung(grid, rung: dict, state: str, signals: LadderSignals, output: Opt
         f"trainer.max_steps={rung['steps']}", f"schedule.warmup_steps={rung['warmup_steps']}",
         f"model.n_layers={shape['n_layers']}", f"model.d_model={shape['d_model']}", f"model.n_heads={shape['n_heads']}",
         f"trainer.checkpoint_every_n_steps={rung['checkpoint_every']}", "run.keep_last_checkpoints=1",
-        "run.resume=auto",
-        # a folder killed before its first checkpoint holds nothing to resume: it starts again
-        f"run.overwrite={str(state == 'new' and folder.exists()).lower()}"]
+        # a folder killed before its first checkpoint holds nothing to resume: run.resume=auto starts it again and
+        # keeps the killed attempt's files in its attempts/ folder
+        "run.resume=auto"]
     cfg = config_lib.load(grid.run_file, [*grid.overrides, *rung_overrides])
     with output or RungOutput(root, folder) as out:
-        return train(cfg, extra_callbacks=[StopRung(signals, out)])
+        try:
+            return train(cfg, extra_callbacks=[StopRung(signals, out)])
+        except Interrupted:  # a Ctrl-C the run took: its checkpoint and summary are written, the ladder stops
+            return read_summary(folder)
