@@ -25,7 +25,7 @@ A key that holds a list of strings takes one string as a one-element list, in a 
 
 What a config names outside itself is checked when it loads (`check_inputs`), so `show` refuses what `train` would:
 every data.paths entry exists (data/locate.py), and every callbacks.extra `module:Class` imports, is a Lightning
-Callback and takes its init_args (callbacks/__init__.py: the module is looked up on sys.path, then in the run
+Callback and takes its init_args (callbacks/user.py: the module is looked up on sys.path, then in the run
 file's folder, then in the working directory).
 """
 
@@ -284,12 +284,12 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), c
 def check_inputs_exist(config: Config, run_file: Optional[Path]) -> None:
     """What the config names outside itself, as `prepare` and `train` will look for it: every data.paths entry
     (relative to the working directory), and each callbacks.extra module, imported now (sys.path, then the run
-    file's folder, then the working directory: callbacks.import_user_module)."""
+    file's folder, then the working directory: callbacks/user.py: import_user_module)."""
     from lit_pretrain.data.locate import check_paths_exist
 
     check_paths_exist(config.data)
     if config.callbacks.extra:
-        from lit_pretrain.callbacks import user_classes  # imports Lightning: only when a user callback is named
+        from lit_pretrain.callbacks.user import user_classes  # imports Lightning: only when a user callback is named
 
         folders = [run_file.resolve().parent] if run_file is not None else []
         user_classes(config.callbacks, folders)

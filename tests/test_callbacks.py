@@ -3,7 +3,7 @@
 import lightning as L
 import pytest
 
-from lit_pretrain.callbacks import user_callbacks
+from lit_pretrain.callbacks.user import user_callbacks
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.schema import CallbacksConfig, CallbackSpec
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lit_pretrain import config
-from lit_pretrain.callbacks import user_callbacks
+from lit_pretrain.callbacks.user import user_callbacks
 from lit_pretrain.data.corpus import iter_documents
 from lit_pretrain.data.shards import load_manifest, verify_shards
 from lit_pretrain.errors import ConfigError, DataError

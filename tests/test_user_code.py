@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_pretrain import cli, config
-from lit_pretrain.callbacks import user_callbacks
+from lit_pretrain.callbacks.user import user_callbacks
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model_config import GPTConfig
 from lit_pretrain.module import PretrainModule
