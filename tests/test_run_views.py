@@ -37,13 +37,13 @@ def write_run(folder: Path, rows, summary=None, config=None, latest=None) -> Pat
     return folder
 
 
-# Run a: finished, 512 tokens per step. Lightning's step column is the 0-based step index (tokens_seen = (step+1)
-# × 512); the throughput monitor logs at the count of steps done (step 5 = 5 × 512 tokens).
+# Run a: finished, 512 tokens per step. Every row's step is the optimizer steps completed (tokens_seen = step × 512),
+# the module's rows and the monitors' alike.
 RUN_A = [
-    {"step": 4, "train/loss": 6.0, "train/tokens_seen": 2560, "train/lr": 1e-3, "train/grad_norm": 0.9},
+    {"step": 5, "train/loss": 6.0, "train/tokens_seen": 2560, "train/lr": 1e-3, "train/grad_norm": 0.9},
     {"step": 5, "throughput/tokens_per_s": 1000.0},
-    {"step": 9, "train/loss": 5.5, "train/tokens_seen": 5120, "train/lr": 5e-4, "train/grad_norm": 0.7},
-    {"step": 9, "val/loss": 5.6},
+    {"step": 10, "train/loss": 5.5, "train/tokens_seen": 5120, "train/lr": 5e-4, "train/grad_norm": 0.7},
+    {"step": 10, "val/loss": 5.6},
     {"step": 10, "throughput/tokens_per_s": 1200.0},
 ]
 SUMMARY_A = {"steps": 10, "tokens_seen": 5120, "tokens_per_step": 512, "flops_per_token": 1000,
@@ -51,8 +51,8 @@ SUMMARY_A = {"steps": 10, "tokens_seen": 5120, "tokens_per_step": 512, "flops_pe
 # Run b: still training (no summary), 1024 tokens per step known only from its train rows; no gradient norm, no
 # throughput, no validation yet.
 RUN_B = [
-    {"step": 1, "train/loss": 6.2, "train/tokens_seen": 2048, "train/lr": 2e-3},
-    {"step": 3, "train/loss": 5.9, "train/tokens_seen": 4096, "train/lr": 1e-3},
+    {"step": 2, "train/loss": 6.2, "train/tokens_seen": 2048, "train/lr": 2e-3},
+    {"step": 4, "train/loss": 5.9, "train/tokens_seen": 4096, "train/lr": 1e-3},
 ]
 
 

@@ -13,6 +13,7 @@ publishes after the manifest, from the writer's thread when `async_save`, and th
 and a preemption wait for that write.
 """
 
+import signal
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -34,6 +35,9 @@ class StepCheckpoint(Callback):
         self._saved_step: Optional[int] = None
         self._at_boundary = True
         self.preempted = False
+        """A signal stopped the run at a checkpoint (summary.json's status `preempted`: run_state.py)."""
+        self.stop_signal: Optional[str] = None
+        """The signal's name as this rank received it; None when another rank's signal stopped this one."""
         self._metrics_rows = 0
         self._due = False  # a periodic checkpoint postponed from an epoch's first batch
         self._in_flight = 0
@@ -72,6 +76,8 @@ class StepCheckpoint(Callback):
         if preempt:
             self.wait()  # the checkpoint is on disk before the process exits
             self.preempted = True
+            self.stop_signal = (signal.Signals(self.flag.signum).name
+                                if self.flag is not None and self.flag.signum is not None else None)
             trainer.should_stop = True
             if trainer.is_global_zero:
                 print(f"preemption: checkpoint at step {step} written, stopping", flush=True)

@@ -26,6 +26,7 @@ from typing import Callable, List, Optional
 import yaml
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+from lit_pretrain.run_state import is_finished
 
 DEFAULT_GRID = Path("experiments") / "ladder" / "default.yaml"
 SMALL_GRID = Path("experiments") / "ladder" / "tiny.yaml"
@@ -198,15 +199,17 @@ def check_fittable(rungs: List[dict], grid: LadderGrid, path: Path) -> None:
 
 
 def rung_state(folder: Path, rung: dict) -> str:
-    """finished (summary.json of the planned steps and size), partial (a checkpoint to resume), or new."""
+    """finished (summary.json `finished`, of the planned steps and size), partial (a checkpoint to resume), or new.
+    A summary that is not finished (running, preempted, failed: run_state.py) holds no size yet, or only a
+    partial run's."""
     summary = folder / "summary.json"
     if summary.is_file():
         s = json.loads(summary.read_text())
-        if s.get("params") != rung["params"] or (s.get("steps") or 0) > rung["steps"]:
+        if is_finished(s) and s.get("params") != rung["params"] or (s.get("steps") or 0) > rung["steps"]:
             raise RunFolderError(f"{folder} holds a run of {s.get('params')} parameters and {s.get('steps')} steps, "
                                  f"not the rung's {rung['params']} and {rung['steps']}: move it away or set another "
                                  "root_dir in the grid file (a rung folder is never overwritten)")
-        if s.get("steps") == rung["steps"] and s.get("final_val_loss") is not None:
+        if is_finished(s) and s.get("steps") == rung["steps"] and s.get("final_val_loss") is not None:
             return "finished"
     from lit_pretrain.resume.store import step_files
 
