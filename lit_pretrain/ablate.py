@@ -29,6 +29,7 @@ import yaml
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
 from lit_pretrain.paths import confined, is_safe_name
 from lit_pretrain.resume.atomic import atomic_open
+from lit_pretrain.run_state import is_finished
 from lit_pretrain.runs import read_metrics, series
 
 ABLATIONS = Path("experiments") / "ablations"
@@ -69,14 +70,14 @@ def train_arm(ablation: Ablation, arm: str, root: Path, log=print) -> dict:
     """Train one arm (or reuse its finished summary); return the summary."""
     folder = root / ablation.name / arm
     summary = folder / "summary.json"
-    if summary.is_file():
+    if summary.is_file() and is_finished(json.loads(summary.read_text())):
         log(f"reuse {ablation.name}/{arm}")
         return json.loads(summary.read_text())
     from lit_pretrain import config as config_lib
     from lit_pretrain.train import train
 
     overrides = [*ablation.overrides, *ablation.arms[arm], f"run.name={arm}", f"run.root_dir={root / ablation.name}",
-                 # an interrupted arm (a folder without summary.json) starts again from scratch
+                 # an interrupted arm (summary.json not `finished`: run_state.py) starts again from scratch
                  f"run.overwrite={str(folder.exists()).lower()}"]
     log(f"train {ablation.name}/{arm}: {' '.join(ablation.arms[arm]) or '(shared overrides only)'}")
     return train(config_lib.load(ablation.run_file, overrides))

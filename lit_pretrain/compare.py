@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.run_table import RunRecord, read_run
+from lit_pretrain.run_table import RunRecord, read_run, status, steps_logged
 
 
 @dataclass
@@ -47,9 +47,6 @@ PANELS = {
 LOSSES = (("train/loss", "train", False), ("val/loss", "val", True))
 SINGLE = {"lr": ("train/lr",), "grad_norm": ("train/grad_norm", "grad_norm/mean"),
           "throughput": ("throughput/tokens_per_s",)}
-# ThroughputMonitor logs at trainer.global_step after the step (steps done); Lightning's self.log rows and the
-# gradient-norm monitor at the 0-based index of the step (steps done - 1).
-STEP_IS_COUNT = ("throughput/",)
 
 
 def tokens_per_step(run: RunRecord) -> Optional[float]:
@@ -61,15 +58,15 @@ def tokens_per_step(run: RunRecord) -> Optional[float]:
     if configured:
         return float(configured)
     for r in run.rows:
-        if "train/tokens_seen" in r and "step" in r:
-            return r["train/tokens_seen"] / (r["step"] + 1)
+        if "train/tokens_seen" in r and r.get("step"):
+            return r["train/tokens_seen"] / r["step"]
     return None
 
 
 def points(run: RunRecord, key: str, per_step: float) -> tuple:
-    """(tokens seen, value) of every metrics row holding `key`, in file order."""
-    offset = 0 if key.startswith(STEP_IS_COUNT) else 1
-    pairs = [((r["step"] + offset) * per_step, r[key]) for r in run.rows if key in r and "step" in r]
+    """(tokens seen, value) of every metrics row holding `key`, in file order (every row's step is the optimizer
+    steps completed when it was measured: lit_pretrain/step_axis.py)."""
+    pairs = [(r["step"] * per_step, r[key]) for r in run.rows if key in r and "step" in r]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -77,6 +74,19 @@ def labels(runs: Sequence[RunRecord]) -> List[str]:
     """Each run's folder name, or its whole path where two runs share a folder name (runs/a/x and other/x)."""
     names = [r.name for r in runs]
     return [r.name if names.count(r.name) == 1 else str(r.path) for r in runs]
+
+
+def state_of(run: RunRecord) -> str:
+    """'' for a finished run; else its state as `runs` shows it, with the steps done and planned (a preempted,
+    failed, killed or running run's curves stop short of what it was planned to train)."""
+    state = status(run)
+    if state == "finished":
+        return ""
+    s = run.summary or {}
+    done = s.get("steps") if s.get("status") == "preempted" else steps_logged(run.rows)
+    planned = s.get("max_steps") or (run.config.get("trainer") or {}).get("max_steps")
+    steps = f"{done if done is not None else 0} of {planned} steps" if planned else f"{done or 0} steps"
+    return f"{state}; {steps}"
 
 
 def panels(runs: Sequence[RunRecord]) -> Dict[str, Panel]:
@@ -184,5 +194,8 @@ def compare(run_dirs: Sequence[str], out: str) -> List[str]:
     runs = [read_run(Path(p)) for p in run_dirs]
     check_out(Path(out))  # before reading anything heavy or drawing
     all_panels = panels(runs)
-    plot(all_panels, labels(runs), Path(out))
-    return [f"{p.title}: {n}" for p in all_panels.values() for n in p.notes]
+    states = [state_of(r) for r in runs]
+    # The legend names each run with its state where it is not finished: a curve that stops short reads as such.
+    plot(all_panels, [f"{name} ({state})" if state else name for name, state in zip(labels(runs), states)], Path(out))
+    return [f"{name}: {state}" for name, state in zip(labels(runs), states) if state] + \
+        [f"{p.title}: {n}" for p in all_panels.values() for n in p.notes]

@@ -22,6 +22,7 @@ from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.resume.verified import sidecar_path, verify
 from lit_pretrain.schedule import lr_lambda
 from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
+from lit_pretrain.step_axis import log_at_steps_completed
 from lit_pretrain.step_guard import StepGuard
 
 
@@ -117,6 +118,10 @@ class PretrainModule(L.LightningModule):
             self.parallel = apply_plan(self.model, plan, fsdp_mesh=fsdp_mesh)
 
     def setup(self, stage: str) -> None:
+        if self._trainer is not None:
+            # Every row this module and the callbacks log is tagged with the optimizer steps completed, the step of
+            # checkpoint names and summary.json (Lightning's own tag is one less during fit).
+            log_at_steps_completed(self._trainer)
         # Refused rather than honoured: this module clips by the global norm of the whole (under FSDP, sharded)
         # gradient in configure_gradient_clipping, and the gradient-norm monitor reports clipping against
         # optim.grad_clip_norm. Honouring Lightning's argument as well would give one threshold two sources that
@@ -167,6 +172,11 @@ class PretrainModule(L.LightningModule):
         # The step boundary of the guard: Lightning calls this before every micro-batch, after the callbacks' own
         # on_train_batch_start and before any backward, so every callback that reads the guard sees this step's.
         self.step_guard.begin(self.global_step)
+        if self._trainer is not None and self._trainer.should_stop:
+            # A stop decided at this step boundary (a preemption's checkpoint was just written by StepCheckpoint's
+            # on_train_batch_start, which runs before this hook): end the epoch before the batch trains, so the run
+            # ends at the step of its checkpoint. Lightning would otherwise train this batch before checking.
+            return -1
 
     def on_train_start(self):
         self._loss_sum = torch.zeros((), device=self.device)

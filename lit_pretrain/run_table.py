@@ -1,7 +1,8 @@
 """Read run folders without torch or Lightning: what `lit-pretrain runs` tabulates and `compare` plots.
 
 A run folder (lit_pretrain/runs.py) holds config.yaml when training starts, metrics.csv as Lightning's CSVLogger
-flushes it, checkpoints/ with a `latest` pointer after each checkpoint, and summary.json once training has ended.
+flushes it, checkpoints/ with a `latest` pointer after each checkpoint, and summary.json from the start, whose
+`status` says what the run is (lit_pretrain/run_state.py). Every `step` is optimizer steps completed.
 """
 
 import csv
@@ -13,10 +14,12 @@ from typing import Dict, List, Optional
 
 import yaml
 
+from lit_pretrain import run_state
 from lit_pretrain.errors import DataError
-from lit_pretrain.runs import read_metrics
+from lit_pretrain.runs import in_use, read_metrics
 
-# A run without a summary whose folder changed this recently is taken to be training still. CSVLogger flushes
+# A run folder from before summary.json's start record (no summary) whose folder changed this recently is taken to
+# be training still. CSVLogger flushes
 # metrics every 100 logged rows and at each checkpoint, so a slow run can look idle for a while: runs --active-minutes.
 ACTIVE_MINUTES = 15.0
 
@@ -82,9 +85,8 @@ def last_value(rows: List[Dict[str, float]], key: str) -> Optional[float]:
 
 
 def steps_logged(rows: List[Dict[str, float]]) -> Optional[int]:
-    """Optimizer steps done at the last train/loss row. Lightning's `step` column is the 0-based index of the
-    optimizer step a train row belongs to (the row with train/tokens_seen = 5 × tokens_per_step has step 4)."""
-    steps = [int(r["step"]) + 1 for r in rows if "train/loss" in r and "step" in r]
+    """Optimizer steps done at the last train/loss row (its `step`: steps completed, lit_pretrain/step_axis.py)."""
+    steps = [int(r["step"]) for r in rows if "train/loss" in r and "step" in r]
     return max(steps) if steps else None
 
 
@@ -103,15 +105,27 @@ def newest_change(path: Path) -> float:
     return max((p.stat().st_mtime for p in candidates if p.exists()), default=0.0)
 
 
-def status(run: RunRecord, now: Optional[float] = None, active_minutes: float = ACTIVE_MINUTES) -> str:
-    """finished, running, resumable or failed, decided in this order:
+def held(path: Path) -> Optional[bool]:
+    """Whether a live start holds the run folder (its lock on the marker, runs.in_use); None when it cannot be
+    asked (a folder this user may not write to)."""
+    try:
+        return in_use(path)
+    except OSError:
+        return None
 
-    - finished: summary.json exists and its `steps` is at least the last step in metrics.csv (train() writes the
-      summary after its last step; a summary that metrics.csv has outgrown is from before a resume).
-    - running: otherwise, if the folder, metrics.csv or checkpoints/latest changed in the last `active_minutes`.
-    - resumable: otherwise, if checkpoints/latest names an existing checkpoint (`run.resume=auto` continues it).
-    - failed: none of these (stopped before its summary with no checkpoint to continue from).
+
+def status(run: RunRecord, now: Optional[float] = None, active_minutes: float = ACTIVE_MINUTES) -> str:
+    """What summary.json's `status` says (run_state.describe): finished; running while a live process holds the
+    folder, killed once none does (SIGKILL, out of memory: nothing wrote an end); preempted or failed; each but
+    finished and running with ", resumes from step k" when a checkpoint is there to continue from.
+
+    A run folder from before summary.json had a status (no summary during training; a summary without `status`
+    at its end) is judged as it was then: finished if its summary's `steps` is at least the last step in
+    metrics.csv; else running if the folder changed in the last `active_minutes`; else resumable with a
+    checkpoint, failed without.
     """
+    if run.summary is not None and "status" in run.summary:
+        return run_state.describe(run.summary, held(run.path), run.path)
     logged = steps_logged(run.rows)
     if run.summary is not None and (logged is None or (run.summary.get("steps") or 0) >= logged):
         return "finished"
@@ -122,11 +136,12 @@ def status(run: RunRecord, now: Optional[float] = None, active_minutes: float = 
 
 
 def row(run: RunRecord, now: Optional[float] = None, active_minutes: float = ACTIVE_MINUTES) -> Dict[str, object]:
-    """One table row. A finished run's numbers come from its summary; any other run's from its last metrics rows
-    (tokens/s is then the last logged throughput/tokens_per_s: the rate of the latest interval, not the mean).
-    Bits per byte is the summary's val_bits_per_byte (written by the held-out evaluation when it ran), else '-'."""
+    """One table row. A finished or preempted run's numbers come from its summary (written at its end: a preempted
+    run's steps are its checkpoint's); any other run's from its last metrics rows (tokens/s is then the last logged
+    throughput/tokens_per_s: the rate of the latest interval, not the mean). Bits per byte is the summary's
+    val_bits_per_byte (written by the held-out evaluation when it ran), else '-'."""
     state = status(run, now, active_minutes)
-    if state == "finished":
+    if state == run_state.FINISHED or state.startswith(run_state.PREEMPTED):
         s = run.summary
         values = [s.get("steps"), s.get("tokens_seen"), s.get("final_train_loss"), s.get("final_val_loss"),
                   s.get("val_bits_per_byte"), s.get("tokens_per_second")]

@@ -337,8 +337,9 @@ LOGGERS = ("csv", "tensorboard", "wandb")
 @dataclass
 class ProfileConfig:
     start_step: int = field(default=5, metadata={"ge": 0})
-    """The first optimizer step profiled, counted from 0 (trainer.global_step when it starts): the first steps are
-    atypical (allocations, lazy initialization), so the default skips five."""
+    """Optimizer steps completed before the window opens (trainer.global_step), so the trace holds the steps that
+    metrics.csv numbers start_step + 1 .. start_step + steps: the first steps are atypical (allocations, lazy
+    initialization), so the default skips five."""
     steps: int = field(default=3, metadata={"ge": 1})
     """Optimizer steps profiled (all their micro-batches, and any validation that falls inside)."""
 

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config as config_lib
-from lit_pretrain import console
+from lit_pretrain import console, run_state
 from lit_pretrain.callbacks import build_callbacks
 from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
@@ -31,6 +31,7 @@ from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, check_vocab, com
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.world import check_launcher_world
 from lit_pretrain.resume import session as resume_session
+from lit_pretrain.resume import store as checkpoint_store
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.compat import run_meta as resume_meta
 from lit_pretrain.resume.preemption import Interrupted, resume_command
@@ -189,10 +190,15 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     )
 
     resume_session.make_run_dir(plan, c.run)  # on rank 0: new (with its marker), or the resumed one as it is
+    start = None
     try:
         resume_session.continue_metrics(plan)
         if is_primary_process():
             config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
+            # summary.json says `running` until the run ends (run_state.py); on resume it replaces the last end's.
+            first = checkpoint_store.meta_of(plan.checkpoint).get("step", 0) if plan.checkpoint is not None else 0
+            start = run_state.start_record(c.run.name, first, c.trainer.max_steps)
+            write_summary(run_dir, start)
         with warnings.catch_warnings():
             # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
             # already refused to reuse a folder from another run.
@@ -200,16 +206,23 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
             if is_primary_process():
                 print(compiling.note(), flush=True)
             trainer.fit(module, datamodule=datamodule, ckpt_path=plan.checkpoint)
-    except BaseException:
+    except BaseException as err:
         # A start that failed before any checkpoint or metric was written: remove the folder it made (rank 0 only,
         # confined to run.root_dir, marker checked), so the retry after fixing the cause is not refused.
         if plan.created and remove_failed_start(c.run.root_dir, run_dir):
             print(f"removed {run_dir} again: the run failed before writing a checkpoint or a metric", flush=True)
+        elif start is not None:  # rank 0, folder kept: its summary says failed, with the error and where to resume
+            try:
+                write_summary(run_dir, run_state.failed_record(start, trainer.global_step, err, run_dir))
+            except OSError:
+                pass  # the error that ended the run is the one to report, not this one
         resume_session.release(plan)  # after the removal: no other start can have claimed the folder in between
         raise
     # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if c.trainer.max_steps % c.trainer.val_every_n_steps:
+    stepper = next(cb for cb in callbacks if isinstance(cb, StepCheckpoint))
+    status = run_state.end_status(trainer.global_step, c.trainer.max_steps, stepper.preempted)
+    if status == run_state.FINISHED and c.trainer.max_steps % c.trainer.val_every_n_steps:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the final validation loss is always measured
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
@@ -235,7 +248,13 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         "tokens_per_step": tokens_per_step,
         "accumulate_grad_batches": accumulate,
         "world_size": trainer.world_size,
-        "steps": trainer.global_step,
+        "status": status,  # run_state.py: running / preempted / failed / finished
+        "steps": trainer.global_step,  # optimizer steps completed (a preempted run: its checkpoint's step)
+        "max_steps": c.trainer.max_steps,
+        "resume_step": run_state.resume_step(run_dir) if status != run_state.FINISHED else None,
+        **({"stop_signal": stepper.stop_signal} if status == run_state.PREEMPTED else {}),
+        **({"error": stop_reason(callbacks, trainer.global_step, c.trainer.max_steps)}
+           if status == run_state.FAILED else {}),
         "final_train_loss": metrics.get("train/loss"),
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
@@ -268,6 +287,12 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         raise Interrupted(trainer.global_step, f"interrupted: checkpoint at step {trainer.global_step} written; "
                           f"resume with: {resume_command()}" if trainer.is_global_zero else "")
     return summary
+
+
+def stop_reason(callbacks: list, steps: int, max_steps: int) -> str:
+    """Why a run that no signal stopped ended short of its planned steps: a stability callback's reason."""
+    reasons = [cb.stop_reason for cb in callbacks if getattr(cb, "stop_reason", None)]
+    return reasons[0] if reasons else f"training stopped at step {steps} of trainer.max_steps={max_steps}"
 
 
 def mixture_summary(c: Config, datamodule: TokenShardDataModule, metrics: dict) -> dict:

@@ -64,3 +64,15 @@ class SlowWrite(Callback):
             from lit_pretrain.resume.sharded import save as sharded
 
             sharded.WRITE_DELAY = 60.0
+
+
+class Raise(Callback):
+    """Raises RuntimeError at the start of optimizer step `step` + 1 (global_step == step): an exception that ends a
+    run inside fit."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"injected fault at step {self.step}")

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from lightning.pytorch.callbacks import Callback
 
+from lit_pretrain import run_table
 from lit_pretrain.errors import ConfigError, RunFolderError
 from lit_pretrain.scaling import ladder
 from lit_pretrain.scaling.ladder_report import (
@@ -143,6 +144,14 @@ def test_rung_state_reads_the_run_folder(tmp_path):
     assert ladder.rung_state(folder, rung) == "partial"
     (folder / "summary.json").write_text(json.dumps({"params": 12336, "steps": 20, "final_val_loss": 6.0}))
     assert ladder.rung_state(folder, rung) == "finished"
+    # only a `finished` status finishes it (run_state.py): a start record (no size yet) or a failed run resumes
+    for record in ({"status": "running", "steps": 10, "max_steps": 20},
+                   {"status": "failed", "params": 12336, "steps": 20, "max_steps": 21, "final_val_loss": 6.0}):
+        (folder / "summary.json").write_text(json.dumps(record))
+        assert ladder.rung_state(folder, rung) == "partial"
+    (folder / "summary.json").write_text(json.dumps({"status": "finished", "params": 12336, "steps": 20,
+                                                     "max_steps": 20, "final_val_loss": 6.0}))
+    assert ladder.rung_state(folder, rung) == "finished"
     # another run in the rung's folder is never trained over
     (folder / "summary.json").write_text(json.dumps({"params": 999, "steps": 20, "final_val_loss": 6.0}))
     with pytest.raises(RunFolderError, match=f"{folder} holds a run of 999 parameters"):
@@ -161,7 +170,10 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
     killed = run_module("lit_pretrain.cli", "ladder", str(path), rc=-9, start_new_session=True)
     assert f"rung 2 of 7 {names[1]}" in killed.stdout.splitlines()[-1]  # begun, never ended
     first = root / names[0] / "summary.json"
-    assert first.is_file() and not (root / names[1] / "summary.json").exists()
+    # Rung 2's summary is its start record, `running` (nothing wrote an end), which no live process holds: killed.
+    assert json.loads(first.read_text())["status"] == "finished"
+    assert json.loads((root / names[1] / "summary.json").read_text())["status"] == "running"
+    assert run_table.status(run_table.read_run(root / names[1])) == "killed, resumes from step 10"
     assert sorted(p.name for p in (root / names[1] / "checkpoints").glob("step*.ckpt")) == ["step0000010.ckpt"]
     assert not any((root / n).exists() for n in names[2:])
     before = first.stat().st_mtime_ns

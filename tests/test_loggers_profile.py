@@ -59,7 +59,7 @@ def test_missing_packages(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_tensorboard_wandb_and_profile_in_one_tiny_run(tmp_path, tiny_data_dir, monkeypatch):
-    """One 3-step run with every logger and steps 1 of 0..2 profiled."""
+    """One 3-step run with every logger and its second step profiled (trainer.profile.start_step=1: after 1 step)."""
     # The logging extra (lit-pretrain[logging], pulled by [dev]): installed by `make install` and CI.
     pytest.importorskip("tensorboard")
     wandb = pytest.importorskip("wandb")
@@ -88,6 +88,9 @@ def test_tensorboard_wandb_and_profile_in_one_tiny_run(tmp_path, tiny_data_dir, 
     assert "train/loss" in events.Tags()["scalars"]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(csv_losses, rel=1e-6)
     assert len(csv_losses) == 3
+    # TensorBoard's steps are metrics.csv's: optimizer steps completed (W&B is written through the same step).
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert [e.step for e in events.Scalars("val/loss")] == [3]
 
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())

@@ -94,7 +94,8 @@ def test_param_groups_decay_only_linear_weight_matrices(tie):
 
 
 def test_schedule_is_stepped_per_optimizer_step_under_accumulation(tmp_path):
-    """6 optimizer steps of 2 micro-batches: the logged lr of step s is lr_at(s), tokens_seen counts steps."""
+    """6 optimizer steps of 2 micro-batches: the row of step s (optimizer steps completed, 1..6, on a plain Trainer
+    too) holds the lr the step used, lr_at(s - 1) (lr_at counts from 0), and tokens_seen = s × tokens_per_step."""
     torch.manual_seed(0)
     sched = ScheduleConfig(kind="cosine", warmup_steps=2, lr_min=1e-4)
     module = PretrainModule(GPTConfig(**TINY), OptimConfig(lr_peak=1e-3), sched, max_steps=6,
@@ -106,10 +107,10 @@ def test_schedule_is_stepped_per_optimizer_step_under_accumulation(tmp_path):
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
     trainer.fit(module, loader)
     rows = [r for r in csv.DictReader(open(tmp_path / "metrics.csv")) if r.get("train/lr")]
-    assert [int(r["step"]) for r in rows] == list(range(6))
+    assert [int(r["step"]) for r in rows] == list(range(1, 7))
     expected = [lr_at(s, kind="cosine", lr_peak=1e-3, lr_min=1e-4, warmup_steps=2, max_steps=6) for s in range(6)]
     assert [float(r["train/lr"]) for r in rows] == pytest.approx(expected, rel=1e-6)
-    assert [float(r["train/tokens_seen"]) for r in rows] == [(s + 1) * 128 for s in range(6)]
+    assert [float(r["train/tokens_seen"]) for r in rows] == [s * 128 for s in range(1, 7)]
     assert all(float(r["train/grad_norm"]) > 0 for r in rows)
 
 

@@ -14,6 +14,7 @@ mixture's per-source positions are resumed across 1, 2 and tensor-parallel proce
 the same TrainLoader machinery, covered in-process by tests/test_data.py and tests/test_resume_state.py.
 """
 
+import importlib.util
 import json
 import shlex
 import signal
@@ -22,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_pretrain import run_table
 from lit_pretrain.checkpoints import read_checkpoint
+from lit_pretrain.compare import compare, panels
 from lit_pretrain.resume import store
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
@@ -78,10 +81,11 @@ def weights(run_dir: Path):
 
 
 def assert_same_run(ref: Path, run: Path, first_step: int = 0):
-    """Per-step losses (each step logged once) and final weights bitwise equal."""
+    """Per-step losses (each step logged once, at the steps completed: first_step + 1 .. STEPS after a resume from
+    the checkpoint of first_step) and final weights bitwise equal."""
     a, b = dict(losses(ref)), losses(run)
-    assert [s for s, _ in b] == list(range(first_step, STEPS)), b  # each step once, none missing
-    assert b == [(k, a[k]) for k in range(first_step, STEPS)]  # exact floats: the CSV holds repr-exact values
+    assert [s for s, _ in b] == list(range(first_step + 1, STEPS + 1)), b  # each step once, none missing
+    assert b == [(k, a[k]) for k in range(first_step + 1, STEPS + 1)]  # exact floats: the CSV holds repr-exact values
     # Every other row too (validation, gradient norm, throughput, lr): the same keys at the same step tags in the
     # same order, none lost or repeated across the kills; throughput values are timings and differ.
     rows = [[(r["step"], sorted(r)) for r in read_metrics(d / "metrics.csv")] for d in (ref, run)]
@@ -112,11 +116,14 @@ def assert_same_windows(ref: Path, run: Path, steps):
 
 
 def assert_close_losses(ref: Path, run: Path, steps):
+    """The losses of the steps trained after `steps` were completed (metrics rows steps + 1, as global_indices'
+    keys are the steps completed before a step's windows)."""
     # The same windows per step on 1 or 2 processes; the runs differ only in float summation order (two 4-sample
     # gradient means averaged vs one 8-sample mean): tests/test_strategies_parity.py measured losses within 9.5e-7
     # of each other that way; 1e-5 keeps its 10x margin, while another seed moves a loss by 1.3e-3 or more.
     a, b = dict(losses(ref)), dict(losses(run))
-    assert sorted(b) == list(steps)
+    steps = [k + 1 for k in steps]
+    assert sorted(b) == steps
     assert [b[k] for k in steps] == pytest.approx([a[k] for k in steps], abs=1e-5)
 
 
@@ -138,11 +145,22 @@ def test_single_process_sigkill_twice_sigterm_and_ctrl_c(train, single_ref, tiny
     assert read_metrics(run / "attempts" / "1" / "metrics.csv") == killed
     assert (run / "attempts" / "1" / "config.yaml").is_file()
     assert latest(run) == "step0000002.ckpt"
+    assert summary(run)["status"] == "running"  # killed: nothing wrote its end (`runs` asks the folder's lock)
+    assert run_table.status(run_table.read_run(run)) == "killed, resumes from step 2"
     # SIGTERM during step 4, periodic checkpoints off: a checkpoint at the next boundary, after step 4; exit code 0.
     _, out = train("single", "run.resume=auto", "trainer.checkpoint_every_n_steps=0",
                    faults=[{"step": 3, "signal": "TERM"}])
     assert "resuming from" in out.stdout and "(step 2)" in out.stdout
     assert "preemption: checkpoint at step 4 written" in out.stdout and latest(run) == "step0000004.ckpt"
+    # It stopped at that checkpoint (no step 5 trained after it), and every place says step 4 of 6, preempted.
+    assert "4 steps, " in out.stdout
+    s = summary(run)
+    assert (s["status"], s["steps"], s["max_steps"], s["resume_step"], s["stop_signal"], s["tokens_seen"]) == \
+        ("preempted", 4, STEPS, 4, "SIGTERM", 4 * 1024)
+    assert max(step for step, _ in losses(run)) == 4
+    assert run_table.row(run_table.read_run(run))["status"] == "preempted, resumes from step 4"
+    notes = compare([str(single_ref), str(run)], str(run.parent / "compare.png"))
+    assert notes[0] == "single: preempted, resumes from step 4; 4 of 6 steps"
     # SIGKILL at the start of step 6 (no checkpoint after step 5): the resume redoes step 5 from the step-4 one.
     train("single", "run.resume=auto", "trainer.checkpoint_every_n_steps=4", faults=[{"step": 5}],
           rc=-signal.SIGKILL)
@@ -161,6 +179,41 @@ def test_single_process_sigkill_twice_sigterm_and_ctrl_c(train, single_ref, tiny
     assert "(step 5)" in out.stdout
     assert_same_run(single_ref, run)
     assert_same_windows(single_ref, run, (5,))  # the data after the last resume
+    assert_one_step_count(run, out.stdout)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_one_step_count(run: Path, stdout: str):
+    """After STEPS optimizer steps with validation every 3 (and six attempts: SIGKILL twice, SIGTERM, SIGKILL, Ctrl-C),
+    every place counts optimizer steps completed: metrics.csv's train rows 1..6 (assert_same_run) and validation
+    rows 3 and 6 (what loss_curve.png plots: runs.series), TensorBoard's events, the checkpoint names, summary.json, `runs`, the
+    console and `compare` (which plots tokens = step × tokens_per_step)."""
+    rows = read_metrics(run / "metrics.csv")
+    assert [s for s, _ in series(rows, "val/loss")] == [3, 6]
+    assert [s for s, _ in series(rows, "train/tokens_seen")] == list(range(1, STEPS + 1))
+    assert all(r["train/tokens_seen"] == r["step"] * 1024 for r in rows if "train/tokens_seen" in r)
+    assert sorted({int(r["step"]) for r in rows}) == list(range(1, STEPS + 1))  # every monitor's rows too
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*.ckpt")) == \
+        ["step0000002.ckpt", "step0000004.ckpt", "step0000006.ckpt"]
+    s = summary(run)
+    assert (s["status"], s["steps"], s["max_steps"], s["resume_step"]) == ("finished", STEPS, STEPS, None)
+    assert run_table.row(run_table.read_run(run))["steps"] == STEPS
+    assert run_table.status(run_table.read_run(run)) == "finished"
+    assert f"{STEPS} steps, " in stdout
+    panel = panels([run_table.read_run(run)])["loss_tokens"]
+    assert {line.label: line.x for line in panel.lines} == {"single train": [k * 1024.0 for k in range(1, 7)],
+                                                           "single val": [3 * 1024.0, 6 * 1024.0]}
+    if importlib.util.find_spec("tensorboard") is None:
+        return  # the logging extra (lit-pretrain[logging]) is not installed: no TensorBoard events to read
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))  # every attempt's events: some steps twice, none shifted
+    events.Reload()
+    assert {e.step for e in events.Scalars("train/loss")} == set(range(1, STEPS + 1))
+    assert {e.step for e in events.Scalars("val/loss")} == {3, 6}
 
 
 def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):

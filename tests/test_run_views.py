@@ -13,7 +13,7 @@ import pytest
 from lit_pretrain import cli
 from lit_pretrain.compare import compare, panels
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.run_table import read_run, row, status, table
+from lit_pretrain.run_table import find_runs, read_run, row, status, table
 from tests.conftest import ROOT
 
 COLUMNS = ["epoch", "step", "train/loss", "train/tokens_seen", "train/lr", "train/grad_norm", "val/loss",
@@ -37,13 +37,13 @@ def write_run(folder: Path, rows, summary=None, config=None, latest=None) -> Pat
     return folder
 
 
-# Run a: finished, 512 tokens per step. Lightning's step column is the 0-based step index (tokens_seen = (step+1)
-# × 512); the throughput monitor logs at the count of steps done (step 5 = 5 × 512 tokens).
+# Run a: finished, 512 tokens per step. Every row's step is the optimizer steps completed (tokens_seen = step × 512),
+# the module's rows and the monitors' alike.
 RUN_A = [
-    {"step": 4, "train/loss": 6.0, "train/tokens_seen": 2560, "train/lr": 1e-3, "train/grad_norm": 0.9},
+    {"step": 5, "train/loss": 6.0, "train/tokens_seen": 2560, "train/lr": 1e-3, "train/grad_norm": 0.9},
     {"step": 5, "throughput/tokens_per_s": 1000.0},
-    {"step": 9, "train/loss": 5.5, "train/tokens_seen": 5120, "train/lr": 5e-4, "train/grad_norm": 0.7},
-    {"step": 9, "val/loss": 5.6},
+    {"step": 10, "train/loss": 5.5, "train/tokens_seen": 5120, "train/lr": 5e-4, "train/grad_norm": 0.7},
+    {"step": 10, "val/loss": 5.6},
     {"step": 10, "throughput/tokens_per_s": 1200.0},
 ]
 SUMMARY_A = {"steps": 10, "tokens_seen": 5120, "tokens_per_step": 512, "flops_per_token": 1000,
@@ -51,8 +51,8 @@ SUMMARY_A = {"steps": 10, "tokens_seen": 5120, "tokens_per_step": 512, "flops_pe
 # Run b: still training (no summary), 1024 tokens per step known only from its train rows; no gradient norm, no
 # throughput, no validation yet.
 RUN_B = [
-    {"step": 1, "train/loss": 6.2, "train/tokens_seen": 2048, "train/lr": 2e-3},
-    {"step": 3, "train/loss": 5.9, "train/tokens_seen": 4096, "train/lr": 1e-3},
+    {"step": 2, "train/loss": 6.2, "train/tokens_seen": 2048, "train/lr": 2e-3},
+    {"step": 4, "train/loss": 5.9, "train/tokens_seen": 4096, "train/lr": 1e-3},
 ]
 
 
@@ -163,3 +163,28 @@ def test_run_views_import_neither_torch_nor_lightning():
             "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_run_status_is_summary_status_and_the_folder_lock(tmp_path, capsys):
+    """summary.json's status (run_state.py) is what `runs` and `compare` show; `running` stays running only while a
+    live start holds the folder's lock, and reads `killed` once none does (SIGKILL, OOM: nothing wrote an end)."""
+    from lit_pretrain.runs import claim_run_dir
+
+    root = tmp_path / "runs"
+    start = {"status": "running", "steps": 0, "max_steps": 10, "resume_step": None, "pid": 1, "host": "h"}
+    claim = claim_run_dir(str(root), "live", overwrite=False)  # a start holding its folder, as train() does
+    write_run(root / "killed", RUN_B, start, latest="step0000004.ckpt")
+    (root / "live" / "metrics.csv").write_text((root / "killed" / "metrics.csv").read_text())
+    (root / "live" / "summary.json").write_text(json.dumps(start))
+    write_run(root / "preempted", RUN_B, {**SUMMARY_A, "status": "preempted", "steps": 4, "max_steps": 10,
+                                          "resume_step": 4, "tokens_seen": 4096}, latest="step0000004.ckpt")
+    write_run(root / "failed", RUN_B, {**start, "status": "failed", "steps": 4, "error": "RuntimeError: x"})
+    got = {p.name: status(read_run(p)) for p in find_runs(root)}
+    assert got == {"failed": "failed", "killed": "killed, resumes from step 4", "live": "running",
+                   "preempted": "preempted, resumes from step 4"}
+    claim.release()
+    assert status(read_run(root / "live")) == "killed"  # the lock went with its holder
+    # A preempted run's numbers are its summary's (the checkpoint's step); the others' their metrics rows.
+    assert row(read_run(root / "preempted"))["steps"] == 4
+    notes = compare([str(root / "preempted"), str(root / "failed")], str(tmp_path / "c.png"))
+    assert notes[:2] == ["preempted: preempted, resumes from step 4; 4 of 10 steps", "failed: failed; 4 of 10 steps"]

@@ -55,13 +55,14 @@ def test_skip_step_drops_exactly_the_poisoned_update_and_labels_it_recovered(tmp
     cb = spike(action="skip_step")
     fit(tmp_path, tiny_data_dir, [cb, PoisonBatch([20]), rec], max_steps=28)
     (event,) = cb.events
-    assert event["step"] == 20 and event["action"] == "skip_step" and event["outcome"] == "recovered"
+    # The poisoned batch is the one trained after 20 steps: step 21, as metrics.csv numbers its loss.
+    assert event["step"] == 21 and event["action"] == "skip_step" and event["outcome"] == "recovered"
     assert event["sample_indices"] == sorted(rec.indices[20])  # the windows of the poisoned batch, for inspection
     # The update of step 20 was not applied: step 21 starts from exactly the state step 20 started from.
     for k, v in rec.params[20].items():
         assert torch.equal(v, rec.params[21][k]), k
     same_optimizer_state(rec.opt_state[20], rec.opt_state[21])
-    assert json.loads((tmp_path / "spikes.json").read_text())[0]["step"] == 20
+    assert json.loads((tmp_path / "spikes.json").read_text())[0]["step"] == 21
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -71,8 +72,9 @@ def test_rewind_restores_the_rewind_point_and_skips_exactly_the_configured_batch
     cb = spike(action="rewind")
     trainer, dm = fit(tmp_path, tiny_data_dir, [cb, PoisonBatch([20]), rec], max_steps=26, accumulate=accumulate)
     (event,) = cb.events
-    # Rewind points every 4 steps; the newest at least rewind_steps=4 before step 20 is step 16.
-    assert event["step"] == 20 and event["rewound_to"] == 16 and event["steps_rewound"] == 4
+    # Rewind points every 4 steps; the newest at least rewind_steps=4 before the poisoned step (21; its update dropped,
+    # so 20 updates done) is the state after step 16: the updates of steps 17..20 are thrown away.
+    assert event["step"] == 21 and event["rewound_to"] == 16 and event["steps_rewound"] == 4
     for k, v in rec.params[16].items():
         assert torch.equal(v, rec.params[21][k]), k  # weights equal the rewind point's
     same_optimizer_state(rec.opt_state[16], rec.opt_state[21])
@@ -95,13 +97,13 @@ def test_learning_rate_jump_is_detected_the_step_after_labelled_by_the_definitio
     cb = spike(action="log", recovery_steps=6, on_divergence="stop")
     trainer, _ = fit(tmp_path, tiny_data_dir, [cb, LrJump([20], factor=1000.0), rec], max_steps=40)
     (event,) = cb.events
-    assert event["step"] == 21  # the update of step 20 is the bad one; the loss of step 21 shows it
+    assert event["step"] == 22  # the update of step 21 (after 20 done) is the bad one; the loss of step 22 shows it
     # The label follows its definition, checked here from the recorded losses: recovered iff a later step within
     # recovery_steps has a loss <= baseline × (1 + tolerance) (one process: its baseline is the event's).
-    later = [rec.losses[s] for s in range(22, 22 + 6)]
+    later = [rec.losses[s] for s in range(22, 22 + 6)]  # Recorder's keys: steps completed before each loss
     expected = "recovered" if any(v <= event["baseline"] * 1.05 for v in later) else "divergence"
-    assert event["outcome"] == expected == "divergence" and event["resolved_step"] == 27
-    assert trainer.global_step == 28 and "divergence of the event at step 21" in cb.stop_reason
+    assert event["outcome"] == expected == "divergence" and event["resolved_step"] == 28
+    assert trainer.global_step == 28 and "divergence of the event at step 22" in cb.stop_reason
 
 
 def test_clean_run_has_no_events(tmp_path, tiny_data_dir):
@@ -122,9 +124,10 @@ def test_non_finite_updates_never_reach_the_parameters_and_repeated_ones_stop_th
     for k, v in rec.params[12].items():
         assert torch.equal(v, rec.params[14][k]), k
     same_optimizer_state(rec.opt_state[12], rec.opt_state[14])
-    # 12, 13 (gradient), 20 (loss), then 30, 31, 32: three in a row stops the run after step 32.
-    assert guard.skipped_steps == [12, 13, 20, 30, 31, 32]
-    assert trainer.global_step == 33 and "steps 30..32" in guard.stop_reason
+    # Faults after 12, 13 (gradient), 20 (loss), then 30, 31, 32 steps done: steps 13, 14, 21, 31, 32, 33 as
+    # metrics.csv numbers them; three in a row stops the run after step 33.
+    assert guard.skipped_steps == [13, 14, 21, 31, 32, 33]
+    assert trainer.global_step == 33 and "steps 31..33" in guard.stop_reason
 
 
 def test_default_experiment_callbacks_end_to_end(tmp_path, tiny_data_dir, capsys):

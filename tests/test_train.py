@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_pretrain import cli, config
+from lit_pretrain import cli, config, run_table
 from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.errors import DataError, RunFolderError
+from lit_pretrain.runs import read_metrics, series
 from lit_pretrain.train import train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
@@ -87,6 +88,25 @@ def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_da
     # Asked to overwrite, the run starts from an empty folder: nothing of the old run is left to mix in.
     assert not stale.exists()
     assert precious.read_bytes() != b"weeks of training"
+    # One step count: 5 optimizer steps completed, validation after step 4 and after step 5 (the final one).
+    rows = read_metrics(run_dir / "metrics.csv")
+    assert [s for s, _ in series(rows, "train/loss")] == [1, 2, 3, 4, 5]
+    assert [s for s, _ in series(rows, "val/loss")] == [4, 5]
+    assert (run_dir / "checkpoints" / "step0000005.ckpt").is_file()
+    assert (summary["status"], summary["steps"], summary["max_steps"]) == ("finished", 5, 5)
+
+    # An exception inside fit (max_steps raised to 7, resumed; a fault at the start of step 7) leaves the summary
+    # `failed` with the error, the steps completed and the checkpoint a resume continues from; `runs` says so.
+    with pytest.raises(RuntimeError, match="injected fault at step 6"):
+        train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.max_steps=7", "trainer.val_every_n_steps=4",
+                       "trainer.log_every_n_steps=1", "run.resume=auto", "run.resume_allow_changes=[trainer.max_steps]",
+                       "callbacks.extra=[{class_path: 'tests.resume_helpers:Raise', init_args: {step: 6}}]"))
+    failed = json.loads((run_dir / "summary.json").read_text())
+    assert (failed["status"], failed["steps"], failed["max_steps"], failed["resume_step"]) == ("failed", 6, 7, 5)
+    assert failed["error"] == "RuntimeError: injected fault at step 6"
+    assert run_table.status(run_table.read_run(run_dir)) == "failed, resumes from step 5"
+    # The resumed attempt's rows continue the numbering: step 6 once, after the first attempt's 1..5.
+    assert [s for s, _ in series(read_metrics(run_dir / "metrics.csv"), "train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_cli_reports_usage_errors_without_a_traceback(tmp_path, tiny_data_dir, capsys):

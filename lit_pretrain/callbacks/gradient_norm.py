@@ -51,7 +51,7 @@ class GradientNormMonitor(Callback):
         self.per_layer_every_n_steps, self.schedule = per_layer_every_n_steps, schedule
         self.phases = {p: {"steps": 0, "clipped": 0, "norm_sum": 0.0} for p in PHASES}
         self.trend: List[List[float]] = []
-        """[step, mean pre-clip norm over the interval ending there], one entry per logging interval."""
+        """[steps completed, mean pre-clip norm over the interval ending there], one entry per logging interval."""
         self._reset_interval()
 
     def _reset_interval(self) -> None:
@@ -64,25 +64,28 @@ class GradientNormMonitor(Callback):
         return lr_phase(step, *self.schedule) if self.schedule else "stable"
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        step = trainer.global_step
+        # Rows are tagged with the steps completed once this one is (lit_pretrain/step_axis.py): the step numbered
+        # `done`; the schedule's phase is that of the step's 0-based index, the one its learning rate comes from.
+        index = trainer.global_step
+        done = index + 1
         guard = pl_module.step_guard
         if guard.dropped:
             return
-        if self.per_layer_every_n_steps and step % self.per_layer_every_n_steps == 0:
-            self._log(trainer, {f"grad_norm/layer/{k}": v for k, v in self.layer_norms(pl_module).items()}, step)
+        if self.per_layer_every_n_steps and done % self.per_layer_every_n_steps == 0:
+            self._log(trainer, {f"grad_norm/layer/{k}": v for k, v in self.layer_norms(pl_module).items()}, done)
         norm = guard.grad_norm(pl_module.parameters())
-        phase = self.phase(step)
+        phase = self.phase(index)
         self._sum = norm if self._sum is None else self._sum + norm
         self._max = norm if self._max is None else torch.maximum(self._max, norm)
         self._norms[phase] = norm if phase not in self._norms else self._norms[phase] + norm
         clipped = (norm > self.clip_norm).to(torch.int64) if self.clip_norm > 0 else torch.zeros((), dtype=torch.int64)
         self._clipped[phase] = clipped if phase not in self._clipped else self._clipped[phase] + clipped
         self._count[phase] = self._count.get(phase, 0) + 1
-        if (step + 1) % self.log_every_n_steps == 0:
-            self._flush(trainer, step)
+        if done % self.log_every_n_steps == 0:
+            self._flush(trainer, done)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._flush(trainer, trainer.global_step - 1)
+        self._flush(trainer, trainer.global_step)
 
     def _flush(self, trainer, step: int) -> None:
         n = sum(self._count.values())

@@ -9,6 +9,10 @@ Rewind keeps the optimizer step count moving forward: the model and optimizer st
 data goes on from where it is and skips `skip_batches` more global batches, and the learning-rate schedule, which
 follows the step count, is not rewound (so the run still ends at trainer.max_steps, at the schedule's final rate,
 and no checkpoint name is ever reused).
+
+Steps in events and messages are numbered as metrics.csv numbers them (lit_pretrain/step_axis.py): the optimizer step
+whose loss spiked is step k when its row says k, i.e. trainer.global_step + 1 while it runs. `rewound_to` is the
+steps completed at the rewind point (the state after that step).
 """
 
 import math
@@ -140,7 +144,7 @@ class LossSpike(Callback):
                                  verdict.metric == "grad_norm"])
         flagged = [r for r, row in enumerate(rows) if row[0] > 0.5] or list(range(len(rows)))
         top = max(flagged, key=lambda r: rows[r][3])
-        event = {"step": step, "metric": "grad_norm" if rows[top][4] > 0.5 else "loss",
+        event = {"step": step + 1, "metric": "grad_norm" if rows[top][4] > 0.5 else "loss",
                  "loss": sum(row[1] for row in rows) / len(rows), "baseline": rows[top][2], "score": rows[top][3],
                  "ranks": flagged, "action": action, "outcome": None, "resolved_step": None,
                  "sample_indices": self._gather_indices(trainer), "steps_skipped": 0}
@@ -158,7 +162,7 @@ class LossSpike(Callback):
         back = math.isfinite(loss) and loss <= self.baseline_local * (1 + self.recovery_tolerance)
         if trainer.strategy.reduce_boolean_decision(back, all=True):  # recovered on every rank
             self._close(trainer, event, "recovered", step)
-        elif step - event["step"] >= self.recovery_steps:
+        elif step + 1 - event["step"] >= self.recovery_steps:
             self._close(trainer, event, "divergence", step)
             self._diverged(trainer, pl_module, optimizer, step, loss, event)
         elif hit and event["action"] == "skip_step":
@@ -166,7 +170,7 @@ class LossSpike(Callback):
             event["steps_skipped"] += 1
 
     def _close(self, trainer, event, outcome, step) -> None:
-        event["outcome"], event["resolved_step"] = outcome, step
+        event["outcome"], event["resolved_step"] = outcome, step + 1
         self.open_event = None
         self._write(trainer)
 
@@ -178,7 +182,7 @@ class LossSpike(Callback):
         elif self.on_divergence == "rewind":
             self._open(trainer, pl_module, optimizer, step, loss,
                        Verdict(True, "loss", loss, event["baseline"], math.inf, self.baseline_local), "rewind",
-                       cause=cause, origin=event["step"])
+                       cause=cause, origin=event["step"] - 1)
 
     def _act(self, trainer, pl_module, optimizer, step, event, action, origin) -> None:
         if action == "skip_step":
@@ -187,12 +191,13 @@ class LossSpike(Callback):
         elif action == "rewind":
             self._rewind(trainer, pl_module, optimizer, step, event, origin)
         elif action == "stop":
-            self._stop(trainer, pl_module, optimizer, f"a loss spike at step {step} (callbacks.loss_spike.action=stop)")
+            self._stop(trainer, pl_module, optimizer,
+                       f"a loss spike at step {step + 1} (callbacks.loss_spike.action=stop)")
 
     def _rewind(self, trainer, pl_module, optimizer, step, event, origin) -> None:
         if self.rewinds >= self.max_rewinds:
             event["action"] = "stop"
-            self._stop(trainer, pl_module, optimizer, f"a loss spike at step {step} after {self.rewinds} rewinds "
+            self._stop(trainer, pl_module, optimizer, f"a loss spike at step {step + 1} after {self.rewinds} rewinds "
                        f"({KEY}.max_rewinds={self.max_rewinds})")
             return
         pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "loss_spike")

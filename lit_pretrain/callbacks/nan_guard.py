@@ -50,11 +50,12 @@ class NanGuard(Callback):
             return
         pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "non_finite")
         self.consecutive += 1
-        self.skipped_steps.append(trainer.global_step)
+        step = trainer.global_step + 1  # numbered as metrics.csv numbers it: the steps completed with this one
+        self.skipped_steps.append(step)
         if self.consecutive >= self.max_consecutive:
-            first = trainer.global_step - self.consecutive + 1
+            first = step - self.consecutive + 1
             self.stop_reason = (
-                f"nan_guard: {self.consecutive} optimizer steps in a row (steps {first}..{trainer.global_step}) had a "
+                f"nan_guard: {self.consecutive} optimizer steps in a row (steps {first}..{step}) had a "
                 f"non-finite loss or gradient (callbacks.nan_guard.max_consecutive={self.max_consecutive}); every "
                 "one of their updates was dropped, so the parameters are still finite. The run stops: lower "
                 "optim.lr_peak or raise schedule.warmup_steps, check the data of these steps, or use bf16/fp32 "

@@ -4,10 +4,12 @@ Every rank writes its own trace, `<run>/profile/trace-rank<global rank>.json` (C
 chrome://tracing or https://ui.perfetto.dev): under tensor or pipeline parallelism the ranks run different work,
 and one rank's trace would hide the others' waits.
 
-The window is whole optimizer steps: from the first micro-batch of step `start_step` (0-based, trainer.global_step)
-to the end of step `start_step + steps - 1`, all their micro-batches and anything the Trainer runs between them
-(validation included). A resumed run that starts inside the window profiles the rest of it; one that starts after
-it profiles nothing. The trace is written atomically (a temporary file renamed over it).
+The window is whole optimizer steps: it opens when `start_step` steps are completed (trainer.global_step) and closes
+when `start_step + steps` are, so it holds the steps metrics.csv numbers start_step + 1 .. start_step + steps (every
+step is numbered by the optimizer steps completed with it: lit_pretrain/step_axis.py), all their micro-batches and
+anything the Trainer runs between them (validation included). A resumed run that starts inside the window profiles
+the rest of it; one that starts after it profiles nothing. The trace is written atomically (a temporary file
+renamed over it).
 """
 
 import os

@@ -37,8 +37,11 @@ class StepCheckpoint(Callback):
         self._saved_step: Optional[int] = None
         self._at_boundary = True
         self.preempted = False
+        """A signal stopped the run at a checkpoint (summary.json's status `preempted`: run_state.py)."""
         self.interrupted = False
         """The stop was a Ctrl-C (SIGINT) on any rank: train() then ends with the command that resumes, exit 130."""
+        self.stop_signal: Optional[str] = None
+        """The signal's name as this rank received it; None when another rank's signal stopped this one."""
         self._metrics_rows = 0
         self._due = False  # a periodic checkpoint postponed from an epoch's first batch
         self._in_flight = 0
@@ -80,6 +83,8 @@ class StepCheckpoint(Callback):
             # A terminal's Ctrl-C reaches every local rank, a `kill -INT` perhaps one: any rank's decides.
             ctrl_c = self.flag is not None and self.flag.signum == signal.SIGINT
             self.interrupted = trainer.strategy.reduce_boolean_decision(ctrl_c, all=False)
+            self.stop_signal = (signal.Signals(self.flag.signum).name
+                                if self.flag is not None and self.flag.signum is not None else None)
             trainer.should_stop = True
             if trainer.is_global_zero and not self.interrupted:  # after Ctrl-C, train() prints the way back
                 print(f"preemption: checkpoint at step {step} written, stopping", flush=True)

@@ -31,6 +31,7 @@ from typing import Callable, List, Optional
 import yaml
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+from lit_pretrain.run_state import is_finished
 from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete, steps_completed
 
 DEFAULT_GRID = Path("experiments") / "ladder" / "default.yaml"
@@ -203,10 +204,12 @@ def check_fittable(rungs: List[dict], grid: LadderGrid, path: Path) -> None:
 
 
 def rung_state(folder: Path, rung: dict) -> str:
-    """finished (rung_complete), partial (a checkpoint to resume), or new."""
+    """finished (rung_complete: summary.json `finished`, of the planned steps and size), partial (a checkpoint to
+    resume), or new. A summary that is not finished (running, preempted, failed: run_state.py) holds no size yet, or
+    only a partial run's."""
     s = read_summary(folder)
     if s is not None:
-        if s.get("params") != rung["params"] or steps_completed(s) > rung["steps"]:
+        if is_finished(s) and s.get("params") != rung["params"] or steps_completed(s) > rung["steps"]:
             raise RunFolderError(f"{folder} holds a run of {s.get('params')} parameters and {s.get('steps')} steps, "
                                  f"not the rung's {rung['params']} and {rung['steps']}: move it away or set another "
                                  "root_dir in the grid file (a rung folder is never overwritten)")

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from lit_pretrain.run_state import is_finished
+
 LAW_PARAMETERS = 5  # E, A, B, alpha, beta: a fit needs at least one complete fitted rung more
 
 
@@ -21,7 +23,7 @@ def steps_completed(summary: Optional[dict]) -> int:
 
 
 def rung_complete(summary: Optional[dict], rung: dict) -> bool:
-    """Whether a rung's summary records the whole rung: its parameter count, every planned optimizer step, and a final
-    validation loss."""
-    return (summary is not None and summary.get("params") == rung["params"]
+    """Whether a rung's summary records the whole rung: status finished (run_state.py), its parameter count, every
+    planned optimizer step, and a final validation loss."""
+    return (is_finished(summary) and summary.get("params") == rung["params"]
             and steps_completed(summary) == rung["steps"] and summary.get("final_val_loss") is not None)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from lit_pretrain.errors import DataError
+from lit_pretrain.run_state import is_finished
 
 # Accepted CSV headers for each column, first match wins. `Model Size`/`Training FLOP` are Epoch's extraction.
 COLUMNS = {
@@ -47,6 +48,9 @@ def load_points(sources: List[str]) -> List[Dict]:
 
 def read_summary(path: Path) -> Dict:
     s = json.loads(path.read_text())
+    if not is_finished(s):  # a partial run's loss is not the law's loss at its tokens (run_state.py)
+        raise DataError(f"{path}: the run is {s.get('status')} at step {s.get('steps')} of {s.get('max_steps')}, "
+                        "not finished: train it to the end (run.resume=auto) or leave its folder out")
     missing = [k for k in ("params", "flops_per_token", "tokens_seen", "final_val_loss") if s.get(k) is None]
     if missing:
         raise DataError(f"{path} lacks {missing}: the run did not finish with a validation loss; train it to the "

@@ -17,6 +17,7 @@ import yaml
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.run_state import is_finished
 from lit_pretrain.scaling import shapes
 
 
@@ -127,8 +128,13 @@ def train_run(sweep: SweepConfig, run: dict, log: Callable = print) -> dict:
     """Train one planned run (or reuse its finished summary); return the summary."""
     folder = Path(sweep.root_dir) / run["name"]
     summary_path = folder / "summary.json"
-    if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    if summary is not None and not is_finished(summary):
+        raise ConfigError(f"{folder} holds a run that is {summary.get('status')} at step {summary.get('steps')} of "
+                          f"{summary.get('max_steps')} (summary.json): finish it with `lit-pretrain train "
+                          f"{folder / 'config.yaml'} run.resume=auto`, or move the folder away; a sweep never "
+                          "fits a partial run")
+    if summary is not None:
         if summary.get("steps") == run["steps"] and summary.get("params") == run["params"]:
             log(f"reuse {run['name']}: val loss {summary['final_val_loss']:.4f}")
             return summary
