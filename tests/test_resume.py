@@ -189,8 +189,8 @@ def summary(run_dir: Path) -> dict:
 def assert_one_step_count(run: Path, stdout: str):
     """After STEPS optimizer steps with validation every 3 (and six attempts: SIGKILL twice, SIGTERM, SIGKILL, Ctrl-C),
     every place counts optimizer steps completed: metrics.csv's train rows 1..6 (assert_same_run) and validation
-    rows 3 and 6 (what loss_curve.png plots: runs.series), TensorBoard's events, the checkpoint names, summary.json, `runs`, the
-    console and `compare` (which plots tokens = step × tokens_per_step)."""
+    rows 3 and 6 (what loss_curve.png plots: runs.series), TensorBoard's events, the checkpoint names, summary.json,
+    `runs`, the console and `compare` (which plots tokens = step × tokens_per_step)."""
     rows = read_metrics(run / "metrics.csv")
     assert [s for s, _ in series(rows, "val/loss")] == [3, 6]
     assert [s for s, _ in series(rows, "train/tokens_seen")] == list(range(1, STEPS + 1))
