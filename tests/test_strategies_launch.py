@@ -82,7 +82,8 @@ def test_torchrun_runs_the_train_command_unchanged(tmp_path, tiny_data_dir):
         port = s.getsockname()[1]
     cmd = torchrun_command(str(EXPERIMENTS / "runs" / "tiny.yaml"), 1, 2, [
         *tiny_data_overrides(tiny_data_dir), f"run.root_dir={tmp_path}", "run.name=torchrun", "strategy=zero",
-        "strategy.zero_stage=3", "trainer.micro_batch_size=4", "trainer.max_steps=3", "trainer.val_every_n_steps=3", "schedule.warmup_steps=1",
+        "strategy.zero_stage=3", "trainer.micro_batch_size=4", "trainer.max_steps=3", "trainer.val_every_n_steps=3",
+        "schedule.warmup_steps=1",
         "trainer.progress_bar=false", "strategy.timeout_seconds=60"], head="127.0.0.1", port=port)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE",
                                                             "MASTER_ADDR", "MASTER_PORT")}
