@@ -357,8 +357,12 @@ class TrainerConfig:
     micro_batch_size: int = field(default=8, metadata={"ge": 1})
     """Sequences per forward/backward on one device."""
     tokens_per_step: Optional[int] = field(default=None, metadata={"ge": 1})
-    """Global tokens per optimizer step. null: one micro-batch per device, no accumulation. Otherwise it must be a
-    multiple of micro_batch_size * model.seq_len * devices * num_nodes; the quotient is the accumulation count."""
+    """Global tokens per optimizer step, the same under every layout. null: micro_batch_size x model.seq_len, one
+    micro-batch of one process (whatever the layout). It must be a multiple of micro_batch_size x model.seq_len x
+    the data-parallel degree (strategy.data_parallel_replicate x data_parallel_shard: tensor- and pipeline-parallel
+    ranks share their replica's batch); the quotient is the gradient accumulation count. A layout that does not
+    divide it is refused when the config loads, naming the micro_batch_size and tokens_per_step that work
+    (parallel/batch.py)."""
     tokens_per_param: Optional[float] = field(default=None, metadata={"gt": 0.0})
     """The token budget as a tokens-per-parameter ratio (Hoffmann et al. 2022: about 20 is compute-optimal): the run
     trains for ceil(tokens_per_param x parameters / tokens_per_step) optimizer steps, which replace max_steps; the

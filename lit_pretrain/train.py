@@ -25,8 +25,8 @@ from lit_pretrain.data.mixture import MixtureMetrics
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.faults.watchdog import WatchdogCallback
 from lit_pretrain.module import PretrainModule, perplexity
+from lit_pretrain.parallel.batch import global_batch, plan_line
 from lit_pretrain.parallel.memory_log import MemoryAccounting
-from lit_pretrain.parallel.mesh_strategy import full_gpt_on_meta
 from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, check_vocab, compile_decision, sized_model
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.world import check_launcher_world
@@ -36,6 +36,7 @@ from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.compat import run_meta as resume_meta
 from lit_pretrain.resume.preemption import Interrupted, resume_command
 from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
+from lit_pretrain.scaling import shapes
 from lit_pretrain.schema import Config, TrainerConfig
 
 
@@ -44,23 +45,6 @@ def setup_process(trainer: TrainerConfig) -> None:
     torch.set_flush_denormal(True)
     threads = trainer.num_threads or max(1, (os.cpu_count() or 1) // trainer.devices)
     torch.set_num_threads(threads)
-
-
-def accumulation(c: Config) -> tuple[int, int]:
-    """(micro-batches per optimizer step, global tokens per optimizer step)."""
-    # Data-parallel replicas, not processes: tensor- and pipeline-parallel ranks share their replica's batch.
-    replicas = build_plan(c).data_parallel
-    per_micro_step = c.trainer.micro_batch_size * c.model.seq_len * replicas
-    if c.trainer.tokens_per_step is None:
-        return 1, per_micro_step
-    if c.trainer.tokens_per_step % per_micro_step:
-        raise ConfigError(
-            f"trainer.tokens_per_step={c.trainer.tokens_per_step} is not a multiple of micro_batch_size × seq_len × "
-            f"data-parallel replicas (devices × num_nodes / (tensor_parallel × pipeline_parallel)) = "
-            f"{c.trainer.micro_batch_size} × {c.model.seq_len} × {replicas} = {per_micro_step}: use a multiple of "
-            f"{per_micro_step}"
-        )
-    return c.trainer.tokens_per_step // per_micro_step, c.trainer.tokens_per_step
 
 
 def checkpoint_layout(c: Config, plan) -> Optional[dict]:
@@ -119,8 +103,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     # Before anything is prepared or made: a launcher that started another world than the config asks for.
     check_launcher_world(c.trainer.devices, c.trainer.num_nodes)
     setup_process(c.trainer)
-    accumulate, tokens_per_step = accumulation(c)
     parallel_plan = build_plan(c)
+    batch = global_batch(c.trainer, c.model.seq_len, parallel_plan)  # the layout only sets the accumulation
+    accumulate, tokens_per_step = batch.accumulation, batch.tokens_per_step
     # Why this run compiles or not ("auto" weighs the run and the toolchain): the plan's own decision, printed just
     # before training, once every check that can refuse the start has passed.
     compiling = compile_decision(c.trainer, sized_model(c), {k: getattr(parallel_plan, k) for k in DEGREE_KEYS})
@@ -199,6 +184,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
             first = checkpoint_store.meta_of(plan.checkpoint).get("step", 0) if plan.checkpoint is not None else 0
             start = run_state.start_record(c.run.name, first, c.trainer.max_steps)
             write_summary(run_dir, start)
+            print(plan_line(parallel_plan, batch), flush=True)  # after every check: what the steps will run
         with warnings.catch_warnings():
             # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
             # already refused to reuse a folder from another run.
@@ -233,16 +219,13 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     session_start, session_end = timer.start_time("train"), timer.end_time("train")
     session_train_seconds = session_end - session_start if None not in (session_start, session_end) else 0.0
     entropy = manifest.get("unigram_entropy_nats")
-    # Under tensor/pipeline parallelism each rank holds a part: count the whole model's shape instead.
-    gpt = full_gpt_on_meta(c.model) if parallel_plan.tensor_parallel > 1 or parallel_plan.pipeline_parallel > 1 \
-        else module.model
-    params = gpt.num_params(non_embedding=False)
+    # The whole model's sizes from the architecture table, never one rank's part (tensor, pipeline and expert
+    # parallelism and ZeRO-3 each leave a rank a part of the model).
+    sizes = shapes.sizes(c.model)
+    params = sizes["params"]
     summary = {
         "run": c.run.name,
-        "params": params,
-        "non_embedding_params": gpt.num_params(non_embedding=True),
-        "active_params": gpt.num_params(non_embedding=False, active=True),  # model.moe: what one token uses
-        "flops_per_token": gpt.flops_per_token(),
+        **sizes,  # params, non_embedding_params, active_params (model.moe: what one token uses), flops_per_token
         "tokens_seen": tokens_seen,
         "tokens_per_param": tokens_seen / params,
         "tokens_per_step": tokens_per_step,

@@ -30,7 +30,11 @@ def tiny_data_dir(tmp_path_factory) -> Path:
 
 
 def tiny_data_overrides(folder: Path) -> list:
-    return [f"data.prepared_dir={folder}", "data.max_documents=400", "data.vocab_size=512"]
+    """The tiny corpus in `folder`, and micro-batches of 8 windows: the suite's runs were written for one micro-batch
+    of 8 per step on one process (tiny.yaml's 512 tokens a step; the shipped file splits it as 4 x 2 so that
+    2 data-parallel ranks divide it). A test on 2 data-parallel ranks sets trainer.micro_batch_size=4."""
+    return [f"data.prepared_dir={folder}", "data.max_documents=400", "data.vocab_size=512",
+            "trainer.micro_batch_size=8"]
 
 
 def free_port() -> int:

@@ -150,7 +150,8 @@ def test_preset_fit_on_one_h200():
     from lit_pretrain.bench.gpu import fit_one_device
 
     def preset(name):
-        return config.to_object(config.load(ROOT / "experiments" / "runs" / "default.yaml", [f"model={name}"])).model
+        return config.to_object(config.load(ROOT / "experiments" / "runs" / "default.yaml",
+                                            [f"model={name}", "trainer.tokens_per_step=null"])).model
 
     model, micro_batch, note = fit_one_device(preset("llama3_2_1b"), 141e9)
     assert (model.n_layers, micro_batch, model.activation_checkpointing) == (16, 2, "none")

@@ -34,7 +34,10 @@ def test_every_group_file_loads_into_a_run(group_file):
     # A preset with tensor or pipeline degrees needs as many processes: the plan is checked when the config loads.
     data = OmegaConf.load(group_file)
     devices = data.get("tensor_parallel", 1) * data.get("pipeline_parallel", 1) if group == "strategy" else 1
-    overrides = [f"{group}={name}", f"trainer.devices={devices}"]
+    # tiny.yaml's 512 tokens a step are 8 of its model's 64-token windows: a model of another seq_len takes one
+    # micro-batch a step (null) rather than a count of tokens its windows may not divide.
+    batch = ["trainer.tokens_per_step=null"] if group == "model" else []
+    overrides = [f"{group}={name}", f"trainer.devices={devices}", *batch]
     # The pretokenized presets name where their files would lie (data/megatron/train, ...): not here, so the load
     # refuses them by name unless told not to look.
     missing = [p for p in data.get("paths", []) if not Path(p).exists()] if group == "data" else []

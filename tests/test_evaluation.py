@@ -354,7 +354,8 @@ def test_downstream_eval_under_zero_stage_3_gathers_the_weights_to_rank_0(tmp_pa
     budget, n_mc, n_ppl, tokens = budgeted(tokenizer)
     # 2 processes, each holding half of every parameter: rank 0 evaluates a gathered copy, rank 1 waits.
     run_module(*train_args(tiny_data_dir, tmp_path, "z3"), "strategy=zero", "strategy.zero_stage=3",
-               "trainer.devices=2", "trainer.max_steps=4", "trainer.val_every_n_steps=2", "schedule.warmup_steps=1",
+               "trainer.devices=2", "trainer.micro_batch_size=4", "trainer.max_steps=4", "trainer.val_every_n_steps=2",
+               "schedule.warmup_steps=1",
                "trainer.progress_bar=false", "strategy.timeout_seconds=120", "callbacks.downstream_eval.enabled=true",
                "callbacks.downstream_eval.tasks=[tiny_mc,tiny_ppl]",
                f"callbacks.downstream_eval.include_path=[{tasks}]",

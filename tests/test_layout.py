@@ -24,8 +24,9 @@ def cfg(*overrides):
 # (overrides, (replicate, shard, tensor, pipeline, zero_stage)): the presets and the compositions of the README.
 @pytest.mark.parametrize("overrides, degrees", [
     ([], (1, 1, 1, 1, 0)),
-    (["strategy=ddp", "trainer.devices=4"], (4, 1, 1, 1, 0)),
-    (["strategy=zero", "trainer.devices=4"], (1, 4, 1, 1, 3)),
+    # tiny.yaml's 512 tokens a step split over 4 data-parallel ranks in micro-batches of 2, over 8 in 1s
+    (["strategy=ddp", "trainer.devices=4", "trainer.micro_batch_size=2"], (4, 1, 1, 1, 0)),
+    (["strategy=zero", "trainer.devices=4", "trainer.micro_batch_size=2"], (1, 4, 1, 1, 3)),
     (["strategy=zero", "strategy.zero_stage=1", "trainer.devices=2"], (1, 2, 1, 1, 1)),
     (["strategy=tensor", "trainer.devices=2"], (1, 1, 2, 1, 0)),
     (["strategy=tensor", "trainer.devices=4"], (2, 1, 2, 1, 0)),
@@ -37,9 +38,10 @@ def cfg(*overrides):
     (["strategy=tensor", "strategy.zero_stage=3", "strategy.pipeline_parallel=2", "trainer.devices=8"],
      (1, 2, 2, 2, 3)),
     # HSDP: replicas of shard groups; -1 is the rest of the world.
-    (["strategy=zero", "strategy.data_parallel_replicate=2", "trainer.devices=4"], (2, 2, 1, 1, 3)),
+    (["strategy=zero", "strategy.data_parallel_replicate=2", "trainer.devices=4", "trainer.micro_batch_size=2"],
+     (2, 2, 1, 1, 3)),
     (["strategy=zero", "strategy.data_parallel_replicate=-1", "strategy.data_parallel_shard=2",
-      "trainer.devices=8"], (4, 2, 1, 1, 3)),
+      "trainer.devices=8", "trainer.micro_batch_size=1"], (4, 2, 1, 1, 3)),
     (["strategy=ddp", "strategy.tensor_parallel=-1", "trainer.devices=4"], (1, 1, 4, 1, 0)),
 ])
 def test_plans(overrides, degrees):
@@ -109,13 +111,17 @@ def test_show_and_train_refuse_with_the_same_line(overrides, key, capsys):
 
 
 def test_tokens_per_step_count_data_parallel_ranks():
-    from lit_pretrain.train import accumulation
+    from lit_pretrain.parallel.batch import global_batch
 
-    # Data-parallel ranks, not processes: 4 processes as DP2 x TP2 give 2 replicas of 8 x 64 tokens, and ZeRO-3 x
+    def accumulation(c):
+        b = global_batch(c.trainer, c.model.seq_len, build_plan(c))
+        return b.accumulation, b.tokens_per_step
+
+    # Data-parallel ranks, not processes: 4 processes as DP2 x TP2 give 2 replicas of 4 x 64 tokens, and ZeRO-3 x
     # TP2 gives 2 shards of the same batch size.
-    assert accumulation(cfg("strategy=tensor", "trainer.devices=4", "trainer.tokens_per_step=2048")) == (2, 2048)
+    assert accumulation(cfg("strategy=tensor", "trainer.devices=4", "trainer.tokens_per_step=2048")) == (4, 2048)
     assert accumulation(cfg("strategy=tensor", "strategy.zero_stage=3", "trainer.devices=4",
-                            "trainer.tokens_per_step=2048")) == (2, 2048)
+                            "trainer.tokens_per_step=2048")) == (4, 2048)
 
 
 # Minimax contiguous partitions, checked by hand: the largest stage (with first/last extras) is as small as any

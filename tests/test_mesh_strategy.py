@@ -11,6 +11,7 @@ from lit_pretrain.checkpoints import checkpoint_path, load_gpt, load_optimizer_s
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
+from tests.global_sizes import assert_global_sizes
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +53,7 @@ def test_tensor_and_pipeline_train_from_config_like_one_process(runs):
             for (step, x), (_, y) in zip(a, b):
                 assert x == pytest.approx(y, abs=1e-5), f"{name} {key} at step {step}"
         assert [v for _, v in series(metrics, "train/clipped")] == [1.0] * STEPS  # clipping active throughout
+        assert_global_sizes(runs / name)  # summary.json and MFU: the whole model's sizes, not a rank's part
         # The checkpoint (a sharded folder, the default on 2 processes) loads into a plain GPT and a plain AdamW.
         model, opt = load_gpt(runs / name), load_optimizer_state(runs / name)
         for (key, p), q in zip(ref_model.state_dict().items(), model.state_dict().values()):

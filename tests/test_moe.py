@@ -232,7 +232,9 @@ def test_expert_parallel_without_moe_is_refused_naming_the_key():
 def test_olmoe_preset_loads_as_a_model_group():
     from lit_pretrain import config
 
-    cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model=olmoe_1b_7b", "trainer.micro_batch_size=1"])
+    # one 4,096-token window a step (tiny.yaml's 512 tokens are for its own 64-token windows)
+    cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model=olmoe_1b_7b", "trainer.micro_batch_size=1",
+                                                           "trainer.tokens_per_step=null"])
     model = config.to_object(cfg).model
     assert model.moe.num_experts == 64 and model.qk_norm_scope == "projection" and model.moe_layers() == list(range(16))
 

@@ -13,6 +13,7 @@ from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import free_port, run_module, train_args
+from tests.global_sizes import assert_global_sizes
 from tests.moe_mesh_workers import moe_worker
 from tests.test_mesh_parallel import check
 
@@ -146,6 +147,7 @@ def test_moe_trains_through_the_cli_under_the_mesh(tmp_path, tiny_data_dir, stra
                "strategy.timeout_seconds=60")
     metrics = read_metrics(tmp_path / "run" / "metrics.csv")
     assert [s for s, _ in series(metrics, "train/loss")] == [1, 2]
+    assert_global_sizes(tmp_path / "run")  # summary.json and MFU: the whole model's sizes, not a rank's part
     for layer in (0, 1):
         tokens_max = series(metrics, f"moe/layer{layer}/tokens_max")
         share = series(metrics, f"moe/layer{layer}/max_share")

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import free_port, run_module, train_args
+from tests.global_sizes import assert_global_sizes
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +94,8 @@ def test_moe_under_data_parallelism_and_expert_parallelism_matches_one_process(r
         # The dense matrix's bound (1% of one step's update at lr 1e-3); the expert biases are equal exactly.
         tol = 0 if key.endswith("expert_bias") else 1e-5
         assert torch.allclose(p, q, rtol=0, atol=tol), f"{name}: {key} differs by {(p - q).abs().max():.2e}"
+    # summary.json's sizes and the logged MFU: the whole model's (under EP 2 each rank holds half of the experts)
+    assert_global_sizes(runs(name))
 
 
 def ep_worker(rank: int, world: int, port: int, results):

@@ -197,7 +197,7 @@ REFUSED_STARTS = {
     "callback init_args": (ConfigError, ["callbacks.extra=[{class_path: "
                                          "'experiments.callbacks.update_ratio:UpdateRatio', "
                                          "init_args: {every_n_stepz: 3}}]"]),
-    "batch larger than the data": (DataError, ["trainer.micro_batch_size=100000"]),
+    "batch larger than the data": (DataError, ["trainer.micro_batch_size=100000", "trainer.tokens_per_step=null"]),
     # Past every check, inside fit: the folder this start made is removed again (it holds no checkpoint, no metric).
     "callback fails in fit": (RuntimeError, [f"callbacks.extra=[{{class_path: '{__name__}:FailOnFitStart'}}]"]),
 }

@@ -29,6 +29,7 @@ from lit_pretrain.compare import compare, panels
 from lit_pretrain.resume import store
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
+from tests.global_sizes import assert_global_sizes
 
 pytestmark = pytest.mark.slow
 
@@ -282,6 +283,7 @@ def test_zero3_tensor_parallel_resume_from_single_process_and_sigkill(train, sin
     for k in range(2, STEPS):  # the two data-parallel shards split each global batch of one process
         assert sorted(halves[0][k] + halves[1][k]) == expected[k] and not set(halves[0][k]) & set(halves[1][k])
     assert_close_losses(single_ref, ref, range(2, STEPS))  # sharded and row-parallel sums: another order
+    assert_global_sizes(ref)  # summary.json and MFU: the whole model's sizes, not a rank's part
     run, _ = train("zero3-tp2", *layout, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}],
                    rc=-signal.SIGKILL)
     assert latest(run) == "step0000004"

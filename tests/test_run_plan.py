@@ -54,7 +54,7 @@ def test_budget_of_the_8b_run_and_its_refusals():
     with pytest.raises(ConfigError, match="trainer.max_steps=10 in the command line and trainer.tokens_per_param"):
         config.load(run, ["trainer.max_steps=10"])
     with pytest.raises(ConfigError, match="trainer.tokens_per_param=20 .* needs trainer.tokens_per_step"):
-        config.load(RUNS / "tiny.yaml", ["trainer.tokens_per_param=20"])
+        config.load(RUNS / "tiny.yaml", ["trainer.tokens_per_param=20", "trainer.tokens_per_step=null"])
     with pytest.raises(ConfigError, match="trainer.device_memory_gb=141: the run needs 187.8 GB"):
         config.load(run, ["trainer.micro_batch_size=2"])
     # the fix the error names

@@ -214,3 +214,27 @@ def test_a_rewind_point_is_written_into_the_storage_of_the_one_it_makes_unneeded
         assert all(torch.equal(point.module[k], v) for k, v in seen[point.step].items())
         assert point.module["weight"].data_ptr() != layer.weight.data_ptr()
     assert torch.equal(points.points[1].optimizers[0]["state"][0]["exp_avg"], optimizer.state[layer.weight]["exp_avg"])
+
+
+def test_throughput_counts_the_global_batch_and_the_whole_model_s_flops():
+    """Under tensor parallelism 2 x data parallelism 2 (4 processes, 2 data-parallel ranks): tokens are one micro-batch
+    per data-parallel rank (the tensor-parallel pair reads the same one), FLOPs per token the whole model's (from
+    pl_module.model_cfg, not the rank's part of the model), and MFU divides by the peak of all 4 devices."""
+    from types import SimpleNamespace
+
+    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.scaling.shapes import flops_per_token
+
+    cfg = GPTConfig(vocab_size=128, n_layers=2, d_model=64, n_heads=4, seq_len=32)
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), distributed_sampler_kwargs={"num_replicas": 2,
+                                                                                            "rank": 0})
+    trainer = SimpleNamespace(strategy=strategy, world_size=4, precision="32-true", global_step=0)
+    part = SimpleNamespace(flops_per_token=lambda: 1000)  # what a rank's part of the model would count
+    speed = ThroughputMonitor(peak_flops_per_s=1e9)
+    speed.on_train_start(trainer, SimpleNamespace(model=part, model_cfg=cfg))
+    speed.on_train_batch_start(trainer, None, (torch.zeros(4, 32, dtype=torch.long), None), 0)
+    assert (speed._tokens, speed._samples) == (4 * 32 * 2, 4 * 2)
+    rates = speed.rates(speed._tokens, speed._samples, 2.0)
+    assert speed.flops_per_token == flops_per_token(cfg) > 1000
+    assert rates["tokens_per_s"] == 128.0 and rates["flops_per_s"] == 128.0 * flops_per_token(cfg)
+    assert rates["mfu"] == rates["flops_per_s"] / (1e9 * 4)

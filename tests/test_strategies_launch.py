@@ -34,8 +34,9 @@ def test_launch_slurm_writes_a_requeueing_script_that_bash_parses(tmp_path, caps
     """`lit-pretrain launch slurm`: requeue, SIGUSR1 before the limit (the checkpoint), resume=auto, one task per
     device, the srun retry loop; the config is checked first (a wrong key: exit 2, nothing written)."""
     out = tmp_path / "job.sbatch"
+    # tiny.yaml's 512 tokens a step over 8 data-parallel ranks: micro-batches of 1 x 64 tokens
     argv = ["launch", "slurm", str(EXPERIMENTS / "runs" / "tiny.yaml"), "--nodes", "2", "--gpus-per-node", "4",
-            "--out", str(out), "strategy=ddp", "--max-restarts", "2", "--hours", "4"]
+            "--out", str(out), "strategy=ddp", "trainer.micro_batch_size=1", "--max-restarts", "2", "--hours", "4"]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == f"wrote {out}: submit it with `sbatch {out}`\n"
     lines = out.read_text().splitlines()
@@ -44,7 +45,8 @@ def test_launch_slurm_writes_a_requeueing_script_that_bash_parses(tmp_path, caps
                  "#SBATCH --open-mode=append", "for attempt in $(seq 0 2); do", "exit \"$code\""):
         assert line in lines, line
     assert (f"  srun --kill-on-bad-exit=1 .venv/bin/lit-pretrain train {EXPERIMENTS / 'runs' / 'tiny.yaml'} "
-            "trainer.devices=4 trainer.num_nodes=2 run.resume=auto strategy=ddp && exit 0") in lines
+            "trainer.devices=4 trainer.num_nodes=2 run.resume=auto strategy=ddp trainer.micro_batch_size=1 "
+            "&& exit 0") in lines
     done = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert cli.main(argv) == 2 and "exists" in capsys.readouterr().err  # never overwritten
@@ -80,7 +82,8 @@ def test_torchrun_runs_the_train_command_unchanged(tmp_path, tiny_data_dir):
         port = s.getsockname()[1]
     cmd = torchrun_command(str(EXPERIMENTS / "runs" / "tiny.yaml"), 1, 2, [
         *tiny_data_overrides(tiny_data_dir), f"run.root_dir={tmp_path}", "run.name=torchrun", "strategy=zero",
-        "strategy.zero_stage=3", "trainer.max_steps=3", "trainer.val_every_n_steps=3", "schedule.warmup_steps=1",
+        "strategy.zero_stage=3", "trainer.micro_batch_size=4", "trainer.max_steps=3", "trainer.val_every_n_steps=3",
+        "schedule.warmup_steps=1",
         "trainer.progress_bar=false", "strategy.timeout_seconds=60"], head="127.0.0.1", port=port)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE",
                                                             "MASTER_ADDR", "MASTER_PORT")}

@@ -27,6 +27,7 @@ from lit_pretrain.optim import param_groups
 from lit_pretrain.parallel.zero import zero_partition
 from lit_pretrain.runs import read_metrics, series
 from tests.conftest import run_module, train_args
+from tests.global_sizes import assert_global_sizes
 from tests.strategies_logits import probe_input
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,8 @@ def test_strategy_matches_one_process(runs, name):
     a, b = load_gpt(runs("single")), load_gpt(runs(name))
     for (key, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.allclose(p, q, rtol=0, atol=1e-5), f"{name}: {key} differs by {(p - q).abs().max():.2e}"
+    # summary.json's sizes and the logged MFU are the whole model's, as one process counts them.
+    assert_global_sizes(runs(name))
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero3"])

@@ -29,9 +29,14 @@ def tiny_cfg(tmp_path, data_dir, *extra):
 def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir, capsys):
     summary = train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.tokens_per_step=1024",
                              "trainer.checkpoint_every_n_steps=30"))
+    out = capsys.readouterr().out
     # trainer.compile=auto, the default, says why this tiny run stays eager.
-    assert re.search(r"torch\.compile: off — this run's [0-9.e+]+ training FLOPs a process are under the",
-                     capsys.readouterr().out)
+    assert re.search(r"torch\.compile: off — this run's [0-9.e+]+ training FLOPs a process are under the", out)
+    # One line, before the first step, with the plan and the batch it applied.
+    plan = [line for line in out.splitlines() if line.startswith("plan: ")]
+    assert plan == ["plan: data parallel 1 replicate x 1 shard, tensor parallel 1, pipeline parallel 1, expert "
+                    "parallel 1; micro-batch 8 x seq_len 64 x data-parallel degree 1 x accumulation 2 = 1,024 "
+                    "tokens per step"]
     run_dir = tmp_path / "runs" / "tiny"
     on_disk = json.loads((run_dir / "summary.json").read_text())
     for key in ("params", "non_embedding_params", "tokens_seen", "tokens_per_param", "steps", "final_train_loss",
@@ -122,7 +127,7 @@ def test_cli_reports_usage_errors_without_a_traceback(tmp_path, tiny_data_dir, c
 def test_tokens_per_step_must_divide(tmp_path, tiny_data_dir):
     from lit_pretrain.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"trainer\.tokens_per_step=1000 is not a multiple of .* 512"):
+    with pytest.raises(ConfigError, match=r"trainer\.tokens_per_step=1000 does not split .* = 512 tokens per "):
         train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.tokens_per_step=1000"))
 
 

@@ -103,7 +103,10 @@ def preset_config(run_file: str, preset: str, device_memory: float, dry_run: boo
     from lit_pretrain.errors import ConfigError
 
     try:
-        model = config_lib.to_object(config_lib.load(run_file, [f"model={preset}"], check_memory=False)).model
+        # Only the model is taken (the micro-batch is fitted below): the run file's tokens_per_step, a count of its
+        # own model's windows, need not divide into the preset's (parallel/batch.py).
+        model = config_lib.to_object(config_lib.load(run_file, [f"model={preset}", "trainer.tokens_per_step=null"],
+                                                     check_memory=False)).model
     except ConfigError as err:
         raise SystemExit(f"error: --preset {preset}: {err}") from None
     if dry_run:

@@ -1,7 +1,8 @@
 """ThroughputMonitor: tokens/s, samples/s, model FLOPs/s and MFU, read once per logging interval.
 
-Model FLOPs utilization (PaLM, Chowdhery et al. 2022, appendix B) is the model's training FLOPs per token
-(`GPT.flops_per_token`: 6·N + 12·L·H·Q·T) times tokens per second, over the peak FLOP/s of all devices. The peak
+Model FLOPs utilization (PaLM, Chowdhery et al. 2022, appendix B) is the whole model's training FLOPs per token
+(`scaling.shapes.flops_per_token`: 6·N + 12·L·H·Q·T, from the architecture table, never one rank's part of the model)
+times the global tokens per second, over the peak FLOP/s of all devices. The peak
 comes from `trainer`'s config when set, else from a table of dense (no sparsity) datasheet figures of common GPUs,
 else, on a CPU, from a matmul measured once at start-up in the training dtype. Tokens are counted from batch shapes
 (host data) and time is read at interval ends only; on a GPU the interval end waits for the device once, so the
@@ -70,8 +71,9 @@ def peak_flops_per_device(device: torch.device, precision: str) -> Optional[floa
 class ThroughputMonitor(Callback):
     def __init__(self, log_every_n_steps: int = 10, flops_per_token: Optional[int] = None,
                  peak_flops_per_s: Optional[float] = None):
-        """flops_per_token: None takes `pl_module.model.flops_per_token()`. peak_flops_per_s: per device; None looks
-        it up (GPU table, CPU measurement); MFU is not reported when no peak is known."""
+        """flops_per_token: None counts it from `pl_module.model_cfg` (the whole model's architecture table).
+        peak_flops_per_s: per device; None looks it up (GPU table, CPU measurement); MFU is not reported when no peak
+        is known."""
         self.log_every_n_steps = max(1, log_every_n_steps)
         self.flops_per_token, self.peak_flops_per_s = flops_per_token, peak_flops_per_s
         self.totals = {"tokens": 0, "samples": 0, "seconds": 0.0}
@@ -81,19 +83,26 @@ class ThroughputMonitor(Callback):
         self._paused_at: Optional[float] = None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.flops_per_token is None and hasattr(getattr(pl_module, "model", None), "flops_per_token"):
-            self.flops_per_token = pl_module.model.flops_per_token()
+        if self.flops_per_token is None and getattr(pl_module, "model_cfg", None) is not None:
+            from lit_pretrain.scaling.shapes import flops_per_token
+
+            # the config, not pl_module.model: under tensor, pipeline or expert parallelism a rank holds a part
+            self.flops_per_token = flops_per_token(pl_module.model_cfg)
         if self.peak_flops_per_s is None:
             self.peak_flops_per_s = peak_flops_per_device(trainer.strategy.root_device, str(trainer.precision))
         self._world = trainer.world_size
+        # Tensor- and pipeline-parallel ranks of one replica read the same micro-batch: the global batch is one
+        # micro-batch per data-parallel rank (the sampler's count), not per process.
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        self._data_parallel = kwargs.get("num_replicas", trainer.world_size)
         self._start = time.perf_counter()
         # A resumed run starts at a step already logged: its first micro-batches are not a new step to report.
         self._logged_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        self._tokens += x.numel() * self._world  # every rank runs the same micro-batch shape
-        self._samples += x.shape[0] * self._world
+        self._tokens += x.numel() * self._data_parallel  # every data-parallel rank runs the same micro-batch shape
+        self._samples += x.shape[0] * self._data_parallel
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if self._start is not None:

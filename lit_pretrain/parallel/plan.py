@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.parallel.batch import global_batch
 from lit_pretrain.parallel.compile_policy import CompileDecision, decide, run_flops
 
 MESH_DIMS = ("pipeline", "data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
@@ -157,8 +158,8 @@ def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool
         from lit_pretrain.scaling.shapes import flops_per_token  # pure arithmetic, no torch
 
         replicas = degrees["data_parallel_replicate"] * degrees["data_parallel_shard"]
-        tokens = trainer.tokens_per_step // replicas if trainer.tokens_per_step else \
-            trainer.micro_batch_size * model.seq_len
+        # each process's share of the global batch (parallel/batch.py: null is one micro-batch of one process)
+        tokens = (trainer.tokens_per_step or trainer.micro_batch_size * model.seq_len) // replicas
         flops = run_flops(trainer.max_steps, tokens, flops_per_token(model))
     return decide(setting, flops, degrees["tensor_parallel"], degrees["pipeline_parallel"], missing)
 
@@ -310,11 +311,13 @@ def sized_model(config):
 
 
 def build_plan(config) -> ParallelPlan:
-    """The plan of a whole config (schema.Config): `show` and `train` both call this when the config loads."""
+    """The plan of a whole config (schema.Config): `show` and `train` both call this when the config loads. It
+    refuses a layout that cannot split the global batch (parallel/batch.py) as well."""
     plan = plan_from(config.strategy, config.trainer, sized_model(config), config.trainer.compile,
                      vocab_from=None if config.model.vocab_size is not None else "data.vocab_size")
     if config.data.document_masking and plan.pipeline_parallel > 1:
         raise ConfigError(f"data.document_masking=true is not supported with strategy.pipeline_parallel="
                           f"{plan.pipeline_parallel}: the pipeline stages call the blocks without the document mask "
                           "and per-document positions; set data.document_masking=false or pipeline_parallel=1")
+    global_batch(config.trainer, config.model.seq_len, plan)
     return plan

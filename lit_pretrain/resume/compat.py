@@ -84,7 +84,8 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
     if saved["tokens_per_step"] != current["tokens_per_step"] and "trainer.tokens_per_step" not in allow:
         raise ConfigError(f"trainer.tokens_per_step: the checkpoint trained with {saved['tokens_per_step']} tokens "
                           f"per optimizer step, this config gives {current['tokens_per_step']} (micro_batch_size × "
-                          "seq_len × devices × accumulation): set trainer.tokens_per_step to the checkpoint's")
+                          "seq_len × data-parallel degree × accumulation; null: micro_batch_size × seq_len): set "
+                          "trainer.tokens_per_step to the checkpoint's")
     changed = []
     for key in sorted(set(before) | set(now)):
         if key in FREE_KEYS or key.startswith(FREE_PREFIXES) or before.get(key) == now.get(key):

@@ -80,12 +80,12 @@ def budget_steps(config) -> int:
 def run_plan(config, law) -> dict:
     """The run's budget (parameters, tokens, tokens-per-parameter ratio, FLOPs) beside `law`'s compute-optimal
     split of the same compute (scaling/plan.py), and its memory (`run_memory`)."""
+    from lit_pretrain.parallel.batch import global_batch
     from lit_pretrain.parallel.plan import build_plan, sized_model
     from lit_pretrain.scaling.plan import plan
 
     model, trainer = sized_model(config), config.trainer
-    tokens_per_step = trainer.tokens_per_step or (
-        trainer.micro_batch_size * model.seq_len * build_plan(config).data_parallel)
+    tokens_per_step = global_batch(trainer, model.seq_len, build_plan(config)).tokens_per_step
     n, d = shapes.params(model), trainer.max_steps * tokens_per_step
     optimum = plan(law, flops=6.0 * n * d, vocab_size=model.vocab_size, seq_len=model.seq_len,
                    tokens_per_step=tokens_per_step)

@@ -70,6 +70,13 @@ def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
     return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len or cfg.seq_len)
 
 
+def sizes(cfg: GPTConfig) -> Dict[str, int]:
+    """The whole model's sizes as a run's summary.json records them (never one rank's part of it): every unique
+    parameter, the non-embedding ones, those one token uses, and training FLOPs per token."""
+    return {"params": params(cfg), "non_embedding_params": non_embedding_params(cfg),
+            "active_params": active_params(cfg), "flops_per_token": flops_per_token(cfg)}
+
+
 def param_shapes(cfg: GPTConfig) -> Dict[str, Tuple[int, ...]]:
     """Name -> shape of every unique parameter, in `GPT.named_parameters()` order (a tied head is not repeated)."""
     return {f"{name}.weight": spec.shape for name, spec in _modules(cfg).items() if not spec.tied}
