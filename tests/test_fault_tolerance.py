@@ -206,7 +206,8 @@ def test_a_rank_that_never_starts_ends_the_start_within_the_startup_timeout(tmp_
     env.pop("NODE_RANK", None)
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", *train_args(tiny_data_dir, tmp_path, "alone"), "strategy=ddp",
-                          "trainer.devices=1", "trainer.num_nodes=2", "trainer.progress_bar=false",
+                          "trainer.devices=1", "trainer.num_nodes=2", "trainer.micro_batch_size=4",
+                          "trainer.progress_bar=false",
                           "strategy.startup_timeout_seconds=3"], env=env, capture_output=True, text=True,
                          timeout=240, cwd=ROOT)
     seconds = time.monotonic() - started

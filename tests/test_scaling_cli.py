@@ -81,7 +81,7 @@ def test_sweep_trains_fits_predicts_and_reports(tmp_path, tiny_data_dir):
     # run and report.json. Losses this short say nothing about scaling; the test checks the pipeline, not the error.
     run_file = tmp_path / "run.yaml"
     overrides = "\n".join(f"  {o.split('=')[0].split('.')[1]}: {o.split('=')[1]}" for o in tiny_data_overrides(
-        tiny_data_dir))
+        tiny_data_dir) if o.startswith("data."))  # the trainer section below sets its own micro-batch
     run_file.write_text(f"defaults: [base, {{model: tiny}}, {{data: stdlib}}, {{strategy: single}}]\n"
                         f"data:\n{overrides}\ntrainer:\n  micro_batch_size: 4\n  val_windows: 8\n"
                         f"  val_every_n_steps: 100000\n  checkpoint_every_n_steps: 0\n  progress_bar: false\n"

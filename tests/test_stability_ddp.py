@@ -49,8 +49,9 @@ def test_spike_on_one_rank_makes_every_rank_rewind_the_same(tmp_path, tiny_data_
     run, digests = run_spike(tmp_path, tiny_data_dir, strategy)
     _, _, poisoned, (first, second) = STRATEGIES[strategy]
     (event,) = json.loads((run / "spikes.json").read_text())
-    assert event["step"] == 16 and event["ranks"] == poisoned and event["action"] == "rewind"
-    assert event["rewound_to"] == 12 and len(event["sample_indices"]) == 8  # both ranks' windows of step 16
+    # The poisoned batch is the one trained after 16 steps: step 17, as metrics.csv numbers its loss.
+    assert event["step"] == 17 and event["ranks"] == poisoned and event["action"] == "rewind"
+    assert event["rewound_to"] == 12 and len(event["sample_indices"]) == 8  # both ranks' windows of step 17
     # Both ranks skipped the same 2 global batches: positions [17 × 8, 19 × 8) of the global order.
     assert event["skipped_data"] == [{"epoch": 0, "micro_batches": 2, "global_positions": [136, 152]}]
     rank0, rank1 = (json.loads((digests / f"digest-rank{r}.json").read_text()) for r in (first, second))
@@ -67,4 +68,4 @@ def test_spike_on_one_rank_makes_every_rank_rewind_the_same(tmp_path, tiny_data_
         # The NaN guard under ZeRO-3 x TP 2: the non-finite step's update was dropped on every rank (an agreed
         # decision: a rank that stepped alone would have desynchronized the FSDP collectives) and the run went on.
         guard = json.loads((run / "stability.json").read_text())["non_finite"]
-        assert guard["skipped_steps"] == [NAN_STEP], guard
+        assert guard["skipped_steps"] == [NAN_STEP + 1], guard  # the step trained after NAN_STEP, as metrics.csv counts
