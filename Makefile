@@ -10,7 +10,7 @@ SWEEP ?= experiments/sweep/cpu/sweep.yaml
 LADDER ?= experiments/ladder/default.yaml
 
 .DEFAULT_GOAL := help
-.PHONY: help install prepare train test test-fast lint bench clean sweep launch ablate ladder
+.PHONY: help install prepare train test test-fast lint docs bench clean sweep launch ablate ladder
 
 help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,6 +44,9 @@ test-fast: $(STAMP) ## run the tests that take no extra processes or end-to-end 
 
 lint: $(STAMP) ## ruff over the package and tests
 	$(BIN)/ruff check lit_pretrain tests
+
+docs: $(STAMP) ## regenerate docs/configuration.md, the configuration reference, from lit_pretrain/schema.py
+	$(BIN)/python -m lit_pretrain.schema_doc
 
 CASES ?=
 bench: $(STAMP) ## benchmark cases (CASES=step,compile for a subset): results.json, runs/bench/history.jsonl

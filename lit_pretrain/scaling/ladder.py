@@ -352,14 +352,19 @@ def _print(text: str = "", end: str = "\n") -> None:
     print(text, end=end, flush=True)
 
 
-def main(argv=None) -> int:
+def ladder_parser() -> argparse.ArgumentParser:
+    """`lit-pretrain ladder`'s arguments (tests/test_docs.py parses the documented commands with it)."""
     parser = argparse.ArgumentParser(prog="lit-pretrain ladder", description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", nargs="?", help=f"grid file (default {DEFAULT_GRID}; --small: {SMALL_GRID})")
     parser.add_argument("--small", action="store_true", help=f"the small grid of seconds-long rungs ({SMALL_GRID})")
     parser.add_argument("--max-rungs", type=int, help="train at most this many rungs in this call, then stop")
     parser.add_argument("--plan", action="store_true", help="print the rungs and the time estimate; train nothing")
+    return parser
+
+
+def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = ladder_parser().parse_args(argv)
     grid = args.grid or (SMALL_GRID if args.small else DEFAULT_GRID)
     command = " ".join(["lit-pretrain", "ladder", *map(shlex.quote, argv)])
     try:
