@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.model import GPT
+from lit_pretrain.model.gpt import GPT
 
 
 @dataclass

@@ -39,13 +39,13 @@ from lit_pretrain.llama import (
     to_llama_config,
     to_llama_names,
 )
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.paths import safe_rmtree
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
 # Metadata of a weights file under our names (`import --out`): the model fields and the tokenizer it was trained with.
-META_MODEL, META_TOKENIZER = "lit_pretrain.model", "lit_pretrain.tokenizer_sha256"
+META_MODEL, META_TOKENIZER = "lit_pretrain.model.gpt", "lit_pretrain.tokenizer_sha256"
 STAGING_PREFIX = ".lit-pretrain-export-"
 
 

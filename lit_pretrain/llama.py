@@ -29,7 +29,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 from lit_pretrain import olmoe
 from lit_pretrain.errors import DataError
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
@@ -106,7 +106,7 @@ def check_exportable(cfg: GPTConfig) -> None:
             raise DataError(f"model.{key}={ours!r} cannot be expressed by transformers' {architecture(cfg)} (it has "
                             f"{key}={llama!r}): this model cannot be exported to Hugging Face format")
     if cfg.init == "mup" and cfg.mup_base_width != cfg.d_model:
-        # μP multiplies the logits by mup_base_width / d_model (lit_pretrain/init.py): a forward multiplier that
+        # μP multiplies the logits by mup_base_width / d_model (lit_pretrain/model/init.py): a forward multiplier that
         # neither class has, so the exported weights would compute other logits.
         raise DataError(f"model.init=mup with model.mup_base_width={cfg.mup_base_width} != d_model={cfg.d_model} "
                         f"multiplies the logits by {cfg.mup_base_width / cfg.d_model:g}, which transformers' "

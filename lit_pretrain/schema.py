@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.paths import SAFE_NAME, SAFE_NAME_RULE, is_safe_name
 
 ModelConfig = GPTConfig
@@ -306,7 +306,7 @@ class OptimConfig:
     lr_multipliers: Dict[str, float] = field(default_factory=dict)
     """Learning-rate factor per parameter kind (embeddings, head, hidden, norms, biases), e.g. {embeddings: 10}:
     the schedule scales each kind's lr_peak x factor. model.init=mup multiplies hidden by model.mup_base_width /
-    d_model on top (lit_pretrain/init.py). Unnamed kinds: 1."""
+    d_model on top (lit_pretrain/model/init.py). Unnamed kinds: 1."""
 
     def check(self) -> None:
         """Cross-key rules, at config load (config.check_ranges). optim.name=muon runs under every parallel plan

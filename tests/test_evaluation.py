@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lit_pretrain import cli, config
 from lit_pretrain.data.shards import load_manifest
 from lit_pretrain.data.tokenizer import EOD, load_tokenizer, token_byte_lengths, train_tokenizer
-from lit_pretrain.model import GPT
+from lit_pretrain.model.gpt import GPT
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
 pytest.importorskip("lm_eval")  # the `eval` extra: installed by `make install` and CI, so this runs there
@@ -209,7 +209,7 @@ def test_validation_bits_per_byte_against_a_hand_count(tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.model.config import GPTConfig
     from lit_pretrain.module import PretrainModule
     from lit_pretrain.schema import OptimConfig, ScheduleConfig
 

@@ -5,7 +5,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.optim import adamw_kernel, build_adamw
 from lit_pretrain.schema import OptimConfig, ScheduleConfig

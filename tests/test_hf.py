@@ -13,8 +13,8 @@ from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, save_tokeni
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.hf import export_gpt, export_run, load_init, read_hf_config, write_weights
 from lit_pretrain.llama import function_fields
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
 pytest.importorskip("transformers")  # the hf extra: installed by `make install` and CI

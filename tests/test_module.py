@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.optim import clip_by_global_norm, param_groups
 from lit_pretrain.schedule import lr_at

@@ -8,9 +8,9 @@ import torch
 import yaml
 
 from lit_pretrain.bench.moe import loop_forward
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig, MoEConfig
-from lit_pretrain.moe import end_step, moe_layers, moe_loss, step_statistics
+from lit_pretrain.model.config import GPTConfig, MoEConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.moe import end_step, moe_layers, moe_loss, step_statistics
 from lit_pretrain.scaling import shapes
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
@@ -95,7 +95,7 @@ def test_grouped_matmul_equals_the_per_expert_loop_forward_and_backward(score, n
     layer = build(cfg).blocks[0].mlp
     x = torch.randn(2, 16, 64, requires_grad=True)
     g = torch.randn(2, 16, 64)
-    ours = layer(x)  # the experts through lit_pretrain/moe_kernels.py (tests/test_moe_kernels.py: the kernel alone)
+    ours = layer(x)  # the experts through model/moe_kernels.py (tests/test_moe_kernels.py: the kernel alone)
     (ours * g).sum().backward()
     grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
     x.grad = None
@@ -188,7 +188,7 @@ def test_planted_router_collapse_is_an_event_with_a_label_and_resolves():
 
 def _route_to(layer, flat, expert):
     """The layer's own routing, or every token to `expert` with weight 1 (a planted collapse)."""
-    from lit_pretrain.moe import MoE
+    from lit_pretrain.model.moe import MoE
 
     top, weights, scores, logits = MoE.route(layer, flat)
     if expert is None:

@@ -100,8 +100,8 @@ def test_moe_under_data_parallelism_and_expert_parallelism_matches_one_process(r
 
 def ep_worker(rank: int, world: int, port: int, results):
     """Rank r's tokens through one MoE layer with and without expert parallelism (same weights)."""
-    from lit_pretrain.model_config import GPTConfig, MoEConfig
-    from lit_pretrain.moe import MoE
+    from lit_pretrain.model.config import GPTConfig, MoEConfig
+    from lit_pretrain.model.moe import MoE
     from lit_pretrain.parallel.expert import apply_expert_parallel
     from lit_pretrain.parallel.plan import ParallelPlan
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.scaling import shapes
 from tests.conftest import EXPERIMENTS
 

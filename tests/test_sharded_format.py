@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from lit_pretrain import cli
 from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.errors import DataError
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.optim import build_adamw, param_groups
 from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.sharded.inspect import inspect

@@ -85,8 +85,8 @@ def test_zero_partition_matches_zero_redundancy_optimizer():
     and the world size alone, so torch's is asked for 2 ranks inside a 1-process group (no processes to start)."""
     import torch.distributed as dist
 
-    from lit_pretrain.model import GPT
-    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.model.config import GPTConfig
+    from lit_pretrain.model.gpt import GPT
     from lit_pretrain.optim import build_adamw, param_groups
     from lit_pretrain.schema import OptimConfig
 

@@ -35,7 +35,7 @@ MODULE_PREFIX = "model."
 
 def full_gpt_on_meta(model_cfg):
     """The single-process GPT's structure (names, order, parameter groups) without memory."""
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
 
     with torch.device("meta"):
         return GPT(model_cfg)

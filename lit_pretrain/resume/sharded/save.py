@@ -199,7 +199,7 @@ def optimizer_targets(gpt, optimizer, par, saved: Dict[str, torch.Size]) -> Dict
 
 def param_names(module) -> List[List[str]]:
     """Per AdamW group, the single-process parameter names in the optimizer's order (optim.param_groups)."""
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
     from lit_pretrain.optim import param_groups
 
     with torch.device("meta"):  # the single-process structure without memory (as MeshStrategy._param_order)
