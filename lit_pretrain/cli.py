@@ -121,7 +121,7 @@ def _checkpoint(args) -> int:
 
 
 def _hf_commands(sub) -> None:
-    """export / import: the Hugging Face transformers format (lit_pretrain/hf.py)."""
+    """export / import: the Hugging Face transformers format (lit_pretrain/interop/hf.py)."""
     text = ("write a checkpoint as a transformers folder (LlamaForCausalLM; Qwen3 with model.qk_norm, "
             "OlmoeForCausalLM with model.moe; safetensors, tokenizer)")
     cmd = sub.add_parser("export", help=text, description=text)
@@ -145,7 +145,7 @@ def _hf_commands(sub) -> None:
 
 
 def _run_hf(args) -> None:
-    from lit_pretrain import hf
+    from lit_pretrain.interop import hf
 
     if args.command == "export":
         print(f"wrote {hf.export_run(args.source, args.out)}")

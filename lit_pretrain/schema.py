@@ -674,7 +674,7 @@ class RunConfig:
     (config.json, model.safetensors; `lit-pretrain export --to hf` writes one) or a .safetensors file under this GPT's
     own weight names (`lit-pretrain import --out`). Loaded after the model is built, before the first step; the
     model.* keys must be the weights' (`lit-pretrain import` sets them), and a tokenizer.json beside the weights must
-    be the data's. Unused when resuming: the checkpoint holds the weights. See lit_pretrain/hf.py."""
+    be the data's. Unused when resuming: the checkpoint holds the weights. See lit_pretrain/interop/hf.py."""
 
 
 @dataclass

@@ -136,7 +136,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
                             compile=parallel_plan.compile, plan=parallel_plan,
                             eod_id=datamodule.eod_id if c.data.document_masking else None)
     if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
-        from lit_pretrain.hf import load_init  # needs safetensors (the hf extra): only when asked for
+        from lit_pretrain.interop.hf import load_init  # needs safetensors (the hf extra): only when asked for
 
         load_init(module.model, c.run.init_from, datamodule.tokenizer_path)
     timer = Timer()

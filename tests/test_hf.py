@@ -11,8 +11,8 @@ from lit_pretrain import cli, config
 from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, save_tokenizer, train_tokenizer
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.hf import export_gpt, export_run, load_init, read_hf_config, write_weights
-from lit_pretrain.llama import function_fields
+from lit_pretrain.interop.hf import export_gpt, export_run, load_init, read_hf_config, write_weights
+from lit_pretrain.interop.llama import function_fields
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from tests.conftest import EXPERIMENTS, tiny_data_overrides

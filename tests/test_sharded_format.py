@@ -292,7 +292,7 @@ def test_consolidated_file_equals_the_source_and_loads(folders, source, tmp_path
 def test_consolidated_safetensors_holds_the_weights(folders, source, tmp_path):
     from safetensors.torch import load_file
 
-    from lit_pretrain.hf import read_init
+    from lit_pretrain.interop.hf import read_init
 
     out = consolidate(folders["chunked"], tmp_path / "w.safetensors")
     weights = load_file(out)

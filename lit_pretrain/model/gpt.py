@@ -54,7 +54,7 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device 
     of wq and wk. fp32 because the angles reach seq_len radians: near 1000 rad bf16's spacing is 4 rad.
     """
     # 1 / theta^(2i/Q) as transformers' Llama writes it, not theta^(-2i/Q), which rounds differently in the last bit:
-    # the same tables to the bit, so an exported model (lit_pretrain/llama.py) gives transformers' logits exactly.
+    # the same tables to the bit, so an exported model (interop/llama.py) gives transformers' logits exactly.
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (Q/2,)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)  # (T,)
     angles = torch.outer(positions, inv_freq)  # (T, Q/2)

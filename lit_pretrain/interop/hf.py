@@ -29,7 +29,7 @@ from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.data.shards import pretokenized_run, run_tokenizer_entry, tokenizer_folder
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.llama import (
+from lit_pretrain.interop.llama import (
     FUNCTION_FIELDS,
     VARIANT_DEFAULTS,
     check_exportable,
@@ -106,7 +106,7 @@ def check_target(out: str | Path) -> Path:
 
 def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
     """Write `model` and its tokenizer as a transformers LlamaForCausalLM folder (Qwen3ForCausalLM with
-    model.qk_norm, OlmoeForCausalLM with model.moe: lit_pretrain/olmoe.py) at `out` (new or empty)."""
+    model.qk_norm, OlmoeForCausalLM with model.moe: lit_pretrain/interop/olmoe.py) at `out` (new or empty)."""
     check_exportable(model.cfg)  # before anything is written
     st = _safetensors()
     cfg, out = model.cfg, check_target(out)
