@@ -16,15 +16,15 @@ from lit_pretrain.model import losses
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT, document_ids
 from lit_pretrain.model.moe import end_step, moe_loss
-from lit_pretrain.optim import build_optimizer
+from lit_pretrain.optim.optimizers import build_optimizer
+from lit_pretrain.optim.schedule import lr_lambda
+from lit_pretrain.optim.step_guard import StepGuard
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.vocab import split_cross_entropy
 from lit_pretrain.resume.verified import sidecar_path, verify
-from lit_pretrain.schedule import lr_lambda
 from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
 from lit_pretrain.step_axis import log_at_steps_completed
-from lit_pretrain.step_guard import StepGuard
 
 
 class PretrainModule(L.LightningModule):

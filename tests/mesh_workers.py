@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
-from lit_pretrain.optim import build_adamw, build_optimizer, clip_by_global_norm
+from lit_pretrain.optim.optimizers import build_adamw, build_optimizer, clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.mesh import build_mesh, like

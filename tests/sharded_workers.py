@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.model.losses import lm_losses
-from lit_pretrain.optim import clip_by_global_norm
+from lit_pretrain.optim.optimizers import clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan

@@ -27,7 +27,7 @@ from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.errors import DataError
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
-from lit_pretrain.optim import build_adamw, param_groups
+from lit_pretrain.optim.optimizers import build_adamw, param_groups
 from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.sharded.inspect import inspect
 from lit_pretrain.resume.sharded.tools import _release, consolidate

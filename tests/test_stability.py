@@ -17,7 +17,7 @@ from lit_pretrain.callbacks.throughput import ThroughputMonitor, gpu_peak_flops
 from lit_pretrain.data.datamodule import GlobalOrderSampler
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.schedule import lr_at
+from lit_pretrain.optim.schedule import lr_at
 from tests.conftest import EXPERIMENTS
 
 

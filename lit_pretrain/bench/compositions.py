@@ -185,7 +185,7 @@ def _plan_step(par, opt, x, y, max_norm):
 
 def _worker(rank: int, port: int, c, batch: int, results) -> None:
     from lit_pretrain.model.gpt import GPT
-    from lit_pretrain.optim import build_adamw
+    from lit_pretrain.optim.optimizers import build_adamw
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
 

@@ -22,7 +22,7 @@ from lit_pretrain.bench import stats
 from lit_pretrain.model.config import MoEConfig
 from lit_pretrain.model.moe import MoE, end_step, moe_loss
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.optim import build_optimizer
+from lit_pretrain.optim.optimizers import build_optimizer
 
 EXPERTS, TOP_K = 8, 2
 # Few steps a side, 5 alternations each: the group took 11 minutes at 12/8 steps on 2 cores at load average 9;

@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, mode: str, model_cfg, optim_cfg, f
     import torch.distributed as dist
 
     from lit_pretrain.model.gpt import GPT
-    from lit_pretrain.optim import build_adamw
+    from lit_pretrain.optim.optimizers import build_adamw
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
     from lit_pretrain.parallel.plan import ParallelPlan

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit_pretrain.optim import full_norm
+from lit_pretrain.optim.optimizers import full_norm
 
 PHASES = ("warmup", "stable", "decay")
 
