@@ -29,8 +29,8 @@ import yaml
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
 from lit_pretrain.paths import confined, is_safe_name
 from lit_pretrain.resume.atomic import atomic_open
-from lit_pretrain.run_state import is_finished
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.runs.folder import read_metrics, series
+from lit_pretrain.runs.state import is_finished
 
 ABLATIONS = Path("experiments") / "ablations"
 ROOT = Path("runs") / "ablations"

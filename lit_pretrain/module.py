@@ -23,8 +23,8 @@ from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.vocab import split_cross_entropy
 from lit_pretrain.resume.verified import sidecar_path, verify
+from lit_pretrain.runs.step_axis import log_at_steps_completed
 from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
-from lit_pretrain.step_axis import log_at_steps_completed
 
 
 class PretrainModule(L.LightningModule):

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config as config_lib
-from lit_pretrain import console, run_state
+from lit_pretrain import console
 from lit_pretrain.callbacks import build_callbacks
 from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
@@ -35,7 +35,14 @@ from lit_pretrain.resume import store as checkpoint_store
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.compat import run_meta as resume_meta
 from lit_pretrain.resume.preemption import Interrupted, resume_command
-from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
+from lit_pretrain.runs import state as run_state
+from lit_pretrain.runs.folder import (
+    is_primary_process,
+    plot_loss_curve,
+    read_metrics,
+    remove_failed_start,
+    write_summary,
+)
 from lit_pretrain.scaling import shapes
 from lit_pretrain.schema import Config, TrainerConfig
 

@@ -6,7 +6,7 @@ rank 1, which inside pytest would re-launch pytest itself (shared/CPU-DISTRIBUTE
 
 import pytest
 
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
 
 pytestmark = pytest.mark.slow

@@ -249,7 +249,7 @@ def test_downstream_eval_runs_at_validation_off_the_throughput_clock(tmp_path, t
     from lit_pretrain.data.datamodule import TokenShardDataModule
     from lit_pretrain.errors import ConfigError
     from lit_pretrain.module import PretrainModule
-    from lit_pretrain.runs import read_metrics
+    from lit_pretrain.runs.folder import read_metrics
 
     tasks = write_task(tmp_path)
     with pytest.raises(ConfigError, match=r"every_n_steps=3 is not a multiple of trainer.val_every_n_steps=2"):
@@ -305,7 +305,7 @@ def budgeted(tokenizer):
 def check_run(run_dir, tasks, n_mc, n_ppl, tokens, eval_steps):
     """The scores logged during training are those `lit-pretrain evaluate` gives offline on the last checkpoint."""
     from lit_pretrain.evaluation.command import evaluate
-    from lit_pretrain.runs import read_metrics
+    from lit_pretrain.runs.folder import read_metrics
 
     rows = read_metrics(run_dir / "metrics.csv")
     scored = {int(r["step"]): r for r in rows if "eval/tiny_mc/acc" in r}

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from lit_pretrain import run_table
 from lit_pretrain.errors import ConfigError, RunFolderError
+from lit_pretrain.runs import table as run_table
 from lit_pretrain.scaling import ladder
 from lit_pretrain.scaling.ladder_report import (
     fit_ladder,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_pretrain.checkpoints import load_gpt
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import free_port, run_module, train_args
 from tests.global_sizes import assert_global_sizes
 

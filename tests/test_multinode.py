@@ -40,7 +40,7 @@ def two_agents(tmp_path: Path, data_dir: Path, name: str, overrides: list) -> li
 
 
 def losses(run_dir: Path) -> list:
-    from lit_pretrain.runs import read_metrics, series
+    from lit_pretrain.runs.folder import read_metrics, series
 
     rows = read_metrics(run_dir / "metrics.csv")
     return series(rows, "train/loss") + series(rows, "val/loss")

@@ -25,7 +25,7 @@ from lit_pretrain.model.gpt import GPT
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.optim.optimizers import param_groups
 from lit_pretrain.parallel.zero import zero_partition
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
 from tests.global_sizes import assert_global_sizes
 from tests.strategies_logits import probe_input

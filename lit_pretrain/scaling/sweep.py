@@ -17,7 +17,7 @@ import yaml
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.config import GPTConfig
-from lit_pretrain.run_state import is_finished
+from lit_pretrain.runs.state import is_finished
 from lit_pretrain.scaling import shapes
 
 
