@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         return _checkpoint(args)
     try:
         if args.command == "generate":  # imports torch: only here, so the other commands stay fast
-            from lit_pretrain.generate import main as generate_main
+            from lit_pretrain.evaluation.generate import main as generate_main
 
             generate_main(args)
             return 0

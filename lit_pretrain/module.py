@@ -10,7 +10,6 @@ from typing import Optional
 import lightning as L
 import torch
 
-from lit_pretrain.checkpoints import from_plain
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import losses
 from lit_pretrain.model.config import GPTConfig
@@ -23,6 +22,7 @@ from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.vocab import split_cross_entropy
 from lit_pretrain.resume.verified import sidecar_path, verify
+from lit_pretrain.resume.weights import from_plain
 from lit_pretrain.runs.step_axis import log_at_steps_completed
 from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import read_checkpoint
+from lit_pretrain.resume.weights import read_checkpoint
 from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import ROOT, launcher_env, train_args
 

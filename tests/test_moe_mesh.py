@@ -9,8 +9,8 @@ One spawn of 2 processes, one of 4 (all 4-process cases in it), then a CLI run.
 import pytest
 import torch.multiprocessing as mp
 
-from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
+from lit_pretrain.resume.weights import load_gpt
 from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import free_port, run_module, train_args
 from tests.global_sizes import assert_global_sizes

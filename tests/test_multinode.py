@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import read_checkpoint
 from lit_pretrain.parallel.launch import torchrun_command
+from lit_pretrain.resume.weights import read_checkpoint
 from tests.conftest import EXPERIMENTS, free_port, run_module, tiny_data_overrides, train_args
 
 pytestmark = pytest.mark.slow

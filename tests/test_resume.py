@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import read_checkpoint
 from lit_pretrain.resume import store
+from lit_pretrain.resume.weights import read_checkpoint
 from lit_pretrain.runs import table as run_table
 from lit_pretrain.runs.compare import compare, panels
 from lit_pretrain.runs.folder import read_metrics, series

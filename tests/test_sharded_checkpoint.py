@@ -109,8 +109,8 @@ def test_folders_in_the_checkpoints_store(tmp_path):
     keep-last-k deletes only older step folders (never a link's target), and load_gpt follows `latest`."""
     import os
 
-    from lit_pretrain.checkpoints import checkpoint_path
     from lit_pretrain.resume import store
+    from lit_pretrain.resume.weights import checkpoint_path
 
     folder = tmp_path / "run" / "checkpoints"
     model = init_model()

@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from lit_pretrain import cli
-from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.errors import DataError
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
@@ -32,6 +31,7 @@ from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.sharded.inspect import inspect
 from lit_pretrain.resume.sharded.tools import _release, consolidate
 from lit_pretrain.resume.verified import META_KEY, load_verified, verify
+from lit_pretrain.resume.weights import load_gpt, load_optimizer_state
 from lit_pretrain.schema import OptimConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process

@@ -25,7 +25,6 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from lit_pretrain import config as config_lib
-from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.data.shards import pretokenized_run, run_tokenizer_entry, tokenizer_folder
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import ConfigError, DataError
@@ -42,6 +41,7 @@ from lit_pretrain.interop.llama import (
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.paths import safe_rmtree
+from lit_pretrain.resume.weights import load_gpt
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
 # Metadata of a weights file under our names (`import --out`): the model fields and the tokenizer it was trained with.

@@ -172,8 +172,8 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
 
 def _model_fields(folder: Path, trainer: Dict, default: Any = None) -> Dict[str, Any]:
     """The run's GPTConfig fields, from trainer_state.pt as load_gpt finds them; `default` (when given) if absent."""
-    from lit_pretrain.checkpoints import _section
     from lit_pretrain.model.config import GPTConfig
+    from lit_pretrain.resume.weights import _section
 
     try:
         return dataclasses.asdict(_section(trainer, folder / sf.TRAINER_STATE, "model", GPTConfig))

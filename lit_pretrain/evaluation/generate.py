@@ -167,7 +167,7 @@ def main(args) -> None:
     """`lit-pretrain generate`: print each sample (prompt + continuation), then the speed on stderr."""
     import sys
 
-    from lit_pretrain.checkpoints import load_gpt
+    from lit_pretrain.resume.weights import load_gpt
 
     check_sampling(args.temperature, args.top_k, args.top_p)
     run_dir, checkpoint = resolve(args.source)
