@@ -15,8 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config as config_lib
-from lit_pretrain import console
-from lit_pretrain.callbacks import build_callbacks
+from lit_pretrain.callbacks import build_callbacks, console
 from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
 from lit_pretrain.data.datamodule import TokenShardDataModule
