@@ -186,7 +186,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         resume_session.continue_metrics(plan)
         if is_primary_process():
             config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
-            # summary.json says `running` until the run ends (run_state.py); on resume it replaces the last end's.
+            # summary.json says `running` until the run ends (runs/state.py); on resume it replaces the last end's.
             first = checkpoint_store.meta_of(plan.checkpoint).get("step", 0) if plan.checkpoint is not None else 0
             start = run_state.start_record(c.run.name, first, c.trainer.max_steps)
             write_summary(run_dir, start)
@@ -237,7 +237,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         "tokens_per_step": tokens_per_step,
         "accumulate_grad_batches": accumulate,
         "world_size": trainer.world_size,
-        "status": status,  # run_state.py: running / preempted / failed / finished
+        "status": status,  # runs/state.py: running / preempted / failed / finished
         "steps": trainer.global_step,  # optimizer steps completed (a preempted run: its checkpoint's step)
         "max_steps": c.trainer.max_steps,
         "resume_step": run_state.resume_step(run_dir) if status != run_state.FINISHED else None,

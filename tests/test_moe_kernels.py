@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from lit_pretrain.model.moe_kernels import swiglu_experts
 
-L, D, FF = 8, 32, 48  # experts, d, expert width: multiples of 8 (grouped_mm's 16-byte strides, model_config.py)
+L, D, FF = 8, 32, 48  # experts, d, expert width: multiples of 8 (grouped_mm's 16-byte strides, model/config.py)
 
 
 def loop_experts(xs, offsets, w_gate, w_up, w_down):

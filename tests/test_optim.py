@@ -1,4 +1,4 @@
-"""optim.py and StepGuard: one norm per optimizer step, a dropped update leaves no gradient, clipping by the norm the
+"""optim/ and StepGuard: one norm per optimizer step, a dropped update leaves no gradient, clipping by the norm the
 guard was given, and the module's wiring of the guard into Lightning's step."""
 
 import lightning as L

@@ -166,7 +166,7 @@ def test_run_views_import_neither_torch_nor_lightning():
 
 
 def test_run_status_is_summary_status_and_the_folder_lock(tmp_path, capsys):
-    """summary.json's status (run_state.py) is what `runs` and `compare` show; `running` stays running only while a
+    """summary.json's status (runs/state.py) is what `runs` and `compare` show; `running` stays running only while a
     live start holds the folder's lock, and reads `killed` once none does (SIGKILL, OOM: nothing wrote an end)."""
     from lit_pretrain.runs.folder import claim_run_dir
 
