@@ -66,7 +66,7 @@ ladder: $(STAMP) ## model ladder on this CPU (LADDER=<grid yaml>): rungs, fit be
 
 ABLATIONS ?=
 ablate: $(STAMP) ## CPU ablations (AdamW vs Muon, QK-norm, GQA; ABLATIONS=adamw_vs_muon for one): runs/ablations/ablations.{md,png}
-	$(BIN)/python -m lit_pretrain.ablate $(ABLATIONS)
+	$(BIN)/python -m lit_pretrain.scaling.ablate $(ABLATIONS)
 
 NODES ?= 2
 DEVICES ?= 8

@@ -121,7 +121,7 @@ def _checkpoint(args) -> int:
 
 
 def _hf_commands(sub) -> None:
-    """export / import: the Hugging Face transformers format (lit_pretrain/hf.py)."""
+    """export / import: the Hugging Face transformers format (lit_pretrain/interop/hf.py)."""
     text = ("write a checkpoint as a transformers folder (LlamaForCausalLM; Qwen3 with model.qk_norm, "
             "OlmoeForCausalLM with model.moe; safetensors, tokenizer)")
     cmd = sub.add_parser("export", help=text, description=text)
@@ -145,7 +145,7 @@ def _hf_commands(sub) -> None:
 
 
 def _run_hf(args) -> None:
-    from lit_pretrain import hf
+    from lit_pretrain.interop import hf
 
     if args.command == "export":
         print(f"wrote {hf.export_run(args.source, args.out)}")
@@ -167,7 +167,7 @@ def _run_hf(args) -> None:
 
 
 def _add_run_views(sub) -> None:
-    """`compare` and `runs`: runs at a glance (lit_pretrain/compare.py, lit_pretrain/run_table.py; no torch)."""
+    """`compare` and `runs`: runs at a glance (lit_pretrain/runs/compare.py, lit_pretrain/runs/table.py; no torch)."""
     text = "plot runs together: loss against tokens and FLOPs, learning rate, gradient norm, throughput"
     cmd = sub.add_parser("compare", help=text, description=text)
     cmd.add_argument("run_dirs", nargs="+", metavar="RUN", help="run folders, e.g. runs/default runs/tiny")
@@ -182,13 +182,13 @@ def _add_run_views(sub) -> None:
 def _run_views(args) -> int:
     try:
         if args.command == "compare":
-            from lit_pretrain.compare import compare
+            from lit_pretrain.runs.compare import compare
 
             for note in compare(args.run_dirs, args.out):
                 print(f"note: {note}")
             print(f"wrote {args.out}")
         else:
-            from lit_pretrain.run_table import table
+            from lit_pretrain.runs.table import table
 
             print(table(args.root, **({} if args.active_minutes is None else {"active_minutes": args.active_minutes})))
     except USAGE_ERRORS as err:
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         return _checkpoint(args)
     try:
         if args.command == "generate":  # imports torch: only here, so the other commands stay fast
-            from lit_pretrain.generate import main as generate_main
+            from lit_pretrain.evaluation.generate import main as generate_main
 
             generate_main(args)
             return 0
@@ -294,7 +294,7 @@ def _supervise(argv, cfg) -> int:
     """run.max_restarts > 0: this process supervises the run and restarts it (lit_pretrain/faults/supervisor.py)."""
     from lit_pretrain.faults.supervisor import supervise
     from lit_pretrain.parallel.world import launcher_world
-    from lit_pretrain.runs import run_dir_path
+    from lit_pretrain.runs.folder import run_dir_path
 
     given = launcher_world()
     if given is not None:

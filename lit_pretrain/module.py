@@ -10,20 +10,21 @@ from typing import Optional
 import lightning as L
 import torch
 
-from lit_pretrain import losses
-from lit_pretrain.checkpoints import from_plain
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model import GPT, document_ids
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.moe import end_step, moe_loss
-from lit_pretrain.optim import build_optimizer
+from lit_pretrain.model import losses
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT, document_ids
+from lit_pretrain.model.moe import end_step, moe_loss
+from lit_pretrain.optim.optimizers import build_optimizer
+from lit_pretrain.optim.schedule import lr_lambda
+from lit_pretrain.optim.step_guard import StepGuard
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.parallel.vocab import split_cross_entropy
 from lit_pretrain.resume.verified import sidecar_path, verify
-from lit_pretrain.schedule import lr_lambda
+from lit_pretrain.resume.weights import from_plain
+from lit_pretrain.runs.step_axis import log_at_steps_completed
 from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
-from lit_pretrain.step_axis import log_at_steps_completed
-from lit_pretrain.step_guard import StepGuard
 
 
 class PretrainModule(L.LightningModule):
@@ -159,7 +160,7 @@ class PretrainModule(L.LightningModule):
         # (B, T, V), or this rank's (B, T, V/t) under tensor parallelism, whose group the loss then reduces over
         logits = self.model(x) if docs is None else self.model(x, document_ids=docs)
         group = self.parallel.vocab_group if self.parallel is not None else None
-        return lm_losses(logits, y, self.optim_cfg.z_loss, group)
+        return lm_losses(logits, y, self.optim_cfg.z_loss, split_cross_entropy(group))
 
     def on_fit_start(self):
         # The one place the guard's norm is chosen: the plan's (ParallelModel.grad_norm counts each parameter once
@@ -188,7 +189,7 @@ class PretrainModule(L.LightningModule):
         loss, z_loss = self.losses(batch)
         self._loss_sum += loss.detach()
         self._micro_batches += 1
-        # model.moe: the load-balancing and router z-losses of this forward (lit_pretrain/moe.py), trained on but
+        # model.moe: the load-balancing and router z-losses of this forward (lit_pretrain/model/moe.py), trained on but
         # kept out of train/loss, as the z-loss is (their values are logged per layer by the MoE monitor).
         # Under pipeline parallelism they trained inside the schedule's backward (parallel/moe_mesh.py).
         balance = moe_loss(self.model) if self.parallel is None or self.parallel.runner is None else None
@@ -232,7 +233,7 @@ class PretrainModule(L.LightningModule):
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
         # model.moe, after the update and before any callback's on_train_batch_end reads the step: the routing
-        # counts summed over the data-parallel ranks, DeepSeek-V3's bias update (lit_pretrain/moe.py end_step). On our
+        # counts summed over the data-parallel ranks, DeepSeek-V3's bias update (model/moe.py end_step). On our
         # mesh over those ranks alone (MeshStrategy.data_parallel_sum); elsewhere every rank is a data-parallel one.
         trainer = self._trainer
         strategy = None if trainer is None else trainer.strategy

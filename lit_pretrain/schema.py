@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.paths import SAFE_NAME, SAFE_NAME_RULE, is_safe_name
 
 ModelConfig = GPTConfig
@@ -50,7 +50,7 @@ class DeduplicationConfig:
     """Seed of the MinHash permutations: the same corpus and seed give the same kept set."""
     processes: Optional[int] = field(default=None, metadata={"ge": 1})
     """Processes that compute signatures, this one included (the others are workers started for the stage, which
-    never import the caller's main module: lit_pretrain/workers.py). null: one per CPU core; 1: only this one. The
+    never import the caller's main module: lit_pretrain/data/workers.py). null: one per CPU core; 1: only this one. The
     kept set does not depend on it."""
     storage: str = field(default="memory", metadata={"choices": ["memory", "redis"]})
     """Where the LSH index lives: in this process, or in a Redis server (datasketch's redis storage) for corpora
@@ -196,7 +196,7 @@ class DataConfig:
     corpus-checks (~/.cache when unset); a path: that folder; null: no record, every start reads every file."""
     tokenize_workers: int = field(default=1, metadata={"ge": 1})
     """Processes that tokenize documents into shards, this one included (the others are worker processes,
-    lit_pretrain/workers.py). The shards are byte-identical for any number."""
+    lit_pretrain/data/workers.py). The shards are byte-identical for any number."""
     engine: str = field(default="local", metadata={"choices": ["local", "ray"]})
     """What runs prepare's reading, deduplication and tokenization: local (this process and its worker processes)
     or ray (tasks on a Ray cluster, lit_pretrain/data/ray_engine.py; `pip install lit-pretrain[ray]`). The prepared
@@ -306,7 +306,7 @@ class OptimConfig:
     lr_multipliers: Dict[str, float] = field(default_factory=dict)
     """Learning-rate factor per parameter kind (embeddings, head, hidden, norms, biases), e.g. {embeddings: 10}:
     the schedule scales each kind's lr_peak x factor. model.init=mup multiplies hidden by model.mup_base_width /
-    d_model on top (lit_pretrain/init.py). Unnamed kinds: 1."""
+    d_model on top (lit_pretrain/model/init.py). Unnamed kinds: 1."""
 
     def check(self) -> None:
         """Cross-key rules, at config load (config.check_ranges). optim.name=muon runs under every parallel plan
@@ -393,12 +393,12 @@ class TrainerConfig:
     tokens. Replaces trainer.val_batches (batches per device, so the set grew with the processes)."""
     log_every_n_steps: int = field(default=10, metadata={"ge": 1})
     """Write metrics every this many optimizer steps; without a terminal (a log file) also print a line then: step,
-    training loss, tokens/s, MFU, time left (lit_pretrain/console.py)."""
+    training loss, tokens/s, MFU, time left (lit_pretrain/callbacks/console.py)."""
     checkpoint_every_n_steps: int = field(default=500, metadata={"ge": 0})
     """Save a checkpoint every this many optimizer steps (0: only the final one)."""
     progress_bar: bool = True
     """Show Lightning's progress bar when stdout is a terminal; otherwise (a log file) print a line every
-    log_every_n_steps steps and one per validation instead of the bar's redraws (lit_pretrain/console.py)."""
+    log_every_n_steps steps and one per validation instead of the bar's redraws (lit_pretrain/callbacks/console.py)."""
     compile: Union[bool, str] = field(default="auto", metadata={"choices": [True, False, "auto"]})
     """torch.compile of the training step (parallel/compile.py: each block's forward and the loss). The first steps
     pay the compile time (tens of seconds on a cold cache), later ones run faster. auto: compile when a C++
@@ -674,7 +674,7 @@ class RunConfig:
     (config.json, model.safetensors; `lit-pretrain export --to hf` writes one) or a .safetensors file under this GPT's
     own weight names (`lit-pretrain import --out`). Loaded after the model is built, before the first step; the
     model.* keys must be the weights' (`lit-pretrain import` sets them), and a tokenizer.json beside the weights must
-    be the data's. Unused when resuming: the checkpoint holds the weights. See lit_pretrain/hf.py."""
+    be the data's. Unused when resuming: the checkpoint holds the weights. See lit_pretrain/interop/hf.py."""
 
 
 @dataclass

@@ -15,8 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config as config_lib
-from lit_pretrain import console, run_state
-from lit_pretrain.callbacks import build_callbacks
+from lit_pretrain.callbacks import build_callbacks, console
 from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
 from lit_pretrain.data.datamodule import TokenShardDataModule
@@ -35,7 +34,14 @@ from lit_pretrain.resume import store as checkpoint_store
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.compat import run_meta as resume_meta
 from lit_pretrain.resume.preemption import Interrupted, resume_command
-from lit_pretrain.runs import is_primary_process, plot_loss_curve, read_metrics, remove_failed_start, write_summary
+from lit_pretrain.runs import state as run_state
+from lit_pretrain.runs.folder import (
+    is_primary_process,
+    plot_loss_curve,
+    read_metrics,
+    remove_failed_start,
+    write_summary,
+)
 from lit_pretrain.scaling import shapes
 from lit_pretrain.schema import Config, TrainerConfig
 
@@ -136,7 +142,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
                             compile=parallel_plan.compile, plan=parallel_plan,
                             eod_id=datamodule.eod_id if c.data.document_masking else None)
     if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
-        from lit_pretrain.hf import load_init  # needs safetensors (the hf extra): only when asked for
+        from lit_pretrain.interop.hf import load_init  # needs safetensors (the hf extra): only when asked for
 
         load_init(module.model, c.run.init_from, datamodule.tokenizer_path)
     timer = Timer()
@@ -180,7 +186,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         resume_session.continue_metrics(plan)
         if is_primary_process():
             config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
-            # summary.json says `running` until the run ends (run_state.py); on resume it replaces the last end's.
+            # summary.json says `running` until the run ends (runs/state.py); on resume it replaces the last end's.
             first = checkpoint_store.meta_of(plan.checkpoint).get("step", 0) if plan.checkpoint is not None else 0
             start = run_state.start_record(c.run.name, first, c.trainer.max_steps)
             write_summary(run_dir, start)
@@ -231,7 +237,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         "tokens_per_step": tokens_per_step,
         "accumulate_grad_batches": accumulate,
         "world_size": trainer.world_size,
-        "status": status,  # run_state.py: running / preempted / failed / finished
+        "status": status,  # runs/state.py: running / preempted / failed / finished
         "steps": trainer.global_step,  # optimizer steps completed (a preempted run: its checkpoint's step)
         "max_steps": c.trainer.max_steps,
         "resume_step": run_state.resume_step(run_dir) if status != run_state.FINISHED else None,

@@ -12,12 +12,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lit_pretrain.losses import lm_losses
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.moe import moe_layers
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.losses import lm_losses
+from lit_pretrain.model.moe import moe_layers
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh
+from lit_pretrain.parallel.vocab import split_cross_entropy
 from tests import sharded_workers
 from tests.mesh_workers import BATCH, CFG, case, data, data_parallel_rank
 
@@ -51,7 +52,7 @@ def routing_counts(plan) -> dict:
     if par.runner is not None:
         par.runner.loss((x, y))
     else:
-        lm_losses(model(x), y, vocab_group=par.vocab_group)[0].backward()  # logits: this rank's vocabulary columns
+        lm_losses(model(x), y, split_cross_entropy(par.vocab_group))[0].backward()  # logits: this rank's columns
     counts = {}
     for m in moe_layers(model):
         load = m.load[:4].clone()

@@ -19,7 +19,7 @@ def one_process_sizes(run_dir: Path) -> dict:
 
 
 def assert_global_sizes(run_dir: Path) -> None:
-    from lit_pretrain.runs import read_metrics
+    from lit_pretrain.runs.folder import read_metrics
 
     want = one_process_sizes(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())

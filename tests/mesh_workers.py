@@ -12,16 +12,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lit_pretrain.losses import IGNORE_INDEX, lm_losses
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.optim import build_adamw, build_optimizer, clip_by_global_norm
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
+from lit_pretrain.optim.optimizers import build_adamw, build_optimizer, clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.mesh import build_mesh, like
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.tensor import apply_tensor_parallel, plain_name, shard, style_of
-from lit_pretrain.parallel.vocab import whole_logits
+from lit_pretrain.parallel.vocab import split_cross_entropy, whole_logits
 from lit_pretrain.schema import OptimConfig
 
 CFG = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, seq_len=16, tie_embeddings=True)
@@ -81,7 +81,7 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))
         else:  # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
-            loss = lm_losses(model(x), y, vocab_group=par.vocab_group)[0]
+            loss = lm_losses(model(x), y, split_cross_entropy(par.vocab_group))[0]
             loss.backward()
             loss = loss.detach()
         par.sync_gradients()
@@ -188,10 +188,10 @@ def vocab_cross_entropy_case(out: dict) -> None:
     (task + z).backward()
     part = logits.chunk(world, dim=-1)[rank].clone().requires_grad_(True)
     group = dist.group.WORLD
-    p_task, p_z = lm_losses(part, targets, 1e-2, vocab_group=group)
+    p_task, p_z = lm_losses(part, targets, 1e-2, split_cross_entropy(group))
     (p_task + p_z).backward()
     grad = whole_logits(part.grad, group)
-    none = lm_losses(part, torch.full_like(targets, IGNORE_INDEX), 1e-2, vocab_group=group)
+    none = lm_losses(part, torch.full_like(targets, IGNORE_INDEX), 1e-2, split_cross_entropy(group))
     if rank == 0:
         out["vocab_ce"] = {"task": (p_task - task).abs().item(), "z": (p_z - z).abs().item(),
                            "grad": (grad - ref.grad).abs().max().item(), "grad_scale": ref.grad.abs().max().item(),

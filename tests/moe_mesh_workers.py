@@ -16,15 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lit_pretrain.losses import lm_losses
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.moe import end_step, moe_layers, moe_loss
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.losses import lm_losses
+from lit_pretrain.model.moe import end_step, moe_layers, moe_loss
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh, local
 from lit_pretrain.parallel.moe_mesh import data_parallel_sum
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.tensor import plain_name, style_of
+from lit_pretrain.parallel.vocab import split_cross_entropy
 from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, case, data, data_parallel_rank
 
 _RECORDED: dict = {}  # "reference" / "layout" -> [per step: {layer: (stats, bias)}]
@@ -78,7 +79,7 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))  # the MoE losses train inside the schedule's backward
         else:
-            loss = lm_losses(model(x), y, vocab_group=par.vocab_group)[0]  # logits: this rank's vocabulary columns
+            loss = lm_losses(model(x), y, split_cross_entropy(par.vocab_group))[0]  # logits: this rank's columns
             balance = moe_loss(model)
             (loss if balance is None else loss + balance).backward()
             loss = loss.detach()

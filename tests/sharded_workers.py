@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lit_pretrain.losses import lm_losses
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.optim import clip_by_global_norm
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.losses import lm_losses
+from lit_pretrain.optim.optimizers import clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.parallel.vocab import split_cross_entropy
 from lit_pretrain.resume.sharded import save as sharded
 from lit_pretrain.resume.sharded.manifest import STEP_FOLDER
 from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, data, data_parallel_rank
@@ -47,7 +48,7 @@ def train_steps(par, model, opt, xs, ys) -> list:
             loss = par.runner.loss((x, y))
         else:
             # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
-            loss = lm_losses(model(x), y, vocab_group=par.vocab_group if par is not None else None)[0]
+            loss = lm_losses(model(x), y, split_cross_entropy(par.vocab_group if par is not None else None))[0]
             loss.backward()
             loss = loss.detach()
         if par is not None:

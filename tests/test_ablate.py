@@ -6,8 +6,9 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from lit_pretrain import ablate, config
+from lit_pretrain import config
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.scaling import ablate
 
 SHIPPED = sorted(ablate.ABLATIONS.glob("*.yaml"))
 ARCH_KEYS = ("model.qk_norm", "model.n_kv_heads")  # issue 21's architecture side adds them

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointed_block_indices
 from lit_pretrain.parallel.memory import SavedActivations
 

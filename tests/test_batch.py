@@ -12,7 +12,7 @@ from lit_pretrain import cli, config
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.parallel.batch import GlobalBatch, global_batch, plan_line
 from lit_pretrain.parallel.plan import ParallelPlan, build_plan
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
 from tests.global_sizes import assert_global_sizes
 

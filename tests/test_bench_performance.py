@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_pretrain.bench import child, gpu, mfu, profile_step
-from lit_pretrain.model import GPT, flops_per_token_formula
+from lit_pretrain.model.gpt import GPT, flops_per_token_formula
 from tests.conftest import EXPERIMENTS
 
 # PaLM (Chowdhery et al. 2022), §4 and appendix B: PaLM 540B (N = 540.35e9, L = 118, H = 48, Q = 256,

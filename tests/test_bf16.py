@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.compile import compiler_available

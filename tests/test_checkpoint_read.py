@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from lit_pretrain import config
-from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.errors import DataError
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.resume import store
 from lit_pretrain.resume.verified import load_verified, save_atomic, sidecar_path
+from lit_pretrain.resume.weights import load_gpt, load_optimizer_state
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 from lit_pretrain.train import train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
@@ -159,8 +159,8 @@ def test_inspect_follows_a_run_folder_like_load_gpt(run_dir, capsys):
     """`checkpoint inspect runs/<name>` reads the checkpoint load_gpt(runs/<name>) reads (it refused the folder
     before): both resolve it through checkpoints.checkpoint_path."""
     from lit_pretrain import cli
-    from lit_pretrain.checkpoints import checkpoint_path
     from lit_pretrain.resume.sharded.inspect import inspect
+    from lit_pretrain.resume.weights import checkpoint_path
 
     report = inspect(run_dir)
     assert report["path"] == str(checkpoint_path(run_dir)) == str(run_dir / "checkpoints" / "last.ckpt")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.losses import lm_losses
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.losses import lm_losses
 from lit_pretrain.parallel.activation_checkpointing import is_checkpointed
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.compile import check_toolchain, compile_blocks, compiler_available, is_compiled

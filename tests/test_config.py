@@ -11,7 +11,7 @@ from lit_pretrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1] / "experiments"
 RUN_FILES = sorted((ROOT / "runs").glob("*.yaml"))
-# experiments/ablations/*.yaml are `make ablate` files (lit_pretrain/ablate.py) and experiments/ladder/*.yaml
+# experiments/ablations/*.yaml are `make ablate` files (lit_pretrain/scaling/ablate.py) and experiments/ladder/*.yaml
 # `make ladder` grids (lit_pretrain/scaling/ladder.py, tested in tests/test_ladder.py), not config groups.
 GROUP_FILES = sorted(p for p in ROOT.glob("*/*.yaml") if p.parent.name not in ("runs", "ablations", "ladder"))
 

@@ -1,11 +1,11 @@
-"""lit_pretrain/console.py: the known noise is dropped by its exact message, nothing else; the progress bar only on
+"""callbacks/console.py: the known noise is dropped by its exact message, nothing else; the progress bar only on
 a terminal (tests/test_ddp.py checks the console of a whole 2-process run)."""
 
 import io
 import logging
 import warnings
 
-from lit_pretrain import console
+from lit_pretrain.callbacks import console
 
 
 class Terminal(io.StringIO):

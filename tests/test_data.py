@@ -28,7 +28,7 @@ from lit_pretrain.data.tokenizer import (
     train_tokenizer,
 )
 from lit_pretrain.errors import DataError
-from lit_pretrain.losses import IGNORE_INDEX
+from lit_pretrain.model.losses import IGNORE_INDEX
 from lit_pretrain.schema import DataConfig
 
 WORDS = (

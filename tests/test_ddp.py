@@ -6,7 +6,7 @@ rank 1, which inside pytest would re-launch pytest itself (shared/CPU-DISTRIBUTE
 
 import pytest
 
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ def test_validation_is_one_set_of_windows_for_any_world_size_and_the_console_hol
     # it by 5.0e-4, 50x the tolerance.
     assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], abs=1e-5)
     assert two["val_bits_per_byte"] == pytest.approx(one["val_bits_per_byte"], rel=1e-5)
-    # The console (lit_pretrain/console.py). Before: Lightning's litlogger tip, torch's LeafSpec deprecation twice
+    # The console (callbacks/console.py). Before: Lightning's litlogger tip, torch's LeafSpec deprecation twice
     # per rank, "use sync_dist=True" for val/loss, val/perplexity and val/bits_per_byte, the bar's redraws.
     for out in (one_out, two_out):
         for noise in ("litlogger", "LeafSpec", "sync_dist", "it/s]", "\r", "v_num", "limit_val_batches"):

@@ -3,7 +3,7 @@ the stage within seconds with one line; a worker killed once has its chunk retri
 
 Every test here has a deadline well under a minute (a signal alarm, or a subprocess timeout), so a pool that hangs
 shows as a failure rather than a stuck suite. Faults come from the workers' test hook, LIT_PRETRAIN_WORKER_FAULT
-(lit_pretrain/workers.py).
+(lit_pretrain/data/workers.py).
 """
 
 import json
@@ -19,9 +19,9 @@ from lit_pretrain import cli
 from lit_pretrain.data import minhash
 from lit_pretrain.data.corpus import Document
 from lit_pretrain.data.deduplicate import deduplicate
+from lit_pretrain.data.workers import FAULT_ENV
 from lit_pretrain.errors import WorkerError
 from lit_pretrain.schema import DeduplicationConfig
-from lit_pretrain.workers import FAULT_ENV
 from tests.conftest import EXPERIMENTS, ROOT, tiny_data_overrides
 
 pytestmark = pytest.mark.slow  # each test starts worker processes

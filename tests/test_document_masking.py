@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_pretrain.model import GPT, document_ids, document_mask, document_positions
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT, document_ids, document_mask, document_positions
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.schema import OptimConfig, ScheduleConfig
 

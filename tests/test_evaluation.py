@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lit_pretrain import cli, config
 from lit_pretrain.data.shards import load_manifest
 from lit_pretrain.data.tokenizer import EOD, load_tokenizer, token_byte_lengths, train_tokenizer
-from lit_pretrain.model import GPT
+from lit_pretrain.model.gpt import GPT
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
 pytest.importorskip("lm_eval")  # the `eval` extra: installed by `make install` and CI, so this runs there
@@ -209,7 +209,7 @@ def test_validation_bits_per_byte_against_a_hand_count(tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.model.config import GPTConfig
     from lit_pretrain.module import PretrainModule
     from lit_pretrain.schema import OptimConfig, ScheduleConfig
 
@@ -249,7 +249,7 @@ def test_downstream_eval_runs_at_validation_off_the_throughput_clock(tmp_path, t
     from lit_pretrain.data.datamodule import TokenShardDataModule
     from lit_pretrain.errors import ConfigError
     from lit_pretrain.module import PretrainModule
-    from lit_pretrain.runs import read_metrics
+    from lit_pretrain.runs.folder import read_metrics
 
     tasks = write_task(tmp_path)
     with pytest.raises(ConfigError, match=r"every_n_steps=3 is not a multiple of trainer.val_every_n_steps=2"):
@@ -305,7 +305,7 @@ def budgeted(tokenizer):
 def check_run(run_dir, tasks, n_mc, n_ppl, tokens, eval_steps):
     """The scores logged during training are those `lit-pretrain evaluate` gives offline on the last checkpoint."""
     from lit_pretrain.evaluation.command import evaluate
-    from lit_pretrain.runs import read_metrics
+    from lit_pretrain.runs.folder import read_metrics
 
     rows = read_metrics(run_dir / "metrics.csv")
     scored = {int(r["step"]): r for r in rows if "eval/tiny_mc/acc" in r}

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
 from lit_pretrain.resume.sharded import save as sharded
 from tests.conftest import free_port

@@ -5,9 +5,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.optim import adamw_kernel, build_adamw
+from lit_pretrain.optim.optimizers import adamw_kernel, build_adamw
 from lit_pretrain.schema import OptimConfig, ScheduleConfig
 
 TINY = dict(vocab_size=97, n_layers=1, d_model=32, n_heads=4, seq_len=16)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import read_checkpoint
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.resume.weights import read_checkpoint
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import ROOT, launcher_env, train_args
 
 pytestmark = pytest.mark.slow

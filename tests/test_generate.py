@@ -1,13 +1,13 @@
-"""KV-cache decoding and sampling (lit_pretrain/generate.py, GPT.forward_cached) and `lit-pretrain generate`."""
+"""KV-cache decoding and sampling (evaluation/generate.py, GPT.forward_cached) and `lit-pretrain generate`."""
 
 import pytest
 import torch
 
 from lit_pretrain import cli
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.generate import generate, next_token
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.evaluation.generate import generate, next_token
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from lit_pretrain import cli, config
-from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, save_tokenizer, train_tokenizer
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.hf import export_gpt, export_run, load_init, read_hf_config, write_weights
-from lit_pretrain.llama import function_fields
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.interop.hf import export_gpt, export_run, load_init, read_hf_config, write_weights
+from lit_pretrain.interop.llama import function_fields
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.resume.weights import load_gpt
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
 pytest.importorskip("transformers")  # the hf extra: installed by `make install` and CI
@@ -112,7 +112,7 @@ def test_exported_tokenizer_puts_the_end_of_document_token_first_as_generate_doe
     tokenizer adds the same EOD, so transformers' greedy tokens from AutoTokenizer's ids are generate's."""
     from transformers import AutoTokenizer
 
-    from lit_pretrain.generate import generate, prompt_ids
+    from lit_pretrain.evaluation.generate import generate, prompt_ids
 
     model = tiny_gpt(tied=True, seed=2)
     export_gpt(model, tokenizer_file, tmp_path / "hf")
@@ -271,7 +271,7 @@ def test_init_from_must_compute_with_the_models_settings_and_tokenizer(tmp_path,
 def test_trained_run_exports_loads_in_transformers_and_continues_training(tmp_path, tiny_data_dir):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from lit_pretrain.generate import prompt_ids
+    from lit_pretrain.evaluation.generate import prompt_ids
     from lit_pretrain.train import train
 
     run_file = EXPERIMENTS / "runs" / "tiny.yaml"

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from lit_pretrain import run_table
 from lit_pretrain.errors import ConfigError, RunFolderError
+from lit_pretrain.runs import table as run_table
 from lit_pretrain.scaling import ladder
 from lit_pretrain.scaling.ladder_report import (
     fit_ladder,
@@ -144,7 +144,7 @@ def test_rung_state_reads_the_run_folder(tmp_path):
     assert ladder.rung_state(folder, rung) == "partial"
     (folder / "summary.json").write_text(json.dumps({"params": 12336, "steps": 20, "final_val_loss": 6.0}))
     assert ladder.rung_state(folder, rung) == "finished"
-    # only a `finished` status finishes it (run_state.py): a start record (no size yet) or a failed run resumes
+    # only a `finished` status finishes it (runs/state.py): a start record (no size yet) or a failed run resumes
     for record in ({"status": "running", "steps": 10, "max_steps": 20},
                    {"status": "failed", "params": 12336, "steps": 20, "max_steps": 21, "final_val_loss": 6.0}):
         (folder / "summary.json").write_text(json.dumps(record))

@@ -12,7 +12,7 @@ One spawn per world size (2, then 4 processes) runs all its layouts in turn: pro
 import pytest
 import torch.multiprocessing as mp
 
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
 from lit_pretrain.scaling.memory import memory_plan
 from tests.conftest import free_port

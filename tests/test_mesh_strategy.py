@@ -7,9 +7,9 @@ and AdamW. The per-layout parity of every gradient is in tests/test_mesh_paralle
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import checkpoint_path, load_gpt, load_optimizer_state
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.resume.weights import checkpoint_path, load_gpt, load_optimizer_state
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
 from tests.global_sizes import assert_global_sizes
 

@@ -188,7 +188,7 @@ def test_bits_per_byte_per_source_against_a_hand_count(tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.model.config import GPTConfig
     from lit_pretrain.module import PretrainModule
     from lit_pretrain.schema import OptimConfig, ScheduleConfig
 

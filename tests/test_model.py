@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_pretrain.model import GPT, apply_rope, flops_per_token_formula, rope_tables
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT, apply_rope, flops_per_token_formula, rope_tables
 
 
 def tiny(**overrides) -> GPTConfig:

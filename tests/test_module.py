@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.optim import clip_by_global_norm, param_groups
-from lit_pretrain.schedule import lr_at
+from lit_pretrain.optim.optimizers import clip_by_global_norm, param_groups
+from lit_pretrain.optim.schedule import lr_at
 from lit_pretrain.schema import OptimConfig, ScheduleConfig
 
 TINY = dict(vocab_size=97, n_layers=2, d_model=32, n_heads=4, seq_len=16)

@@ -8,9 +8,9 @@ import torch
 import yaml
 
 from lit_pretrain.bench.moe import loop_forward
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig, MoEConfig
-from lit_pretrain.moe import end_step, moe_layers, moe_loss, step_statistics
+from lit_pretrain.model.config import GPTConfig, MoEConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.moe import end_step, moe_layers, moe_loss, step_statistics
 from lit_pretrain.scaling import shapes
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
@@ -95,7 +95,7 @@ def test_grouped_matmul_equals_the_per_expert_loop_forward_and_backward(score, n
     layer = build(cfg).blocks[0].mlp
     x = torch.randn(2, 16, 64, requires_grad=True)
     g = torch.randn(2, 16, 64)
-    ours = layer(x)  # the experts through lit_pretrain/moe_kernels.py (tests/test_moe_kernels.py: the kernel alone)
+    ours = layer(x)  # the experts through model/moe_kernels.py (tests/test_moe_kernels.py: the kernel alone)
     (ours * g).sum().backward()
     grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
     x.grad = None
@@ -188,7 +188,7 @@ def test_planted_router_collapse_is_an_event_with_a_label_and_resolves():
 
 def _route_to(layer, flat, expert):
     """The layer's own routing, or every token to `expert` with weight 1 (a planted collapse)."""
-    from lit_pretrain.moe import MoE
+    from lit_pretrain.model.moe import MoE
 
     top, weights, scores, logits = MoE.route(layer, flat)
     if expert is None:
@@ -273,8 +273,8 @@ def test_olmoe_export_holds_every_expert_gives_transformers_logits_and_round_tri
     transformers = pytest.importorskip("transformers")
     from safetensors import safe_open
 
-    from lit_pretrain.hf import export_gpt, load_init, read_hf_config, write_weights
-    from lit_pretrain.llama import function_fields
+    from lit_pretrain.interop.hf import export_gpt, load_init, read_hf_config, write_weights
+    from lit_pretrain.interop.llama import function_fields
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = tiny_olmoe(norm_topk_prob=norm_topk_prob)
@@ -300,7 +300,7 @@ def test_olmoe_export_holds_every_expert_gives_transformers_logits_and_round_tri
 
     # `lit-pretrain import`'s model.* overrides load as a config that builds this model.
     from lit_pretrain import config
-    from lit_pretrain.hf import import_overrides
+    from lit_pretrain.interop.hf import import_overrides
 
     loaded = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", import_overrides(tmp_path / "hf")))
     assert function_fields(loaded.model) == function_fields(model.cfg)
@@ -316,7 +316,7 @@ def test_olmoe_import_reads_transformers_fused_expert_layout(tmp_path, tokenizer
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import save_file
 
-    from lit_pretrain.hf import export_gpt, load_init
+    from lit_pretrain.interop.hf import export_gpt, load_init
 
     model = tiny_olmoe()
     export_gpt(model, tokenizer_file, tmp_path / "hf")
@@ -334,7 +334,7 @@ def test_olmoe_import_refuses_a_missing_expert(tmp_path, tokenizer_file):
     from safetensors.torch import load_file, save_file
 
     from lit_pretrain.errors import DataError
-    from lit_pretrain.hf import export_gpt, load_init
+    from lit_pretrain.interop.hf import export_gpt, load_init
 
     export_gpt(tiny_olmoe(), tokenizer_file, tmp_path / "hf")
     state = load_file(tmp_path / "hf" / "model.safetensors")
@@ -355,7 +355,7 @@ def test_olmoe_export_refuses_what_it_cannot_express_naming_the_key(tmp_path, to
     from dataclasses import replace
 
     from lit_pretrain.errors import DataError
-    from lit_pretrain.hf import export_gpt
+    from lit_pretrain.interop.hf import export_gpt
 
     cfg = tiny_olmoe().cfg
     cfg = replace(cfg, moe=replace(cfg.moe, **moe), **model)
@@ -369,7 +369,7 @@ def test_the_default_moe_refusal_names_every_key_to_train_with_and_they_export(t
     to set, and a model trained with them exports."""
     from lit_pretrain import config
     from lit_pretrain.errors import DataError
-    from lit_pretrain.hf import export_gpt
+    from lit_pretrain.interop.hf import export_gpt
 
     tiny, moe = EXPERIMENTS / "runs" / "tiny.yaml", ["model.moe={num_experts: 4, top_k: 2}", "model.vocab_size=320"]
     with pytest.raises(DataError) as err:

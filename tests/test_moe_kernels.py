@@ -1,4 +1,4 @@
-"""lit_pretrain/moe_kernels.py: the routed SwiGLU experts' Function against the per-expert loop it replaces, forward
+"""model/moe_kernels.py: the routed SwiGLU experts' Function against the per-expert loop it replaces, forward
 and every gradient, for balanced and skewed routing, an expert without rows and no rows at all; gradcheck in
 float64; bf16 autocast. CPU."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_pretrain.moe_kernels import swiglu_experts
+from lit_pretrain.model.moe_kernels import swiglu_experts
 
-L, D, FF = 8, 32, 48  # experts, d, expert width: multiples of 8 (grouped_mm's 16-byte strides, model_config.py)
+L, D, FF = 8, 32, 48  # experts, d, expert width: multiples of 8 (grouped_mm's 16-byte strides, model/config.py)
 
 
 def loop_experts(xs, offsets, w_gate, w_up, w_down):
@@ -93,8 +93,8 @@ def test_bf16_autocast_computes_as_autocast_computes_the_loop():
 def test_an_moe_layer_trains_under_bf16_autocast():
     # The layer adds the experts' outputs into its fp32 tokens with index_add_ (one dtype): it raised under autocast
     # while the experts' output was bf16.
-    from lit_pretrain.model import GPT
-    from lit_pretrain.model_config import GPTConfig, MoEConfig
+    from lit_pretrain.model.config import GPTConfig, MoEConfig
+    from lit_pretrain.model.gpt import GPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=128, n_layers=1, d_model=64, n_heads=4, seq_len=32,

@@ -9,9 +9,9 @@ One spawn of 2 processes, one of 4 (all 4-process cases in it), then a CLI run.
 import pytest
 import torch.multiprocessing as mp
 
-from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.resume.weights import load_gpt
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import free_port, run_module, train_args
 from tests.global_sizes import assert_global_sizes
 from tests.moe_mesh_workers import moe_worker

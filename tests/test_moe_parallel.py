@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_pretrain.checkpoints import load_gpt
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.resume.weights import load_gpt
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import free_port, run_module, train_args
 from tests.global_sizes import assert_global_sizes
 
@@ -100,8 +100,8 @@ def test_moe_under_data_parallelism_and_expert_parallelism_matches_one_process(r
 
 def ep_worker(rank: int, world: int, port: int, results):
     """Rank r's tokens through one MoE layer with and without expert parallelism (same weights)."""
-    from lit_pretrain.model_config import GPTConfig, MoEConfig
-    from lit_pretrain.moe import MoE
+    from lit_pretrain.model.config import GPTConfig, MoEConfig
+    from lit_pretrain.model.moe import MoE
     from lit_pretrain.parallel.expert import apply_expert_parallel
     from lit_pretrain.parallel.plan import ParallelPlan
 
@@ -160,7 +160,7 @@ def test_expert_parallel_resumes_bitwise_after_sigkill_mid_accumulation(tmp_path
     losses and final weights, the experts' balancing biases included, bitwise those of the uninterrupted run."""
     import signal
 
-    from lit_pretrain.checkpoints import read_checkpoint
+    from lit_pretrain.resume.weights import read_checkpoint
 
     common = [*COMMON, "strategy=ddp", "strategy.expert_parallel=2", "trainer.devices=2",
               "trainer.micro_batch_size=4", "trainer.tokens_per_step=1024", "trainer.checkpoint_every_n_steps=2"]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import read_checkpoint
 from lit_pretrain.parallel.launch import torchrun_command
+from lit_pretrain.resume.weights import read_checkpoint
 from tests.conftest import EXPERIMENTS, free_port, run_module, tiny_data_overrides, train_args
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def two_agents(tmp_path: Path, data_dir: Path, name: str, overrides: list) -> li
 
 
 def losses(run_dir: Path) -> list:
-    from lit_pretrain.runs import read_metrics, series
+    from lit_pretrain.runs.folder import read_metrics, series
 
     rows = read_metrics(run_dir / "metrics.csv")
     return series(rows, "train/loss") + series(rows, "val/loss")

@@ -1,4 +1,4 @@
-"""optim.py and StepGuard: one norm per optimizer step, a dropped update leaves no gradient, clipping by the norm the
+"""optim/ and StepGuard: one norm per optimizer step, a dropped update leaves no gradient, clipping by the norm the
 guard was given, and the module's wiring of the guard into Lightning's step."""
 
 import lightning as L
@@ -7,11 +7,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_pretrain import module as module_lib
-from lit_pretrain import optim
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.optim import adamw_with_state, build_adamw, grad_norm, local_optimizer
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.optim import optimizers as optim
+from lit_pretrain.optim.optimizers import adamw_with_state, build_adamw, grad_norm, local_optimizer
+from lit_pretrain.optim.step_guard import StepGuard
 from lit_pretrain.schema import OptimConfig, ScheduleConfig
-from lit_pretrain.step_guard import StepGuard
 
 
 class CountingNorm:

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from lit_pretrain import config
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.module import IGNORE_INDEX, lm_losses
-from lit_pretrain.optim import MuonWithAdamW, build_optimizer, is_muon_group, param_groups
-from lit_pretrain.schedule import lr_lambda
+from lit_pretrain.optim.optimizers import MuonWithAdamW, build_optimizer, is_muon_group, param_groups
+from lit_pretrain.optim.schedule import lr_lambda
 from lit_pretrain.schema import OptimConfig, ScheduleConfig
 from tests.conftest import EXPERIMENTS
 

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain import cli, config
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
-from lit_pretrain.runs import create_run_dir
+from lit_pretrain.runs.folder import create_run_dir
 from lit_pretrain.train import train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 
@@ -124,7 +124,7 @@ def test_a_folder_left_by_a_failed_start_is_reused_without_overwrite(tmp_path, m
     (run_dir / "metrics.csv").write_text("step,train/loss\n0,6.2\n")
     with pytest.raises(RunFolderError, match=r"already exists"):
         create_run_dir(str(root), "again", overwrite=False)
-    from lit_pretrain.runs import remove_failed_start
+    from lit_pretrain.runs.folder import remove_failed_start
 
     assert not remove_failed_start(str(root), run_dir) and run_dir.is_dir()
     # Only the primary process creates or removes run folders (the others use the one rank 0 made).
@@ -249,7 +249,7 @@ CLAIMER = """
 import sys, time
 from pathlib import Path
 from lit_pretrain.errors import RunFolderError
-from lit_pretrain.runs import claim_run_dir
+from lit_pretrain.runs.folder import claim_run_dir
 root, name, i, mode = sys.argv[1:]
 flags = Path(root).parent
 (flags / f"ready{i}").touch()
@@ -310,7 +310,7 @@ def test_a_run_folder_in_use_is_refused_to_resume_overwrite_and_the_cli(tmp_path
     """A start (here a claim in this process) holds its folder until it ends: a resume, an overwrite and a CLI start
     of the same name are refused (the CLI in one line, exit 2, before any data is prepared); once released, the
     folder is free again."""
-    from lit_pretrain.runs import claim_run_dir, in_use
+    from lit_pretrain.runs.folder import claim_run_dir, in_use
 
     root = tmp_path / "runs"
     claim = claim_run_dir(str(root), "busy", overwrite=False)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.scaling import shapes
 from tests.conftest import EXPERIMENTS
 
@@ -58,7 +58,7 @@ def test_preset_count_on_the_meta_device_equals_the_table_and_the_comment(name):
 def test_published_shape_counts_equal_transformers_llama(name):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lit_pretrain.llama import to_llama_config
+    from lit_pretrain.interop.llama import to_llama_config
 
     cfg = preset(name)
     with torch.device("meta"):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from lit_pretrain.data.export import export_data
-from lit_pretrain.generate import run_tokenizer
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.evaluation.generate import run_tokenizer
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
 from tests.test_resume import COMMON, assert_same_run, extra, latest
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_pretrain import run_table
-from lit_pretrain.checkpoints import read_checkpoint
-from lit_pretrain.compare import compare, panels
 from lit_pretrain.resume import store
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.resume.weights import read_checkpoint
+from lit_pretrain.runs import table as run_table
+from lit_pretrain.runs.compare import compare, panels
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
 from tests.global_sizes import assert_global_sizes
 

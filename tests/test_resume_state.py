@@ -11,7 +11,7 @@ import torch
 from lit_pretrain.data.datamodule import GlobalOrderSampler
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.optim import build_adamw
+from lit_pretrain.optim.optimizers import build_adamw
 from lit_pretrain.resume import rank_state
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job, resume_command
 from lit_pretrain.schema import OptimConfig

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from lit_pretrain import cli
-from lit_pretrain.compare import compare, panels
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.run_table import find_runs, read_run, row, status, table
+from lit_pretrain.runs.compare import compare, panels
+from lit_pretrain.runs.table import find_runs, read_run, row, status, table
 from tests.conftest import ROOT
 
 COLUMNS = ["epoch", "step", "train/loss", "train/tokens_seen", "train/lr", "train/grad_norm", "val/loss",
@@ -159,16 +159,16 @@ def test_runs_table_rows(two_runs, tmp_path, capsys):
 
 
 def test_run_views_import_neither_torch_nor_lightning():
-    code = ("import sys, lit_pretrain.run_table, lit_pretrain.compare; "
+    code = ("import sys, lit_pretrain.runs.table, lit_pretrain.runs.compare; "
             "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
 
 
 def test_run_status_is_summary_status_and_the_folder_lock(tmp_path, capsys):
-    """summary.json's status (run_state.py) is what `runs` and `compare` show; `running` stays running only while a
+    """summary.json's status (runs/state.py) is what `runs` and `compare` show; `running` stays running only while a
     live start holds the folder's lock, and reads `killed` once none does (SIGKILL, OOM: nothing wrote an end)."""
-    from lit_pretrain.runs import claim_run_dir
+    from lit_pretrain.runs.folder import claim_run_dir
 
     root = tmp_path / "runs"
     start = {"status": "running", "steps": 0, "max_steps": 10, "resume_step": None, "pid": 1, "host": "h"}

@@ -128,7 +128,7 @@ def test_points_from_runs_and_bad_inputs(tmp_path):
     (tmp_path / "runs" / "r0" / "summary.json").write_text(json.dumps({"params": 1, "final_val_loss": None}))
     with pytest.raises(DataError, match="r0.*lacks"):
         load_points([str(tmp_path / "runs")])
-    # A preempted run has every number, but of a partial run: never a point (run_state.py)
+    # A preempted run has every number, but of a partial run: never a point (runs/state.py)
     (tmp_path / "runs" / "r0" / "summary.json").write_text(json.dumps(
         {"status": "preempted", "steps": 4, "max_steps": 10, "params": 1000, "flops_per_token": 7000,
          "tokens_seen": 2000, "final_val_loss": 4.5}))

@@ -1,6 +1,6 @@
 """Learning-rate schedule table.
 
-Convention (lit_pretrain/schedule.py): `step` is the 0-based index of the optimizer update. With warmup_steps=W,
+Convention (lit_pretrain/optim/schedule.py): `step` is the 0-based index of the optimizer update. With warmup_steps=W,
 step s < W uses lr_peak·(s+1)/W; decay runs from step W-1 (lr_peak) to the last step max_steps-1 (lr_min).
 Rows below: lr_peak 1.0, lr_min 0.1, W 2, max_steps 10, so decay spans steps 1..9 (8 intervals).
 """
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from lit_pretrain.schedule import lr_at, lr_lambda
+from lit_pretrain.optim.schedule import lr_at, lr_lambda
 from lit_pretrain.schema import ScheduleConfig
 
 

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.parallel.sequence import check_seq_len, sequence_parallel_params
 
 

@@ -92,8 +92,8 @@ def test_another_model_shape_is_refused_naming_the_key(tmp_path):
     model, opt = init_model(), None
     opt = adamw(model)
     save(tmp_path / "step0000002", None, model, opt)
-    from lit_pretrain.model import GPT
-    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.model.config import GPTConfig
+    from lit_pretrain.model.gpt import GPT
     from tests.mesh_workers import CFG
 
     other = GPT(GPTConfig(**{**CFG, "d_ff": 96}))
@@ -109,8 +109,8 @@ def test_folders_in_the_checkpoints_store(tmp_path):
     keep-last-k deletes only older step folders (never a link's target), and load_gpt follows `latest`."""
     import os
 
-    from lit_pretrain.checkpoints import checkpoint_path
     from lit_pretrain.resume import store
+    from lit_pretrain.resume.weights import checkpoint_path
 
     folder = tmp_path / "run" / "checkpoints"
     model = init_model()

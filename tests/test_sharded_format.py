@@ -23,15 +23,15 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from lit_pretrain import cli
-from lit_pretrain.checkpoints import load_gpt, load_optimizer_state
 from lit_pretrain.errors import DataError
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.optim import build_adamw, param_groups
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.optim.optimizers import build_adamw, param_groups
 from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.sharded.inspect import inspect
 from lit_pretrain.resume.sharded.tools import _release, consolidate
 from lit_pretrain.resume.verified import META_KEY, load_verified, verify
+from lit_pretrain.resume.weights import load_gpt, load_optimizer_state
 from lit_pretrain.schema import OptimConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
@@ -292,7 +292,7 @@ def test_consolidated_file_equals_the_source_and_loads(folders, source, tmp_path
 def test_consolidated_safetensors_holds_the_weights(folders, source, tmp_path):
     from safetensors.torch import load_file
 
-    from lit_pretrain.hf import read_init
+    from lit_pretrain.interop.hf import read_init
 
     out = consolidate(folders["chunked"], tmp_path / "w.safetensors")
     weights = load_file(out)

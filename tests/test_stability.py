@@ -17,7 +17,7 @@ from lit_pretrain.callbacks.throughput import ThroughputMonitor, gpu_peak_flops
 from lit_pretrain.data.datamodule import GlobalOrderSampler
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.schedule import lr_at
+from lit_pretrain.optim.schedule import lr_at
 from tests.conftest import EXPERIMENTS
 
 
@@ -222,7 +222,7 @@ def test_throughput_counts_the_global_batch_and_the_whole_model_s_flops():
     pl_module.model_cfg, not the rank's part of the model), and MFU divides by the peak of all 4 devices."""
     from types import SimpleNamespace
 
-    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.model.config import GPTConfig
     from lit_pretrain.scaling.shapes import flops_per_token
 
     cfg = GPTConfig(vocab_size=128, n_layers=2, d_model=64, n_heads=4, seq_len=32)

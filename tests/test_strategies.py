@@ -85,9 +85,9 @@ def test_zero_partition_matches_zero_redundancy_optimizer():
     and the world size alone, so torch's is asked for 2 ranks inside a 1-process group (no processes to start)."""
     import torch.distributed as dist
 
-    from lit_pretrain.model import GPT
-    from lit_pretrain.model_config import GPTConfig
-    from lit_pretrain.optim import build_adamw, param_groups
+    from lit_pretrain.model.config import GPTConfig
+    from lit_pretrain.model.gpt import GPT
+    from lit_pretrain.optim.optimizers import build_adamw, param_groups
     from lit_pretrain.schema import OptimConfig
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)

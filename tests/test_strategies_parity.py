@@ -20,12 +20,12 @@ import math
 import pytest
 import torch
 
-from lit_pretrain.checkpoints import checkpoint_path, load_gpt, load_optimizer_state
-from lit_pretrain.model import GPT
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.optim import param_groups
+from lit_pretrain.optim.optimizers import param_groups
 from lit_pretrain.parallel.zero import zero_partition
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.resume.weights import checkpoint_path, load_gpt, load_optimizer_state
+from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
 from tests.global_sizes import assert_global_sizes
 from tests.strategies_logits import probe_input

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_pretrain import cli, config, run_table
-from lit_pretrain.checkpoints import load_gpt
+from lit_pretrain import cli, config
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.errors import DataError, RunFolderError
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.resume.weights import load_gpt
+from lit_pretrain.runs import table as run_table
+from lit_pretrain.runs.folder import read_metrics, series
 from lit_pretrain.train import train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lit_pretrain import cli, config
 from lit_pretrain.callbacks.user import user_callbacks
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.module import PretrainModule
 from lit_pretrain.schema import CallbacksConfig, CallbackSpec, OptimConfig, ScheduleConfig
 from tests.conftest import EXPERIMENTS, tiny_data_overrides

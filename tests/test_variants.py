@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from lit_pretrain import config
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model import GPT, apply_rope
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT, apply_rope
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.pipeline import stage_bounds
 from lit_pretrain.parallel.sequence import sequence_parallel_params

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 from lit_pretrain.bench import mfu
 from lit_pretrain.bench.step import paired_case, run_compiled, trainer_loop
-from lit_pretrain.model import GPT
+from lit_pretrain.model.gpt import GPT
 
 
 def run(c, steps: int, skip: int, repeats: int, peak_flops_per_s: float) -> List[Dict]:

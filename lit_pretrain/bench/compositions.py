@@ -31,7 +31,7 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
 from lit_pretrain.bench import stats
-from lit_pretrain.losses import lm_losses
+from lit_pretrain.model.losses import lm_losses
 
 WORLD, STEPS, SKIP = 4, 4, 1
 REPEATS = stats.ALTERNATIONS
@@ -160,6 +160,8 @@ def _reference_step(c, model, opt, x, y, max_norm):
 
 
 def _plan_step(par, opt, x, y, max_norm):
+    from lit_pretrain.parallel.vocab import split_cross_entropy
+
     d = par.plan.data_parallel
     dp_rank = dist.get_rank(par.replicate) * par.plan.data_parallel_shard + dist.get_rank(par.shard_group)
     per = x.shape[0] // d
@@ -172,7 +174,7 @@ def _plan_step(par, opt, x, y, max_norm):
             par.runner.loss((x, y))
         else:
             # the layout's logits: this rank's vocabulary columns under tensor parallelism (parallel/vocab.py)
-            lm_losses(par.gpt(x), y, vocab_group=par.vocab_group)[0].backward()
+            lm_losses(par.gpt(x), y, split_cross_entropy(par.vocab_group))[0].backward()
         par.sync_gradients()
         norm = par.grad_norm()
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)
@@ -182,8 +184,8 @@ def _plan_step(par, opt, x, y, max_norm):
 
 
 def _worker(rank: int, port: int, c, batch: int, results) -> None:
-    from lit_pretrain.model import GPT
-    from lit_pretrain.optim import build_adamw
+    from lit_pretrain.model.gpt import GPT
+    from lit_pretrain.optim.optimizers import build_adamw
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
 

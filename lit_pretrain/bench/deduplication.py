@@ -35,14 +35,14 @@ from lit_pretrain.bench.stats import alternate
 from lit_pretrain.data.corpus import iter_documents
 from lit_pretrain.data.lsh import band_pairs, bands_rows, candidate_pairs, clusters, index_basename, minhashlsh_pairs
 from lit_pretrain.data.minhash import compute_signatures, estimated_jaccard, normalize, shingles
+from lit_pretrain.data.workers import WorkerPool
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
-from lit_pretrain.workers import WorkerPool
 
 THROUGHPUT_MB = 3
 # ~350 bytes each (50 words): 35 MB, ~3.5 s on one process, against ~0.1 s to start a worker.
 SCALE_DOCS, SCALE_WORDS = 100_000, 50
 _MEMORY_DOCS = 20_000
-# The bench's own processes run in the stage's worker pool (lit_pretrain/workers.py): one that cannot start or dies
+# The bench's own processes run in the stage's worker pool (lit_pretrain/data/workers.py): one that cannot start or dies
 # stops the bench with one line instead of leaving it waiting.
 _FIX = "check that `lit-pretrain prepare` with data.deduplication.processes=2 runs on this machine"
 

@@ -45,8 +45,8 @@ def _held_bytes(model, opt) -> int:
 
 
 def _worker(rank: int, port: int, c, model_cfg, repeats: int, results) -> None:
-    from lit_pretrain.model import GPT
-    from lit_pretrain.optim import build_adamw, clip_by_global_norm
+    from lit_pretrain.model.gpt import GPT
+    from lit_pretrain.optim.optimizers import build_adamw, clip_by_global_norm
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
     from lit_pretrain.parallel.plan import ParallelPlan

@@ -13,8 +13,8 @@ from typing import Dict
 import torch
 
 from lit_pretrain.bench.step import paired_case
-from lit_pretrain.generate import generate
-from lit_pretrain.model import GPT
+from lit_pretrain.evaluation.generate import generate
+from lit_pretrain.model.gpt import GPT
 
 NEW_TOKENS, PROMPT_TOKENS = 256, 32
 

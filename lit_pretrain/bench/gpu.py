@@ -24,7 +24,7 @@ from typing import Dict, List
 
 import torch
 
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 
 # ~125M: GPT-2 small's shape (12 × 768, 12 heads of 64) with SwiGLU 2048 and a 32k vocabulary, untied:
 #   12 × (4·768² + 3·768·2048) = 85M in blocks + 2 × 32768·768 = 50M embedding and head = 135M.
@@ -135,7 +135,7 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
     from lit_pretrain.bench import mfu
     from lit_pretrain.bench.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
     from lit_pretrain.parallel.strategies import build_strategy
 
     c = experiment(c, name, devices, dry_run, *(fitted[:2] if fitted else ()))

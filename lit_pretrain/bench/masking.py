@@ -14,7 +14,7 @@ import torch
 
 from lit_pretrain.bench import stats
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.optim import build_optimizer
+from lit_pretrain.optim.optimizers import build_optimizer
 
 EOD = 0  # any id: the windows are random, only where the EODs sit matters
 MEAN_DOCUMENT_TOKENS = 64

@@ -2,7 +2,7 @@
 
 - moe_grouped_vs_loop: one MoE layer's forward and backward at 8 experts, top 2, on the experiment's micro-batch of
   tokens and d_model: the experts as one grouped matmul per product over the tokens sorted by expert, with a
-  hand-written backward (lit_pretrain/moe_kernels.py) against a Python loop over the experts, each gathering its
+  hand-written backward (lit_pretrain/model/moe_kernels.py) against a Python loop over the experts, each gathering its
   tokens, running its SwiGLU and adding its output back (what transformers' OlmoeExperts does). Same routing, same
   weights. Figure: loop time / grouped time (goal >= 1.5).
 - moe_step_vs_dense: a training step of the experiment's model with every MLP an MoE of 8 experts, top 2, each
@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from lit_pretrain.bench import stats
-from lit_pretrain.model_config import MoEConfig
+from lit_pretrain.model.config import MoEConfig
+from lit_pretrain.model.moe import MoE, end_step, moe_loss
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.moe import MoE, end_step, moe_loss
-from lit_pretrain.optim import build_optimizer
+from lit_pretrain.optim.optimizers import build_optimizer
 
 EXPERTS, TOP_K = 8, 2
 # Few steps a side, 5 alternations each: the group took 11 minutes at 12/8 steps on 2 cores at load average 9;

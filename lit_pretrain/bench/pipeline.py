@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lit_pretrain.bench import stats
-from lit_pretrain.losses import lm_losses
+from lit_pretrain.model.losses import lm_losses
 
 MICRO_BATCHES = (1, 2, 4, 8)
 
@@ -49,10 +49,11 @@ def _time_steps(step, steps: int, skip: int) -> list:
 
 
 def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results) -> None:
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
     from lit_pretrain.parallel.plan import ParallelPlan
+    from lit_pretrain.parallel.vocab import split_cross_entropy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -79,7 +80,7 @@ def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results)
         par = apply_plan(copy.deepcopy(base), plan, build_mesh(plan))
 
         def tp_step(model=par.gpt, group=par.vocab_group):  # logits: this rank's vocabulary columns
-            lm_losses(model(x), y, vocab_group=group)[0].backward()
+            lm_losses(model(x), y, split_cross_entropy(group))[0].backward()
 
         out["tp2"] = {"seconds": _time_steps(tp_step, steps, skip)}
     finally:
@@ -93,7 +94,7 @@ def run(c, steps: int = 1 + stats.ALTERNATIONS, skip: int = 1) -> list:
     step i of each layout against step i of the one process (bench/stats.py); the spread is step-to-step noise."""
     import torch.multiprocessing as mp
 
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
 
     batch = max(8, c.trainer.micro_batch_size // 8 * 8)  # divisible into 8 micro-batches
     torch.manual_seed(c.run.seed)

@@ -18,7 +18,7 @@ from typing import Dict, List
 
 from lit_pretrain.bench import mfu, stats
 from lit_pretrain.bench.step import trainer_loop
-from lit_pretrain.model import GPT
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.parallel.plan import build_plan
 
 EMULATED = 0.2  # bf16 / fp32 tokens/s below this: no bf16 units, one alternation is enough

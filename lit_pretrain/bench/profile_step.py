@@ -75,7 +75,7 @@ def main(argv=None) -> None:
 
     from lit_pretrain import config as config_lib
     from lit_pretrain.bench.mfu import cpu_matmul_peak
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
     from lit_pretrain.train import resolve_vocab, setup_process
 
     c = config_lib.to_object(config_lib.load(args.run_file, []))

@@ -50,8 +50,8 @@ def _worker(rank: int, world: int, port: int, mode: str, model_cfg, optim_cfg, f
     measured, runs in a process no earlier save has grown (glibc keeps freed memory for reuse)."""
     import torch.distributed as dist
 
-    from lit_pretrain.model import GPT
-    from lit_pretrain.optim import build_adamw
+    from lit_pretrain.model.gpt import GPT
+    from lit_pretrain.optim.optimizers import build_adamw
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
     from lit_pretrain.parallel.plan import ParallelPlan

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_pretrain.bench import stats
-from lit_pretrain.model import GPT
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.optim import build_adamw, clip_by_global_norm
+from lit_pretrain.optim.optimizers import build_adamw, clip_by_global_norm
+from lit_pretrain.optim.schedule import lr_lambda
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan, build_plan
-from lit_pretrain.schedule import lr_lambda
 
 
 class _StepClock(L.Callback):

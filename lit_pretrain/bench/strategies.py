@@ -89,7 +89,7 @@ def _worker(args) -> None:
 
 def activation_checkpointing(c, steps: int = 4, skip: int = 1, alternations: int = stats.ALTERNATIONS) -> list:
     """Full activation checkpointing against none, one process: seconds per step and saved-activation bytes."""
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
     from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
     from lit_pretrain.parallel.memory import SavedActivations
 

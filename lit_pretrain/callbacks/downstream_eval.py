@@ -155,7 +155,7 @@ def whole_model(trainer, pl_module):
         state = trainer.strategy.lightning_module_state_dict()
     if not trainer.is_global_zero:
         return None
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
 
     prefix = "model."
     with torch.device(trainer.strategy.root_device):

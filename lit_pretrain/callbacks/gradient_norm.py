@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit_pretrain.optim import full_norm
+from lit_pretrain.optim.optimizers import full_norm
 
 PHASES = ("warmup", "stable", "decay")
 
@@ -64,7 +64,7 @@ class GradientNormMonitor(Callback):
         return lr_phase(step, *self.schedule) if self.schedule else "stable"
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        # Rows are tagged with the steps completed once this one is (lit_pretrain/step_axis.py): the step numbered
+        # Rows are tagged with the steps completed once this one is (lit_pretrain/runs/step_axis.py): the step numbered
         # `done`; the schedule's phase is that of the step's 0-based index, the one its learning rate comes from.
         index = trainer.global_step
         done = index + 1

@@ -10,7 +10,7 @@ data goes on from where it is and skips `skip_batches` more global batches, and 
 follows the step count, is not rewound (so the run still ends at trainer.max_steps, at the schedule's final rate,
 and no checkpoint name is ever reused).
 
-Steps in events and messages are numbered as metrics.csv numbers them (lit_pretrain/step_axis.py): the optimizer step
+Steps in events and messages are numbered as metrics.csv numbers them (runs/step_axis.py): the optimizer step
 whose loss spiked is step k when its row says k, i.e. trainer.global_step + 1 while it runs. `rewound_to` is the
 steps completed at the rewind point (the state after that step).
 """

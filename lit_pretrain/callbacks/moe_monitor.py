@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.callbacks.records import write_json
-from lit_pretrain.moe import moe_layers, step_statistics
+from lit_pretrain.model.moe import moe_layers, step_statistics
 
 LABEL = "router_collapse"
 

@@ -1,7 +1,7 @@
 """NanGuard: a non-finite loss or gradient never reaches the optimizer.
 
 Each optimizer step, before the update: if any micro-batch loss or the global gradient norm is NaN or ±Inf on any
-rank, the update is dropped (`pl_module.step_guard`: lit_pretrain/step_guard.py), counted, and listed. After
+rank, the update is dropped (`pl_module.step_guard`: lit_pretrain/optim/step_guard.py), counted, and listed. After
 `max_consecutive` such steps in a row the run stops with a message saying which steps and what to do; parameters
 and optimizer state stay finite throughout. A finite gradient whose norm overflows to Inf is treated the same:
 clipping it would turn it into zeros or NaN.

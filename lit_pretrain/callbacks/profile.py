@@ -6,7 +6,7 @@ and one rank's trace would hide the others' waits.
 
 The window is whole optimizer steps: it opens when `start_step` steps are completed (trainer.global_step) and closes
 when `start_step + steps` are, so it holds the steps metrics.csv numbers start_step + 1 .. start_step + steps (every
-step is numbered by the optimizer steps completed with it: lit_pretrain/step_axis.py), all their micro-batches and
+step is numbered by the optimizer steps completed with it: lit_pretrain/runs/step_axis.py), all their micro-batches and
 anything the Trainer runs between them (validation included). A resumed run that starts inside the window profiles
 the rest of it; one that starts after it profiles nothing. The trace is written atomically (a temporary file
 renamed over it).

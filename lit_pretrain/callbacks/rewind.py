@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from lit_pretrain.optim import local_optimizer
+from lit_pretrain.optim.optimizers import local_optimizer
 
 
 def clone_tree(obj: Any, to_host: bool = True, reuse: Any = None) -> Any:

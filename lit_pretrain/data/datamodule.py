@@ -30,7 +30,7 @@ from lit_pretrain.data.tokenizer import load_tokenizer, token_byte_lengths
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.data.validation import PaddedWindows, val_batches
 from lit_pretrain.errors import DataError
-from lit_pretrain.runs import is_primary_process
+from lit_pretrain.runs.folder import is_primary_process
 
 
 class ShardWindows(Dataset):

@@ -10,7 +10,7 @@ by datasketch so that a worker imports only numpy: importing datasketch (and sci
 worker, a third of a 7 s job (issue 22), and one numpy pass over many documents' shingles at once replaces one
 `update_batch` call (a dozen small numpy calls) per document.
 
-This module imports neither torch, Lightning, datasketch nor scipy: it is what each worker (lit_pretrain/workers.py)
+This module imports neither torch, Lightning, datasketch nor scipy: it is what each worker (data/workers.py)
 loads.
 """
 
@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from lit_pretrain.workers import WorkerPool
+from lit_pretrain.data.workers import WorkerPool
 
 SIGNATURE_DTYPE = np.dtype(np.uint32)  # datasketch's "affine32" hash values
 SCHEME = "affine32"  # the datasketch scheme these values follow (LeanMinHash(scheme=...) in lsh.minhashlsh_pairs)
@@ -215,7 +215,7 @@ def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple
     Separate processes, not forked ones: a forked child that runs OpenMP code after the parent did can deadlock
     (shared/CPU-DISTRIBUTED.md, pitfall 6). The workers never import the caller's main module, so a script that
     calls `deduplicate` needs no main guard and may even be piped to Python; a worker that cannot start, or dies
-    twice on one chunk, stops the stage with one WorkerError line (lit_pretrain/workers.py).
+    twice on one chunk, stops the stage with one WorkerError line (lit_pretrain/data/workers.py).
     """
     with WorkerPool("lit_pretrain.data.minhash:chunk_signatures", workers, "MinHash signature", _FIX,
                     timeout_s=_CHUNK_TIMEOUT_S) as pool:

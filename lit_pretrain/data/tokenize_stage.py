@@ -3,7 +3,7 @@ shard writers, in chunk order.
 
 The shards are byte-identical for any number of processes: the chunks are cut from the document sequence alone,
 each chunk's ids depend only on its texts and the tokenizer file, and results are written strictly in chunk order
-(a result that arrives early waits, at most 2 per worker plus one). Workers are lit_pretrain/workers.py's: fresh
+(a result that arrives early waits, at most 2 per worker plus one). Workers are lit_pretrain/data/workers.py's: fresh
 interpreters that load the tokenizer file once and never import the caller's main module.
 
 This module imports neither torch nor Lightning: it is what each worker loads.
@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from lit_pretrain.data.shards import SPLITS, ShardWriter
 from lit_pretrain.data.tokenizer import batch_encoder
-from lit_pretrain.workers import WorkerPool
+from lit_pretrain.data.workers import WorkerPool
 
 # A batch encoding (encode_batch_fast, tokenizer.batch_encoder) parallelizes across the texts of one call (Rust
 # threads); ~4 MB a chunk keeps the cores busy while holding only that chunk's ids in memory.

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import Dataset
 
-from lit_pretrain.losses import IGNORE_INDEX
+from lit_pretrain.model.losses import IGNORE_INDEX
 
 PAD = None  # a padding place in a rank's batch (PaddedWindows gives a window that predicts nothing)
 

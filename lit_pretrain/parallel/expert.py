@@ -132,7 +132,7 @@ def dispatch_compute_combine(experts: nn.Module, xs: torch.Tensor, counts: torch
 def apply_expert_parallel(model: nn.Module, plan, device_type: str = "cpu") -> Optional[ExpertGroups]:
     """Keep only this rank's experts of every MoE layer of `model` (after the pipeline split: its stage's layers)
     and give the layers the expert-parallel dispatch. Collective: every rank calls it (apply_plan does)."""
-    from lit_pretrain.moe import moe_layers
+    from lit_pretrain.model.moe import moe_layers
 
     P = plan.expert_parallel
     mesh = expert_mesh(plan, device_type)

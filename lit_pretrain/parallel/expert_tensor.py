@@ -1,6 +1,6 @@
 """Expert tensor parallelism: under strategy.tensor_parallel = t each routed expert of model.moe is split along its
 width over the tensor-parallel group (Megatron-LM's expert tensor parallelism, `expert_tensor_parallel_size` equal
-to the tensor-parallel size, its default), applied from outside the MoE layer (lit_pretrain/moe.py) by apply_plan,
+to the tensor-parallel size, its default), applied from outside the MoE layer (lit_pretrain/model/moe.py) by apply_plan,
 after the linears' split (parallel/tensor.py) and before expert parallelism keeps this rank's experts.
 
 Rank r holds slice r of every expert's hidden size: rows of the gate/up stacks (E, f/t, d), columns of the down
@@ -31,7 +31,7 @@ moe_mesh.py.
 import torch.distributed as dist
 from torch import nn
 
-from lit_pretrain.moe import ExpertLinear, moe_layers
+from lit_pretrain.model.moe import ExpertLinear, moe_layers
 from lit_pretrain.parallel.collectives import CopyToParallel, ReduceFromParallel
 from lit_pretrain.parallel.tensor import SHARD_DIM, shard
 

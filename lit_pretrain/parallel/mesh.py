@@ -118,7 +118,7 @@ class ParallelModel:
         """The pre-clip global norm (StepGuard's norm_fn). Without our mesh: of `parameters` (default: the GPT's),
         FSDP2 DTensor shards reduced to the whole gradient's norm."""
         if self.mesh is None:
-            from lit_pretrain.optim import grad_norm
+            from lit_pretrain.optim.optimizers import grad_norm
 
             return grad_norm(self.gpt.parameters() if parameters is None else parameters)
         sq = torch.zeros(2, dtype=torch.float32)  # (dense, experts)

@@ -35,7 +35,7 @@ MODULE_PREFIX = "model."
 
 def full_gpt_on_meta(model_cfg):
     """The single-process GPT's structure (names, order, parameter groups) without memory."""
-    from lit_pretrain.model import GPT
+    from lit_pretrain.model.gpt import GPT
 
     with torch.device("meta"):
         return GPT(model_cfg)
@@ -120,7 +120,7 @@ class MeshStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStra
 
     def _param_order(self):
         """Single-process parameter names in AdamW's order (optim.param_groups), and the group of each."""
-        from lit_pretrain.optim import param_groups
+        from lit_pretrain.optim.optimizers import param_groups
 
         module = self.lightning_module
         ref = full_gpt_on_meta(module.model_cfg)

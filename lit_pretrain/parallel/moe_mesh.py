@@ -1,5 +1,5 @@
 """model.moe on our mesh: what tensor, sequence and pipeline parallelism and the mesh's data-parallel groups change
-for a mixture-of-experts layer (lit_pretrain/moe.py), applied from outside it (expert parallelism: parallel/expert.py).
+for a mixture-of-experts layer (model/moe.py), applied from outside it (expert parallelism: parallel/expert.py).
 
 - Tensor parallelism: the router is replicated over the tensor-parallel group and every rank routes the same tokens
   identically (the MoE sees the replicated residual stream), so its gradient comes out complete and equal on every
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_pretrain.moe import MoE, moe_layers
+from lit_pretrain.model.moe import MoE, moe_layers
 
 
 class AuxLossAutoScaler(torch.autograd.Function):

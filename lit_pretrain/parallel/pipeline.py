@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_pretrain.losses import IGNORE_INDEX, lm_losses
-from lit_pretrain.model import softcap
+from lit_pretrain.model.gpt import softcap
+from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
 from lit_pretrain.parallel.moe_mesh import install_pipeline_losses
-from lit_pretrain.parallel.vocab import vocab_group
+from lit_pretrain.parallel.vocab import split_cross_entropy, vocab_group
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -177,7 +177,7 @@ class PipelineRunner:
         """model.moe: only the micro-batches' forwards add to the routing counts (the bias update, the MoE monitor),
         not torch's shape-inference forward of the schedule's first step, which runs the first stage on a real
         micro-batch and the others on uninitialized tensors."""
-        from lit_pretrain.moe import moe_layers
+        from lit_pretrain.model.moe import moe_layers
 
         layers = moe_layers(stage.submod)
         if not layers:
@@ -214,7 +214,7 @@ class PipelineRunner:
         # fp32 cross-entropy (and optim.z_loss) as in PretrainModule.losses; scaled so gradients match Lightning's
         # accumulation. The parts are kept apart for logging: the schedule sees only their sum.
         # Under tensor parallelism logits are this rank's vocabulary columns: the loss reduces over the group.
-        task, z = lm_losses(logits, target, self.z_loss, vocab_group(self.gpt))
+        task, z = lm_losses(logits, target, self.z_loss, split_cross_entropy(vocab_group(self.gpt)))
         predicted = (target != IGNORE_INDEX).sum().to(task.dtype)  # validation weighs micro-batches by it
         self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(()), predicted]))
         return (task if z is None else task + z) * self.scale

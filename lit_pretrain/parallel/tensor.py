@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lit_pretrain.moe import moe_layers
+from lit_pretrain.model.moe import moe_layers
 from lit_pretrain.parallel.collectives import CopyToParallel, ReduceFromParallel, all_reduce_flat
 from lit_pretrain.parallel.moe_mesh import replicate_over_sequence
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel

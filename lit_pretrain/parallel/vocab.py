@@ -14,14 +14,16 @@ V = model.vocab_size, which must divide by t (parallel/plan.py refuses it otherw
   the whole (B, T, V) never exists on one rank.
 - Tied embeddings (model.tie_embeddings): both hold the same (V/t, d) Parameter, since both split the vocabulary
   into the same rows.
-- Loss (`vocab_parallel_cross_entropy`, called by losses.lm_losses when given the group): the softmax normalizer
-  from a max all-reduce and a sum all-reduce of the local exponentials, the target's logit from the rank holding
+- Loss (`vocab_parallel_cross_entropy`, handed to model/losses.py by `split_cross_entropy`): the softmax normalizer from
+  a max all-reduce and a sum all-reduce of the local exponentials, the target's logit from the rank holding
   it; backward softmax minus one-hot on the local columns, no communication.
 
 These replace modules from outside, like the column/row linears of tensor.py, because model.py knows nothing of
 distribution. Memory per rank: the table, the head and the fp32 logits are 1/t of one process's, which is what
 scaling/memory.py counts.
 """
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -126,6 +128,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     return _VocabParallelCrossEntropy.apply(logits, targets, group)
 
 
+def split_cross_entropy(group):
+    """lm_losses' split_cross_entropy for logits split over the tensor-parallel `group`: None when there is none
+    (the logits are whole), so callers pass `split_cross_entropy(vocab_group)` whatever the layout."""
+    if group is None:
+        return None
+    return functools.partial(vocab_parallel_cross_entropy, group=group)
+
+
 def whole_logits(logits: torch.Tensor, group) -> torch.Tensor:
     """(..., V) from every rank's (..., V/t) columns, on every rank (all-reduce of zero-padded slices, as
     tensor.gather does: all-gather on mesh subgroups hung under gloo). For checks and evaluation, not training."""
@@ -145,7 +155,7 @@ def apply_vocab_parallel(model: nn.Module, group, sequence_parallel: bool = Fals
     """Replace the GPT's embedding and head (whichever this rank holds: a pipeline stage may hold one) by their
     vocabulary-parallel versions holding this rank's rows of the current (full) weights, keeping a tie. Idempotent.
     Returns how many modules were replaced."""
-    from lit_pretrain.init import set_output_multiplier
+    from lit_pretrain.model.init import set_output_multiplier
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     V = model.cfg.vocab_size
@@ -165,7 +175,7 @@ def apply_vocab_parallel(model: nn.Module, group, sequence_parallel: bool = Fals
         new = VocabParallelHead(_rows(head.weight, rank, world), group, sequence_parallel)
         if tied:
             new.weight = model.tok_embeddings.weight  # one Parameter, as in the full model
-        # μP's readout multiplier is a forward hook on the head (lit_pretrain/init.py): carried to the new head.
+        # μP's readout multiplier is a forward hook on the head (lit_pretrain/model/init.py): carried to the new head.
         set_output_multiplier(new, getattr(head, "output_multiplier", 1.0))
         model.lm_head = new
         replaced += 1

@@ -41,7 +41,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int, experts=None) ->
     reshard = stage == 3
     for block in model.blocks:
         if experts is not None:
-            from lit_pretrain.moe import moe_layers
+            from lit_pretrain.model.moe import moe_layers
 
             for layer in moe_layers(block):
                 fully_shard(layer.experts, mesh=experts.data_mesh, reshard_after_forward=reshard)

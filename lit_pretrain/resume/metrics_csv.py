@@ -27,7 +27,7 @@ def keep_first_rows(path: Path, rows: int) -> int:
     """Keep the header and the first `rows` rows of `path` (atomically); return how many rows were cut.
 
     Rows, not steps, mark the checkpoint: every row is tagged with the optimizer steps completed
-    (lit_pretrain/step_axis.py), but several rows share a step (the train row, validation, the monitors' rows) and a
+    (runs/step_axis.py), but several rows share a step (the train row, validation, the monitors' rows) and a
     row written after the checkpoint can carry its step (a monitor's flush at the end of a preempted run), so only
     the count flushed before the checkpoint is exact.
     """

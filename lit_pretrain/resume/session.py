@@ -15,7 +15,7 @@ from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, keep_first_rows
 from lit_pretrain.resume.rank_state import RankState
-from lit_pretrain.runs import (
+from lit_pretrain.runs.folder import (
     Claim,
     check_run_dir,
     claim_run_dir,

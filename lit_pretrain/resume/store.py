@@ -22,7 +22,7 @@ from lit_pretrain.paths import confined, safe_rmtree, safe_unlink
 from lit_pretrain.resume.atomic import atomic_link, atomic_write_bytes, fsync_dir
 from lit_pretrain.resume.sharded.manifest import read_manifest, verify_sharded
 from lit_pretrain.resume.verified import read_sidecar, sidecar_path, verify
-from lit_pretrain.runs import is_primary_process
+from lit_pretrain.runs.folder import is_primary_process
 
 LATEST = "latest"
 LAST = "last.ckpt"

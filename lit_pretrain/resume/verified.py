@@ -3,7 +3,7 @@
 The sidecar `<name>.ckpt.json` holds the checksum, the size and the run's `lit_pretrain` metadata (step, config,
 tokenizer and manifest hashes) so that choosing and checking a checkpoint to resume from reads a few hundred bytes,
 not the checkpoint. `load_verified` is the one way the project opens a checkpoint. This module does not import
-Lightning, so reading a checkpoint into a plain GPT (lit_pretrain/checkpoints.py) stays quick to start.
+Lightning, so reading a checkpoint into a plain GPT (lit_pretrain/resume/weights.py) stays quick to start.
 """
 
 import contextlib

@@ -34,7 +34,7 @@ def variant(pairs) -> "GPTConfig":  # noqa: F821
 
     import yaml
 
-    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.model.config import GPTConfig
 
     values = {}
     for pair in pairs:
@@ -60,7 +60,7 @@ def variant(pairs) -> "GPTConfig":  # noqa: F821
     try:
         return GPTConfig(**values)
     except TypeError as err:  # a model.moe mapping with a key MoEConfig lacks
-        raise ConfigError(f"--model moe=...: {err}; keys: see model.moe in lit_pretrain/model_config.py") from None
+        raise ConfigError(f"--model moe=...: {err}; keys: see model.moe in lit_pretrain/model/config.py") from None
 
 
 def _dense_search(template, params) -> None:

@@ -31,7 +31,7 @@ from typing import Callable, List, Optional
 import yaml
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
-from lit_pretrain.run_state import is_finished
+from lit_pretrain.runs.state import is_finished
 from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete, steps_completed
 
 DEFAULT_GRID = Path("experiments") / "ladder" / "default.yaml"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from lit_pretrain.run_state import is_finished
+from lit_pretrain.runs.state import is_finished
 
 LAW_PARAMETERS = 5  # E, A, B, alpha, beta: a fit needs at least one complete fitted rung more
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.scaling import shapes
 
 
@@ -161,7 +161,7 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       output, gelu's: w_down's input).
     - A mixture-of-experts MLP (moe = (E experts, k per token, expert width f_e, s shared experts), replacing the
       MLP term): the routed experts' input and their gate and up projections over the R = kN token copies, R·h +
-      2R·f_e (lit_pretrain/moe_kernels.py recomputes silu and the product in backward; no copy is padded),
+      2R·f_e (lit_pretrain/model/moe_kernels.py recomputes silu and the product in backward; no copy is padded),
       4sNf_e for the shared experts, 2kNh for the copies' outputs (kept by their weighting) and the weighted
       copies (kept by index_add_), 2NE fp32 router scores and 32kN bytes of int64 routing indices. Measured
       against SavedActivations within 1% (tests/test_moe.py): the rest is a few per-token scalars of the routing.

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.run_state import is_finished
+from lit_pretrain.runs.state import is_finished
 
 # Accepted CSV headers for each column, first match wins. `Model Size`/`Training FLOP` are Epoch's extraction.
 COLUMNS = {

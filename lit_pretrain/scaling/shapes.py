@@ -1,6 +1,6 @@
 """Our model family's parameter count, FLOPs and a shape near a parameter count, as pure functions of the shape.
 
-Every count sums the architecture table `GPTConfig.modules()`, the one description `lit_pretrain.model.GPT` builds
+Every count sums the architecture table `GPTConfig.modules()`, the one description `lit_pretrain.model.gpt.GPT` builds
 its modules from (tests build the model on the meta device and compare), so a variant (grouped-query attention,
 QK-norm, GELU MLP, ...) changes them with no edit here. Default family, per block: 4·d² attention weights (wq, wk,
 wv, wo), 3·d·f SwiGLU weights (w_gate, w_up, w_down) and 2·d norm weights; a final norm (d); the token embedding
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
-from lit_pretrain.model_config import GPTConfig, flops_per_token_formula
+from lit_pretrain.model.config import GPTConfig, flops_per_token_formula
 
 # The architecture table's variant keys `plan`/`memory --model KEY=VALUE` and a run file's shape carry:
 # key -> (accepted types, null allowed).

@@ -16,8 +16,8 @@ from typing import Callable, List, Optional
 import yaml
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.run_state import is_finished
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.runs.state import is_finished
 from lit_pretrain.scaling import shapes
 
 

@@ -71,7 +71,7 @@ def inspect(path: str | Path) -> Dict[str, Any]:
     checkpoint folder, a one-file checkpoint, or a run folder's newest checkpoint (the one load_gpt reads:
     checkpoints.checkpoint_path follows last.ckpt, or `latest` when that names a sharded folder); `path` in the
     report is the checkpoint inspected."""
-    from lit_pretrain.checkpoints import checkpoint_path
+    from lit_pretrain.resume.weights import checkpoint_path
 
     path = Path(path)
     if path.is_dir() and not sf.is_sharded(path):

@@ -156,7 +156,7 @@ def model_chunks(gpt, par) -> Dict[str, Chunk]:
 
 def _owned(gpt, optimizer):
     """(single-process name, parameter) of the parameters whose optimizer state this rank keeps."""
-    from lit_pretrain.optim import local_optimizer
+    from lit_pretrain.optim.optimizers import local_optimizer
     from lit_pretrain.parallel.tensor import plain_name
 
     held = {id(p) for g in local_optimizer(optimizer).param_groups for p in g["params"]}
@@ -165,7 +165,7 @@ def _owned(gpt, optimizer):
 
 def optimizer_chunks(gpt, optimizer, par) -> Dict[str, Chunk]:
     """The optimizer state this rank keeps (ZeRO-1: its own tensors; FSDP: its shards), keyed optim.<name>.<key>."""
-    from lit_pretrain.optim import local_optimizer
+    from lit_pretrain.optim.optimizers import local_optimizer
 
     state = local_optimizer(optimizer).state
     out = {}
@@ -179,7 +179,7 @@ def optimizer_chunks(gpt, optimizer, par) -> Dict[str, Chunk]:
 def optimizer_targets(gpt, optimizer, par, saved: Dict[str, torch.Size]) -> Dict[str, Chunk]:
     """Empty optimizer state for this rank's parameters, shaped as saved (a parameter's shape, or a scalar such as
     AdamW's step), installed in the optimizer; loading into the chunks fills it."""
-    from lit_pretrain.optim import local_optimizer
+    from lit_pretrain.optim.optimizers import local_optimizer
 
     state = local_optimizer(optimizer).state
     out = {}
@@ -199,8 +199,8 @@ def optimizer_targets(gpt, optimizer, par, saved: Dict[str, torch.Size]) -> Dict
 
 def param_names(module) -> List[List[str]]:
     """Per AdamW group, the single-process parameter names in the optimizer's order (optim.param_groups)."""
-    from lit_pretrain.model import GPT
-    from lit_pretrain.optim import param_groups
+    from lit_pretrain.model.gpt import GPT
+    from lit_pretrain.optim.optimizers import param_groups
 
     with torch.device("meta"):  # the single-process structure without memory (as MeshStrategy._param_order)
         ref = GPT(module.model_cfg)
@@ -486,7 +486,7 @@ def load_model(storage, gpt, par) -> None:
 
 def load_optimizer(storage, gpt, par, optimizer, checkpoint: dict) -> None:
     """This rank's optimizer state from the checkpoint, and the saved group settings (lr, betas, ...)."""
-    from lit_pretrain.optim import local_optimizer
+    from lit_pretrain.optim.optimizers import local_optimizer
 
     storage = reader(storage) if isinstance(storage, (str, Path)) else storage
     optimizer = getattr(optimizer, "_optimizer", optimizer)

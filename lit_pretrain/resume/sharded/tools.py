@@ -172,8 +172,8 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
 
 def _model_fields(folder: Path, trainer: Dict, default: Any = None) -> Dict[str, Any]:
     """The run's GPTConfig fields, from trainer_state.pt as load_gpt finds them; `default` (when given) if absent."""
-    from lit_pretrain.checkpoints import _section
-    from lit_pretrain.model_config import GPTConfig
+    from lit_pretrain.model.config import GPTConfig
+    from lit_pretrain.resume.weights import _section
 
     try:
         return dataclasses.asdict(_section(trainer, folder / sf.TRAINER_STATE, "model", GPTConfig))
@@ -186,7 +186,7 @@ def _model_fields(folder: Path, trainer: Dict, default: Any = None) -> Dict[str,
 def _write_safetensors(folder: Path, reader, saved: Dict, trainer: Dict, out: Path) -> None:
     """The weights under GPT names with the model fields and tokenizer sha256 (hf.py write_weights' metadata),
     streamed: safetensors is an 8-byte header length, a JSON header of offsets, then the tensors' bytes."""
-    from lit_pretrain.hf import META_MODEL, META_TOKENIZER
+    from lit_pretrain.interop.hf import META_MODEL, META_TOKENIZER
 
     fields = _model_fields(folder, trainer)
     keys = [k for k, md in saved.items() if k.startswith(MODEL) and isinstance(md, dcp_meta.TensorStorageMetadata)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.run_table import RunRecord, read_run, status, steps_logged
+from lit_pretrain.runs.table import RunRecord, read_run, status, steps_logged
 
 
 @dataclass
@@ -65,7 +65,7 @@ def tokens_per_step(run: RunRecord) -> Optional[float]:
 
 def points(run: RunRecord, key: str, per_step: float) -> tuple:
     """(tokens seen, value) of every metrics row holding `key`, in file order (every row's step is the optimizer
-    steps completed when it was measured: lit_pretrain/step_axis.py)."""
+    steps completed when it was measured: lit_pretrain/runs/step_axis.py)."""
     pairs = [(r["step"] * per_step, r[key]) for r in run.rows if key in r and "step" in r]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 

@@ -1,8 +1,8 @@
 """Read run folders without torch or Lightning: what `lit-pretrain runs` tabulates and `compare` plots.
 
-A run folder (lit_pretrain/runs.py) holds config.yaml when training starts, metrics.csv as Lightning's CSVLogger
+A run folder (lit_pretrain/runs/folder.py) holds config.yaml when training starts, metrics.csv as Lightning's CSVLogger
 flushes it, checkpoints/ with a `latest` pointer after each checkpoint, and summary.json from the start, whose
-`status` says what the run is (lit_pretrain/run_state.py). Every `step` is optimizer steps completed.
+`status` says what the run is (lit_pretrain/runs/state.py). Every `step` is optimizer steps completed.
 """
 
 import csv
@@ -14,9 +14,9 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from lit_pretrain import run_state
 from lit_pretrain.errors import DataError
-from lit_pretrain.runs import in_use, read_metrics
+from lit_pretrain.runs import state as run_state
+from lit_pretrain.runs.folder import in_use, read_metrics
 
 # A run folder from before summary.json's start record (no summary) whose folder changed this recently is taken to
 # be training still. CSVLogger flushes
@@ -85,7 +85,7 @@ def last_value(rows: List[Dict[str, float]], key: str) -> Optional[float]:
 
 
 def steps_logged(rows: List[Dict[str, float]]) -> Optional[int]:
-    """Optimizer steps done at the last train/loss row (its `step`: steps completed, lit_pretrain/step_axis.py)."""
+    """Optimizer steps done at the last train/loss row (its `step`: steps completed, lit_pretrain/runs/step_axis.py)."""
     steps = [int(r["step"]) for r in rows if "train/loss" in r and "step" in r]
     return max(steps) if steps else None
 

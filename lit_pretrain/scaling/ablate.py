@@ -1,4 +1,4 @@
-"""`make ablate` / `python -m lit_pretrain.ablate [NAME ...]`: train each arm of each ablation in
+"""`make ablate` / `python -m lit_pretrain.scaling.ablate [NAME ...]`: train each arm of each ablation in
 experiments/ablations/*.yaml, then write one comparison plot and a table of final validation bits per byte.
 
 An ablation file is data (yaml.safe_load), not a run file:
@@ -29,8 +29,8 @@ import yaml
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
 from lit_pretrain.paths import confined, is_safe_name
 from lit_pretrain.resume.atomic import atomic_open
-from lit_pretrain.run_state import is_finished
-from lit_pretrain.runs import read_metrics, series
+from lit_pretrain.runs.folder import read_metrics, series
+from lit_pretrain.runs.state import is_finished
 
 ABLATIONS = Path("experiments") / "ablations"
 ROOT = Path("runs") / "ablations"
@@ -160,7 +160,7 @@ def run(names: Sequence[str] = (), folder: Path = ABLATIONS, root: Path = ROOT, 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lit_pretrain.ablate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lit_pretrain.scaling.ablate", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="ablations to run (file stems in experiments/ablations); all if none")
     parser.add_argument("--root", default=str(ROOT), help="folder of the arm runs, the plot and the table")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Our GPT in Hugging Face Llama's terms, and back: the config fields and the weight names, as plain data.
 
-No file I/O and no transformers here (lit_pretrain/hf.py reads and writes the folders), so the mapping is one place
+No file I/O and no transformers here (interop/hf.py reads and writes the folders), so the mapping is one place
 to read. The two models compute the same function, which tests/test_hf.py checks against transformers'
 `LlamaForCausalLM` itself; what makes them the same, line by line of transformers' modeling_llama.py:
 - RMSNorm: x * rsqrt(mean(x²) + eps) * weight in both (`LlamaRMSNorm` computes in fp32 and casts back; our
@@ -17,7 +17,7 @@ to read. The two models compute the same function, which tests/test_hf.py checks
   transformers does.
 - QK-norm (model.qk_norm): exported as `Qwen3ForCausalLM`, which is this Llama plus per-head RMSNorms of q and k
   over head_dim (`Qwen3Attention.q_norm`/`k_norm`, eps rms_norm_eps) before RoPE, as ours; without sliding windows.
-- model.moe: exported as `OlmoeForCausalLM` (lit_pretrain/olmoe.py says what makes it the same function).
+- model.moe: exported as `OlmoeForCausalLM` (lit_pretrain/interop/olmoe.py says what makes it the same function).
 What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm and
 model.mlp=gelu (`check_exportable`; Gemma 2 has a soft-cap but differs from our block elsewhere: embeddings scaled
 by sqrt(d), norms around each sublayer); on import a bias, scaled RoPE, another activation, sliding windows.
@@ -27,9 +27,9 @@ import re
 from dataclasses import replace
 from typing import Any, Dict, Mapping, Tuple
 
-from lit_pretrain import olmoe
 from lit_pretrain.errors import DataError
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.interop import olmoe
+from lit_pretrain.model.config import GPTConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
@@ -106,7 +106,7 @@ def check_exportable(cfg: GPTConfig) -> None:
             raise DataError(f"model.{key}={ours!r} cannot be expressed by transformers' {architecture(cfg)} (it has "
                             f"{key}={llama!r}): this model cannot be exported to Hugging Face format")
     if cfg.init == "mup" and cfg.mup_base_width != cfg.d_model:
-        # μP multiplies the logits by mup_base_width / d_model (lit_pretrain/init.py): a forward multiplier that
+        # μP multiplies the logits by mup_base_width / d_model (lit_pretrain/model/init.py): a forward multiplier that
         # neither class has, so the exported weights would compute other logits.
         raise DataError(f"model.init=mup with model.mup_base_width={cfg.mup_base_width} != d_model={cfg.d_model} "
                         f"multiplies the logits by {cfg.mup_base_width / cfg.d_model:g}, which transformers' "

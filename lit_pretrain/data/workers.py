@@ -34,7 +34,7 @@ _STDERR_LINES = 20
 _SYS_PATH_ENV = "LIT_PRETRAIN_WORKER_SYS_PATH"
 # The child's sys.path becomes the parent's before anything of lit_pretrain is imported, so it runs the same copy.
 _BOOT = (f"import json, os, sys; sys.path[:] = json.loads(os.environ[{_SYS_PATH_ENV!r}]); "
-         "from lit_pretrain.workers import serve; serve(sys.argv[1])")
+         "from lit_pretrain.data.workers import serve; serve(sys.argv[1])")
 # Test hook (tests/test_dedup_workers.py): "import" raises while a worker starts; "kill" makes every worker SIGKILL
 # itself on its first task; "kill-once:PATH" does so only in the one worker that creates PATH first.
 FAULT_ENV = "LIT_PRETRAIN_WORKER_FAULT"

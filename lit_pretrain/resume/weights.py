@@ -21,9 +21,9 @@ import torch
 
 from lit_pretrain import config as config_lib
 from lit_pretrain.errors import DataError
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
-from lit_pretrain.optim import adamw_with_state
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.optim.optimizers import adamw_with_state
 from lit_pretrain.resume.verified import META_KEY, load_verified
 from lit_pretrain.schema import OptimConfig
 

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.model import GPT
+from lit_pretrain.model.gpt import GPT
 
 
 @dataclass
@@ -167,7 +167,7 @@ def main(args) -> None:
     """`lit-pretrain generate`: print each sample (prompt + continuation), then the speed on stderr."""
     import sys
 
-    from lit_pretrain.checkpoints import load_gpt
+    from lit_pretrain.resume.weights import load_gpt
 
     check_sampling(args.temperature, args.top_k, args.top_p)
     run_dir, checkpoint = resolve(args.source)

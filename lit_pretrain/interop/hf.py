@@ -25,11 +25,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from lit_pretrain import config as config_lib
-from lit_pretrain.checkpoints import load_gpt
 from lit_pretrain.data.shards import pretokenized_run, run_tokenizer_entry, tokenizer_folder
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.llama import (
+from lit_pretrain.interop.llama import (
     FUNCTION_FIELDS,
     VARIANT_DEFAULTS,
     check_exportable,
@@ -39,13 +38,14 @@ from lit_pretrain.llama import (
     to_llama_config,
     to_llama_names,
 )
-from lit_pretrain.model import GPT
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.gpt import GPT
 from lit_pretrain.paths import safe_rmtree
+from lit_pretrain.resume.weights import load_gpt
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
 # Metadata of a weights file under our names (`import --out`): the model fields and the tokenizer it was trained with.
-META_MODEL, META_TOKENIZER = "lit_pretrain.model", "lit_pretrain.tokenizer_sha256"
+META_MODEL, META_TOKENIZER = "lit_pretrain.model.gpt", "lit_pretrain.tokenizer_sha256"
 STAGING_PREFIX = ".lit-pretrain-export-"
 
 
@@ -106,7 +106,7 @@ def check_target(out: str | Path) -> Path:
 
 def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
     """Write `model` and its tokenizer as a transformers LlamaForCausalLM folder (Qwen3ForCausalLM with
-    model.qk_norm, OlmoeForCausalLM with model.moe: lit_pretrain/olmoe.py) at `out` (new or empty)."""
+    model.qk_norm, OlmoeForCausalLM with model.moe: lit_pretrain/interop/olmoe.py) at `out` (new or empty)."""
     check_exportable(model.cfg)  # before anything is written
     st = _safetensors()
     cfg, out = model.cfg, check_target(out)

@@ -1,4 +1,4 @@
-"""The routed SwiGLU experts of model.moe (lit_pretrain/moe.py) as one autograd Function over grouped matmuls, with
+"""The routed SwiGLU experts of model.moe (model/moe.py) as one autograd Function over grouped matmuls, with
 a hand-written backward.
 
 For the token copies xs (M, d) sorted by expert and the stacked weights of the L experts computed here, expert e's

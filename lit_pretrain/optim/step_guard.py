@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from lit_pretrain.optim import clip_by_global_norm, grad_norm
+from lit_pretrain.optim.optimizers import clip_by_global_norm, grad_norm
 
 NormFn = Callable[[List[torch.Tensor]], torch.Tensor]
 

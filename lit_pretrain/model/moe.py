@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_pretrain.model_config import GPTConfig, ModuleSpec
-from lit_pretrain.moe_kernels import swiglu_experts
+from lit_pretrain.model.config import GPTConfig, ModuleSpec
+from lit_pretrain.model.moe_kernels import swiglu_experts
 
 
 class ExpertLinear(nn.Module):

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 from torch import nn
 
-from lit_pretrain.init import mup_lr_scale
+from lit_pretrain.model.init import mup_lr_scale
 from lit_pretrain.schema import PARAM_KINDS, OptimConfig
 
 KERNELS = ("fused", "foreach")
@@ -36,7 +36,7 @@ def param_kind(module: nn.Module, module_name: str, p: torch.Tensor, tied_head: 
     Linear "hidden"; a Linear's vector "biases"; everything else (norm gains and biases) "norms"."""
     if isinstance(module, nn.Embedding) or tied_head:
         return "embeddings"
-    if getattr(module, "expert", False):  # model.moe's stacked expert matrices (lit_pretrain/moe.py ExpertLinear)
+    if getattr(module, "expert", False):  # model.moe's stacked expert matrices (lit_pretrain/model/moe.py ExpertLinear)
         return "hidden"
     if isinstance(module, nn.Linear):
         if p.ndim < 2:

@@ -1,7 +1,8 @@
 """The language-model loss as a pure function of logits and targets (no Lightning), shared by PretrainModule, the
 pipeline's last stage (parallel/pipeline.py) and the compiled step (parallel/compile.py), so they cannot drift and
 none imports another. Under tensor parallelism the logits are split along the vocabulary and the same function,
-given the tensor-parallel group, computes the same losses over them (parallel/vocab.py)."""
+given the split cross-entropy of that group (parallel/vocab.py `split_cross_entropy`), computes the same losses over
+them: the model knows nothing of distribution, parallel/ hands it the collective."""
 
 import torch
 import torch.nn.functional as F
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, written out where targets are masked
 
 
-def lm_losses(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, vocab_group=None):
+def lm_losses(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, split_cross_entropy=None):
     """(task loss, z-loss) of logits (B, T, V) against targets (B, T) (IGNORE_INDEX: not predicted).
 
     Task: the mean cross-entropy over the predicted targets, in fp32 (under bf16 the log-softmax over a large
@@ -17,20 +18,19 @@ def lm_losses(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, 
     softmax normalizer of the final logits (after any soft-cap: these are the logits the model predicts with), its
     mean over the same predicted targets; None when z_loss is 0 (nothing extra computed).
 
-    vocab_group: the tensor-parallel group when the logits are this rank's (B, T, V/t) columns of the vocabulary
-    (parallel/vocab.py `vocab_group(gpt)`); the losses are then those of the whole logits, equal on every rank of
-    the group, and backward gives each rank its own columns' gradient. A collective: every rank of it calls this."""
+    split_cross_entropy: when the logits are this rank's (B, T, V/t) columns of the vocabulary, the function
+    (logits, targets) -> (nll, log_z) per target over the tensor-parallel group (parallel/vocab.py
+    `split_cross_entropy(group)`); the losses are then those of the whole logits, equal on every rank of the group,
+    and backward gives each rank its own columns' gradient. A collective: every rank of it calls this."""
     logits, targets = logits.float().flatten(0, 1), targets.flatten()  # (B*T, V or V/t), (B*T,)
     kept = (targets != IGNORE_INDEX).float()  # (B*T,)
-    if vocab_group is None:
+    if split_cross_entropy is None:
         task = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
         if not z_loss:
             return task, None
         log_z = torch.logsumexp(logits, dim=-1)  # (B*T,)
     else:
-        from lit_pretrain.parallel.vocab import vocab_parallel_cross_entropy
-
-        nll, log_z = vocab_parallel_cross_entropy(logits, targets, vocab_group)  # (B*T,) each
+        nll, log_z = split_cross_entropy(logits, targets)  # (B*T,) each
         task = (nll * kept).sum() / kept.sum()  # F.cross_entropy's mean (NaN when nothing is predicted, as there)
         if not z_loss:
             return task, None

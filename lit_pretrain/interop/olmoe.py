@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Mapping
 import torch
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.model_config import GPTConfig
+from lit_pretrain.model.config import GPTConfig
 
 ARCHITECTURE = "OlmoeForCausalLM"
 MODEL_TYPE = "olmoe"

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_pretrain.model.config import GPTConfig, ModuleSpec, flops_per_token_formula  # noqa: F401
+
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
-from lit_pretrain.init import initialize
-from lit_pretrain.model_config import GPTConfig, ModuleSpec, flops_per_token_formula  # noqa: F401
-from lit_pretrain.moe import MoE
+from lit_pretrain.model.init import initialize
+from lit_pretrain.model.moe import MoE
 
 
 def build_linear(spec: ModuleSpec) -> nn.Linear:
@@ -53,7 +54,7 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device 
     of wq and wk. fp32 because the angles reach seq_len radians: near 1000 rad bf16's spacing is 4 rad.
     """
     # 1 / theta^(2i/Q) as transformers' Llama writes it, not theta^(-2i/Q), which rounds differently in the last bit:
-    # the same tables to the bit, so an exported model (lit_pretrain/llama.py) gives transformers' logits exactly.
+    # the same tables to the bit, so an exported model (interop/llama.py) gives transformers' logits exactly.
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (Q/2,)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)  # (T,)
     angles = torch.outer(positions, inv_freq)  # (T, Q/2)
@@ -209,7 +210,7 @@ class Block(nn.Module):
         self.attn_norm = build_norm(cfg, spec["attn_norm"])
         self.attn = Attention(cfg)
         self.mlp_norm = build_norm(cfg, spec["mlp_norm"])
-        # model.moe: the table decides which blocks route their tokens to experts (lit_pretrain/moe.py)
+        # model.moe: the table decides which blocks route their tokens to experts (lit_pretrain/model/moe.py)
         self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLPS[cfg.mlp](cfg, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -252,7 +253,7 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Initialize every weight and the RoPE tables; deterministic under `torch.manual_seed`.
 
-        By model.init (lit_pretrain/init.py): by default weight matrices ~ N(0, init_std) and the residual output
+        By model.init (lit_pretrain/model/init.py): by default weight matrices ~ N(0, init_std) and the residual output
         projections (Linears marked `residual_projection`: attn.wo, mlp.w_down) ~ N(0, init_std / sqrt(2 * n_layers))
         so the residual stream's variance stays O(1) in depth (GPT-2 paper §2.3, "scaled residual initialization").
         Norm weights = 1.
@@ -261,7 +262,7 @@ class GPT(nn.Module):
         PyTorch's defaults (Kaiming-uniform Linears, N(0, 1) Embedding), not this scheme.
         """
         cfg = self.cfg
-        initialize(self, cfg)  # model.init: lit_pretrain/init.py
+        initialize(self, cfg)  # model.init: lit_pretrain/model/init.py
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device=self.rope_cos.device)
         # Assigned, not copied: the buffers may have been cast (e.g. `.to(bfloat16)`); the tables are fp32.
         self.rope_cos, self.rope_sin = cos, sin

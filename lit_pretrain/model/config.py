@@ -14,7 +14,7 @@ class MoEConfig:
     """A mixture-of-experts MLP in some blocks (model.moe; null: every block is dense). Each token goes to top_k of
     num_experts routed SwiGLU experts, weighted by its router scores, plus num_shared_experts experts every token
     uses (DeepSeekMoE, Dai et al. 2024). Experts are computed as one grouped matmul over the tokens sorted by
-    expert (lit_pretrain/moe.py)."""
+    expert (lit_pretrain/model/moe.py)."""
 
     num_experts: int = field(default=8, metadata={"ge": 2})
     """Routed experts per MoE layer (E)."""
@@ -105,7 +105,7 @@ class GPTConfig:
     activation_checkpointing_k: int = field(default=2, metadata={"ge": 1})
     """activation_checkpointing=every_k only: checkpoint one block in every k."""
     init: str = field(default="scaled_residual", metadata={"choices": ["standard", "scaled_residual", "mup"]})
-    """Initialization (lit_pretrain/init.py). standard: every matrix ~ N(0, init_std); scaled_residual: residual
+    """Initialization (lit_pretrain/model/init.py). standard: every matrix ~ N(0, init_std); scaled_residual: residual
     output projections get init_std / sqrt(2 n_layers) (GPT-2 §2.3); mup: μP (Yang et al. 2022, Tensor Programs V,
     table 3 with a readout multiplier): hidden matrices' std and Adam rate scale with mup_base_width / d_model and
     the logits are multiplied by it, so a rate tuned at the base width carries over to wider models."""

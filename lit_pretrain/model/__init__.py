@@ -1,0 +1,18 @@
+"""The GPT as plain `nn.Module`s: no Lightning, no torch.distributed. Its shape (`GPTConfig` and the architecture
+table, config.py), the network (gpt.py), the mixture of experts and its kernels (moe.py, moe_kernels.py), the
+initialization (init.py) and the language-model loss (losses.py).
+
+`from lit_pretrain.model import GPT, GPTConfig` is the public face. GPT is handed on at first use: the config
+(`lit-pretrain show`, `--help`) reads GPTConfig without importing torch."""
+
+from lit_pretrain.model.config import GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]
+
+
+def __getattr__(name):
+    if name == "GPT":
+        from lit_pretrain.model.gpt import GPT
+
+        return GPT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
