@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from lit_pretrain.bench.moe import loop_forward
+from lit_pretrain.bench.moe.moe import loop_forward
 from lit_pretrain.model import GPT
 from lit_pretrain.model_config import GPTConfig, MoEConfig
 from lit_pretrain.moe import end_step, moe_layers, moe_loss, step_statistics
