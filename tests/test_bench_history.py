@@ -124,7 +124,7 @@ def test_record_and_compare_appends_and_never_rewrites(tmp_path, capsys):
 @pytest.mark.slow
 def test_gpu_bench_dry_run_runs_the_code_path_on_cpu(tmp_path):
     """`make bench-gpu --dry-run` (tiny model, CPU, FSDP2 over gloo, 3 steps) so the script cannot rot unseen."""
-    out = run_module("lit_pretrain.bench.gpu", "--dry-run", "--models", "125m", "--out", str(tmp_path / "r.json"),
+    out = run_module("lit_pretrain.bench.step.gpu", "--dry-run", "--models", "125m", "--out", str(tmp_path / "r.json"),
                      timeout=120)
     assert "gpu_125m_compiled_step_tokens_per_s" in out.stdout and "mfu_gpu_125m_compiled" in out.stdout
     assert "dry run" in out.stdout and not (tmp_path / "r.json").exists()
@@ -134,7 +134,7 @@ def test_gpu_bench_dry_run_runs_the_code_path_on_cpu(tmp_path):
 def test_gpu_bench_dry_run_of_a_preset_fits_it_to_the_device(tmp_path):
     """`make bench-gpu PRESET=llama3_1_8b DRY_RUN=1`: the preset shrunk to 4 tiny layers and a 3 MB "device", so the
     layer-dropping path of the fit runs too (the full-size choices are test_preset_fit_on_one_h200's)."""
-    out = run_module("lit_pretrain.bench.gpu", "--dry-run", "--preset", "llama3_1_8b", "--device-memory", "3MB",
+    out = run_module("lit_pretrain.bench.step.gpu", "--dry-run", "--preset", "llama3_1_8b", "--device-memory", "3MB",
                      "--out", str(tmp_path / "r.json"), timeout=120)
     assert "llama3_1_8b: 4 layers do not fit one 0.003 GB device" in out.stdout
     assert "running 1 of the 4 layers" in out.stdout
@@ -147,7 +147,7 @@ def test_preset_fit_on_one_h200():
     rank, 10% headroom): the 1B whole without activation checkpointing, the 8B only in part (its model states alone,
     16 bytes x 8.03B = 128 GB, pass 90% of 141 GB)."""
     from lit_pretrain import config
-    from lit_pretrain.bench.gpu import fit_one_device
+    from lit_pretrain.bench.step.gpu import fit_one_device
 
     def preset(name):
         return config.to_object(config.load(ROOT / "experiments" / "runs" / "default.yaml",
@@ -165,5 +165,5 @@ def test_gpu_bench_without_cuda_and_without_dry_run_still_says_so():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    out = run_module("lit_pretrain.bench.gpu", rc=1, timeout=60)
+    out = run_module("lit_pretrain.bench.step.gpu", rc=1, timeout=60)
     assert "needs a CUDA GPU" in out.stderr and "make bench" in out.stderr

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_pretrain.bench import child, gpu, mfu, profile_step
+from lit_pretrain.bench import child
+from lit_pretrain.bench.step import gpu, mfu, profile_step
 from lit_pretrain.model.gpt import GPT, flops_per_token_formula
 from tests.conftest import EXPERIMENTS
 
@@ -71,11 +72,11 @@ def test_a_childs_series_are_summarized_by_paired_case_in_their_order(monkeypatc
                {"case": "memory", "value": 1.0, "reference": 2.0, "ratio": 0.5}]
 
     def fake_run(command, **_):
-        assert command[1:] == ["-m", "lit_pretrain.bench.deduplication", "x"]
+        assert command[1:] == ["-m", "lit_pretrain.bench.data.deduplication", "x"]
         return SimpleNamespace(returncode=0, stdout="a log line\n" + json.dumps(printed) + "\n", stderr="")
 
     monkeypatch.setattr(child.subprocess, "run", fake_run)
-    paired, passed = child.run("lit_pretrain.bench.deduplication", "x")
+    paired, passed = child.run("lit_pretrain.bench.data.deduplication", "x")
     assert paired["case"] == "c" and paired["ratio"] == pytest.approx(2.0) and paired["goal"] == ">= 2"
     assert paired["detail"] == {"ref": [1.0, 2.0, 4.0], "ours": [2.0, 4.0, 8.0], "n": 3}
     assert passed == printed[1]
@@ -107,10 +108,10 @@ def test_profile_step_counts_every_matmul_flop_of_the_step():
 
 
 def test_precision_case_alternates_bf16_mixed_with_fp32_and_gives_each_mfu_its_own_dtype_peak():
-    """bench/precision.py on the tiny run (eager: auto leaves it uncompiled, as its run would be), one alternation:
+    """bench/step/precision.py on the tiny run (eager: auto leaves it uncompiled, as its run would be), one alternation:
     the ratio is bf16-mixed's tokens/s over fp32's, and each MFU divides by the peak of its own dtype."""
     from lit_pretrain import config
-    from lit_pretrain.bench import precision
+    from lit_pretrain.bench.step import precision
 
     c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model.vocab_size=512"]))
     case, bf16, fp32 = precision.run(c, steps=3, skip=1, repeats=1)

@@ -1,8 +1,8 @@
 """The communication formulas (scaling/communication.py; derivations in its docstring): pure, no process group.
 
 Two tables: a shape small enough to count by hand (FSDP2's dim-0 padding visible), and the bytes the bench's
-counting wrapper measured on a 2-layer model (bench/compositions.py; torch 2.13, gloo, 4 processes, d 64, f 192,
-V 8192, T 32, global batch 8, so 4 sequences per data-parallel rank).
+counting wrapper measured on a 2-layer model (bench/parallel/compositions.py; torch 2.13, gloo, 4 processes, d 64,
+f 192, V 8192, T 32, global batch 8, so 4 sequences per data-parallel rank).
 """
 
 import pytest

@@ -267,8 +267,8 @@ def test_a_mixture_takes_a_megatron_source_beside_a_prepared_one(tmp_path, tiny_
 def test_cold_reads_fetch_only_the_pages_the_windows_touch(tmp_path, tokenizer, eod):
     """Windows are read in shuffled order, so the shards are mapped without readahead (shards.open_shard): bytes
     fetched from storage on a cold page cache equal the distinct 4 KiB pages of the windows read. With the kernel's
-    default readahead the same read fetched 6.5x those pages (bench/pretokenized.py)."""
-    from lit_pretrain.bench import pretokenized as bench
+    default readahead the same read fetched 6.5x those pages (bench/data/pretokenized.py)."""
+    from lit_pretrain.bench.data import pretokenized as bench
 
     data = data_config("megatron", [], tokenizer)
     big = bench.synthetic_megatron(data, tmp_path, 512, eod, tokens=1 << 22)  # 8 MiB, far more than 40 batches read

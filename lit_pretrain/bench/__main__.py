@@ -30,7 +30,7 @@ class _Run:
     def sample(self):
         # The prepared sample shared by the datamodule, tokenize and evaluation cases; made only if one is chosen.
         if self._sample is None:
-            from lit_pretrain.bench import datamodule
+            from lit_pretrain.bench.data import datamodule
 
             self._sample = datamodule.prepare_sample(self.c.data, self.tmp / "prepared")
         return self._sample
@@ -40,26 +40,26 @@ class _Run:
 
 
 def _step(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import step
+    from lit_pretrain.bench.step import step
 
     r.step_cases = [step.run(r.c, r.args.steps, r.args.skip, r.args.repeats)]
     return r.step_cases
 
 
 def _compile(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import compile
+    from lit_pretrain.bench.step import compile
 
     return compile.run(r.c, r.args.steps, r.args.skip, r.args.repeats, r.peak)
 
 
 def _precision(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import precision
+    from lit_pretrain.bench.step import precision
 
     return precision.run(r.c, r.args.steps, r.args.skip, r.args.repeats)
 
 
 def _datamodule(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import datamodule, pretokenized
+    from lit_pretrain.bench.data import datamodule, pretokenized
 
     consumed = r.step_tokens_per_s()
     return [datamodule.run(r.c, r.sample, consumed_tokens_per_s=consumed, repeats=r.args.repeats),
@@ -67,85 +67,85 @@ def _datamodule(r: _Run) -> List[Dict]:
 
 
 def _tokenize(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import tokenize
+    from lit_pretrain.bench.data import tokenize
 
     return tokenize.run(r.sample, r.args.repeats)
 
 
 def _prepare_memory(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import prepare_memory
+    from lit_pretrain.bench.data import prepare_memory
 
     return [prepare_memory.run(r.tmp)]
 
 
 def _evaluation(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import evaluation
+    from lit_pretrain.bench.evaluation import evaluation
 
     return [evaluation.run(r.c, r.sample, r.step_tokens_per_s(), r.args.repeats)]
 
 
 def _deduplication(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import deduplication
+    from lit_pretrain.bench.data import deduplication
 
     return deduplication.run(r.c.data.deduplication, r.args.repeats)
 
 
 def _data_engines(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import data_engines
+    from lit_pretrain.bench.data import data_engines
 
     return data_engines.run(r.args.repeats)
 
 
 def _strategies(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import strategies
+    from lit_pretrain.bench.parallel import strategies
 
     return strategies.run(r.c, r.args.run_file, r.args.overrides)
 
 
 def _pipeline(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import pipeline
+    from lit_pretrain.bench.parallel import pipeline
 
     return pipeline.run(r.c)
 
 
 def _compositions(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import compositions
+    from lit_pretrain.bench.parallel import compositions
 
     return compositions.run(r.c)
 
 
 def _stability(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import stability
+    from lit_pretrain.bench.step import stability
 
     return [stability.run(r.c, r.args.steps, r.args.skip, r.args.repeats)]
 
 
 def _checkpoint(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import checkpoint, sharded_checkpoint
+    from lit_pretrain.bench.checkpoint import checkpoint, sharded_checkpoint
 
     return [checkpoint.run(r.c, r.args.repeats), *sharded_checkpoint.run(r.c, r.args.repeats)]
 
 
 def _generation(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import generation
+    from lit_pretrain.bench.evaluation import generation
 
     return [generation.run(r.c, r.args.repeats)]
 
 
 def _mixture(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import mixture
+    from lit_pretrain.bench.data import mixture
 
     return [mixture.run(r.c, r.step_tokens_per_s(), r.args.repeats)]
 
 
 def _masking(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import masking
+    from lit_pretrain.bench.step import masking
 
     return [masking.run(r.c, r.args.repeats)]
 
 
 def _moe(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench import expert_parallel, moe
+    from lit_pretrain.bench.moe import expert_parallel, moe
 
     return [*moe.run(r.c, r.args.repeats), *expert_parallel.run(r.c, r.args.repeats)]
 
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     import torch
 
     from lit_pretrain import config as config_lib
-    from lit_pretrain.bench import mfu
+    from lit_pretrain.bench.step import mfu
     from lit_pretrain.train import resolve_vocab, setup_process
 
     c = config_lib.to_object(config_lib.load(args.run_file, args.overrides))

@@ -21,7 +21,7 @@ def series(case: str, refs: List[float], cands: List[float], goal: str, unit: st
 def run(module: str, *args: str, timeout_s: float = 3600) -> List[Dict]:
     """The cases `python -m module args` prints as a JSON list on its last line; a paired series (`series`) goes
     through paired_case, replayed in the order it was measured; any other case is taken as it is."""
-    from lit_pretrain.bench.step import paired_case
+    from lit_pretrain.bench.step.step import paired_case
 
     command = [sys.executable, "-m", module, *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)

@@ -218,7 +218,7 @@ def open_shard(path, dtype, offset: int = 0, tokens: Optional[int] = None, rando
     """`tokens` ids (default: to the end of the file) from byte `offset`, memory-mapped. `random_access`: the
     windows are read in shuffled order, so the kernel is told not to read ahead (MADV_RANDOM): with its default
     readahead a cold read of one 257-id window fetched 109 bytes per id, 55x the ids and 6.5x the 4 KiB pages the
-    window touches (bench/pretokenized.py, seq_len 256, uint16)."""
+    window touches (bench/data/pretokenized.py, seq_len 256, uint16)."""
     ids = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=None if tokens is None else (tokens,))
     if random_access and hasattr(mmap, "MADV_RANDOM") and ids.size:
         ids._mmap.madvise(mmap.MADV_RANDOM)  # numpy keeps the mmap it maps the file with here; no public handle

@@ -1,6 +1,6 @@
 """Bytes each rank moves per optimizer step, by collective, as pure functions of the model's shape and the layout.
 
-Convention (what `bench/compositions.py`'s counting wrapper measures): the size of the whole tensor a collective
+Convention (what bench/parallel/compositions.py's counting wrapper measures): the size of the whole tensor a collective
 works on, per call, summed over a step: an all-reduce's tensor, an all-gather's output (the gathered whole), a
 reduce-scatter's input (the whole before scattering). A ring moves (n-1)/n of that over each rank's link; the
 convention leaves that factor out, so the figures are independent of the algorithm gloo picks.

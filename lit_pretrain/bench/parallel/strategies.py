@@ -3,7 +3,7 @@ checkpointing's extra compute against the activation memory it saves.
 
 Strategy runs go through our Trainer set-up (build_strategy, PretrainModule with configure_model) on in-memory
 random windows: the data path is a case of its own. Each strategy runs in a subprocess (this module, run as
-`python -m lit_pretrain.bench.strategies`), which Lightning's launcher re-runs for rank 1. On a 2-core machine
+`python -m lit_pretrain.bench.parallel.strategies`), which Lightning's launcher re-runs for rank 1. On a 2-core machine
 2 ranks × 1 thread do not beat 1 process × 2 threads: the ratios report the cost of communication and sharding,
 not a speed-up.
 """
@@ -42,9 +42,9 @@ def _launch(run_file: str, overrides: list, name: str, devices: int, global_batc
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
         for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
             env.pop(var, None)
-        cmd = [sys.executable, "-m", "lit_pretrain.bench.strategies", "--name", name, "--devices", str(devices),
-               "--global-batch", str(global_batch), "--steps", str(steps), "--skip", str(skip), "--out", str(out),
-               run_file, *overrides]
+        cmd = [sys.executable, "-m", "lit_pretrain.bench.parallel.strategies", "--name", name,
+               "--devices", str(devices), "--global-batch", str(global_batch), "--steps", str(steps),
+               "--skip", str(skip), "--out", str(out), run_file, *overrides]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"bench strategy {name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
@@ -56,7 +56,7 @@ def _worker(args) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lit_pretrain import config as config_lib
-    from lit_pretrain.bench.step import _StepClock
+    from lit_pretrain.bench.step.step import _StepClock
     from lit_pretrain.module import PretrainModule
     from lit_pretrain.parallel.strategies import build_strategy
     from lit_pretrain.schema import StrategyConfig

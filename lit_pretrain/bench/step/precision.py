@@ -1,7 +1,7 @@
 """Cases: tokens/s of the experiment's training step in bf16-mixed against 32-true (`trainer.precision`), and the MFU
 of each against the matmul peak of its own dtype, measured beside it.
 
-Both sides run our Trainer (bench/step.py trainer_loop) on the experiment's model and micro-batch, compiled as the
+Both sides run our Trainer (bench/step/step.py trainer_loop) on the experiment's model and micro-batch, compiled as the
 run compiles (trainer.compile resolved by the plan: `auto` compiles the default run), alternated (bench/stats.py);
 the first `skip` steps of each run hold the compile and are left out. bf16-mixed is Lightning's autocast: the
 matmuls and attention run in bf16 on fp32 weights, the loss, the gradients, their clipping and AdamW stay fp32
@@ -16,8 +16,9 @@ stops after the first alternation when bf16 is emulated (EMULATED slower): five 
 
 from typing import Dict, List
 
-from lit_pretrain.bench import mfu, stats
-from lit_pretrain.bench.step import trainer_loop
+from lit_pretrain.bench import stats
+from lit_pretrain.bench.step import mfu
+from lit_pretrain.bench.step.step import trainer_loop
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.parallel.plan import build_plan
 
@@ -40,7 +41,7 @@ def run(c, steps: int, skip: int, repeats: int) -> List[Dict]:
             "detail": {"bf16_mixed": cands, "fp32": refs, "steps": steps, "timed_steps": steps - skip,
                        "micro_batch_size": c.trainer.micro_batch_size, "compiled": compile,
                        "matmul_peak_ratio": max(peaks["bf16"]) / max(peaks["fp32"]), "emulated_bf16": emulated}}
-    # Each side's MFU against the best peak of its own dtype (bench/compile.py: a peak is the best rate reached, so
+    # Each side's MFU against the best peak of its own dtype (bench/step/compile.py: a peak is the best rate reached, so
     # more samples only make the MFU more conservative).
     flops_per_token = GPT(c.model).flops_per_token()
     out = [case]

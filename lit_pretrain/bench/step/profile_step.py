@@ -1,6 +1,6 @@
-"""Where the training step's time goes: `python -m lit_pretrain.bench.profile_step [--eager] [--bf16] [--steps N]`.
+"""Where the training step's time goes: `python -m lit_pretrain.bench.step.profile_step [--eager] [--bf16] [--steps N]`.
 
-The step of bench/step.py's raw loop (forward, fp32 cross-entropy, backward, clipping, AdamW), compiled as
+The step of bench/step/step.py's raw loop (forward, fp32 cross-entropy, backward, clipping, AdamW), compiled as
 `trainer.compile` compiles it unless --eager, profiled with torch.profiler after warm-up steps. Prints each kind of
 work's share of the step (self CPU time of its operators), the GFLOP/s the matmuls reached against the fp32 matmul
 peak mfu.py measures (--bf16: the step under bf16 autocast, as trainer.precision=bf16-mixed runs it, against the bf16
@@ -42,13 +42,13 @@ def shares(events: Iterable[Tuple[str, float, float]]) -> Dict[str, Dict[str, fl
 
 
 def profile(c, steps: int, warmup: int, compile: bool, bf16: bool = False) -> Dict:
-    """{kind: {"seconds", "flops"}} per step of bench/step.py's raw step, profiled after `warmup` steps. `bf16`:
+    """{kind: {"seconds", "flops"}} per step of bench/step/step.py's raw step, profiled after `warmup` steps. `bf16`:
     its forward and loss under bf16 autocast, as trainer.precision=bf16-mixed runs them."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from lit_pretrain.bench.step import raw_step
+    from lit_pretrain.bench.step.step import raw_step
 
     torch._inductor.config.cpp.enable_kernel_profile = True  # names each generated kernel in the profile
     _, step = raw_step(c, compile, bf16)
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from lit_pretrain import config as config_lib
-    from lit_pretrain.bench.mfu import cpu_matmul_peak
+    from lit_pretrain.bench.step.mfu import cpu_matmul_peak
     from lit_pretrain.model.gpt import GPT
     from lit_pretrain.train import resolve_vocab, setup_process
 

@@ -59,7 +59,7 @@ def write_corpus(path: Path, megabytes: int, seed: int = 0) -> int:
 def _measure(corpus: Path, out: Path) -> Dict:
     start = time.perf_counter()
     # The child imports this copy of lit_pretrain, whatever the current folder.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[3]),
                                                         os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", _CHILD, str(corpus), str(out)], capture_output=True, text=True,
                           check=False, env=env)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from lit_pretrain.bench import stats
-from lit_pretrain.bench.step import paired_case
+from lit_pretrain.bench.step.step import paired_case
 from lit_pretrain.data.corpus import iter_documents
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.prepare import write_shards

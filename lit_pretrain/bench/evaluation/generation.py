@@ -12,7 +12,7 @@ from typing import Dict
 
 import torch
 
-from lit_pretrain.bench.step import paired_case
+from lit_pretrain.bench.step.step import paired_case
 from lit_pretrain.evaluation.generate import generate
 from lit_pretrain.model.gpt import GPT
 

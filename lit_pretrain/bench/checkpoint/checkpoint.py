@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from lit_pretrain.bench import stats
-from lit_pretrain.bench.step import paired_case
+from lit_pretrain.bench.step.step import paired_case
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.optim.optimizers import build_adamw
 from lit_pretrain.resume.verified import load_verified, save_atomic

@@ -30,7 +30,7 @@ from datasketch import MinHash, MinHashLSH
 
 from lit_pretrain.bench import child, stats
 from lit_pretrain.bench.child import series
-from lit_pretrain.bench.data_engines import SHORT_DOCS, SHORT_WORDS, near_duplicate_texts
+from lit_pretrain.bench.data.data_engines import SHORT_DOCS, SHORT_WORDS, near_duplicate_texts
 from lit_pretrain.bench.stats import alternate
 from lit_pretrain.data.corpus import iter_documents
 from lit_pretrain.data.lsh import band_pairs, bands_rows, candidate_pairs, clusters, index_basename, minhashlsh_pairs
@@ -85,7 +85,7 @@ def _machine_speedup(n: int = 3_000_000) -> float:
     """What 2 processes gain over 1 on this machine right now, for a pure CPU loop with no start-up or data: the
     ceiling for any 2-process speed-up measured alongside it (on a shared machine it can be far below 2)."""
     serial = _spin(n) + _spin(n)
-    with WorkerPool("lit_pretrain.bench.deduplication:_spin", 2, "bench CPU loop", _FIX) as pool:
+    with WorkerPool("lit_pretrain.bench.data.deduplication:_spin", 2, "bench CPU loop", _FIX) as pool:
         for loops in (1, n):  # the first round starts the workers before the clock
             start = time.perf_counter()
             for worker in range(2):  # one task each: submit picks the least loaded worker
@@ -146,7 +146,7 @@ def _memory_child(task) -> float:
 
 def _peak_mb(kind: str, n: int, cfg: DeduplicationConfig) -> float:
     """_memory_child's figure, measured in a fresh worker process (one pool per measurement)."""
-    with WorkerPool("lit_pretrain.bench.deduplication:_memory_child", 1, "bench memory", _FIX) as pool:
+    with WorkerPool("lit_pretrain.bench.data.deduplication:_memory_child", 1, "bench memory", _FIX) as pool:
         pool.submit(kind, (kind, n, cfg), f"(the {kind} memory case)")
         ((_, value),) = pool.drain()
     return value
@@ -155,7 +155,7 @@ def _peak_mb(kind: str, n: int, cfg: DeduplicationConfig) -> float:
 def run(cfg: DeduplicationConfig, repeats: int = 2) -> List[Dict]:
     """The cases, measured in a fresh process (bench/child.py: memory and timings as `lit-pretrain prepare` sees
     them)."""
-    return child.run("lit_pretrain.bench.deduplication", json.dumps(asdict(cfg)), str(repeats))
+    return child.run("lit_pretrain.bench.data.deduplication", json.dumps(asdict(cfg)), str(repeats))
 
 
 def measure(cfg: DeduplicationConfig, repeats: int) -> List[Dict]:

@@ -1,6 +1,6 @@
 """Cases: the TokenShardDataModule over a Megatron .bin/.idx trained on in place (data/pretokenized.py).
 
-datamodule_megatron_tokens_per_s: the datamodule case (bench/datamodule.py) on the experiment's sample exported by
+datamodule_megatron_tokens_per_s: the datamodule case (bench/data/datamodule.py) on the experiment's sample exported by
   export-data --to megatron: tokens/s the train loader delivers against tokens/s the step consumes.
 megatron_bytes_read_per_token: bytes the process fetched from storage (/proc/self/io read_bytes, which counts page
   faults of a memmap too) per training token, over TIMED_BATCHES batches of a Megatron corpus of CORPUS_TOKENS random
@@ -23,8 +23,8 @@ from typing import Dict, List
 
 import numpy as np
 
-from lit_pretrain.bench import datamodule as dm_case
 from lit_pretrain.bench import stats
+from lit_pretrain.bench.data import datamodule as dm_case
 from lit_pretrain.data import pretokenized
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.data.export import export_data, write_megatron_index

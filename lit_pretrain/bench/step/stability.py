@@ -1,6 +1,6 @@
 """Case: the stability callbacks' cost on the training step, as tokens/s with them over tokens/s without them.
 
-Both sides run the same `PretrainModule` under the same `L.Trainer` on the same in-memory windows (bench/step.py's
+Both sides run the same `PretrainModule` under the same `L.Trainer` on the same in-memory windows (bench/step/step.py's
 data and clock); the candidate adds the callbacks the experiment's config turns on (non-finite guard, loss-spike
 detector, gradient-norm and throughput monitors, report). The guard and the detector share one host read per step
 (their decisions need it: StepGuard.host); the monitors read only at logging intervals. Their hooks measured 0.8%
@@ -12,7 +12,7 @@ import tempfile
 
 import lightning as L
 
-from lit_pretrain.bench.step import _data, _StepClock, paired_case
+from lit_pretrain.bench.step.step import _data, _StepClock, paired_case
 from lit_pretrain.callbacks import stability_callbacks
 from lit_pretrain.module import PretrainModule
 

@@ -134,7 +134,7 @@ def _worker(rank: int, world: int, port: int, mode: str, model_cfg, optim_cfg, f
 
 def run(c, repeats: int, world: int = 2) -> list:
     """Three cases (rank 0's peak memory, save time, training stall) and the load times in their detail."""
-    from lit_pretrain.bench.compositions import _free_port
+    from lit_pretrain.bench.parallel.compositions import _free_port
 
     r = {}
     for mode in ("single", "sharded"):

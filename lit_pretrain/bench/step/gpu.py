@@ -1,12 +1,12 @@
-"""`make bench-gpu` (`python -m lit_pretrain.bench.gpu`): the training step on CUDA, eager and compiled, with a
+"""`make bench-gpu` (`python -m lit_pretrain.bench.step.gpu`): the training step on CUDA, eager and compiled, with a
 ~125M and a ~1B model, bf16-mixed, FSDP2 (ZeRO stage 3) over this node's GPUs; MFU against the device's peak.
 
 The step is our Trainer's (`PretrainModule` under `L.Trainer` with the strategy `build_strategy` returns), timed as
-on CPU (bench/step.py), so the figures are those `lit-pretrain train` would reach. MFU (PaLM appendix B) divides
+on CPU (bench/step/step.py), so the figures are those `lit-pretrain train` would reach. MFU (PaLM appendix B) divides
 model FLOPs/s by the dense bf16 datasheet peak of all GPUs of the node (callbacks/throughput.py's table, e.g.
 989 TFLOP/s for an H200 SXM). The CPU-bound cases (data loading, tokenization) are `make bench`'s. Results go to
 runs/bench/results-gpu.json with the machine and versions. One GPU: `make bench-gpu`; all GPUs of a node:
-`torchrun --standalone --nproc-per-node gpu -m lit_pretrain.bench.gpu`.
+`torchrun --standalone --nproc-per-node gpu -m lit_pretrain.bench.step.gpu`.
 `make bench-gpu PRESET=llama3_2_1b` (`--preset`): a model preset of experiments/model/ instead, on one GPU, at the
 largest micro-batch the memory planner (scaling/memory.py, bf16-mixed, FSDP on one rank: nothing sharded) fits with
 run_plan.MIN_HEADROOM to spare, with activation checkpointing only when no micro-batch fits without it, and only as
@@ -132,8 +132,8 @@ def experiment(c, name: str, devices: int, dry_run: bool = False, model: GPTConf
 def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool = False, fitted=None) -> List[Dict]:
     """The eager/compiled pair and the MFU cases of benchmark model `name`, or of a preset `fitted` by
     preset_config (model, micro-batch, the note printed and kept in the case's detail)."""
-    from lit_pretrain.bench import mfu
-    from lit_pretrain.bench.step import paired_case, trainer_loop
+    from lit_pretrain.bench.step import mfu
+    from lit_pretrain.bench.step.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
     from lit_pretrain.model.gpt import GPT
     from lit_pretrain.parallel.strategies import build_strategy
@@ -165,7 +165,7 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lit_pretrain.bench.gpu", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lit_pretrain.bench.step.gpu", description=__doc__)
     parser.add_argument("run_file", nargs="?", default="experiments/runs/default.yaml")
     parser.add_argument("--models", default="125m,1b", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--preset", default=None, help="comma-separated model presets of experiments/model/ (e.g. "

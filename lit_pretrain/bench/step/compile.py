@@ -1,15 +1,15 @@
 """Cases: the compiled training step (`trainer.compile: true`; on one process the whole forward and loss as one graph,
 parallel/compile.py) against eager, the MFU of both, and the Trainer against the raw loop with both compiled.
 
-Both sides run our Trainer on the same in-memory windows (bench/step.py). The compiled side's first steps pay the
+Both sides run our Trainer on the same in-memory windows (bench/step/step.py). The compiled side's first steps pay the
 compile time (tens of seconds cold, a few seconds from inductor's on-disk cache) and are left out by `skip`; later
 repeats reuse the graph compiled in this process, since every new model of the same shapes runs the same code.
 """
 
 from typing import Dict, List
 
-from lit_pretrain.bench import mfu
-from lit_pretrain.bench.step import paired_case, run_compiled, trainer_loop
+from lit_pretrain.bench.step import mfu
+from lit_pretrain.bench.step.step import paired_case, run_compiled, trainer_loop
 from lit_pretrain.model.gpt import GPT
 
 

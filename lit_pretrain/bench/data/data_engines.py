@@ -318,7 +318,7 @@ def run(repeats: int = 5) -> List[Dict]:
     """The cases, in a fresh process (as prepare runs), away from the torch that the bench has imported
     (bench/child.py). `repeats`: alternations of the comparison with datatrove (5 by default, the issue's
     minimum, ~50 s in all; the engines' own cases are single runs)."""
-    return child.run("lit_pretrain.bench.data_engines", str(_DOCS), str(repeats))
+    return child.run("lit_pretrain.bench.data.data_engines", str(_DOCS), str(repeats))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Bench cases of checkpoints (`--cases checkpoint`): atomic one-file writes and sharded (DCP) saves."""
