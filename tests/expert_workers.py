@@ -52,7 +52,8 @@ def routing_counts(plan) -> dict:
     if par.runner is not None:
         par.runner.loss((x, y))
     else:
-        lm_losses(model(x), y, split_cross_entropy(par.vocab_group))[0].backward()  # logits: this rank's columns
+        # logits: this rank's columns
+        lm_losses(model(x), y, split_cross_entropy=split_cross_entropy(par.vocab_group))[0].backward()
     counts = {}
     for m in moe_layers(model):
         load = m.load[:4].clone()

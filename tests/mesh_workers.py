@@ -81,7 +81,7 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))
         else:  # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
-            loss = lm_losses(model(x), y, split_cross_entropy(par.vocab_group))[0]
+            loss = lm_losses(model(x), y, split_cross_entropy=split_cross_entropy(par.vocab_group))[0]
             loss.backward()
             loss = loss.detach()
         par.sync_gradients()

@@ -79,7 +79,8 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))  # the MoE losses train inside the schedule's backward
         else:
-            loss = lm_losses(model(x), y, split_cross_entropy(par.vocab_group))[0]  # logits: this rank's columns
+            # logits: this rank's columns
+            loss = lm_losses(model(x), y, split_cross_entropy=split_cross_entropy(par.vocab_group))[0]
             balance = moe_loss(model)
             (loss if balance is None else loss + balance).backward()
             loss = loss.detach()

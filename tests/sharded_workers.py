@@ -48,7 +48,8 @@ def train_steps(par, model, opt, xs, ys) -> list:
             loss = par.runner.loss((x, y))
         else:
             # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
-            loss = lm_losses(model(x), y, split_cross_entropy(par.vocab_group if par is not None else None))[0]
+            split = split_cross_entropy(par.vocab_group if par is not None else None)
+            loss = lm_losses(model(x), y, split_cross_entropy=split)[0]
             loss.backward()
             loss = loss.detach()
         if par is not None:

@@ -174,7 +174,7 @@ def _plan_step(par, opt, x, y, max_norm):
             par.runner.loss((x, y))
         else:
             # the layout's logits: this rank's vocabulary columns under tensor parallelism (parallel/vocab.py)
-            lm_losses(par.gpt(x), y, split_cross_entropy(par.vocab_group))[0].backward()
+            lm_losses(par.gpt(x), y, split_cross_entropy=split_cross_entropy(par.vocab_group))[0].backward()
         par.sync_gradients()
         norm = par.grad_norm()
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)

@@ -80,7 +80,7 @@ def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results)
         par = apply_plan(copy.deepcopy(base), plan, build_mesh(plan))
 
         def tp_step(model=par.gpt, group=par.vocab_group):  # logits: this rank's vocabulary columns
-            lm_losses(model(x), y, split_cross_entropy(group))[0].backward()
+            lm_losses(model(x), y, split_cross_entropy=split_cross_entropy(group))[0].backward()
 
         out["tp2"] = {"seconds": _time_steps(tp_step, steps, skip)}
     finally:
