@@ -28,7 +28,7 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/longest_first.py
 def runs(tmp_path_factory, tiny_data_dir):
     root = tmp_path_factory.mktemp("mesh_runs")
     for name, overrides in RUNS.items():
