@@ -36,6 +36,7 @@ TEST_WORKERS ?= 2
 # One OpenMP thread per process: 2 xdist workers of 2 threads each (torch's default on 2 cores), plus the processes
 # the multi-process tests spawn, oversubscribe the cores and spin-wait; the multi-process tests set 1 thread anyway.
 TEST_THREADS ?= 1
+# Each worker's queue starts with its share of the long tests (tests/longest_first.py: durations from the last run).
 test: $(STAMP) ## run the whole test suite (TEST_WORKERS=2 pytest-xdist workers; TEST_WORKERS=0: one process)
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal) $(PYTEST_ARGS)
 

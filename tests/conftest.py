@@ -67,3 +67,10 @@ def run_module(*args, rc: int = 0, timeout: int = 480, **kwargs) -> subprocess.C
                          timeout=timeout, cwd=ROOT, **kwargs)
     assert out.returncode == rc, out.stdout[-3000:] + out.stderr[-3000:]
     return out
+
+
+
+def pytest_configure(config):
+    from tests.longest_first import LongestFirst
+
+    config.pluginmanager.register(LongestFirst(config), "longest_first")  # `make test`'s order for its workers

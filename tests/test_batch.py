@@ -116,20 +116,20 @@ LAYOUTS = {  # name: (overrides, accumulation)
 
 
 @pytest.mark.slow
-def test_six_layouts_of_one_config_train_the_same_tokens(tmp_path, tiny_data_dir):
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_six_layouts_of_one_config_train_the_same_tokens(name, tmp_path, tiny_data_dir):
     """Single, DDP 2, ZeRO-3 2, TP 2, PP 2 and EP 2: the same tokens per step and `train/tokens_seen` at every logged
     step (on main, DDP, ZeRO-3 and EP trained twice one process's tokens); one plan line each, from rank 0; and the
-    sizes summary.json records are one process's (on main, EP 2 recorded rank 0's half of the experts)."""
-    seen = {}
-    for name, (overrides, accumulation) in LAYOUTS.items():
-        out = run_module(*train_args(tiny_data_dir, tmp_path, name), *COMMON, *overrides).stdout
-        plan = [line for line in out.splitlines() if line.startswith("plan: ")]
-        assert len(plan) == 1 and plan[0].endswith(f"x accumulation {accumulation} = 512 tokens per step"), out
-        summary = json.loads((tmp_path / name / "summary.json").read_text())
-        assert (summary["tokens_per_step"], summary["accumulate_grad_batches"]) == (512, accumulation), name
-        assert summary["tokens_seen"] == STEPS * 512, name
-        seen[name] = series(read_metrics(tmp_path / name / "metrics.csv"), "train/tokens_seen")
-        assert_global_sizes(tmp_path / name)
-    assert len(seen["single"]) == STEPS // 2
-    for name in LAYOUTS:
-        assert seen[name] == seen["single"], name
+    sizes summary.json records are one process's (on main, EP 2 recorded rank 0's half of the experts). One test per
+    layout, so that xdist spreads the six runs over its workers; each is held to the tokens one process trains."""
+    overrides, accumulation = LAYOUTS[name]
+    out = run_module(*train_args(tiny_data_dir, tmp_path, name), *COMMON, *overrides).stdout
+    plan = [line for line in out.splitlines() if line.startswith("plan: ")]
+    assert len(plan) == 1 and plan[0].endswith(f"x accumulation {accumulation} = 512 tokens per step"), out
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert (summary["tokens_per_step"], summary["accumulate_grad_batches"]) == (512, accumulation), name
+    assert summary["tokens_seen"] == STEPS * 512, name
+    seen = series(read_metrics(tmp_path / name / "metrics.csv"), "train/tokens_seen")
+    # One process's count at each logged step (every 2 of 4): 512 tokens a step, whatever the layout.
+    assert seen == [(step, step * 512) for step in range(2, STEPS + 1, 2)], name
+    assert_global_sizes(tmp_path / name)

@@ -83,7 +83,7 @@ def final(record: Record) -> float:
     return sum(record.losses[-LAST:]) / LAST
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/longest_first.py
 def runs():
     return {p: train(p, seed=0) for p in ("32-true", "bf16-mixed", "bf16-true")}
 

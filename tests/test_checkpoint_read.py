@@ -33,7 +33,7 @@ def tiny(root, data_dir, *extra):
                                                             *OVERRIDES, *extra])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/longest_first.py
 def trained(tmp_path_factory, tiny_data_dir):
     """A finished run folder; tests work on copies (shutil.copytree copies last.ckpt apart from its step file)."""
     root = tmp_path_factory.mktemp("ckpt_read")

@@ -64,7 +64,7 @@ def write_task(folder):
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/longest_first.py
 def eval_run(tmp_path_factory, tiny_data_dir):
     """A run folder as training leaves it (config.yaml, checkpoints/last.ckpt with its sidecar), random weights."""
     from lit_pretrain.resume.verified import META_KEY, save_atomic

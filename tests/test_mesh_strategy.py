@@ -28,7 +28,7 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/longest_first.py
 def runs(tmp_path_factory, tiny_data_dir):
     root = tmp_path_factory.mktemp("mesh_runs")
     for name, overrides in RUNS.items():
@@ -78,17 +78,19 @@ def test_tensor_and_pipeline_train_from_config_like_one_process(runs):
     assert [v for _, v in bubble] == [pytest.approx(1 / 5)] * STEPS  # p=2, m=4: (p-1)/(m+p-1)
 
 
+def mesh_resume(out, devices, name, t, p, steps, ckpt=None, *overrides):
+    """tests/mesh_resume.py in a subprocess; the checkpoint it wrote to `out`."""
+    run_module("tests.mesh_resume", str(out), str(devices), name, str(t), str(p), str(steps),
+               *([str(ckpt)] if ckpt else []), *overrides)
+    return torch.load(out, map_location="cpu", weights_only=True)
+
+
 def test_checkpoint_resumes_in_another_layout(tmp_path):
     """3 steps in one process against 2 steps under TP 2 resumed for the third under PP 2: the TP checkpoint (weights
     and AdamW state) is sliced into the pipeline layout on load."""
-    def run(out, devices, name, t, p, steps, ckpt=None, *overrides):
-        run_module("tests.mesh_resume", str(out), str(devices), name, str(t), str(p), str(steps),
-                   *([str(ckpt)] if ckpt else []), *overrides)
-        return torch.load(out, map_location="cpu", weights_only=True)
-
-    single = run(tmp_path / "single.ckpt", 1, "single", 1, 1, 3)
-    run(tmp_path / "tp.ckpt", 2, "tensor", 2, 1, 2)
-    resumed = run(tmp_path / "pp.ckpt", 2, "pipeline", 1, 2, 3, tmp_path / "tp.ckpt")
+    single = mesh_resume(tmp_path / "single.ckpt", 1, "single", 1, 1, 3)
+    mesh_resume(tmp_path / "tp.ckpt", 2, "tensor", 2, 1, 2)
+    resumed = mesh_resume(tmp_path / "pp.ckpt", 2, "pipeline", 1, 2, 3, tmp_path / "tp.ckpt")
     assert resumed["global_step"] == single["global_step"] == 3
     a, b = single["state_dict"], resumed["state_dict"]
     assert list(a) == list(b)
@@ -102,12 +104,16 @@ def test_checkpoint_resumes_in_another_layout(tmp_path):
         assert sb["state"][i]["step"].item() == s["step"].item() == 3
         assert torch.allclose(sb["state"][i]["exp_avg"], s["exp_avg"], rtol=0, atol=1e-8)
 
+
+def test_muon_checkpoint_resumes_under_tensor_parallelism(tmp_path):
+    """Muon's momentum under TP 2 through a one-file checkpoint and back: bitwise the uninterrupted run. (Apart from
+    the test above, which it shares nothing with, so that xdist runs the two side by side.)"""
     # optim.name=muon (Muon for the hidden matrices, AdamW for the rest) under TP 2, where each matrix is gathered
     # for its Newton-Schulz step and the momentum is sliced like its matrix: 3 steps uninterrupted, saving after
     # step 2 (the one-file checkpoint: momentum gathered to single-process names), against a fresh module and
     # optimizer resumed from that file (sliced again) for the third: weights and both states bitwise.
-    single = run(tmp_path / "muon.ckpt", 2, "tensor", 2, 1, 3, "-", "optim.name=muon", "optim.lr_peak=0.01",
-                 "save_at=2")
+    single = mesh_resume(tmp_path / "muon.ckpt", 2, "tensor", 2, 1, 3, "-", "optim.name=muon",
+                         "optim.lr_peak=0.01", "save_at=2")
     resumed = torch.load(tmp_path / "muon.ckpt.resumed", map_location="cpu", weights_only=True)
     assert resumed["global_step"] == single["global_step"] == 3
     for key, value in single["state_dict"].items():

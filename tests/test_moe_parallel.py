@@ -48,7 +48,7 @@ AUX_STRATEGIES = {"ep2_aux_global": ["strategy=ddp", "strategy.expert_parallel=2
                                      "model.activation_checkpointing=full"]}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/longest_first.py
 def runs(tmp_path_factory, tiny_data_dir):
     root = tmp_path_factory.mktemp("moe_runs")
     done = {}

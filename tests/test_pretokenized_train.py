@@ -19,7 +19,7 @@ SHORT = ["trainer.max_steps=4", "trainer.val_every_n_steps=2", "trainer.log_ever
          "trainer.micro_batch_size=4", "data.document_masking=true"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/longest_first.py
 def exported(tmp_path_factory, tiny_data_dir):
     out = tmp_path_factory.mktemp("exported") / "megatron"
     export_data(tiny_data_dir, out, "megatron")

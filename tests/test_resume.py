@@ -54,7 +54,9 @@ def extra(*specs) -> str:
     return f"callbacks.extra=[{items}]"
 
 
-@pytest.fixture(scope="module")
+# Session scope (one per xdist worker): `make test` orders the long tests first (tests/longest_first.py), which
+# splits this file's tests apart; a module fixture would then train its references again.
+@pytest.fixture(scope="session")
 def train(tmp_path_factory, tiny_data_dir):
     root = tmp_path_factory.mktemp("resume_runs")
 
@@ -128,9 +130,16 @@ def assert_close_losses(ref: Path, run: Path, steps):
     assert [b[k] for k in steps] == pytest.approx([a[k] for k in steps], abs=1e-5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_ref(train):
     return train("single-ref", record=True)[0]
+
+
+@pytest.fixture(scope="session")
+def ddp_ref(train, single_ref):
+    """The uninterrupted 2-process DDP run resumed from the single-process step-2 checkpoint: the DDP test's
+    reference and, through its sharded step-4 folder, the ZeRO-3 test's starting point."""
+    return train("ddp-ref", *DDP, f"run.resume={single_ref / 'checkpoints' / store.step_file(2)}", record=True)[0]
 
 
 def test_single_process_sigkill_twice_sigterm_and_ctrl_c(train, single_ref, tiny_data_dir):
@@ -218,15 +227,13 @@ def assert_one_step_count(run: Path, stdout: str):
     assert {e.step for e in events.Scalars("val/loss")} == {3, 6}
 
 
-def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):
+def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref, ddp_ref):
     """1 → 2 processes from step 2; on 2 processes (sharded checkpoints, the default there) Ctrl-C to rank 0 alone,
     SIGKILL of every rank mid-accumulation, SIGKILL in the middle of an asynchronous checkpoint write and Ctrl-C to
     every rank, each time bitwise the uninterrupted 2-process run; 2 → 1 process from step 4 (a sharded folder into
-    one process). Windows always the global sequence. Then ZeRO-3 on 2 processes resumes the DDP run's sharded
-    step-4 folder (resharded into FSDP shards), is killed mid-accumulation, and resumes bitwise its own
-    uninterrupted run."""
+    one process). Windows always the global sequence."""
     step2 = single_ref / "checkpoints" / store.step_file(2)
-    ref, _ = train("ddp-ref", *DDP, f"run.resume={step2}", record=True)
+    ref = ddp_ref
     assert (ref / "checkpoints" / "step0000004" / "manifest.json").is_file()  # sharded by default on 2 processes
     assert_same_windows(single_ref, ref, range(2, STEPS))
     assert_close_losses(single_ref, ref, range(2, STEPS))
@@ -255,6 +262,13 @@ def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref):
     back, _ = train("ddp-to-single", f"run.resume={ref / 'checkpoints' / store.step_dir(4)}", record=True)
     assert_same_windows(single_ref, back, (4, 5))
     assert_close_losses(single_ref, back, (4, 5))
+
+
+def test_zero3_resumes_the_ddp_sharded_folder_and_sigkill(train, single_ref, ddp_ref):
+    """ZeRO-3 on 2 processes resumes the DDP run's sharded step-4 folder (resharded into FSDP shards), is killed
+    mid-accumulation, and resumes bitwise its own uninterrupted run. Apart from the DDP test (it needs only the DDP
+    reference's step-4 folder) so that xdist runs the two side by side."""
+    ref = ddp_ref
     zero3 = ["strategy=zero", "trainer.devices=2", "trainer.micro_batch_size=4"]
     ddp_step4 = ref / "checkpoints" / store.step_dir(4)
     zero_ref, _ = train("zero3-ref", *zero3, f"run.resume={ddp_step4}")

@@ -47,9 +47,10 @@ STRATEGIES = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory, tiny_data_dir):
-    """Run folders by name, each run started on first use and kept for the module."""
+    """Run folders by name, each run started on first use and kept for the session (one per xdist worker: `make test`
+    runs the long tests first, tests/longest_first.py, which takes some of this file's tests from the others)."""
     root = tmp_path_factory.mktemp("strategy_runs")
     done = {}
 
