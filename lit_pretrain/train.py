@@ -271,8 +271,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
             if type(logger).__name__ == "WandbLogger":
                 logger.experiment.finish()  # else a second train() in this process would log into this run
     resume_session.release(plan)
-    stopper = next(cb for cb in callbacks if isinstance(cb, StepCheckpoint))
-    if stopper.interrupted:  # Ctrl-C: checkpoint and summary written; the last line says how to go on
+    if stepper.interrupted:  # Ctrl-C: checkpoint and summary written; the last line says how to go on
         raise Interrupted(trainer.global_step, f"interrupted: checkpoint at step {trainer.global_step} written; "
                           f"resume with: {resume_command()}" if trainer.is_global_zero else "")
     return summary

@@ -81,8 +81,11 @@ class StepLine(Callback):
             from lit_pretrain.callbacks.throughput import peak_flops_per_device
 
             self._peak = peak_flops_per_device(trainer.strategy.root_device, str(trainer.precision))
-        model = getattr(pl_module, "model", None)
-        self._flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else None
+        model_cfg = getattr(pl_module, "model_cfg", None)
+        if model_cfg is not None:  # the whole model's, as ThroughputMonitor counts it: a rank may hold only a part
+            from lit_pretrain.scaling.shapes import flops_per_token
+
+            self._flops_per_token = flops_per_token(model_cfg)
         self._start = self._last = time.perf_counter()
         self._first_step = self._last_step = trainer.global_step
         self._paused, self._paused_at = 0.0, None  # validation seconds since the previous line
