@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from lit_pretrain.bench.moe.moe import loop_forward
+from lit_pretrain.bench.moe.mlp import loop_forward
 from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig, MoEConfig
 from lit_pretrain.model.gpt import GPT
