@@ -121,9 +121,8 @@ LAYERS = [
 # The imports that still run back up (to a room on the same layer or above), each with why it stays.
 BACK_UP = {
     # config.load refuses at load what train would refuse later, so `show` and `train` agree (docs/configuration.md):
-    # it checks the plan, the memory fit and budget, and the user's callbacks, all of which are above the loader
-    # that resume/, interop/, evaluation/ and parallel/launch.py use to read a run's saved config.
-    ("lit_pretrain.config", "lit_pretrain.callbacks.user"): "callbacks.extra imported and checked at load",
+    # it checks the plan and the memory fit and budget, which stand above the loader that resume/, interop/,
+    # evaluation/ and parallel/launch.py use to read a run's saved config.
     ("lit_pretrain.config", "lit_pretrain.parallel.plan"): "the parallel plan built (and refused) at load",
     ("lit_pretrain.config", "lit_pretrain.scaling.run_plan"): "trainer.tokens_per_param and the memory fit at load",
     # The corpus check's record is written with the checkpoints' atomic writer (temporary file, fsync, rename).
