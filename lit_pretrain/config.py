@@ -25,13 +25,17 @@ A key that holds a list of strings takes one string as a one-element list, in a 
 
 What a config names outside itself is checked when it loads (`check_inputs`), so `show` refuses what `train` would:
 every data.paths entry exists (data/locate.py), and every callbacks.extra `module:Class` imports, is a Lightning
-Callback and takes its init_args (callbacks/user.py: the module is looked up on sys.path, then in the run
+Callback and takes its init_args (user_classes: the module is looked up on sys.path, then in the run
 file's folder, then in the working directory).
 """
 
 import dataclasses
 import difflib
+import importlib
+import inspect
+import os
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
@@ -42,7 +46,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.paths import is_safe_name
-from lit_pretrain.schema import Config
+from lit_pretrain.schema import CallbacksConfig, Config
 
 GROUPS = ("model", "data", "strategy", "optim", "schedule", "trainer", "callbacks", "run")
 COMMAND_LINE = "the command line"
@@ -284,15 +288,80 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), c
 def check_inputs_exist(config: Config, run_file: Optional[Path]) -> None:
     """What the config names outside itself, as `prepare` and `train` will look for it: every data.paths entry
     (relative to the working directory), and each callbacks.extra module, imported now (sys.path, then the run
-    file's folder, then the working directory: callbacks/user.py: import_user_module)."""
+    file's folder, then the working directory: import_user_module)."""
     from lit_pretrain.data.locate import check_paths_exist
 
     check_paths_exist(config.data)
     if config.callbacks.extra:
-        from lit_pretrain.callbacks.user import user_classes  # imports Lightning: only when a user callback is named
-
         folders = [run_file.resolve().parent] if run_file is not None else []
         user_classes(config.callbacks, folders)
+
+
+def import_user_module(module_name: str, key: str, folders=()):
+    """The module of a `module:Class`, looked up on sys.path (PYTHONPATH, installed packages; the working directory
+    under `python -m`), then in each of `folders` (config.load passes the run file's folder), then in the working
+    directory (which the `lit-pretrain` script does not put on sys.path). A folder that finds it stays on sys.path,
+    last (it shadows nothing installed): later imports here and processes spawned from here (multiprocessing passes
+    sys.path on) find it; ranks a launcher starts (Lightning's, torchrun, srun) run the command again and load the
+    config, and with it the module, themselves."""
+    looked = list(dict.fromkeys(str(Path(f)) for f in (*folders, os.getcwd())))
+    missing = None
+    for folder in [None, *looked]:
+        added = folder is not None and folder not in sys.path
+        if folder is not None and not added:
+            continue  # on sys.path already: the first attempt looked there
+        if added:
+            sys.path.append(folder)
+            importlib.invalidate_caches()
+        try:
+            return importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if not (err.name == module_name or module_name.startswith(f"{err.name}.")):  # not the module itself:
+                raise ConfigError(f"{key}: cannot import module '{module_name}' ({err})") from None  # what it imports
+            missing = err
+        except ImportError as err:
+            raise ConfigError(f"{key}: cannot import module '{module_name}' ({err})") from None
+        except SyntaxError as err:  # its message names the file and line, which is all a traceback would add
+            raise ConfigError(f"{key}: cannot import module '{module_name}': SyntaxError: {err}") from None
+        finally:
+            if added and module_name not in sys.modules:
+                sys.path.remove(folder)
+    raise ConfigError(f"{key}: cannot import module '{module_name}' ({missing}); looked on sys.path (PYTHONPATH, "
+                      f"installed packages), then in {', '.join(looked)}: put it beside the run file or in the "
+                      "working directory, or add its folder to PYTHONPATH")
+
+
+def user_classes(cfg: CallbacksConfig, folders=()) -> list[tuple[type, dict]]:
+    """(class, init_args) of each `callbacks.extra` spec, imported and checked without calling anything: config.load
+    runs this, so `show` refuses a class `train` could not build (import_user_module says where modules are found).
+    Every way a spec can fail here is one ConfigError line naming `callbacks.extra[i]` and the class path: a module
+    that cannot be imported, a missing name, a name that is not a Lightning Callback class, init_args that do not
+    fit the signature."""
+    from lightning.pytorch.callbacks import Callback  # imports Lightning: only when a user callback is named
+
+    out = []
+    for i, spec in enumerate(cfg.extra):
+        key = f"callbacks.extra[{i}].class_path"
+        module_name, _, class_name = spec.class_path.partition(":")
+        module = import_user_module(module_name, f"{key}='{spec.class_path}'", folders)
+        cls = getattr(module, class_name, None)
+        if cls is None:
+            raise ConfigError(f"{key}='{spec.class_path}': module {module_name} has no '{class_name}'; "
+                              "check the spelling of the class name")
+        if not (inspect.isclass(cls) and issubclass(cls, Callback)):
+            raise ConfigError(
+                f"{key}='{spec.class_path}': '{class_name}' is not a Lightning Callback class in {module_name}"
+            )
+        args = dict(spec.init_args)
+        try:
+            # Bind first, so a keyword that does not exist is told apart from a TypeError the constructor raises.
+            inspect.signature(cls).bind(**args)
+        except TypeError as err:
+            raise ConfigError(f"callbacks.extra[{i}].init_args do not fit {spec.class_path}: {err}") from None
+        except ValueError:  # no signature to inspect (a C-implemented class): let the call itself decide
+            pass
+        out.append((cls, args))
+    return out
 
 
 def _token_budget(cfg: DictConfig, steps_given: List[str]) -> None:

@@ -503,7 +503,7 @@ class CallbackSpec:
     class_path: str = ""
     """A user's own Lightning callback as `module:Class` (the only import string a config may hold), imported when
     the config loads: the module is looked up on sys.path (PYTHONPATH), then in the run file's folder, then in the
-    working directory (callbacks/user.py: import_user_module)."""
+    working directory (config.py: import_user_module)."""
     init_args: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for its constructor (plain data)."""
 

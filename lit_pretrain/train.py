@@ -23,6 +23,7 @@ from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.data.mixture import MixtureMetrics
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.faults.watchdog import WatchdogCallback
+from lit_pretrain.model import shapes
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.parallel.batch import global_batch, plan_line
 from lit_pretrain.parallel.memory_log import MemoryAccounting
@@ -42,7 +43,6 @@ from lit_pretrain.runs.folder import (
     remove_failed_start,
     write_summary,
 )
-from lit_pretrain.scaling import shapes
 from lit_pretrain.schema import Config, TrainerConfig
 
 

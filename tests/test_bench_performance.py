@@ -126,3 +126,21 @@ def test_precision_case_alternates_bf16_mixed_with_fp32_and_gives_each_mfu_its_o
         assert m["ratio"] == pytest.approx(tokens_per_s * flops_per_token / peak)
         assert m["detail"]["peak"] == mfu.peak_label(dtype)
     assert d["matmul_peak_ratio"] == pytest.approx(bf16["reference"] / fp32["reference"])
+
+
+def test_sharded_checkpoint_cases_from_one_repeat_leave_the_spread_out():
+    """`--cases checkpoint --repeats 1` gives one save and one load per format: no spread (bench/stats.py), which the
+    load's detail read unconditionally (a KeyError)."""
+    from lit_pretrain.bench.checkpoint import sharded_checkpoint
+
+    single = {"s": [2.0], "load_s": [1.0], "stall_s": [], "peak": 800}
+    shard = {"s": [1.0], "load_s": [0.5], "stall_s": [0.1], "peak": 400}
+    cases = sharded_checkpoint.cases(single, shard, 2, 1)
+    assert [c["case"] for c in cases] == ["checkpoint_sharded_rank0_peak_bytes", "checkpoint_sharded_save_seconds",
+                                          "checkpoint_async_stall_seconds"]
+    assert [c["ratio"] for c in cases] == pytest.approx([0.5, 0.5, 0.1])
+    assert cases[0]["detail"]["load_ratio"] == pytest.approx(0.5) and "load_ratio_spread" not in cases[0]["detail"]
+    assert all("spread" not in c for c in cases)
+    two = sharded_checkpoint.cases({**single, "s": [2.0, 2.0], "load_s": [1.0, 2.0]},
+                                   {**shard, "s": [1.0, 1.0], "load_s": [0.5, 0.5], "stall_s": [0.1, 0.2]}, 2, 2)
+    assert two[0]["detail"]["load_ratio_spread"] == pytest.approx(0.25)  # ratios 0.5 and 0.25

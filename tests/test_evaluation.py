@@ -380,7 +380,7 @@ def test_without_lm_eval_evaluate_and_the_callback_say_how_to_install_it(eval_ru
 
 @pytest.mark.parametrize("max_steps, every, runs", [(200, 50, 4), (210, 50, 5), (49, 50, 1), (6, 2, 3)])
 def test_evaluation_count_and_wall_share(max_steps, every, runs):
-    from lit_pretrain.bench.evaluation.evaluation import evaluations, wall_share
+    from lit_pretrain.bench.evaluation.in_training import evaluations, wall_share
 
     assert evaluations(max_steps, every) == runs  # every `every` steps, and the last step when not a multiple
     # 200 steps of 1 s and 4 evaluations of 5 s: 20 s of 220.

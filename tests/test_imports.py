@@ -6,6 +6,7 @@ parent packages Python also runs on the way are left out, since a package always
 """
 
 import ast
+import functools
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
@@ -23,6 +24,7 @@ def module_names(root: Path = PACKAGE) -> Dict[str, Path]:
     return out
 
 
+@functools.cache  # read once per process: two tests walk the package's graph
 def import_graph(root: Path = PACKAGE) -> Dict[str, Set[str]]:
     """{module: the package modules it imports}. `from a.b import c` names the submodule a.b.c when there is one,
     else the module a.b (c is then a name defined in it)."""
@@ -98,3 +100,47 @@ def test_import_graph_reads_function_level_and_relative_imports(tmp_path):
 def test_lit_pretrain_has_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# The package's rooms (a top-level module or package) from the ground up: a room imports only rooms below it.
+LAYERS = [
+    {"errors", "model"},
+    {"paths"},
+    {"schema", "runs"},
+    {"data", "optim", "schema_doc"},
+    {"config"},
+    {"resume"},
+    {"faults", "interop", "evaluation"},
+    {"parallel"},
+    {"callbacks"},
+    {"module"},
+    {"train"},
+    {"scaling"},
+    {"bench", "cli"},
+]
+# The imports that still run back up (to a room on the same layer or above), each with why it stays.
+BACK_UP = {
+    # config.load refuses at load what train would refuse later, so `show` and `train` agree (docs/configuration.md):
+    # it checks the plan and the memory fit and budget, which stand above the loader that resume/, interop/,
+    # evaluation/ and parallel/launch.py use to read a run's saved config.
+    ("lit_pretrain.config", "lit_pretrain.parallel.plan"): "the parallel plan built (and refused) at load",
+    ("lit_pretrain.config", "lit_pretrain.scaling.run_plan"): "trainer.tokens_per_param and the memory fit at load",
+    # The corpus check's record is written with the checkpoints' atomic writer (temporary file, fsync, rename).
+    ("lit_pretrain.data.check_record", "lit_pretrain.resume.atomic"): "atomic_open",
+    # A sharded save records each tensor's split under the tensor-parallel layout defined there.
+    ("lit_pretrain.resume.sharded.save", "lit_pretrain.parallel.tensor"): "SHARD_DIM, style_of, plain_name",
+}
+
+
+def room(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_imports_run_down_the_layers_but_the_listed_ones():
+    layer = {name: i for i, rooms in enumerate(LAYERS) for name in rooms}
+    graph = import_graph()
+    rooms = {room(m) for m in graph} - {""}
+    assert rooms <= set(layer), f"place {sorted(rooms - set(layer))} in LAYERS"
+    up = {(src, dst) for src, targets in graph.items() for dst in targets
+          if room(src) and room(dst) and room(src) != room(dst) and layer[room(dst)] >= layer[room(src)]}
+    assert up == set(BACK_UP), f"new: {sorted(up - set(BACK_UP))}; gone: {sorted(set(BACK_UP) - up)}"

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.optim.optimizers import build_adamw
-from lit_pretrain.scaling import memory, shapes
+from lit_pretrain.scaling import memory
 from lit_pretrain.schema import OptimConfig
 
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 import yaml
 
-from lit_pretrain.bench.moe.moe import loop_forward
+from lit_pretrain.bench.moe.mlp import loop_forward
+from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig, MoEConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.model.moe import end_step, moe_layers, moe_loss, step_statistics
-from lit_pretrain.scaling import shapes
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import yaml
 
+from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
-from lit_pretrain.scaling import shapes
 from tests.conftest import EXPERIMENTS
 
 MODELS = EXPERIMENTS / "model"

@@ -11,9 +11,10 @@ import torch
 from lit_pretrain import config
 from lit_pretrain.cli import main
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
-from lit_pretrain.scaling import memory, shapes
+from lit_pretrain.scaling import memory
 from lit_pretrain.scaling.run_plan import MIN_HEADROOM, run_memory
 from tests.conftest import EXPERIMENTS
 

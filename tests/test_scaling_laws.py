@@ -7,9 +7,10 @@ import pytest
 from scipy.optimize import minimize_scalar
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
-from lit_pretrain.scaling import laws, shapes
+from lit_pretrain.scaling import laws
 from lit_pretrain.scaling.plan import load_law, plan
 
 

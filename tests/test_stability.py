@@ -223,7 +223,7 @@ def test_throughput_counts_the_global_batch_and_the_whole_model_s_flops():
     from types import SimpleNamespace
 
     from lit_pretrain.model.config import GPTConfig
-    from lit_pretrain.scaling.shapes import flops_per_token
+    from lit_pretrain.model.shapes import flops_per_token
 
     cfg = GPTConfig(vocab_size=128, n_layers=2, d_model=64, n_heads=4, seq_len=32)
     strategy = SimpleNamespace(root_device=torch.device("cpu"), distributed_sampler_kwargs={"num_replicas": 2,

@@ -7,9 +7,12 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.parallel.plan import plan_from
+from lit_pretrain.parallel.startup import BoundedStartup
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.zero import zero_partition
+from lit_pretrain.resume.sharded.load import ShardedLoad
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
@@ -26,6 +29,8 @@ def test_ddp_carries_backend_and_timeout():
     strategy = build_strategy(StrategyConfig(name="ddp", process_group_backend="gloo", timeout_seconds=42),
                               TrainerConfig(devices=2))
     assert isinstance(strategy, DDPStrategy)
+    # the launcher that waits for the watchdog, the bounded start-up and the sharded-folder resume, in that order
+    assert type(strategy).__mro__[1:5] == (WatchedLaunch, BoundedStartup, ShardedLoad, DDPStrategy)
     assert strategy.process_group_backend == "gloo"
     assert strategy._timeout == timedelta(seconds=42)
 

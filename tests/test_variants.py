@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 from lit_pretrain import config
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT, apply_rope
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.pipeline import stage_bounds
 from lit_pretrain.parallel.sequence import sequence_parallel_params
 from lit_pretrain.parallel.tensor import partial_params, plan_of
-from lit_pretrain.scaling import shapes
 from lit_pretrain.scaling.cli import main as scaling_main
 from lit_pretrain.scaling.memory import memory_plan
 from tests.conftest import EXPERIMENTS

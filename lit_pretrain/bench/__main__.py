@@ -79,9 +79,9 @@ def _prepare_memory(r: _Run) -> List[Dict]:
 
 
 def _evaluation(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench.evaluation import evaluation
+    from lit_pretrain.bench.evaluation import in_training
 
-    return [evaluation.run(r.c, r.sample, r.step_tokens_per_s(), r.args.repeats)]
+    return [in_training.run(r.c, r.sample, r.step_tokens_per_s(), r.args.repeats)]
 
 
 def _deduplication(r: _Run) -> List[Dict]:
@@ -121,9 +121,9 @@ def _stability(r: _Run) -> List[Dict]:
 
 
 def _checkpoint(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench.checkpoint import checkpoint, sharded_checkpoint
+    from lit_pretrain.bench.checkpoint import atomic_write, sharded_checkpoint
 
-    return [checkpoint.run(r.c, r.args.repeats), *sharded_checkpoint.run(r.c, r.args.repeats)]
+    return [atomic_write.run(r.c, r.args.repeats), *sharded_checkpoint.run(r.c, r.args.repeats)]
 
 
 def _generation(r: _Run) -> List[Dict]:
@@ -145,9 +145,9 @@ def _masking(r: _Run) -> List[Dict]:
 
 
 def _moe(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench.moe import expert_parallel, moe
+    from lit_pretrain.bench.moe import expert_parallel, mlp
 
-    return [*moe.run(r.c, r.args.repeats), *expert_parallel.run(r.c, r.args.repeats)]
+    return [*mlp.run(r.c, r.args.repeats), *expert_parallel.run(r.c, r.args.repeats)]
 
 
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {

@@ -83,7 +83,7 @@ class StepLine(Callback):
             self._peak = peak_flops_per_device(trainer.strategy.root_device, str(trainer.precision))
         model_cfg = getattr(pl_module, "model_cfg", None)
         if model_cfg is not None:  # the whole model's, as ThroughputMonitor counts it: a rank may hold only a part
-            from lit_pretrain.scaling.shapes import flops_per_token
+            from lit_pretrain.model.shapes import flops_per_token
 
             self._flops_per_token = flops_per_token(model_cfg)
         self._start = self._last = time.perf_counter()

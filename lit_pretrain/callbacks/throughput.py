@@ -1,7 +1,7 @@
 """ThroughputMonitor: tokens/s, samples/s, model FLOPs/s and MFU, read once per logging interval.
 
 Model FLOPs utilization (PaLM, Chowdhery et al. 2022, appendix B) is the whole model's training FLOPs per token
-(`scaling.shapes.flops_per_token`: 6·N + 12·L·H·Q·T, from the architecture table, never one rank's part of the model)
+(`model.shapes.flops_per_token`: 6·N + 12·L·H·Q·T, from the architecture table, never one rank's part of the model)
 times the global tokens per second, over the peak FLOP/s of all devices. The peak
 comes from `trainer`'s config when set, else from a table of dense (no sparsity) datasheet figures of common GPUs,
 else, on a CPU, from a matmul measured once at start-up in the training dtype. Tokens are counted from batch shapes
@@ -84,7 +84,7 @@ class ThroughputMonitor(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.flops_per_token is None and getattr(pl_module, "model_cfg", None) is not None:
-            from lit_pretrain.scaling.shapes import flops_per_token
+            from lit_pretrain.model.shapes import flops_per_token
 
             # the config, not pl_module.model: under tensor, pipeline or expert parallelism a rank holds a part
             self.flops_per_token = flops_per_token(pl_module.model_cfg)

@@ -27,7 +27,7 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for generate_until tasks that do
 class LitPretrainLM(TemplateLM):
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, batch_size: int = 8,
                  device: Optional[torch.device] = None):
-        """model: a plain GPT (model.py; `cfg.seq_len` is its context); tokenizer: the run's tokenizer.json."""
+        """model: a plain GPT (model/gpt.py; `cfg.seq_len` is its context); tokenizer: the run's tokenizer.json."""
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")

@@ -41,11 +41,9 @@ from lit_pretrain.interop.llama import (
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.paths import safe_rmtree
-from lit_pretrain.resume.weights import load_gpt
+from lit_pretrain.resume.weights import META_MODEL, META_TOKENIZER, load_gpt
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
-# Metadata of a weights file under our names (`import --out`): the model fields and the tokenizer it was trained with.
-META_MODEL, META_TOKENIZER = "lit_pretrain.model.gpt", "lit_pretrain.tokenizer_sha256"
 STAGING_PREFIX = ".lit-pretrain-export-"
 
 

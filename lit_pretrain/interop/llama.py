@@ -35,7 +35,7 @@ ARCHITECTURE = "LlamaForCausalLM"
 QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
 MODEL_TYPES = {ARCHITECTURE: "llama", QK_NORM_ARCHITECTURE: "qwen3", olmoe.ARCHITECTURE: olmoe.MODEL_TYPE}
 
-# Our names (model.py) -> Llama's (transformers' LlamaForCausalLM). {i} is the block index.
+# Our names (model/gpt.py) -> Llama's (transformers' LlamaForCausalLM). {i} is the block index.
 GLOBAL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",

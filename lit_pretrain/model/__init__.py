@@ -1,6 +1,7 @@
 """The GPT as plain `nn.Module`s: no Lightning, no torch.distributed. Its shape (`GPTConfig` and the architecture
 table, config.py), the network (gpt.py), the mixture of experts and its kernels (moe.py, moe_kernels.py), the
-initialization (init.py) and the language-model loss (losses.py).
+initialization (init.py), the language-model loss (losses.py), and the counts and shapes the planners sum from
+the table (shapes.py: parameters, FLOPs per token, a shape near a parameter count).
 
 `from lit_pretrain.model import GPT, GPTConfig` is the public face. GPT is handed on at first use: the config
 (`lit-pretrain show`, `--help`) reads GPTConfig without importing torch."""

@@ -157,7 +157,7 @@ class GPTConfig:
         """The architecture of one block, written once: module name (under `blocks.{i}.`) -> what it is.
 
         model.py builds its modules from this table (and marks each Linear with its roles); the parameter counts,
-        FLOPs and memory planner (scaling/shapes.py) sum it without torch; tensor parallelism reads the roles off
+        FLOPs and memory planner (model/shapes.py) sum it without torch; tensor parallelism reads the roles off
         the built modules. A variant changes this table and everything downstream follows.
         Column-parallel linears split their output rows by whole heads (q: n_heads, k and v: n_kv_heads) or MLP
         units; row-parallel ones their input columns, and they are the residual projections (GPT-2 §2.3).

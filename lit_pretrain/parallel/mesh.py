@@ -65,7 +65,7 @@ class ParallelModel:
     def __init__(self, gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = None):
         self.gpt, self.plan, self.mesh = gpt, plan, mesh
         self.full_keys = list(gpt.state_dict().keys())  # before pruning: the single-process names and order
-        self.tp_plan = plan_of(gpt)  # each linear's tensor-parallel role, read off the model (model.py marks them)
+        self.tp_plan = plan_of(gpt)  # each linear's tensor-parallel role, read off the model (model/gpt.py marks them)
         self.runner = None
         self.ep = None  # parallel/expert.py ExpertGroups under strategy.expert_parallel (set by apply_plan)
         self.forward_losses = None  # trainer.compile's compiled forward and loss (parallel/compile.py compile_model)

@@ -155,7 +155,7 @@ def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool
                                       "trainer.compile=auto runs it eager")
     flops = None
     if model is not None and model.vocab_size is not None:
-        from lit_pretrain.scaling.shapes import flops_per_token  # pure arithmetic, no torch
+        from lit_pretrain.model.shapes import flops_per_token  # pure arithmetic, no torch
 
         replicas = degrees["data_parallel_replicate"] * degrees["data_parallel_shard"]
         # each process's share of the global batch (parallel/batch.py: null is one micro-batch of one process)

@@ -18,14 +18,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.parallel.plan import ParallelPlan, plan_from
 from lit_pretrain.parallel.startup import BoundedStartup
-from lit_pretrain.resume.sharded.load import ShardedDDPStrategy, ShardedLoad
+from lit_pretrain.resume.sharded.load import ShardedLoad
 from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
+
+
+class ShardedDDPStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, DDPStrategy):
+    """Lightning's DDPStrategy (ZeRO-1 included) that also resumes from a sharded folder."""
 
 
 class VerifiedModelParallelStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStrategy):

@@ -18,7 +18,7 @@ V = model.vocab_size, which must divide by t (parallel/plan.py refuses it otherw
   a max all-reduce and a sum all-reduce of the local exponentials, the target's logit from the rank holding
   it; backward softmax minus one-hot on the local columns, no communication.
 
-These replace modules from outside, like the column/row linears of tensor.py, because model.py knows nothing of
+These replace modules from outside, like the column/row linears of tensor.py, because model/gpt.py knows nothing of
 distribution. Memory per rank: the table, the head and the fp32 logits are 1/t of one process's, which is what
 scaling/memory.py counts.
 """

@@ -28,6 +28,9 @@ from lit_pretrain.resume.verified import META_KEY, load_verified
 from lit_pretrain.schema import OptimConfig
 
 MODULE_PREFIX = "model."  # PretrainModule holds the GPT as `self.model`
+# Metadata of a weights file under our names (`import --out`, `checkpoint consolidate`): the model fields and the
+# tokenizer it was trained with.
+META_MODEL, META_TOKENIZER = "lit_pretrain.model.gpt", "lit_pretrain.tokenizer_sha256"
 HPARAMS_KEY = "hyper_parameters"  # where Lightning stores what save_hyperparameters saved
 # PretrainModule's hyperparameter names of the model and optimizer configs (module.py's __init__ arguments).
 SECTIONS = {"model": "model_cfg", "optim": "optim"}

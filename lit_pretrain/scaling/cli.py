@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 from lit_pretrain.errors import ConfigError, DataError
+from lit_pretrain.model.shapes import VARIANT_KEYS, VARIANT_TYPES
 from lit_pretrain.scaling.laws import PUBLISHED
 from lit_pretrain.scaling.memory import CHECKPOINTING, PRECISIONS
-from lit_pretrain.scaling.shapes import VARIANT_KEYS, VARIANT_TYPES
 
 COMMANDS = ("fit", "plan", "memory")
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -186,7 +186,7 @@ def _no_overrides(args) -> None:
 def _memory(args) -> dict:
     from dataclasses import asdict, replace
 
-    from lit_pretrain.scaling import shapes
+    from lit_pretrain.model import shapes
     from lit_pretrain.scaling.memory import memory_plan, parse_bytes
 
     if args.run:

@@ -7,7 +7,7 @@ convention leaves that factor out, so the figures are independent of the algorit
 
 Notation: L blocks, d = d_model, f = the MLP width (SwiGLU's hidden_dim), V the vocabulary, B the sequences one
 rank's forward sees (its share of the global batch), T = seq_len, t the tensor-parallel degree, w the FSDP shard
-degree, e bytes per element (4 in fp32). The GPT's parameters (model.py), with the embedding tied to the head:
+degree, e bytes per element (4 in fp32). The GPT's parameters (model/gpt.py), with the embedding tied to the head:
 per block wq, wk, wv, wo (d x d), w_gate, w_up (f x d), w_down (d x f), attn_norm, mlp_norm (d); outside the blocks
 tok_embeddings (V x d, also the head) and the final norm (d).
 

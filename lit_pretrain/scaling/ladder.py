@@ -148,7 +148,7 @@ def load_grid(path: str | Path) -> LadderGrid:
 def plan_rungs(grid: LadderGrid, path: Path) -> List[dict]:
     """Every rung of the grid, in order of compute: name, shape, N, steps, D, C = 6ND, flops_per_token, role."""
     from lit_pretrain import config as config_lib
-    from lit_pretrain.scaling import shapes
+    from lit_pretrain.model import shapes
 
     c = config_lib.to_object(config_lib.load(grid.run_file, grid.overrides))
     tokens_per_step = c.trainer.tokens_per_step or c.trainer.micro_batch_size * c.model.seq_len

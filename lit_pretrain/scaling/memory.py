@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
-from lit_pretrain.scaling import shapes
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.scaling import shapes
+from lit_pretrain.model import shapes
 from lit_pretrain.scaling.laws import PUBLISHED, ParametricLaw, PlanLaw, from_parametric
 
 

@@ -10,7 +10,7 @@ tensors, autocast's weight copies, logits and transient buffers).
 import math
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.scaling import shapes
+from lit_pretrain.model import shapes
 from lit_pretrain.scaling.memory import memory_plan
 
 # Kept free of every device's memory for what the plan does not count: the CUDA context and cuBLAS workspaces

@@ -16,9 +16,9 @@ from typing import Callable, List, Optional
 import yaml
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.runs.state import is_finished
-from lit_pretrain.scaling import shapes
 
 
 @dataclass

@@ -143,12 +143,17 @@ def run(c, repeats: int, world: int = 2) -> list:
             mp.start_processes(_worker, args=(world, _free_port(), mode, c.model, c.optim, tmp, repeats, results),
                                nprocs=world, join=True, start_method="spawn")
             r[mode] = dict(results)[mode]
-    single, shard = r["single"], r["sharded"]
+    return cases(r["single"], r["sharded"], world, repeats)
+
+
+def cases(single: dict, shard: dict, world: int, repeats: int) -> list:
+    """The cases from each launch's figures (`_worker`'s dict per format)."""
     # One launch per format (spawning costs more than a save): pair i is save (load) i of each launch.
     load = stats.summary(single["load_s"], shard["load_s"])
     detail = {"processes": world, "layout": "zero_stage=3", "repeats": repeats, "pairs": "save i of each launch",
-              "single_load_s": load["reference"], "sharded_load_s": load["value"], "load_ratio": load["ratio"],
-              "load_ratio_spread": load["spread"]}
+              "single_load_s": load["reference"], "sharded_load_s": load["value"], "load_ratio": load["ratio"]}
+    if "spread" in load:  # one repeat has no spread (bench/stats.py): the field is left out, as in every case
+        detail["load_ratio_spread"] = load["spread"]
     return [
         {"case": "checkpoint_sharded_rank0_peak_bytes", "value": shard["peak"], "reference": single["peak"],
          "ratio": shard["peak"] / single["peak"] if single["peak"] else float("nan"),

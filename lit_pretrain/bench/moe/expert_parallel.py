@@ -1,7 +1,7 @@
 """Cases: expert parallelism (strategy.expert_parallel, parallel/expert.py) on 2 processes against the same MoE
 replicated over them (plain data parallelism), same weights, same global batch.
 
-The model is bench/moe/moe.py's: the experiment's with every MLP an MoE of 8 experts, top 2, each half the dense width.
+The model is bench/moe/mlp.py's: the experiment's with every MLP an MoE of 8 experts, top 2, each half the dense width.
 Two spawned gloo processes (1 thread each) build both layouts from the same weights and alternate them REPEATS
 times; a step is forward, backward, the plan's gradient sync, the global norm, clipping and AdamW.
 
@@ -98,7 +98,7 @@ def _worker(rank: int, port: int, c, model_cfg, repeats: int, results) -> None:
 def run(c, repeats: int) -> list:
     import torch.multiprocessing as mp
 
-    from lit_pretrain.bench.moe.moe import moe_model_cfg
+    from lit_pretrain.bench.moe.mlp import moe_model_cfg
     from lit_pretrain.scaling.memory import memory_plan
 
     model_cfg = moe_model_cfg(c)

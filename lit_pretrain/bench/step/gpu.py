@@ -62,7 +62,7 @@ def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, i
     """(model as run, micro-batch, what was chosen and why) for a preset on one device of `device_memory` bytes: the
     largest micro-batch of PRESET_MICRO_BATCHES whose plan (bf16-mixed, FSDP on one rank) leaves MIN_HEADROOM free,
     without activation checkpointing, else with it (full); else the most layers that fit at micro-batch 1."""
-    from lit_pretrain.scaling import shapes
+    from lit_pretrain.model import shapes
     from lit_pretrain.scaling.memory import memory_plan
     from lit_pretrain.scaling.run_plan import MIN_HEADROOM
 

@@ -14,11 +14,7 @@ through the two hooks Lightning calls then. One process reads a folder through A
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from lightning.pytorch.strategies import DDPStrategy
-
 from lit_pretrain.errors import DataError
-from lit_pretrain.faults.launcher import WatchedLaunch
-from lit_pretrain.parallel.startup import BoundedStartup
 from lit_pretrain.resume.sharded import save as sharded
 
 
@@ -72,7 +68,3 @@ class ShardedLoad:
             return super().load_optimizer_state_dict(checkpoint)
         if not self.restore_checkpoint_after_setup:
             self._load_sharded(checkpoint, model=False, optimizer=True)
-
-
-class ShardedDDPStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, DDPStrategy):
-    """Lightning's DDPStrategy (ZeRO-1 included) that also resumes from a sharded folder."""

@@ -186,7 +186,7 @@ def _model_fields(folder: Path, trainer: Dict, default: Any = None) -> Dict[str,
 def _write_safetensors(folder: Path, reader, saved: Dict, trainer: Dict, out: Path) -> None:
     """The weights under GPT names with the model fields and tokenizer sha256 (hf.py write_weights' metadata),
     streamed: safetensors is an 8-byte header length, a JSON header of offsets, then the tensors' bytes."""
-    from lit_pretrain.interop.hf import META_MODEL, META_TOKENIZER
+    from lit_pretrain.resume.weights import META_MODEL, META_TOKENIZER
 
     fields = _model_fields(folder, trainer)
     keys = [k for k, md in saved.items() if k.startswith(MODEL) and isinstance(md, dcp_meta.TensorStorageMetadata)

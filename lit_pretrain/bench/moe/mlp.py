@@ -104,7 +104,7 @@ def run(c, repeats: int) -> List[Dict]:
                             generator=g)
     dense, moe = stats.alternate(lambda: tokens / step_seconds(c, c.model, windows),
                                  lambda: tokens / step_seconds(c, cfg, windows), repeats)
-    from lit_pretrain.scaling import shapes
+    from lit_pretrain.model import shapes
 
     step_case = {"case": "moe_step_vs_dense", **stats.summary(dense, moe), "goal": ">= 0.7", "unit": "tokens/s",
                  "detail": {"moe": moe, "dense": dense, "timed_steps": STEPS - SKIP,
