@@ -10,7 +10,7 @@ from lit_pretrain.parallel.plan import ParallelPlan
 
 
 def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = None,
-               fsdp_mesh: Optional[DeviceMesh] = None) -> ParallelModel:
+               fsdp_mesh: Optional[DeviceMesh] = None, device_type: Optional[str] = None) -> ParallelModel:
     """Wrap the GPT in place for this rank, in this order, and return it with its step collectives:
 
     1. pipeline split: keep this rank's stages' blocks (the rest become nn.Identity), so every later step touches
@@ -19,7 +19,8 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
        plain module names (before any wrapper prefixes them), and split each routed expert along its width
        (parallel/expert_tensor.py); then expert parallelism: keep this rank's experts (of those slices) and give the
        MoE layers their all-to-all dispatch (parallel/expert.py);
-    3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
+    3. model.float8: the blocks' linears become torchao's Float8Linear (parallel/float8.py), before the wrappers
+       below see them, as torchtitan converts before parallelizing; then activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
     4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
        with data parallelism, FSDP or checkpointing each block's forward (torchtitan's regional compile, inside its
        checkpoint wrapper) and the loss apart;
@@ -31,6 +32,7 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     `mesh`: our (pipeline, replicate, shard, tensor) mesh when plan.uses_mesh; else `fsdp_mesh`, the data-parallel
     mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
     the optimizer. Idempotent: Lightning may call configure_model again (trainer.validate after fit).
+    `device_type`: where the step runs ("cuda": fp8 matmuls on the GPU; else emulated), for model.float8.
     """
     from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
     from lit_pretrain.parallel.zero import shard_model
@@ -58,6 +60,10 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.moe_mesh import install_global_counts
 
         install_global_counts(gpt, plan)
+    if gpt.cfg.float8 is not None:
+        from lit_pretrain.parallel.float8 import convert_float8
+
+        convert_float8(gpt, device_type or (mesh.device_type if mesh is not None else "cpu"))
     apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
     if plan.compile:
         from lit_pretrain.parallel.compile import check_toolchain, compile_model
