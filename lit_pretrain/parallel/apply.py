@@ -19,8 +19,7 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
        plain module names (before any wrapper prefixes them), and split each routed expert along its width
        (parallel/expert_tensor.py); then expert parallelism: keep this rank's experts (of those slices) and give the
        MoE layers their all-to-all dispatch (parallel/expert.py);
-    3. model.float8: the blocks' linears become torchao's Float8Linear (parallel/float8.py), before the wrappers
-       below see them, as torchtitan converts before parallelizing; then activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
+    3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
     4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
        with data parallelism, FSDP or checkpointing each block's forward (torchtitan's regional compile, inside its
        checkpoint wrapper) and the loss apart;
@@ -32,7 +31,9 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     `mesh`: our (pipeline, replicate, shard, tensor) mesh when plan.uses_mesh; else `fsdp_mesh`, the data-parallel
     mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
     the optimizer. Idempotent: Lightning may call configure_model again (trainer.validate after fit).
-    `device_type`: where the step runs ("cuda": fp8 matmuls on the GPU; else emulated), for model.float8.
+    model.float8 converts the blocks' linears to torchao's Float8Linear (parallel/float8.py) between steps 2 and 3,
+    before any wrapper sees them, as torchtitan converts before parallelizing; `device_type`: where the step runs
+    ("cuda": fp8 matmuls on the GPU; else emulated).
     """
     from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
     from lit_pretrain.parallel.zero import shard_model
@@ -56,14 +57,14 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.expert import apply_expert_parallel
 
         par.ep = apply_expert_parallel(gpt, plan, mesh.device_type if mesh is not None else "cpu")
-    if plan.data_parallel > 1:  # model.moe.aux_loss_scope=global: the counts' all-reduce (a collective: all call it)
-        from lit_pretrain.parallel.moe_mesh import install_global_counts
-
-        install_global_counts(gpt, plan)
     if gpt.cfg.float8 is not None:
         from lit_pretrain.parallel.float8 import convert_float8
 
         convert_float8(gpt, device_type or (mesh.device_type if mesh is not None else "cpu"))
+    if plan.data_parallel > 1:  # model.moe.aux_loss_scope=global: the counts' all-reduce (a collective: all call it)
+        from lit_pretrain.parallel.moe_mesh import install_global_counts
+
+        install_global_counts(gpt, plan)
     apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
     if plan.compile:
         from lit_pretrain.parallel.compile import check_toolchain, compile_model

@@ -12,6 +12,7 @@ torchao is an optional extra (`pip install lit-pretrain[fp8]`), imported only he
 """
 
 import dataclasses
+import types
 from typing import List
 
 import torch
@@ -53,6 +54,17 @@ def _cpu_autocast_input(module: nn.Module, args):
     return None
 
 
+def _forward_outside_inference_mode(self, input: torch.Tensor) -> torch.Tensor:
+    """Float8Linear's forward, run under torch.no_grad where inference mode is on (Lightning's validation, evaluation):
+    torchao's float8 tensors support no op under inference mode (`aten.to`, `aten.reshape` of rowwise scales fail),
+    while outside it an inference tensor is a valid input. The same fp8 product either way, so the validation loss
+    is the trained model's."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False), torch.no_grad():
+            return type(self).forward(self, input)
+    return type(self).forward(self, input)
+
+
 def convert_float8(gpt: nn.Module, device_type: str = "cpu") -> List[str]:
     """Swap the linears float8_policy.float8_linears names for Float8Linear, in place; return their names."""
     from torchao.float8 import convert_to_float8_training
@@ -69,5 +81,7 @@ def convert_float8(gpt: nn.Module, device_type: str = "cpu") -> List[str]:
         module = gpt.get_submodule(name)
         module.tensor_parallel, module.residual_projection = roles[name]
         module.register_forward_pre_hook(_cpu_autocast_input)
+        # A bound method on the instance: deepcopy binds it to the copy (copy._deepcopy_method).
+        module.forward = types.MethodType(_forward_outside_inference_mode, module)
     assert sorted(converted) == sorted(names), (converted, names)
     return converted
