@@ -171,10 +171,8 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
     if cases:
         from lit_pretrain.bench.step import gpu_cases
 
-        more = gpu_cases.run_cases(c, list(cases), lambda run, callbacks: tokens_per_s(True, run, callbacks),
+        more = gpu_cases.run_cases(c, name, list(cases), lambda run, callbacks: tokens_per_s(True, run, callbacks),
                                    case["value"], model.flops_per_token(), peak, devices)
-        for r in more:
-            r["case"] = r["case"].replace("gpu_", f"gpu_{name}_", 1)
         print(f"\n{name}:\n" + gpu_cases.published_table(more, {"eager": case["reference"], "compiled": case["value"]},
                                                           devices, model.flops_per_token(), peak), flush=True)
         out += more

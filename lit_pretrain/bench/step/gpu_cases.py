@@ -93,8 +93,8 @@ def gathered_dtype_probe():
     return GatheredDtype()
 
 
-def run_cases(c, names: List[str], tokens_per_s: Callable, reference: float, flops_per_token: float, peak: float,
-              devices: int) -> List[Dict]:
+def run_cases(c, model_name: str, names: List[str], tokens_per_s: Callable, reference: float, flops_per_token: float,
+              peak: float, devices: int) -> List[Dict]:
     """One result per case of `names`: `tokens_per_s(config, callbacks)` runs the step of a config (compiled, FSDP2
     ZeRO-3, bf16-mixed, as bf16 compiled) with those Lightning callbacks; `reference`: bf16 compiled's tokens/s (the
     node's)."""
@@ -111,7 +111,7 @@ def run_cases(c, names: List[str], tokens_per_s: Callable, reference: float, flo
         probe = gathered_dtype_probe()
         value = tokens_per_s(dataclasses.replace(cfg, model=model), [probe])
         label, published = PUBLISHED[row]
-        out.append({"case": f"gpu_{name}_tokens_per_s", "value": value, "reference": reference,
+        out.append({"case": f"gpu_{model_name}_{name}_tokens_per_s", "value": value, "reference": reference,
                     "ratio": value / reference, "goal": GOALS.get(name, "-"), "unit": "tokens/s",
                     "detail": {"tokens_per_s_per_gpu": value / devices, "mfu": mfu(value, flops_per_token, peak),
                                "gathered_dtype": probe.dtype, "float8_linears": probe.float8_linears, "name": name,
