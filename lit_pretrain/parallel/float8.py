@@ -58,8 +58,9 @@ def _forward_outside_inference_mode(self, input: torch.Tensor) -> torch.Tensor:
     """Float8Linear's forward, run under torch.no_grad where inference mode is on (Lightning's validation, evaluation):
     torchao's float8 tensors support no op under inference mode (`aten.to`, `aten.reshape` of rowwise scales fail),
     while outside it an inference tensor is a valid input. The same fp8 product either way, so the validation loss
-    is the trained model's."""
-    if torch.is_inference_mode_enabled():
+    is the trained model's. A compiled step never runs under inference mode (parallel/compile.py runs eager there),
+    and torch.compile cannot trace the test: it is skipped while compiling."""
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
             return type(self).forward(self, input)
     return type(self).forward(self, input)

@@ -6,6 +6,7 @@ The filter is torchtitan's and OLMo-core's: every linear of the blocks whose two
 whose logits feed the loss and whose gradients are the largest of the model (both anchors keep it in bf16).
 """
 
+import importlib.util
 from typing import List
 
 from lit_pretrain.errors import ConfigError
@@ -36,6 +37,9 @@ def check_float8(plan, trainer, model) -> None:
     if f8 is None:
         return
     why = "; set model.float8=null"
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("model.float8 needs torchao, which is not installed: pip install 'lit-pretrain[fp8]' "
+                          "(torchao 0.18)" + why)
     if plan.tensor_parallel > 1:
         raise ConfigError(f"model.float8 with strategy.tensor_parallel={plan.tensor_parallel} is not supported: fp8 "
                           "linears under tensor parallelism need torchao's float8 tensor-parallel styles, which are "
