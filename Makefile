@@ -56,8 +56,9 @@ bench: $(STAMP) ## benchmark cases (CASES=step,compile for a subset): results.js
 .PHONY: bench-gpu
 DRY_RUN ?=
 PRESET ?=
-bench-gpu: $(STAMP) ## the step on one CUDA GPU (~125M, ~1B; PRESET=llama3_1_8b: a preset fitted to it), bf16, FSDP2, compile: MFU; DRY_RUN=1: tiny, on CPU
-	$(BIN)/python -m lit_pretrain.bench.step.gpu $(if $(DRY_RUN),--dry-run,) $(if $(PRESET),--preset $(PRESET),)
+GPU_CASES ?=
+bench-gpu: $(STAMP) ## the step on one CUDA GPU (~125M, ~1B; PRESET=llama3_1_8b: a preset fitted to it), bf16, FSDP2, compile, then policy/selective/fp8 (GPU_CASES=...): MFU; DRY_RUN=1: tiny, on CPU
+	$(BIN)/python -m lit_pretrain.bench.step.gpu $(if $(DRY_RUN),--dry-run,) $(if $(PRESET),--preset $(PRESET),) $(if $(GPU_CASES),--cases $(GPU_CASES),)
 
 sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
 	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)

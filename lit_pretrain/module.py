@@ -112,11 +112,12 @@ class PretrainModule(L.LightningModule):
         # activation checkpointing, compile, FSDP), on the strategy's mesh: our 4-D one (MeshStrategy) or Lightning's
         # data-parallel one (plain ZeRO 2/3).
         plan, mesh = self.plan, self.device_mesh
+        device_type = self._trainer.strategy.root_device.type  # model.float8: fp8 matmuls on CUDA, else emulated
         if plan.uses_mesh:
-            self.parallel = apply_plan(self.model, plan, mesh)
+            self.parallel = apply_plan(self.model, plan, mesh, device_type=device_type)
         else:
             fsdp_mesh = mesh["data_parallel"] if mesh is not None and plan.uses_fsdp else None
-            self.parallel = apply_plan(self.model, plan, fsdp_mesh=fsdp_mesh)
+            self.parallel = apply_plan(self.model, plan, fsdp_mesh=fsdp_mesh, device_type=device_type)
 
     def setup(self, stage: str) -> None:
         if self._trainer is not None:

@@ -57,6 +57,14 @@ def reference(model, xs, ys, make_opt=adamw):
     return losses, norms, grads0, opt
 
 
+def float8_reference(model, xs, ys, make_opt=adamw):
+    """`reference` with the model's linears converted as apply_plan converts them (model.float8)."""
+    from lit_pretrain.parallel.float8 import convert_float8
+
+    convert_float8(model)
+    return reference(model, xs, ys, make_opt)
+
+
 def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
@@ -88,7 +96,7 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         norm = par.grad_norm()
         clip_by_global_norm(model.parameters(), MAX_NORM, norm)
         if step == 0:  # every rank gathers (a collective); rank 0 gets the result
-            grads0 = par._gather_named({n: p.grad for n, p in model.named_parameters()})
+            grads0 = par._gather_named({plain_name(n): p.grad for n, p in model.named_parameters()})
         opt.step()
         for group in (par.replicate, par.shard_group):  # the logged loss: mean over data-parallel ranks
             dist.all_reduce(loss, group=group)
@@ -323,6 +331,8 @@ def worker(rank: int, world: int, port: int, cases: list, results, measure_activ
             variant = variant[0] if variant else {}
             if variant.get("optim") == "muon":
                 muon_case(plan, out, name, variant.get("zero_stage"))
+            elif "float8" in variant:  # against one process converted the same way
+                case(plan, out, name, variant, train=(float8_reference, run_layout))
             else:
                 case(plan, out, name, variant)
             dist.barrier()

@@ -124,8 +124,8 @@ def test_record_and_compare_appends_and_never_rewrites(tmp_path, capsys):
 @pytest.mark.slow
 def test_gpu_bench_dry_run_runs_the_code_path_on_cpu(tmp_path):
     """`make bench-gpu --dry-run` (tiny model, CPU, FSDP2 over gloo, 3 steps) so the script cannot rot unseen."""
-    out = run_module("lit_pretrain.bench.step.gpu", "--dry-run", "--models", "125m", "--out", str(tmp_path / "r.json"),
-                     timeout=120)
+    out = run_module("lit_pretrain.bench.step.gpu", "--dry-run", "--models", "125m", "--cases=",
+                     "--out", str(tmp_path / "r.json"), timeout=120)  # the cases after the pair: the preset's test
     assert "gpu_125m_compiled_step_tokens_per_s" in out.stdout and "mfu_gpu_125m_compiled" in out.stdout
     assert "dry run" in out.stdout and not (tmp_path / "r.json").exists()
 
@@ -133,13 +133,28 @@ def test_gpu_bench_dry_run_runs_the_code_path_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_gpu_bench_dry_run_of_a_preset_fits_it_to_the_device(tmp_path):
     """`make bench-gpu PRESET=llama3_1_8b DRY_RUN=1`: the preset shrunk to 4 tiny layers and a 3 MB "device", so the
-    layer-dropping path of the fit runs too (the full-size choices are test_preset_fit_on_one_h200's)."""
+    layer-dropping path of the fit runs too (the full-size choices are test_preset_fit_on_one_h200's); then every
+    case of bench/step/gpu_cases.py, printed beside torchtitan's row."""
+    from lit_pretrain.parallel.activation_checkpointing import MODES
+
     out = run_module("lit_pretrain.bench.step.gpu", "--dry-run", "--preset", "llama3_1_8b", "--device-memory", "3MB",
-                     "--out", str(tmp_path / "r.json"), timeout=120)
+                     "--out", str(tmp_path / "r.json"), timeout=240)
     assert "llama3_1_8b: 4 layers do not fit one 0.003 GB device" in out.stdout
     assert "running 1 of the 4 layers" in out.stdout
     assert "gpu_llama3_1_8b_compiled_step_tokens_per_s" in out.stdout and "mfu_gpu_llama3_1_8b_compiled" in out.stdout
     assert "dry run" in out.stdout and not (tmp_path / "r.json").exists()
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if " (FSDP" in line}
+    # The shrunk preset's 1 layer: d 64, MLP 128, one key/value head of 16: all 7 linears convert (dims of 16s).
+    for name, fp8 in (("bf16_eager", "-"), ("bf16", "-"), ("bf16_policy", "0"), ("fp8_rowwise", "7"),
+                      ("fp8_tensorwise", "7")):
+        assert rows[name][4] == fp8, (name, rows)
+    assert rows["fp8_rowwise"][5] == "8,532" and rows["bf16_policy"][5] == "6,667" and rows["bf16_eager"][5] == "5,762"
+    assert rows["bf16_policy"][3] in ("float32", "bfloat16")  # the dtype FSDP2 gathered the weights in
+    for name in ("fp8_rowwise", "fp8_tensorwise", "bf16_policy"):
+        assert f"gpu_llama3_1_8b_{name}_tokens_per_s" in out.stdout
+    # model.activation_checkpointing=selective (issue 40 item 2) runs where this checkout has it.
+    assert ("selective" in rows) == ("selective" in MODES)
+    assert ("selective: not run" in out.stdout) == ("selective" not in MODES)
 
 
 def test_preset_fit_on_one_h200():

@@ -43,6 +43,13 @@ MUON_CASES_2 = [
     ("muon_zero3", Plan(data_parallel_shard=2, zero_stage=3), MUON),
     ("muon_tp2", Plan(tensor_parallel=2), MUON),
 ]
+# model.float8 (parallel/float8.py) under FSDP2 with activation checkpointing, and under DDP (our mesh's all-reduce),
+# against one process converted the same way (`check_float8`).
+FLOAT8_CASES_2 = [
+    ("zero3_fp8_rowwise", Plan(data_parallel_shard=2, zero_stage=3, activation_checkpointing="full"),
+     {"float8": {"recipe": "rowwise"}}),
+    ("ddp2_fp8_tensorwise", Plan(data_parallel_replicate=2), {"float8": {"recipe": "tensorwise"}}),
+]
 CASES_4 = [
     ("dp2_tp2", Plan(data_parallel_replicate=2, tensor_parallel=2)),
     ("dp2_pp2", Plan(data_parallel_replicate=2, pipeline_parallel=2, micro_batches=2)),
@@ -103,6 +110,28 @@ def check(results, names):
         assert all(parallel == (r["t"] > 1) for _, _, parallel in r["vocab_rows"]), (name, r)
 
 
+def check_float8(results, names):
+    for name in names:
+        r = results[name]
+        assert r["keys"] and r["grad_keys"] and r["clipped"], (name, r)  # the plain GPT's names, gathered
+        assert r["round_trip"] == 0.0 and r["opt_round_trip"] == 0.0, (name, r)  # sharding moves bytes only
+        assert r["opt_steps"] == {3} and r["layout_logits"] == 0.0, (name, r)
+        # The plain GPT given the gathered weights computes without fp8: its logits differ from the fp8 model's
+        # (measured 0.06 on logits of ~1), so the reference did run in fp8.
+        assert r["loaded_logits"] > 1e-2, (name, r)
+    # Rowwise scales are per row (per token for activations and output gradients) and powers of 2, so each rank's
+    # half of the batch gets the scales one process gives it: ZeRO-3 with checkpointing matched one process to
+    # fp32's float-order bounds (`check`'s): measured loss 4.8e-7, gradients 1.6e-9, weights 7.6e-7.
+    r = results["zero3_fp8_rowwise"]
+    assert r["loss"] < 2e-6 and r["norm_rel"] < 1e-5 and r["grad"] < 1e-6 and r["weights"] < 5e-5, r
+    # Tensorwise scales one whole tensor by its amax, which each data-parallel rank takes over its own half of the
+    # batch (as in torchtitan: the scales are not all-reduced): the fp8 roundings differ from one process's, by
+    # e4m3's relative step (2^-3) on the entries whose scale changed. Measured: loss 3.0e-3 (of 4.2), pre-clip norm
+    # 4.9%, first gradients 1.0e-4; the bounds are about twice that.
+    r = results["ddp2_fp8_tensorwise"]
+    assert r["loss"] < 6e-3 and r["norm_rel"] < 0.1 and r["grad"] < 2e-4, r
+
+
 def check_muon(results, names):
     for name in names:
         r = results[name]
@@ -122,9 +151,10 @@ def check_muon(results, names):
 
 
 def test_two_process_layouts_match_one_process():
-    results = spawn(2, CASES_2 + MUON_CASES_2, measure_activations=True)
+    results = spawn(2, CASES_2 + MUON_CASES_2 + FLOAT8_CASES_2, measure_activations=True)
     print({k: {m: v for m, v in r.items() if isinstance(v, (int, float))} for k, r in results.items()})
     check(results, [c[0] for c in CASES_2])
+    check_float8(results, [c[0] for c in FLOAT8_CASES_2])
     check_muon(results, [c[0] for c in MUON_CASES_2])
     check_activations(results["activations"])
     check_vocab_cross_entropy(results["vocab_ce"])

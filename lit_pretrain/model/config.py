@@ -62,6 +62,28 @@ class MoEConfig:
 
 
 @dataclass
+class Float8Config:
+    """FP8 training of the blocks' linear layers through torchao (model.float8; null: none): each converted linear
+    casts its input, weight and output gradient to float8 e4m3 with dynamic scales and multiplies in fp8, keeping the
+    fp32 master weight (Micikevicius et al. 2022, "FP8 formats for deep learning"; torchtitan's float8 section).
+    Applied from outside the GPT (lit_pretrain/parallel/float8.py), like activation checkpointing: the GPT ignores it,
+    and checkpoints hold the same weights, names and dtypes as without it. The output head, and any linear with a
+    dimension not divisible by 16 (torch._scaled_mm's requirement), stay in bf16, as torchtitan and OLMo-core do.
+    Needs `pip install lit-pretrain[fp8]` (torchao 0.18)."""
+
+    recipe: str = field(default="rowwise", metadata={"choices": ["rowwise", "tensorwise", "rowwise_with_gw_hp"]})
+    """torchao's scaling recipe. rowwise (torchtitan's default): one scale per row of each operand, powers of 2;
+    tensorwise: one scale per tensor (the fastest: +25% vs +10% for rowwise at Llama 3 8B on 8 H100, torchao's
+    figures); rowwise_with_gw_hp: rowwise, with the weight gradient computed in bf16 (the most accurate)."""
+    fsdp_float8_all_gather: bool = False
+    """recipe=tensorwise under FSDP2 (strategy.zero_stage 2 or 3) on CUDA only: gather the weights already cast to
+    fp8 (half the bytes of bf16). false: FSDP2 gathers the weights as today and each linear casts them itself."""
+    exclude: List[str] = field(default_factory=list)
+    """More linears to keep in bf16, by name (`blocks.0.attn.wq`) or by the name in every block (`attn.wo`,
+    `mlp.w_down`), as torchtitan's filter_fqns; each must name a converted linear."""
+
+
+@dataclass
 class GPTConfig:
     vocab_size: Optional[int] = field(default=None, metadata={"ge": 2})
     """Vocabulary size. null: taken from the prepared tokenizer (`data.vocab_size` after training)."""
@@ -117,10 +139,15 @@ class GPTConfig:
     heads, with weights of those sizes (OLMoE's OlmoeAttention; OLMo 2). Tensor parallelism needs head."""
     moe: Optional[MoEConfig] = None
     """Mixture of experts (MoEConfig); null: every block's MLP is dense."""
+    float8: Optional[Float8Config] = None
+    """FP8 training of the blocks' linears through torchao (Float8Config); null: none (the linears run in
+    trainer.precision)."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.float8, dict):
+            self.float8 = Float8Config(**self.float8)
 
     @property
     def head_dim(self) -> int:

@@ -10,7 +10,7 @@ from lit_pretrain.parallel.plan import ParallelPlan
 
 
 def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = None,
-               fsdp_mesh: Optional[DeviceMesh] = None) -> ParallelModel:
+               fsdp_mesh: Optional[DeviceMesh] = None, device_type: Optional[str] = None) -> ParallelModel:
     """Wrap the GPT in place for this rank, in this order, and return it with its step collectives:
 
     1. pipeline split: keep this rank's stages' blocks (the rest become nn.Identity), so every later step touches
@@ -31,6 +31,9 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     `mesh`: our (pipeline, replicate, shard, tensor) mesh when plan.uses_mesh; else `fsdp_mesh`, the data-parallel
     mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
     the optimizer. Idempotent: Lightning may call configure_model again (trainer.validate after fit).
+    model.float8 converts the blocks' linears to torchao's Float8Linear (parallel/float8.py) between steps 2 and 3,
+    before any wrapper sees them, as torchtitan converts before parallelizing; `device_type`: where the step runs
+    ("cuda": fp8 matmuls on the GPU; else emulated).
     """
     from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
     from lit_pretrain.parallel.zero import shard_model
@@ -54,6 +57,10 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.expert import apply_expert_parallel
 
         par.ep = apply_expert_parallel(gpt, plan, mesh.device_type if mesh is not None else "cpu")
+    if gpt.cfg.float8 is not None:
+        from lit_pretrain.parallel.float8 import convert_float8
+
+        convert_float8(gpt, device_type or (mesh.device_type if mesh is not None else "cpu"))
     if plan.data_parallel > 1:  # model.moe.aux_loss_scope=global: the counts' all-reduce (a collective: all call it)
         from lit_pretrain.parallel.moe_mesh import install_global_counts
 

@@ -240,6 +240,10 @@ def _check_model(plan: ParallelPlan, trainer, model, vocab_from: Optional[str] =
         raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by strategy.tensor_parallel={t}: "
                           "sequence parallelism gives each tensor-parallel rank seq_len / tensor_parallel positions; "
                           "choose a seq_len that is a multiple of tensor_parallel")
+    if model.float8 is not None:
+        from lit_pretrain.parallel.float8_policy import check_float8
+
+        check_float8(plan, trainer, model)
 
 
 def check_vocab(vocab_size, t: int, vocab_from: Optional[str] = None) -> None:

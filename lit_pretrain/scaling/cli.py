@@ -100,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--aspect-ratio", type=float, default=64.0, help="d_model / n_layers of the shape (default 64)")
     plan.add_argument("--tokens-per-step", type=count, default=2**20, help="global batch in tokens (default 2^20)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument("--mfu", type=float, default=None, help="with --run: GPU-hours at this model FLOPs utilization "
+                      "(e.g. 0.4); default: the one `make bench-gpu` measured, when --bench exists")
+    plan.add_argument("--gpu", default=None, help="with --mfu: the GPU whose dense bf16 peak it is of (default H100; "
+                      "a bench result's own GPU otherwise)")
+    plan.add_argument("--bench", default="runs/bench/results-gpu.json",
+                      help="with --run: the `make bench-gpu` results read for the measured MFU (default %(default)s)")
     plan.add_argument("--model", action="append", default=[], metavar="KEY=VALUE", help=VARIANT_HELP)
 
     mem = sub.add_parser("memory", help="per-device memory of a training configuration",
@@ -150,8 +156,13 @@ def main(argv=None) -> int:
             from lit_pretrain.scaling.plan import load_law
             from lit_pretrain.scaling.run_plan import format_run_plan, run_plan
 
-            result = run_plan(_run_config(args), load_law(args.law))
-            print(json.dumps(result, indent=2) if args.json else format_run_plan(result))
+            run_config = _run_config(args)
+            result = run_plan(run_config, load_law(args.law))
+            hours = _gpu_hours(args, run_config, result)
+            if hours is not None:
+                result["gpu_hours"] = hours
+            print(json.dumps(result, indent=2) if args.json else format_run_plan(result) + (
+                "\n" + hours["line"] if hours is not None else ""))
         elif args.command == "plan":
             from lit_pretrain.scaling.plan import format_plan, load_law, plan
 
@@ -169,6 +180,35 @@ def main(argv=None) -> int:
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _gpu_hours(args, run_config, result):
+    """GPU-hours of `plan --run` (scaling/gpu_hours.py) at --mfu, else at the MFU of args.bench when it exists; None
+    when neither is there."""
+    from lit_pretrain.parallel.plan import sized_model
+    from lit_pretrain.scaling import shapes
+    from lit_pretrain.scaling.gpu_hours import bench_case_for, format_gpu_hours, gpu_hours, measured_mfu
+
+    model = sized_model(run_config)
+    if args.mfu is not None:
+        mfu, gpu, source = args.mfu, args.gpu or "H100", "--mfu"
+    elif Path(args.bench).is_file():
+        results = json.loads(Path(args.bench).read_text())
+        found = measured_mfu(results, shapes.flops_per_token(model), bench_case_for(model))
+        if found is None:
+            raise DataError(f"{args.bench} holds no MFU case of `make bench-gpu`: rerun it, or give --mfu")
+        (mfu, case), gpu = found, args.gpu or results["machine"]["gpu"]
+        source = f"measured: {case} in {args.bench}"
+    else:
+        return None
+    from lit_pretrain.callbacks.throughput import GPU_PEAK_FLOPS
+
+    peak = next((peaks["half"] for name, peaks in GPU_PEAK_FLOPS if name.lower() in gpu.lower()), None)
+    if peak is None:
+        raise ConfigError(f"--gpu {gpu}: no datasheet peak for it; one of {', '.join(n for n, _ in GPU_PEAK_FLOPS)}")
+    hours = gpu_hours(result["flops"], mfu, peak)
+    return {"hours": hours, "mfu": mfu, "gpu": gpu, "peak_flops": peak, "source": source,
+            "line": format_gpu_hours(hours, mfu, gpu, peak, source)}
 
 
 def _run_config(args):

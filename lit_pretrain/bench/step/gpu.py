@@ -24,7 +24,10 @@ from typing import Dict, List
 
 import torch
 
+from lit_pretrain.bench.step.gpu_cases import CASES
 from lit_pretrain.model.config import GPTConfig
+
+CASE_NAMES = tuple(CASES)
 
 # ~125M: GPT-2 small's shape (12 × 768, 12 heads of 64) with SwiGLU 2048 and a 32k vocabulary, untied:
 #   12 × (4·768² + 3·768·2048) = 85M in blocks + 2 × 32768·768 = 50M embedding and head = 135M.
@@ -129,9 +132,11 @@ def experiment(c, name: str, devices: int, dry_run: bool = False, model: GPTConf
     return dataclasses.replace(c, model=model, trainer=trainer, strategy=strategy)
 
 
-def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool = False, fitted=None) -> List[Dict]:
+def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool = False, fitted=None,
+              cases=()) -> List[Dict]:
     """The eager/compiled pair and the MFU cases of benchmark model `name`, or of a preset `fitted` by
-    preset_config (model, micro-batch, the note printed and kept in the case's detail)."""
+    preset_config (model, micro-batch, the note printed and kept in the case's detail); then `cases` of
+    bench/step/gpu_cases.py (policy, selective, fp8), each beside bf16 compiled and torchtitan's row."""
     from lit_pretrain.bench.step import mfu
     from lit_pretrain.bench.step.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
@@ -140,13 +145,14 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
 
     c = experiment(c, name, devices, dry_run, *(fitted[:2] if fitted else ()))
 
-    def tokens_per_s(compile: bool) -> float:
+    def tokens_per_s(compile: bool, run=None, callbacks=()) -> float:
         # Every rank times its own share; the node's rate is that times the ranks (they step in lockstep).
         # The dry run stays eager on both sides: compiling needs a C++ compiler and tens of seconds on a CPU.
-        strategy = build_strategy(c.strategy, c.trainer)
-        return devices * trainer_loop(c, steps, skip, compile=compile and not dry_run,
-                                      precision=c.trainer.precision, accelerator=c.trainer.accelerator,
-                                      strategy=strategy, devices=devices)
+        run = run or c
+        strategy = build_strategy(run.strategy, run.trainer)
+        return devices * trainer_loop(run, steps, skip, compile=compile and not dry_run,
+                                      precision=run.trainer.precision, accelerator=run.trainer.accelerator,
+                                      strategy=strategy, devices=devices, callbacks=callbacks)
 
     case = paired_case(f"gpu_{name}_compiled_step_tokens_per_s", lambda: tokens_per_s(False),
                        lambda: tokens_per_s(True), 1, ">= 1.0", "tokens/s", ("eager", "compiled"),
@@ -161,7 +167,16 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
     peak = 1e12 if dry_run else devices * gpu_peak_flops(torch.cuda.get_device_name(), c.trainer.precision)
     best = {f"gpu_{name}_eager": case["reference"], f"gpu_{name}_compiled": case["value"]}
     goal = PRESET_GOAL if fitted else GOALS[name]
-    return [case, *mfu.cases(best, model.flops_per_token(), peak, {f"gpu_{name}_compiled": goal})]
+    out = [case, *mfu.cases(best, model.flops_per_token(), peak, {f"gpu_{name}_compiled": goal})]
+    if cases:
+        from lit_pretrain.bench.step import gpu_cases
+
+        more = gpu_cases.run_cases(c, name, list(cases), lambda run, callbacks: tokens_per_s(True, run, callbacks),
+                                   case["value"], model.flops_per_token(), peak, devices)
+        print(f"\n{name}:\n" + gpu_cases.published_table(more, {"eager": case["reference"], "compiled": case["value"]},
+                                                          devices, model.flops_per_token(), peak), flush=True)
+        out += more
+    return out
 
 
 def main(argv=None) -> None:
@@ -172,6 +187,9 @@ def main(argv=None) -> None:
                                                        "llama3_2_1b,llama3_1_8b) instead of --models, on one GPU")
     parser.add_argument("--device-memory", default=None, help="one device's memory for the preset's fit, e.g. 80GB "
                                                               "(default: the GPU's own; dry run: 1GB)")
+    parser.add_argument("--cases", default=",".join(CASE_NAMES),
+                        help="comma-separated cases run after the bf16 eager/compiled pair, of "
+                             f"{', '.join(CASE_NAMES)} (bench/step/gpu_cases.py); empty: the pair alone")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=10, help="first steps left out (compile, allocator warm-up)")
     parser.add_argument("--out", default="runs/bench/results-gpu.json")
@@ -186,6 +204,10 @@ def main(argv=None) -> None:
             require_cuda()
         except RuntimeError as e:
             raise SystemExit(f"error: {e}") from None
+    args.cases = [x for x in args.cases.split(",") if x]
+    if any(x not in CASE_NAMES for x in args.cases):
+        raise SystemExit(f"error: --cases {','.join(args.cases)}: expected a comma-separated list of "
+                         f"{', '.join(CASE_NAMES)}")
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         raise SystemExit(f"error: --models {','.join(unknown)}: expected a comma-separated list of {', '.join(MODELS)}")
@@ -201,7 +223,7 @@ def main(argv=None) -> None:
         cases = run_presets(args, devices)
     else:
         cases = [case for name in args.models.split(",")
-                 for case in run_model(c, name, args.steps, args.skip, devices, args.dry_run)]
+                 for case in run_model(c, name, args.steps, args.skip, devices, args.dry_run, cases=args.cases)]
     if int(os.environ.get("RANK", "0")) != 0:
         return  # one table, one file
     print(f"\n{'case':<36} {'value':>16} {'reference':>16} {'ratio':>7}  goal")
@@ -236,7 +258,7 @@ def run_presets(args, devices: int) -> List[Dict]:
         fitted = preset_config(args.run_file, preset, memory, args.dry_run)
         print(f"{preset}: {fitted[2]}", flush=True)
         c = config_lib.to_object(config_lib.load(args.run_file, []))
-        cases += run_model(c, preset, args.steps, args.skip, devices, args.dry_run, fitted)
+        cases += run_model(c, preset, args.steps, args.skip, devices, args.dry_run, fitted, args.cases)
     return cases
 
 

@@ -106,9 +106,10 @@ def raw_loop(c, steps: int, skip: int, compile: bool = False) -> float:
 
 
 def trainer_loop(c, steps: int, skip: int, compile: bool = False, precision: str = "32-true",
-                 accelerator: str = "cpu", strategy="auto", devices: int = 1) -> float:
+                 accelerator: str = "cpu", strategy="auto", devices: int = 1, callbacks=()) -> float:
     """Tokens/s (this rank's) of PretrainModule under L.Trainer, logging as `lit-pretrain train` does (CSV, every
-    n steps). With `compile`, the first steps (left out by `skip`) pay the compile time."""
+    n steps). With `compile`, the first steps (left out by `skip`) pay the compile time. `callbacks`: more
+    Lightning callbacks (bench/step/gpu_cases.py's probes)."""
     tokens_per_step = c.trainer.micro_batch_size * c.model.seq_len
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=steps, tokens_per_step=tokens_per_step,
                             seed=c.run.seed, strategy=c.strategy, compile=compile)
@@ -117,7 +118,7 @@ def trainer_loop(c, steps: int, skip: int, compile: bool = False, precision: str
         trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps,
                             limit_val_batches=0, precision=precision,
                             logger=L.pytorch.loggers.CSVLogger(tmp, name="", version=""),
-                            log_every_n_steps=c.trainer.log_every_n_steps, callbacks=[clock],
+                            log_every_n_steps=c.trainer.log_every_n_steps, callbacks=[clock, *callbacks],
                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
         trainer.fit(module, _data(c, steps))
     return (steps - skip) * tokens_per_step / (clock.end - clock.start)
