@@ -3,7 +3,7 @@
 
 GPU-hours = FLOPs / (MFU x peak FLOP/s of one GPU) / 3600, the same whatever the number of GPUs (they divide the
 wall-clock time as they multiply the peak). FLOPs are the run's model FLOPs with attention (PaLM appendix B: 6·N +
-12·L·H·Q·T per token, scaling/shapes.py), the numerator MFU is measured with (callbacks/throughput.py), and the peak
+12·L·H·Q·T per token, model/shapes.py), the numerator MFU is measured with (callbacks/throughput.py), and the peak
 is the GPU's dense bf16 datasheet figure, the one bench-gpu divides by for every case (fp8 included).
 """
 
