@@ -19,7 +19,8 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
        plain module names (before any wrapper prefixes them), and split each routed expert along its width
        (parallel/expert_tensor.py); then expert parallelism: keep this rank's experts (of those slices) and give the
        MoE layers their all-to-all dispatch (parallel/expert.py);
-    3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
+    3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them), under
+       the op policy when selective;
     4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
        with data parallelism, FSDP or checkpointing each block's forward (torchtitan's regional compile, inside its
        checkpoint wrapper) and the loss apart;
@@ -58,7 +59,8 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.moe_mesh import install_global_counts
 
         install_global_counts(gpt, plan)
-    apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
+    apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k,
+                                   plan.activation_checkpointing_save_matmuls)
     if plan.compile:
         from lit_pretrain.parallel.compile import check_toolchain, compile_model
 

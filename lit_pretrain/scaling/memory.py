@@ -20,8 +20,9 @@ Table 2; s sequence length, b micro-batch, h hidden size, a heads, t tensor-para
     full recomputation                         2·sbh  (only each layer's input is kept)
 That table describes the paper's GPT block (LayerNorm, dropout, GELU MLP of 4h, softmax attention storing the
 s×s scores); ours (RMSNorm, no dropout, SwiGLU, fused attention storing no scores) saves other tensors, counted by
-`block_activation_bytes` and used by `memory_plan` without recomputation. The table still gives the recomputation
-rows: full keeps each block's input (2sbh, as ours does); selective has no counterpart in our model.
+`block_activation_bytes` and used by `memory_plan` without recomputation. Of the table's recomputation rows, full
+keeps each block's input (2sbh, as ours does); our selective mode is torchtitan's op-level policy, not the paper's
+attention-only recomputation, and `memory_plan` counts what it keeps with scaling/recompute.py.
 Under "bf16-mixed" / "16-mixed" (autocast) our block saves a mix, counted by `block_activation_bytes(autocast=True)`
 and measured under CPU autocast by tests/test_run_plan.py: the residual stream stays fp32 (the embedding is fp32
 and each block adds a 16-bit output to it), so both norms run and save in fp32; every linear saves its own 16-bit
@@ -56,6 +57,7 @@ from typing import Dict, Optional
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.scaling import recompute as recomputation
 from lit_pretrain.scaling import shapes
 
 
@@ -210,12 +212,15 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
                 activation_checkpointing: str = "none", precision: str = "zero-mixed-adam",
                 device_memory: Optional[float] = None, exact: bool = False,
                 activation_checkpointing_k: int = 2, expert_parallel: int = 1,
-                expert_data_parallel: Optional[int] = None) -> dict:
+                expert_data_parallel: Optional[int] = None, activation_checkpointing_save_matmuls: str = "all") -> dict:
     """Per-device bytes of the most loaded rank: the first pipeline stage (all layers' worth of activations under
     1F1B, plus the embedding); with a single stage it also holds the fp32 logits.
     data_parallel: the ranks that shard model state at zero_stage (under HSDP the shard group, not the replicas).
-    activation_checkpointing: none (our block's count), selective or full (Korthikanti et al.'s rows; full keeps our
-    block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others none).
+    activation_checkpointing: none (our block's count), selective (torchtitan's op policy: the block's input, its
+    saved matmul and attention outputs, scaling/recompute.py; `activation_checkpointing_save_matmuls` all or
+    every_other), full (our block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others
+    none). "recompute_flops": the matmul and attention FLOPs the backward runs again on this rank per micro-batch
+    (scaling/recompute.py's convention, FlopCounterMode's).
     exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only.
     tensor_parallel (model.moe): the routed experts are split along their width like the dense MLP (parameters,
     gradients, AdamW state and their hidden activations divided by t); the router is replicated.
@@ -298,10 +303,23 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         checkpointed = math.ceil(layers_here / activation_checkpointing_k)  # blocks 0, k, 2k, ...
         per_layer = (checkpointed * kept + (layers_here - checkpointed) * whole) / layers_here
     else:
-        per_layer = b.activation_factor * activation_bytes_per_layer(cfg.seq_len, micro_batch, d, cfg.n_heads, t,
-                                                                     sequence_parallel, activation_checkpointing)
-    # The backward recomputes one checkpointed block at a time: its activations are live on top of the kept ones.
+        if cfg.moe is not None:
+            raise ConfigError("--activation-checkpointing selective is counted for dense blocks only (model.moe: "
+                              "its routing and grouped kernels are not measured under the op policy): use full")
+        per_layer = recomputation.selective_block_bytes(
+            cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel, 2.0 * b.activation_factor,
+            kv_heads=cfg.kv_heads, mlp=cfg.mlp, residual_bytes=b.residual,
+            save_matmuls=activation_checkpointing_save_matmuls)
+    # The backward recomputes one checkpointed block at a time: its activations are live on top of the kept ones
+    # (under selective an upper estimate: the saved outputs among them are the cached ones, not new).
     recompute = 0.0 if activation_checkpointing == "none" else whole
+    checkpointed = {"none": 0, "full": layers_here, "selective": layers_here,
+                    "every_k": math.ceil(layers_here / activation_checkpointing_k)}[activation_checkpointing]
+    ac_mode = "full" if activation_checkpointing == "every_k" else activation_checkpointing
+    flops = recomputation.recompute_flops(ac_mode, cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t,
+                                             kv_heads=cfg.kv_heads, mlp=cfg.mlp,
+                                             save_matmuls=activation_checkpointing_save_matmuls)
+    recompute_flops = {k: checkpointed * v for k, v in flops.items()}
     # 1F1B: the first stage has p micro-batches of its L/p layers in flight (Korthikanti et al. §4.2.3)
     activations = per_layer * layers_here * p
     tokens = cfg.seq_len * micro_batch
@@ -321,7 +339,7 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,
         "activation_bytes": activations + logits, "logits_bytes": logits, "recompute_bytes": recompute,
-        "transient_bytes": transient, "total_bytes": total,
+        "transient_bytes": transient, "total_bytes": total, "recompute_flops": recompute_flops,
     }
     if device_memory is not None:
         out["device_memory"] = device_memory

@@ -34,7 +34,8 @@ def run_memory(config) -> dict:
                       precision=trainer.precision, device_memory=device,
                       activation_checkpointing_k=plan.activation_checkpointing_k,
                       expert_parallel=plan.expert_parallel,
-                      expert_data_parallel=plan.data_parallel // plan.expert_parallel)
+                      expert_data_parallel=plan.data_parallel // plan.expert_parallel,
+                      activation_checkpointing_save_matmuls=plan.activation_checkpointing_save_matmuls)
     out.update(run=config.run.name, layout=plan.describe(), world_size=plan.world_size, shape=shape_of(model))
     if device is not None:
         out["headroom_bytes"] = device - out["total_bytes"]
