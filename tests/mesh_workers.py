@@ -199,12 +199,16 @@ def vocab_cross_entropy_case(out: dict) -> None:
                            "ref_none": lm_losses(logits, torch.full_like(targets, IGNORE_INDEX))[0].isnan().item()}
 
 
-def saved_block_bytes(tp_group, sequence_parallel: bool) -> int:
+def saved_block_bytes(tp_group, sequence_parallel: bool, checkpointing: str = "none") -> int:
     """Bytes the first block saves for backward on this rank under tensor parallelism over `tp_group`, with or
-    without sequence parallelism (collectives inside: every rank of the group calls it)."""
+    without sequence parallelism (collectives inside: every rank of the group calls it), under
+    model.activation_checkpointing=`checkpointing` (applied after tensor parallelism, as apply_plan does)."""
+    from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
+
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     apply_tensor_parallel(model, tp_group, sequence_parallel=sequence_parallel)
+    apply_activation_checkpointing(model, checkpointing)
     h = model.tok_embeddings(data()[0][0])  # (B, T, d), or this rank's (B, T/t, d) under sequence parallelism
     with SavedActivations(model) as meter:
         out = model.blocks[0](h, model.rope_cos, model.rope_sin)
@@ -217,9 +221,10 @@ def activation_case(out: dict) -> None:
     plan = ParallelPlan(tensor_parallel=dist.get_world_size())
     tp = build_mesh(plan).get_group("tensor_parallel")
     measured = {sp: saved_block_bytes(tp, sp) for sp in (False, True)}
+    selective = {sp: saved_block_bytes(tp, sp, "selective") for sp in (False, True)}
     if dist.get_rank() == 0:
-        out["activations"] = {"tp": measured[False], "tp_sp": measured[True],
-                              "shape": dict(batch=BATCH, **CFG)}
+        out["activations"] = {"tp": measured[False], "tp_sp": measured[True], "selective_tp": selective[False],
+                              "selective_tp_sp": selective[True], "shape": dict(batch=BATCH, **CFG)}
 
 
 MUON = OptimConfig(name="muon", lr_peak=LR, weight_decay=0.1, beta2=0.999)

@@ -17,6 +17,7 @@ hooks drop the `_checkpoint_wrapped_module.` prefix, so checkpoints keep the pla
 """
 
 from collections import defaultdict
+from functools import partial
 from typing import Callable, List, Optional
 
 import torch
@@ -86,6 +87,10 @@ class SelectivePolicy:
         return contexts
 
 
+def _contexts(policy: SelectivePolicy):
+    return policy()
+
+
 def checkpointed_block_indices(mode: str, n_layers: int, k: int = 2) -> List[int]:
     """Which blocks a policy recomputes: none → [], full and selective → all, every_k → 0, k, 2k, ... (torchtitan's
     `ac_freq`)."""
@@ -103,7 +108,9 @@ def checkpointed_block_indices(mode: str, n_layers: int, k: int = 2) -> List[int
 def apply_activation_checkpointing(model: nn.Module, mode: str, k: int = 2, save_matmuls: str = "all") -> List[int]:
     """Wrap the chosen blocks of `model.blocks` in place; return their indices. Applying twice changes nothing."""
     indices = checkpointed_block_indices(mode, len(model.blocks), k)
-    extra = {"context_fn": SelectivePolicy(save_matmuls)} if mode == "selective" else {}
+    # A function, not the policy object: torch.compile traces a checkpoint's context_fn only as a function or a
+    # functools.partial of one.
+    extra = {"context_fn": partial(_contexts, SelectivePolicy(save_matmuls))} if mode == "selective" else {}
     for i in indices:
         # nn.Identity: a block another pipeline stage holds (parallel/pipeline.py prunes them).
         if not isinstance(model.blocks[i], (CheckpointWrapper, nn.Identity)):
@@ -118,5 +125,6 @@ def is_checkpointed(module: nn.Module) -> bool:
 def selective_policy(module: nn.Module) -> Optional[SelectivePolicy]:
     """The op policy of a selectively checkpointed block (a CheckpointWrapper), else None."""
     fn = getattr(module, "checkpoint_fn", None)
-    policy = getattr(fn, "keywords", {}).get("context_fn")
+    context_fn = getattr(fn, "keywords", {}).get("context_fn")
+    policy = context_fn.args[0] if isinstance(context_fn, partial) and context_fn.args else None
     return policy if isinstance(policy, SelectivePolicy) else None

@@ -77,9 +77,14 @@ def compile_blocks(model: nn.Module) -> int:
     block, so its recomputation in backward calls the compiled forward. Parameters, names and state dicts are
     unchanged. Applying twice changes nothing (Lightning may call configure_model again).
     """
+    from lit_pretrain.parallel.activation_checkpointing import selective_policy
+
     count = 0
     for block in model.blocks:
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        # A selectively checkpointed block is compiled with its wrapper, as torchtitan compiles it: dynamo traces the
+        # checkpoint and its op policy into the graph, whose partitioner then keeps the outputs the policy saves.
+        # Compiled inside the wrapper, the whole compiled region would be one opaque op to the policy: recomputed.
+        inner = block if selective_policy(block) is not None else getattr(block, "_checkpoint_wrapped_module", block)
         if not getattr(inner, _COMPILED, False) and not isinstance(inner, nn.Identity):
             inner.forward = training_only(torch.compile(inner.forward, fullgraph=True), inner.forward)
             setattr(inner, _COMPILED, True)
@@ -88,7 +93,8 @@ def compile_blocks(model: nn.Module) -> int:
 
 
 def is_compiled(block: nn.Module) -> bool:
-    return bool(getattr(getattr(block, "_checkpoint_wrapped_module", block), _COMPILED, False))
+    return bool(getattr(block, _COMPILED, False) or
+                getattr(getattr(block, "_checkpoint_wrapped_module", block), _COMPILED, False))
 
 
 def _forward_losses(gpt: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
