@@ -88,7 +88,7 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         norm = par.grad_norm()
         clip_by_global_norm(model.parameters(), MAX_NORM, norm)
         if step == 0:  # every rank gathers (a collective); rank 0 gets the result
-            grads0 = par._gather_named({n: p.grad for n, p in model.named_parameters()})
+            grads0 = par._gather_named({plain_name(n): p.grad for n, p in model.named_parameters()})
         opt.step()
         for group in (par.replicate, par.shard_group):  # the logged loss: mean over data-parallel ranks
             dist.all_reduce(loss, group=group)

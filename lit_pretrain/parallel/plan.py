@@ -51,6 +51,7 @@ class ParallelPlan:
     compile: bool = False
     expert_parallel: int = 1
     activation_checkpointing_save_matmuls: str = "all"
+    mixed_precision_policy: bool = False  # FSDP2 gathers bf16 parameters and reduces fp32 gradients (zero.py)
 
     @property
     def world_size(self) -> int:
@@ -141,7 +142,9 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
         activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
         compile=compile_decision(trainer, model, degrees, compile).compile,
         expert_parallel=getattr(strategy, "expert_parallel", 1),
-        activation_checkpointing_save_matmuls=getattr(model, "activation_checkpointing_save_matmuls", "all"))
+        activation_checkpointing_save_matmuls=getattr(model, "activation_checkpointing_save_matmuls", "all"),
+        mixed_precision_policy=stage in (2, 3) and trainer.precision == "bf16-mixed" and getattr(
+            strategy, "mixed_precision_policy", True))
     check_plan(plan, trainer, model, vocab_from)
     return plan
 
@@ -181,6 +184,11 @@ def check_plan(plan: ParallelPlan, trainer, model=None, vocab_from: Optional[str
         raise ConfigError(f"trainer.precision={trainer.precision} is not supported with strategy.zero_stage="
                           f"{plan.zero_stage} (FSDP2 under Lightning's ModelParallelStrategy): choose one of "
                           f"{', '.join(FSDP_PRECISIONS)}")
+    if plan.mixed_precision_policy and (t > 1 or p > 1 or plan.expert_parallel > 1):
+        raise ConfigError("strategy.mixed_precision_policy=true (FSDP2 gathering bf16 parameters, the default under "
+                          "trainer.precision=bf16-mixed with zero_stage 2 or 3) is built and tested for ZeRO-2/3 and "
+                          "HSDP only, not yet with tensor, pipeline or expert parallelism: set "
+                          "strategy.mixed_precision_policy=false (fp32 parameters gathered, autocast per op)")
     if plan.sequence_parallel and t == 1:
         raise ConfigError("strategy.sequence_parallel=true shards the norms along the sequence across the "
                           "tensor-parallel group: it needs strategy.tensor_parallel > 1")
