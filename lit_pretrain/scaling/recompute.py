@@ -20,10 +20,10 @@ Recomputed FLOPs per block, in torch.utils.flop_counter's convention (2·m·n·k
 forward, the whole s×s product though the causal kernel skips half): under `selective` the matmuls not saved,
 under `full` the whole forward, in both but the block's last matmul (w_down): torch's non-reentrant checkpoint
 stops the recomputation once it has rebuilt the last tensor the backward needs (`set_checkpoint_early_stop`, on by
-default), and nothing in the backward reads w_down's output, only its input. Attention is counted apart: FlopCounterMode has
-no formula for the CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`), so on CPU it measures matmuls only.
-Measured against FlopCounterMode and the saved-tensor hooks (parallel/memory.py) in tests/test_activation_
-checkpointing.py.
+default), and nothing in the backward reads w_down's output, only its input. Attention is counted apart:
+FlopCounterMode has no formula for the CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`), so on CPU it
+measures matmuls only. Measured against FlopCounterMode and the saved-tensor hooks (parallel/memory.py) in
+tests/test_activation_checkpointing.py.
 """
 
 from typing import Dict, List, Optional, Tuple
