@@ -40,10 +40,10 @@ class _Run:
 
 
 def _step(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench.step import step
+    from lit_pretrain.bench.step import checkpointing, step
 
     r.step_cases = [step.run(r.c, r.args.steps, r.args.skip, r.args.repeats)]
-    return r.step_cases
+    return r.step_cases + checkpointing.run(r.c)
 
 
 def _compile(r: _Run) -> List[Dict]:
