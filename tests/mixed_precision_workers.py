@@ -7,15 +7,10 @@ three recipes:
 - "autocast": fp32 parameters gathered, torch.autocast(bf16) around the forward (Lightning's bf16-mixed before);
 - "bf16_weights": the negative control, master weights and AdamW state in bf16 (what mixed precision exists to
   avoid: Micikevicius et al. 2018, §3.1), FSDP2 without a policy.
-`count_bytes`: 2 spawned ranks, one ZeRO-3 and one ZeRO-2 step with and without the policy, the bytes each kind of
-collective moves (the bench's counter, bench/parallel/compositions.py CountCollectives).
+The bytes are counted by the bench's own case (lit_pretrain/bench/parallel/mixed_precision.py).
 """
 
-import os
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
@@ -44,18 +39,14 @@ def markov_windows(n: int, seed: int = 0) -> torch.Tensor:
     return out
 
 
-def sharded(recipe: str, mesh, seed: int, stage: int = 3, mp_policy=None):
-    """A tiny GPT under FSDP2 at `stage` in `recipe`'s dtypes, and its AdamW."""
-    from lit_pretrain.parallel.zero import shard_model
-
+def sharded(recipe: str, mesh, seed: int, stage: int = 3):
+    """A tiny GPT under FSDP2 at `stage` in `recipe`'s dtypes (through apply_plan, as the module applies it), and
+    its AdamW."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**CFG))
     if recipe == "bf16_weights":
         model.to(torch.bfloat16)
-    if mp_policy is not None:
-        shard_model(model, mesh, stage, mp_policy=mp_policy)
-    else:
-        apply_plan(model, ParallelPlan(zero_stage=stage, mixed_precision_policy=recipe == "policy"), fsdp_mesh=mesh)
+    apply_plan(model, ParallelPlan(zero_stage=stage, mixed_precision_policy=recipe == "policy"), fsdp_mesh=mesh)
     return model, build_adamw(model, OPTIM, kernel="foreach")
 
 
@@ -69,9 +60,9 @@ def step(model, opt, recipe: str, x, y) -> float:
     return loss.item()
 
 
-def train(recipe: str, seed: int, mesh, steps: int = STEPS, mp_policy=None) -> dict:
+def train(recipe: str, seed: int, mesh, steps: int = STEPS) -> dict:
     data = markov_windows(steps * BATCH)
-    model, opt = sharded(recipe, mesh, seed, mp_policy=mp_policy)
+    model, opt = sharded(recipe, mesh, seed)
     dtypes = set()
     hook = model.blocks[0].attn.wq.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
     losses = [step(model, opt, recipe, data[i * BATCH:(i + 1) * BATCH, :-1], data[i * BATCH:(i + 1) * BATCH, 1:])
@@ -82,34 +73,3 @@ def train(recipe: str, seed: int, mesh, steps: int = STEPS, mp_policy=None) -> d
             "param_dtypes": {p.dtype for p in model.parameters()}, "grad_dtypes": {p.grad.dtype for p in
                                                                                  model.parameters()},
             "state_dtypes": {v.dtype for s in state for k, v in s.items() if k != "step"}}
-
-
-def count_bytes(rank: int, world: int, port: int, results) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from lit_pretrain.bench.parallel.compositions import CountCollectives
-    from lit_pretrain.parallel.zero import mixed_precision_policy
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        data = markov_windows(2 * BATCH, seed=rank)
-        x, y = data[:, :-1], data[:, 1:]
-        out = {}
-        for stage in (2, 3):
-            for name, policy in (("fp32", None), ("policy", mixed_precision_policy()),
-                                 # a wrong reduce dtype: the policy's gathers, gradients reduced in bf16
-                                 ("bf16_reduce", torch.distributed.fsdp.MixedPrecisionPolicy(
-                                     param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))):
-                model, opt = sharded("fp32", mesh, 0, stage, mp_policy=policy)
-                recipe = "fp32"
-                step(model, opt, recipe, x, y)  # the first step: AdamW's state appears
-                with CountCollectives() as counter:
-                    step(model, opt, recipe, x, y)
-                out[(stage, name)] = dict(counter.bytes)
-        if rank == 0:
-            results.update(out)
-    finally:
-        dist.destroy_process_group()

@@ -13,7 +13,6 @@ from lit_pretrain.model.gpt import GPT, LayerNorm, RMSNorm
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.plan import build_plan
 from lit_pretrain.scaling import memory
-from tests.conftest import free_port
 from tests.test_layout import TINY
 
 
@@ -100,14 +99,11 @@ def test_the_policy_block_count_is_what_a_block_saves():
 
 @pytest.mark.slow  # 2 spawned ranks: ~3 s, 13 s of CPU
 def test_the_policy_halves_the_all_gather_bytes_and_reduces_in_fp32():
-    import torch.multiprocessing as mp
+    """The bench's case (bench/parallel/mixed_precision.py) on the tiny model: the figure `make bench` reports."""
+    from lit_pretrain.bench.parallel.mixed_precision import measure
+    from tests.mixed_precision_workers import CFG
 
-    from tests.mixed_precision_workers import count_bytes
-
-    with mp.get_context("spawn").Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(count_bytes, args=(2, free_port(), results), nprocs=2, join=True, start_method="spawn")
-        results = dict(results)
+    results = measure(CFG, 4)
     for stage in (2, 3):
         fp32, policy, wrong = results[(stage, "fp32")], results[(stage, "policy")], results[(stage, "bf16_reduce")]
         print(f"ZeRO-{stage} bytes per rank and step: fp32 {fp32}, policy {policy}")

@@ -109,9 +109,9 @@ def _pipeline(r: _Run) -> List[Dict]:
 
 
 def _compositions(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench.parallel import compositions
+    from lit_pretrain.bench.parallel import compositions, mixed_precision
 
-    return compositions.run(r.c)
+    return compositions.run(r.c) + mixed_precision.run(r.c)
 
 
 def _stability(r: _Run) -> List[Dict]:
