@@ -4,6 +4,7 @@ the same weights, inside one spawn per world size.
 Each case returns, from global rank 0, the largest differences it measured; the test asserts them.
 """
 
+import contextlib
 import copy
 import os
 from datetime import timedelta
@@ -317,7 +318,40 @@ def muon_case(plan: ParallelPlan, out: dict, name: str, zero_stage=None):
     }
 
 
-def worker(rank: int, world: int, port: int, cases: list, results, measure_activations: bool = False):
+def hsdp_policy_case(out: dict) -> None:
+    """HSDP 2 x 2 at ZeRO-3 with FSDP2's mixed-precision policy (strategy.mixed_precision_policy) against without:
+    one AdamW step after a first, the bytes of each kind of collective (the bench's counter), and the dtypes."""
+    from lit_pretrain.bench.parallel.compositions import CountCollectives
+    from lit_pretrain.optim.optimizers import build_adamw
+
+    xs, ys = data()
+    counted = {}
+    for policy in (False, True):
+        plan = ParallelPlan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3,
+                            mixed_precision_policy=policy)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG))
+        par = apply_plan(model, plan, build_mesh(plan))
+        opt = build_adamw(model, OptimConfig(), kernel="foreach")
+        dtypes = set()
+        model.blocks[0].attn.wq.register_forward_hook(lambda m, i, o, seen=dtypes: seen.add(str(o.dtype)))
+        per = BATCH // 4
+        rank = data_parallel_rank(par)
+        x, y = xs[0][rank * per:(rank + 1) * per], ys[0][rank * per:(rank + 1) * per]
+        for step in range(2):
+            with CountCollectives() if step else contextlib.nullcontext() as counter:
+                opt.zero_grad()
+                F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+                par.sync_gradients()
+                opt.step()
+        counted[policy] = {"bytes": dict(counter.bytes), "matmul": sorted(dtypes),
+                           "master": sorted({str(p.dtype) for p in model.parameters()} |
+                                            {str(p.grad.dtype) for p in model.parameters()})}
+    out["hsdp_policy"] = counted
+
+
+def worker(rank: int, world: int, port: int, cases: list, results, measure_activations: bool = False,
+           hsdp_policy: bool = False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -334,6 +368,8 @@ def worker(rank: int, world: int, port: int, cases: list, results, measure_activ
         if measure_activations:
             activation_case(out)
             vocab_cross_entropy_case(out)
+        if hsdp_policy:
+            hsdp_policy_case(out)
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -60,12 +60,12 @@ CASES_4 = [
 MUON_CASES_4 = [("muon_zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), MUON)]
 
 
-def spawn(world, cases, measure_activations=False):
+def spawn(world, cases, measure_activations=False, hsdp_policy=False):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(worker, args=(world, free_port(), cases, results, measure_activations), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(worker, args=(world, free_port(), cases, results, measure_activations, hsdp_policy),
+                           nprocs=world, join=True, start_method="spawn")
         return dict(results)
 
 
@@ -168,10 +168,19 @@ def check_activations(measured):
 
 
 def test_four_process_layouts_match_one_process():
-    results = spawn(4, CASES_4 + MUON_CASES_4)
+    results = spawn(4, CASES_4 + MUON_CASES_4, hsdp_policy=True)
     print({k: {m: v for m, v in r.items() if isinstance(v, float)} for k, r in results.items()})
     check(results, [c[0] for c in CASES_4])
     check_muon(results, [c[0] for c in MUON_CASES_4])
+    # HSDP 2 x 2 under FSDP2's mixed-precision policy: bf16 parameters gathered within a replica group (half the
+    # bytes, to the byte), gradients reduce-scattered and then all-reduced across replicas in fp32 (the same bytes
+    # as without the policy); the blocks' matmuls in bf16, master weights and their gradients fp32.
+    fp32, policy = results["hsdp_policy"][False], results["hsdp_policy"][True]
+    assert policy["bytes"]["all_gather"] / fp32["bytes"]["all_gather"] == pytest.approx(0.5, abs=0.005), (fp32, policy)
+    assert policy["bytes"]["reduce_scatter"] == fp32["bytes"]["reduce_scatter"] > 0
+    assert policy["bytes"]["all_reduce"] == fp32["bytes"]["all_reduce"] > 0
+    assert policy["matmul"] == ["torch.bfloat16"] and fp32["matmul"] == ["torch.float32"]
+    assert policy["master"] == ["torch.float32"]
 
 
 CASES_8 = [("zero3_tp2_pp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2, pipeline_parallel=2,
