@@ -148,3 +148,19 @@ def test_full_recomputes_the_planned_flops_and_selective_sits_between_none_and_f
     assert plan["recompute_flops"] == {k: 3 * v for k, v in every.items()}
     assert plan["activation_bytes_per_layer"] == pytest.approx(
         measured("selective", "every_other", 2)[0] - measured("selective", "every_other", 1)[0], rel=0.01)
+
+
+def test_the_bench_reports_selective_and_full_against_none():
+    """bench/step/checkpointing.py (the step group's case) on the tiny experiment: the cases it reports, and the
+    saved bytes in the order the modes imply (full keeps least, selective between)."""
+    from lit_pretrain import config
+    from lit_pretrain.bench.step import checkpointing
+    from tests.test_layout import TINY
+
+    c = config.to_object(config.load(TINY, ["model.vocab_size=128", "trainer.micro_batch_size=2"]))
+    cases = {case["case"]: case for case in checkpointing.run(c, steps=2, skip=1, alternations=1)}
+    assert list(cases) == ["act_ckpt_selective_vs_none_step_seconds", "act_ckpt_selective_vs_none_saved_bytes",
+                           "act_ckpt_full_vs_none_step_seconds", "act_ckpt_full_vs_none_saved_bytes"]
+    full, selective = cases["act_ckpt_full_vs_none_saved_bytes"], cases["act_ckpt_selective_vs_none_saved_bytes"]
+    assert 0 < full["ratio"] < selective["ratio"] < 1 and full["reference"] == selective["reference"]
+    assert cases["act_ckpt_selective_vs_none_step_seconds"]["value"] > 0
