@@ -46,6 +46,12 @@ def test_the_strategy_runs_the_step_without_autocast_under_the_policy():
     assert isinstance(plugin, PolicyPrecision) and plugin.precision == "bf16-mixed"
     with plugin.forward_context():
         assert not torch.is_autocast_enabled("cpu")
+    # and the Trainer train.py builds (precision=bf16-mixed given as well) runs the strategy's plugin, not autocast
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert trainer.precision_plugin is plugin and trainer.precision == "bf16-mixed"
     c = cfg("strategy=zero", "trainer.devices=2", "trainer.precision=bf16-mixed",
             "strategy.mixed_precision_policy=false")
     assert not isinstance(build_strategy(c.strategy, c.trainer, build_plan(c)).precision_plugin, PolicyPrecision)
