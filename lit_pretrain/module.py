@@ -76,7 +76,8 @@ class PretrainModule(L.LightningModule):
             plan = ParallelPlan(zero_stage=stage)
         m = self.model_cfg
         return replace(plan, activation_checkpointing=m.activation_checkpointing,
-                       activation_checkpointing_k=m.activation_checkpointing_k, compile=self.compile_blocks)
+                       activation_checkpointing_k=m.activation_checkpointing_k, compile=self.compile_blocks,
+                       activation_checkpointing_save_matmuls=m.activation_checkpointing_save_matmuls)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None,

@@ -4,6 +4,7 @@ the same weights, inside one spawn per world size.
 Each case returns, from global rank 0, the largest differences it measured; the test asserts them.
 """
 
+import contextlib
 import copy
 import os
 from datetime import timedelta
@@ -207,12 +208,16 @@ def vocab_cross_entropy_case(out: dict) -> None:
                            "ref_none": lm_losses(logits, torch.full_like(targets, IGNORE_INDEX))[0].isnan().item()}
 
 
-def saved_block_bytes(tp_group, sequence_parallel: bool) -> int:
+def saved_block_bytes(tp_group, sequence_parallel: bool, checkpointing: str = "none") -> int:
     """Bytes the first block saves for backward on this rank under tensor parallelism over `tp_group`, with or
-    without sequence parallelism (collectives inside: every rank of the group calls it)."""
+    without sequence parallelism (collectives inside: every rank of the group calls it), under
+    model.activation_checkpointing=`checkpointing` (applied after tensor parallelism, as apply_plan does)."""
+    from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
+
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     apply_tensor_parallel(model, tp_group, sequence_parallel=sequence_parallel)
+    apply_activation_checkpointing(model, checkpointing)
     h = model.tok_embeddings(data()[0][0])  # (B, T, d), or this rank's (B, T/t, d) under sequence parallelism
     with SavedActivations(model) as meter:
         out = model.blocks[0](h, model.rope_cos, model.rope_sin)
@@ -225,9 +230,10 @@ def activation_case(out: dict) -> None:
     plan = ParallelPlan(tensor_parallel=dist.get_world_size())
     tp = build_mesh(plan).get_group("tensor_parallel")
     measured = {sp: saved_block_bytes(tp, sp) for sp in (False, True)}
+    selective = {sp: saved_block_bytes(tp, sp, "selective") for sp in (False, True)}
     if dist.get_rank() == 0:
-        out["activations"] = {"tp": measured[False], "tp_sp": measured[True],
-                              "shape": dict(batch=BATCH, **CFG)}
+        out["activations"] = {"tp": measured[False], "tp_sp": measured[True], "selective_tp": selective[False],
+                              "selective_tp_sp": selective[True], "shape": dict(batch=BATCH, **CFG)}
 
 
 MUON = OptimConfig(name="muon", lr_peak=LR, weight_decay=0.1, beta2=0.999)
@@ -320,7 +326,40 @@ def muon_case(plan: ParallelPlan, out: dict, name: str, zero_stage=None):
     }
 
 
-def worker(rank: int, world: int, port: int, cases: list, results, measure_activations: bool = False):
+def hsdp_policy_case(out: dict) -> None:
+    """HSDP 2 x 2 at ZeRO-3 with FSDP2's mixed-precision policy (strategy.mixed_precision_policy) against without:
+    one AdamW step after a first, the bytes of each kind of collective (the bench's counter), and the dtypes."""
+    from lit_pretrain.bench.parallel.compositions import CountCollectives
+    from lit_pretrain.optim.optimizers import build_adamw
+
+    xs, ys = data()
+    counted = {}
+    for policy in (False, True):
+        plan = ParallelPlan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3,
+                            mixed_precision_policy=policy)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG))
+        par = apply_plan(model, plan, build_mesh(plan))
+        opt = build_adamw(model, OptimConfig(), kernel="foreach")
+        dtypes = set()
+        model.blocks[0].attn.wq.register_forward_hook(lambda m, i, o, seen=dtypes: seen.add(str(o.dtype)))
+        per = BATCH // 4
+        rank = data_parallel_rank(par)
+        x, y = xs[0][rank * per:(rank + 1) * per], ys[0][rank * per:(rank + 1) * per]
+        for step in range(2):
+            with CountCollectives() if step else contextlib.nullcontext() as counter:
+                opt.zero_grad()
+                F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+                par.sync_gradients()
+                opt.step()
+        counted[policy] = {"bytes": dict(counter.bytes), "matmul": sorted(dtypes),
+                           "master": sorted({str(p.dtype) for p in model.parameters()} |
+                                            {str(p.grad.dtype) for p in model.parameters()})}
+    out["hsdp_policy"] = counted
+
+
+def worker(rank: int, world: int, port: int, cases: list, results, measure_activations: bool = False,
+           hsdp_policy: bool = False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -339,6 +378,8 @@ def worker(rank: int, world: int, port: int, cases: list, results, measure_activ
         if measure_activations:
             activation_case(out)
             vocab_cross_entropy_case(out)
+        if hsdp_policy:
+            hsdp_policy_case(out)
     finally:
         dist.destroy_process_group()
     if rank == 0:

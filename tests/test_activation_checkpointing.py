@@ -43,6 +43,7 @@ def step(model, mode="none", k=2):
     ("every_k", 5, 2, [0, 2, 4]),
     ("every_k", 6, 3, [0, 3]),
     ("every_k", 3, 1, [0, 1, 2]),
+    ("selective", 3, 2, [0, 1, 2]),
 ])
 def test_policy_picks_blocks(mode, n_layers, k, expected):
     assert checkpointed_block_indices(mode, n_layers, k) == expected
@@ -53,7 +54,7 @@ def test_unknown_policy_names_the_key():
         checkpointed_block_indices("some", 4)
 
 
-@pytest.mark.parametrize("mode", ["full", "every_k"])
+@pytest.mark.parametrize("mode", ["full", "every_k", "selective"])
 def test_losses_and_gradients_equal_without_it(mode):
     # Non-reentrant recomputation runs the same CPU kernels on the same inputs in the same order: bit-identical.
     loss_ref, grads_ref, _ = step(gpt(4))
@@ -84,3 +85,82 @@ def test_checkpoint_names_stay_those_of_the_plain_gpt():
     assert apply_activation_checkpointing(wrapped, "full") == [0, 1]  # idempotent: configure_model may run twice
     assert list(wrapped.state_dict()) == list(plain.state_dict())
     wrapped.load_state_dict(plain.state_dict(), strict=True)
+
+
+# Selective activation checkpointing (torchtitan's op policy) against the planner's rows (scaling/recompute.py):
+# grouped-query attention (2 key/value heads of 4), so wk and wv differ from wq in size; both MLPs.
+SHAPE = dict(vocab_size=128, d_model=D, n_heads=4, n_kv_heads=2, seq_len=T)
+
+
+def measured(mode, save_matmuls="all", n_layers=1, mlp="swiglu", autocast=False):
+    """(saved-activation bytes, FLOPs of forward and backward) of one step, FlopCounterMode counting."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layers=n_layers, mlp=mlp, **SHAPE))
+    apply_activation_checkpointing(model, mode, save_matmuls=save_matmuls)
+    x, y = batch()
+    with FlopCounterMode(display=False) as flops:
+        with SavedActivations(model) as meter, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+    return meter.bytes, flops.get_total_flops()
+
+
+@pytest.mark.parametrize("save_matmuls, mlp, autocast", [("all", "swiglu", False), ("every_other", "swiglu", False),
+                                                         ("every_other", "gelu", False), ("all", "swiglu", True)])
+def test_selective_keeps_the_planned_bytes_and_recomputes_the_planned_flops(save_matmuls, mlp, autocast):
+    """Like torchtitan's tests of its op policy: FlopCounterMode counts what the backward runs again (the step's FLOPs
+    against those of the step without checkpointing), the saved-tensor hooks and the policy's cache the bytes a block
+    keeps (the difference of a 2- and a 1-block model: the rest of the model cancels). Both must equal the planner's
+    figures within 1%; they are exact here. On CPU FlopCounterMode counts matmuls only (no formula for the CPU
+    attention kernel), so the planner's matmul figure is compared; the policy saves attention's output anyway."""
+    from lit_pretrain.scaling.recompute import recompute_flops, selective_block_bytes
+
+    cfg = GPTConfig(n_layers=1, mlp=mlp, **SHAPE)
+    args = (T, B, D, 4, cfg.hidden_dim)
+    per_block = measured("selective", save_matmuls, 2, mlp, autocast)[0] - measured("selective", save_matmuls, 1,
+                                                                                     mlp, autocast)[0]
+    planned = selective_block_bytes(*args, bytes_per_element=2.0 if autocast else 4.0, kv_heads=2, mlp=mlp,
+                                    residual_bytes=4.0, save_matmuls=save_matmuls)
+    assert per_block == pytest.approx(planned, rel=0.01), (per_block, planned)
+    recomputed = measured("selective", save_matmuls, mlp=mlp)[1] - measured("none", mlp=mlp)[1]
+    planned_flops = recompute_flops("selective", *args, kv_heads=2, mlp=mlp, save_matmuls=save_matmuls)["matmul"]
+    assert recomputed == pytest.approx(planned_flops, rel=0.01, abs=0), (recomputed, planned_flops)
+    # every_other runs the matmuls it does not keep again: the count is not trivially 0
+    assert (planned_flops > 0) == (save_matmuls == "every_other")
+
+
+def test_full_recomputes_the_planned_flops_and_selective_sits_between_none_and_full():
+    from lit_pretrain.scaling.memory import memory_plan
+    from lit_pretrain.scaling.recompute import recompute_flops
+
+    none, full, selective = measured("none"), measured("full"), measured("selective")
+    planned = recompute_flops("full", T, B, D, 4, GPTConfig(**SHAPE).hidden_dim, kv_heads=2)["matmul"]
+    assert full[1] - none[1] == pytest.approx(planned, rel=0.01, abs=0)
+    assert full[0] < selective[0] < none[0]
+    assert selective[1] == none[1]  # every matmul kept: no matmul runs again
+    # memory_plan's selective row is this count, per layer and for all layers' recomputation
+    cfg = GPTConfig(n_layers=3, **SHAPE)
+    plan = memory_plan(cfg, B, precision="32-true", activation_checkpointing="selective",
+                       activation_checkpointing_save_matmuls="every_other")
+    every = recompute_flops("selective", T, B, D, 4, cfg.hidden_dim, kv_heads=2, save_matmuls="every_other")
+    assert plan["recompute_flops"] == {k: 3 * v for k, v in every.items()}
+    assert plan["activation_bytes_per_layer"] == pytest.approx(
+        measured("selective", "every_other", 2)[0] - measured("selective", "every_other", 1)[0], rel=0.01)
+
+
+def test_the_bench_reports_selective_and_full_against_none():
+    """bench/step/checkpointing.py (the step group's case) on the tiny experiment: the cases it reports, and the
+    saved bytes in the order the modes imply (full keeps least, selective between)."""
+    from lit_pretrain import config
+    from lit_pretrain.bench.step import checkpointing
+    from tests.test_layout import TINY
+
+    c = config.to_object(config.load(TINY, ["model.vocab_size=128", "trainer.micro_batch_size=2"]))
+    cases = {case["case"]: case for case in checkpointing.run(c, steps=2, skip=1, alternations=1)}
+    assert list(cases) == ["act_ckpt_selective_vs_none_step_seconds", "act_ckpt_selective_vs_none_saved_bytes",
+                           "act_ckpt_full_vs_none_step_seconds", "act_ckpt_full_vs_none_saved_bytes"]
+    full, selective = cases["act_ckpt_full_vs_none_saved_bytes"], cases["act_ckpt_selective_vs_none_saved_bytes"]
+    assert 0 < full["ratio"] < selective["ratio"] < 1 and full["reference"] == selective["reference"]
+    assert cases["act_ckpt_selective_vs_none_step_seconds"]["value"] > 0

@@ -72,7 +72,7 @@ def assert_same(eager, compiled):
 
 
 @needs_compiler
-@pytest.mark.parametrize("activation_checkpointing", ["none", "full"])
+@pytest.mark.parametrize("activation_checkpointing", ["none", "full", "selective"])
 def test_compiled_step_matches_eager(activation_checkpointing):
     """Through `apply_plan`, as the module applies it. One process: the whole forward and the loss (z-loss
     included) as one graph, blocks untouched. With checkpointing: each block compiled inside its wrapper (regional),
@@ -80,7 +80,7 @@ def test_compiled_step_matches_eager(activation_checkpointing):
     eager, compiled = gpt(activation_checkpointing), gpt(activation_checkpointing)
     apply_plan(eager, ParallelPlan(activation_checkpointing=activation_checkpointing))
     par = apply_plan(compiled, ParallelPlan(activation_checkpointing=activation_checkpointing, compile=True))
-    regional = activation_checkpointing == "full"
+    regional = activation_checkpointing != "none"
     assert all(is_compiled(b) == regional for b in compiled.blocks) and not any(is_compiled(b) for b in eager.blocks)
     assert all(is_checkpointed(b) for b in compiled.blocks) == regional
     z_loss = 0.0 if regional else Z_LOSS

@@ -28,9 +28,10 @@ VARIANTS = dict(n_kv_heads=2, qk_norm=True, logit_softcap=0.3, norm="layernorm",
 CASES_2 = [
     ("tp2", Plan(tensor_parallel=2)),
     ("pp2_gpipe", Plan(pipeline_parallel=2, schedule="gpipe", micro_batches=4)),
-    ("pp2_1f1b", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4)),
+    # selective activation checkpointing composed with the pipeline, TP + SP and ZeRO-3 x TP (the same math)
+    ("pp2_1f1b", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4, activation_checkpointing="selective")),
     ("pp2_interleaved", Plan(pipeline_parallel=2, schedule="interleaved_1f1b", micro_batches=4, stages_per_rank=2)),
-    ("tp2_sp", Plan(tensor_parallel=2, sequence_parallel=True)),
+    ("tp2_sp", Plan(tensor_parallel=2, sequence_parallel=True, activation_checkpointing="selective")),
     ("tp2_sp_variants", Plan(tensor_parallel=2, sequence_parallel=True), VARIANTS),
     ("pp2_variants", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4), {**VARIANTS, "n_kv_heads": 1}),
 ]
@@ -55,7 +56,7 @@ CASES_4 = [
     ("dp2_pp2", Plan(data_parallel_replicate=2, pipeline_parallel=2, micro_batches=2)),
     ("tp2_pp2", Plan(tensor_parallel=2, pipeline_parallel=2, schedule="gpipe", micro_batches=4)),
     # ZeRO compositions (issue 11): FSDP2 over the data-parallel shard dimension of the same mesh.
-    ("zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2)),
+    ("zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2, activation_checkpointing="selective")),
     ("zero2_pp2", Plan(data_parallel_shard=2, zero_stage=2, pipeline_parallel=2, micro_batches=2)),
     ("hsdp2x2", Plan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3)),
     # Issue 21: every variant at once under ZeRO-3 x tensor parallelism 2 (4 processes cost ~10 s a case here).
@@ -66,12 +67,12 @@ CASES_4 = [
 MUON_CASES_4 = [("muon_zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), MUON)]
 
 
-def spawn(world, cases, measure_activations=False):
+def spawn(world, cases, measure_activations=False, hsdp_policy=False):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(worker, args=(world, free_port(), cases, results, measure_activations), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(worker, args=(world, free_port(), cases, results, measure_activations, hsdp_policy),
+                           nprocs=world, join=True, start_method="spawn")
         return dict(results)
 
 
@@ -187,13 +188,29 @@ def check_activations(measured):
     # do: on fp32 CPU kernels the bytes agree exactly, so a tensor added to or dropped from the block shows here.
     assert measured["tp"] == planned[False] and measured["tp_sp"] == planned[True], (measured, planned)
     assert ratio < 0.9  # sequence parallelism saves the norm region's bytes, not nothing
+    # model.activation_checkpointing=selective under TP 2 (and SP): the block's input (1/t of it under SP), its
+    # matmuls' outputs (the row-parallel ones whole, before their all-reduce or reduce-scatter) and attention's, as
+    # scaling/recompute.py counts them; exact on fp32 CPU kernels, as above.
+    for sp, key in ((False, "selective_tp"), (True, "selective_tp_sp")):
+        planned = memory_plan(cfg, BATCH, tensor_parallel=2, sequence_parallel=sp, precision="32-true",
+                              activation_checkpointing="selective")["activation_bytes_per_layer"]
+        assert measured[key] == pytest.approx(planned, rel=0.01), (key, measured, planned)
 
 
 def test_four_process_layouts_match_one_process():
-    results = spawn(4, CASES_4 + MUON_CASES_4)
+    results = spawn(4, CASES_4 + MUON_CASES_4, hsdp_policy=True)
     print({k: {m: v for m, v in r.items() if isinstance(v, float)} for k, r in results.items()})
     check(results, [c[0] for c in CASES_4])
     check_muon(results, [c[0] for c in MUON_CASES_4])
+    # HSDP 2 x 2 under FSDP2's mixed-precision policy: bf16 parameters gathered within a replica group (half the
+    # bytes, to the byte), gradients reduce-scattered and then all-reduced across replicas in fp32 (the same bytes
+    # as without the policy); the blocks' matmuls in bf16, master weights and their gradients fp32.
+    fp32, policy = results["hsdp_policy"][False], results["hsdp_policy"][True]
+    assert policy["bytes"]["all_gather"] / fp32["bytes"]["all_gather"] == pytest.approx(0.5, abs=0.005), (fp32, policy)
+    assert policy["bytes"]["reduce_scatter"] == fp32["bytes"]["reduce_scatter"] > 0
+    assert policy["bytes"]["all_reduce"] == fp32["bytes"]["all_reduce"] > 0
+    assert policy["matmul"] == ["torch.bfloat16"] and fp32["matmul"] == ["torch.float32"]
+    assert policy["master"] == ["torch.float32"]
 
 
 CASES_8 = [("zero3_tp2_pp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2, pipeline_parallel=2,

@@ -40,10 +40,10 @@ class _Run:
 
 
 def _step(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench.step import step
+    from lit_pretrain.bench.step import checkpointing, step
 
     r.step_cases = [step.run(r.c, r.args.steps, r.args.skip, r.args.repeats)]
-    return r.step_cases
+    return r.step_cases + checkpointing.run(r.c)
 
 
 def _compile(r: _Run) -> List[Dict]:
@@ -109,9 +109,9 @@ def _pipeline(r: _Run) -> List[Dict]:
 
 
 def _compositions(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench.parallel import compositions
+    from lit_pretrain.bench.parallel import compositions, mixed_precision
 
-    return compositions.run(r.c)
+    return compositions.run(r.c) + mixed_precision.run(r.c)
 
 
 def _stability(r: _Run) -> List[Dict]:

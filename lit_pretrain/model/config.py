@@ -121,11 +121,17 @@ class GPTConfig:
     """Epsilon of every norm (RMSNorm or LayerNorm)."""
     init_std: float = field(default=0.02, metadata={"gt": 0})
     """Std of the normal init of every weight matrix; residual output projections get init_std / sqrt(2 * n_layers)."""
-    activation_checkpointing: str = field(default="none", metadata={"choices": ["none", "full", "every_k"]})
+    activation_checkpointing: str = field(default="none",
+                                          metadata={"choices": ["none", "full", "every_k", "selective"]})
     """Recompute whole blocks in the backward pass instead of saving their activations: none, full (every block)
-    or every_k (blocks 0, k, 2k, ...). Applied from outside the GPT by lit_pretrain.parallel; the GPT ignores it."""
+    or every_k (blocks 0, k, 2k, ...); or selective, torchtitan's op-level policy: every block keeps its matmul and
+    attention outputs and recomputes only the cheap ops between them (norms, RoPE, activations). Applied from
+    outside the GPT by lit_pretrain.parallel; the GPT ignores it."""
     activation_checkpointing_k: int = field(default=2, metadata={"ge": 1})
     """activation_checkpointing=every_k only: checkpoint one block in every k."""
+    activation_checkpointing_save_matmuls: str = field(default="all", metadata={"choices": ["all", "every_other"]})
+    """activation_checkpointing=selective only: keep every matmul's output (all), or the 1st, 3rd, ... of each
+    block's (every_other, as torchtitan's save list does: less memory, half the matmuls' forward run again)."""
     init: str = field(default="scaled_residual", metadata={"choices": ["standard", "scaled_residual", "mup"]})
     """Initialization (lit_pretrain/model/init.py). standard: every matrix ~ N(0, init_std); scaled_residual: residual
     output projections get init_std / sqrt(2 n_layers) (GPT-2 §2.3); mup: μP (Yang et al. 2022, Tensor Programs V,

@@ -30,12 +30,32 @@ def build_linear(spec: ModuleSpec) -> nn.Linear:
     return linear
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm computed in fp32 and cast back to the input's dtype, as OLMo-core's RMSNorm and HF's LlamaRMSNorm
+    do: with bf16 activations and weights (FSDP2's mixed-precision policy, bf16-true) the mean of squares and the
+    weight's product are not rounded to 8 bits. An fp32 input and weight run exactly as nn.RMSNorm (no copies)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """Bias-free nn.LayerNorm computed in fp32 and cast back (see RMSNorm). Also what lets a bf16 weight meet an fp32
+    input: layer_norm refuses mixed dtypes ("expected scalar type")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            weight = self.weight.float() if self.weight is not None else None
+            return F.layer_norm(x.float(), self.normalized_shape, weight, None, self.eps).to(x.dtype)
+
+
 def build_norm(cfg: GPTConfig, spec: ModuleSpec) -> nn.Module:
-    """RMSNorm or bias-free LayerNorm over the table's width; `tensor_parallel` marks a partial gradient."""
+    """RMSNorm or bias-free LayerNorm over the table's width, in fp32; `tensor_parallel` marks a partial gradient."""
     if cfg.norm == "layernorm":
-        norm = nn.LayerNorm(spec.shape[0], eps=cfg.norm_eps, bias=False)
+        norm = LayerNorm(spec.shape[0], eps=cfg.norm_eps, bias=False)
     else:
-        norm = nn.RMSNorm(spec.shape[0], eps=cfg.norm_eps)
+        norm = RMSNorm(spec.shape[0], eps=cfg.norm_eps)
     norm.tensor_parallel = spec.tensor_parallel
     return norm
 

@@ -19,14 +19,16 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
        plain module names (before any wrapper prefixes them), and split each routed expert along its width
        (parallel/expert_tensor.py); then expert parallelism: keep this rank's experts (of those slices) and give the
        MoE layers their all-to-all dispatch (parallel/expert.py);
-    3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them);
+    3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them), under
+       the op policy when selective;
     4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
        with data parallelism, FSDP or checkpointing each block's forward (torchtitan's regional compile, inside its
        checkpoint wrapper) and the loss apart;
     5. FSDP2 (ZeRO stages 2 and 3; HSDP with replicas): each block, then the root — the GPT, or each pipeline
        stage's forward, whose hooks are the ones the schedule calls. Last, because it shards whatever parameters
        the steps before left (TP slices included) and its hooks must sit outside checkpointing and compile; under
-       expert parallelism the experts apart, over their own data-parallel group.
+       expert parallelism the experts apart, over their own data-parallel group. With plan.mixed_precision_policy
+       (ZeRO 2/3 under bf16-mixed) FSDP2 gathers bf16 parameters and reduces fp32 gradients (zero.py).
 
     `mesh`: our (pipeline, replicate, shard, tensor) mesh when plan.uses_mesh; else `fsdp_mesh`, the data-parallel
     mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
@@ -65,7 +67,8 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.moe_mesh import install_global_counts
 
         install_global_counts(gpt, plan)
-    apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k)
+    apply_activation_checkpointing(gpt, plan.activation_checkpointing, plan.activation_checkpointing_k,
+                                   plan.activation_checkpointing_save_matmuls)
     if plan.compile:
         from lit_pretrain.parallel.compile import check_toolchain, compile_model
 
@@ -85,8 +88,11 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
             raise ValueError(f"strategy.zero_stage={plan.zero_stage} needs a device mesh: run it under the strategy "
                              "build_strategy returns")
         roots = par.runner.forwards if par.runner is not None else [gpt]
+        from lit_pretrain.parallel.zero import mixed_precision_policy
+
+        policy = mixed_precision_policy() if plan.mixed_precision_policy else None
         for root in roots:
-            shard_model(root, fsdp_mesh, plan.zero_stage, par.ep)
+            shard_model(root, fsdp_mesh, plan.zero_stage, par.ep, policy)
         _retie(gpt)
     gpt._lit_pretrain_parallel = par
     return par

@@ -13,7 +13,8 @@ Conventions (the same for every strategy):
 - `gathered_param_bytes`: under FSDP, the all-gathered (unsharded) parameters held at the moment of the call;
   call it when the forward has ended and backward not started to get what ZeRO stage 2 vs 3 hold during backward.
 - `SavedActivations`: bytes of tensors autograd saves for backward during a forward (saved-tensor hooks), without
-  parameters and buffers, plus the inputs that activation-checkpointed blocks keep for their recomputation.
+  parameters and buffers, plus the inputs that activation-checkpointed blocks keep for their recomputation and the
+  op outputs a selectively checkpointed block keeps in its cache (the saved matmul and attention outputs).
 """
 
 from typing import Dict, Iterable, Optional
@@ -88,14 +89,17 @@ class SavedActivations:
     Every tensor autograd saves passes through the pack hook; parameters (leaves that require grad, or views of
     them) and the module's buffers are not activations and are skipped. Inside an activation-checkpointed block
     the checkpoint's own hooks take over and keep nothing; what the block keeps is its input, recorded by a
-    forward pre-hook on the wrapper. Storages are counted once and kept referenced until exit, so a freed and
-    reused address cannot be counted twice.
+    forward pre-hook on the wrapper. A selectively checkpointed block also keeps the outputs its op policy saves,
+    outside autograd's saved tensors (torch.utils.checkpoint's cache): read from that cache when the forward ends.
+    Storages are counted once and kept referenced until exit, so a freed and reused address cannot be counted twice.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.storages: Dict[int, torch.UntypedStorage] = {}
         self._handles = []
+        self._caches: list = []
+        self._policies: list = []
 
     @property
     def bytes(self) -> int:
@@ -120,18 +124,34 @@ class SavedActivations:
         return t
 
     def __enter__(self) -> "SavedActivations":
-        from lit_pretrain.parallel.activation_checkpointing import is_checkpointed
+        from lit_pretrain.parallel.activation_checkpointing import is_checkpointed, selective_policy
 
         self._buffers = {_storage_key(b) for b in self.model.buffers()}
         for m in self.model.modules():
             if is_checkpointed(m):
                 self._handles.append(m.register_forward_pre_hook(self._record_inputs))
+            policy = selective_policy(m)
+            if policy is not None:
+                policy.recorder = self._caches.append
+                self._policies.append(policy)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        from torch.utils._pytree import tree_leaves
+
         self._hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for policy in self._policies:
+            policy.recorder = None
+        self._policies.clear()
+        # {op: {call index: outputs or a recompute marker}}: the outputs are wrapped, each leaf's tensor in `.val`
+        for cache in self._caches:
+            for entries in cache.values():
+                for entry in entries.values():
+                    for leaf in tree_leaves(entry):
+                        self._record(getattr(leaf, "val", None))
+        self._caches.clear()

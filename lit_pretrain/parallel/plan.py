@@ -50,6 +50,8 @@ class ParallelPlan:
     activation_checkpointing_k: int = 2
     compile: bool = False
     expert_parallel: int = 1
+    activation_checkpointing_save_matmuls: str = "all"
+    mixed_precision_policy: bool = False  # FSDP2 gathers bf16 parameters and reduces fp32 gradients (zero.py)
 
     @property
     def world_size(self) -> int:
@@ -139,7 +141,10 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
         activation_checkpointing=model.activation_checkpointing if model is not None else "none",
         activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
         compile=compile_decision(trainer, model, degrees, compile).compile,
-        expert_parallel=getattr(strategy, "expert_parallel", 1))
+        expert_parallel=getattr(strategy, "expert_parallel", 1),
+        activation_checkpointing_save_matmuls=getattr(model, "activation_checkpointing_save_matmuls", "all"),
+        mixed_precision_policy=stage in (2, 3) and trainer.precision == "bf16-mixed" and getattr(
+            strategy, "mixed_precision_policy", True))
     check_plan(plan, trainer, model, vocab_from)
     return plan
 
@@ -179,6 +184,11 @@ def check_plan(plan: ParallelPlan, trainer, model=None, vocab_from: Optional[str
         raise ConfigError(f"trainer.precision={trainer.precision} is not supported with strategy.zero_stage="
                           f"{plan.zero_stage} (FSDP2 under Lightning's ModelParallelStrategy): choose one of "
                           f"{', '.join(FSDP_PRECISIONS)}")
+    if plan.mixed_precision_policy and (t > 1 or p > 1 or plan.expert_parallel > 1):
+        raise ConfigError("strategy.mixed_precision_policy=true (FSDP2 gathering bf16 parameters, the default under "
+                          "trainer.precision=bf16-mixed with zero_stage 2 or 3) is built and tested for ZeRO-2/3 and "
+                          "HSDP only, not yet with tensor, pipeline or expert parallelism: set "
+                          "strategy.mixed_precision_policy=false (fp32 parameters gathered, autocast per op)")
     if plan.sequence_parallel and t == 1:
         raise ConfigError("strategy.sequence_parallel=true shards the norms along the sequence across the "
                           "tensor-parallel group: it needs strategy.tensor_parallel > 1")
@@ -221,6 +231,8 @@ def _check_model(plan: ParallelPlan, trainer, model, vocab_from: Optional[str] =
     t = plan.tensor_parallel
     if model.moe is not None:
         _check_moe(plan, model)
+    if plan.activation_checkpointing == "selective":
+        _check_selective(plan, model)
     if model.qk_norm and model.qk_norm_scope == "projection" and t > 1:
         raise ConfigError(f"model.qk_norm_scope=projection normalizes over all heads of q and k, which "
                           f"strategy.tensor_parallel={t} splits across ranks: set qk_norm_scope=head or "
@@ -280,6 +292,14 @@ def _check_expert_parallel(plan: ParallelPlan, model) -> None:
     if model is not None and model.moe.num_experts % ep:
         raise ConfigError(f"model.moe.num_experts={model.moe.num_experts} is not divisible by "
                           f"strategy.expert_parallel={ep}: each rank owns an equal share of the experts")
+
+
+def _check_selective(plan: ParallelPlan, model) -> None:
+    if model.moe is not None:
+        raise ConfigError("model.activation_checkpointing=selective is not supported with model.moe (so neither with "
+                          "strategy.expert_parallel): the op policy is tested and its memory counted on dense blocks "
+                          "only, not through the routing and the grouped expert kernels; use "
+                          "model.activation_checkpointing=full")
 
 
 def _check_moe(plan: ParallelPlan, model) -> None:

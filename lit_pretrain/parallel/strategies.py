@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from lit_pretrain.faults.launcher import WatchedLaunch
@@ -45,6 +46,18 @@ class VerifiedModelParallelStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, 
         return super().load_checkpoint(path, weights_only=True)
 
 
+class PolicyPrecision(Precision):
+    """trainer.precision=bf16-mixed when FSDP2's mixed-precision policy casts (plan.mixed_precision_policy): no
+    torch.autocast around the step. The policy already gathers bf16 parameters and casts each block's inputs, so
+    every matmul runs in bf16; autocast would add a cast-cache lookup to every op and re-cast what it lists as fp32
+    ops (on GPUs: softmax, the norms, the loss) in its own way, two precision rules for one step. torchtitan and
+    OLMo-core run FSDP2's policy without autocast too (autocast only where there is no FSDP). What must be fp32 is
+    fp32 by construction: the norms (model/gpt.py), RoPE's rotation, the loss (model/losses.py), the reduce-scatter
+    and the master weights. Named "bf16-mixed", as the run asked, for the MFU's peak and the console."""
+
+    precision = "bf16-mixed"
+
+
 def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
                    plan: Optional[ParallelPlan] = None) -> Strategy | str:
     """The Lightning strategy for `plan` (built from the two sections when not given; a ConfigError for a layout
@@ -59,7 +72,10 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
     if plan.uses_mesh:
         from lit_pretrain.parallel.mesh_strategy import MeshStrategy
 
-        return watched(MeshStrategy(plan, backend, timeout), config)
+        mesh_strategy = MeshStrategy(plan, backend, timeout)
+        if plan.mixed_precision_policy:
+            mesh_strategy.precision_plugin = PolicyPrecision()
+        return watched(mesh_strategy, config)
     if plan.uses_fsdp:
         # Every rank in one data-parallel group (no tensor parallelism). A consolidated checkpoint (one file,
         # written by rank 0) reads back like any other strategy's: the full state dict is gathered without the
@@ -70,6 +86,8 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
     else:
         strategy = ShardedDDPStrategy(process_group_backend=backend, timeout=timeout)
     strategy.plan = plan  # read by PretrainModule.plan (ZeRO-1's optimizer, FSDP's stage)
+    if plan.mixed_precision_policy:
+        strategy.precision_plugin = PolicyPrecision()
     return watched(strategy, config)
 
 

@@ -16,12 +16,25 @@ ZeRO-2's replicated parameters during the step; between steps FSDP2 frees them, 
 
 from typing import List
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int, experts=None) -> nn.Module:
+def mixed_precision_policy():
+    """bf16 parameters for the forward and backward, fp32 gradient reduction (torchtitan's and OLMo-core's default
+    under FSDP2): the all-gathers move half the bytes, the reduce-scatter sums in fp32 so that adding up D ranks'
+    gradients rounds once at the end, not at every hop; the sharded master parameters, their gradients and AdamW's
+    state stay fp32. Each FSDP module's floating inputs are cast to bf16 (`cast_forward_inputs`): the residual
+    stream is bf16 between blocks, as in both anchors, and the output head's logits are bf16 until the loss casts
+    them to fp32 (model/losses.py). The norms compute in fp32 and cast back (model/gpt.py FP32Norm)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int, experts=None, mp_policy=None) -> nn.Module:
     """Apply FSDP2 to each block, then to the root (embeddings, final norm, head): one all-gather group per block.
 
     Stage 3 frees each block's gathered parameters after its forward and gathers them again for its backward;
@@ -33,7 +46,10 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int, experts=None) ->
     does for parameters an inner group already manages), their reduce-scatter divided by the data-parallel degree
     D rather than that group's size D/P (the gradient algebra in parallel/expert.py); torchtitan's
     parallelize for MoE does the same (`set_gradient_divide_factor`).
+
+    `mp_policy`: FSDP2's MixedPrecisionPolicy for every group (`mixed_precision_policy`), or None (fp32 gathered).
     """
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     if stage not in (2, 3):
         raise ValueError(f"strategy.zero_stage={stage}: FSDP2 shards stages 2 and 3; stage 1 is an optimizer")
     if isinstance(model, FSDPModule):
@@ -44,15 +60,15 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, stage: int, experts=None) ->
             from lit_pretrain.model.moe import moe_layers
 
             for layer in moe_layers(block):
-                fully_shard(layer.experts, mesh=experts.data_mesh, reshard_after_forward=reshard)
+                fully_shard(layer.experts, mesh=experts.data_mesh, reshard_after_forward=reshard, **policy)
                 layer.experts.set_gradient_divide_factor(float(experts.data_parallel))
                 # A divide factor other than the group's size makes FSDP2 reduce with PREMUL_SUM, which gloo
                 # lacks: a plain sum, then the division. Not on one rank: FSDP2 then skips the reduction, and the
                 # forced sum its division with it (measured: the experts' gradients off by the factor).
                 if experts.data_mesh.size() > 1:
                     layer.experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policy)
     return model
 
 

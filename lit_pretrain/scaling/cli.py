@@ -132,9 +132,12 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--sequence-parallel", action="store_true")
     mem.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING)
     mem.add_argument("--activation-checkpointing-k", type=int, default=2, help="every_k: one block in k checkpointed")
+    mem.add_argument("--activation-checkpointing-save-matmuls", default="all", choices=["all", "every_other"],
+                     help="selective: keep every matmul's output, or every other one's")
     mem.add_argument("--precision", default="zero-mixed-adam", choices=list(PRECISIONS),
                      help="zero-mixed-adam: the ZeRO paper's 2 + 2 + 12 bytes/param; 32-true, bf16-mixed, "
-                          "16-mixed, bf16-true: what our runs hold under that Lightning precision")
+                          "16-mixed, bf16-true: what our runs hold under that Lightning precision; "
+                          "bf16-mixed-policy: bf16-mixed under ZeRO-2/3 with FSDP2's mixed-precision policy")
     mem.add_argument("--exact", action="store_true", help="sum FSDP2's padded per-tensor shards (data parallel only)")
     mem.add_argument("--device-memory", default=None, help="device memory, e.g. 80GB or 141GiB: adds `fits`")
     mem.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -263,6 +266,7 @@ def _memory(args) -> dict:
                          args.pipeline_parallel, args.sequence_parallel, args.activation_checkpointing,
                          args.precision, device, exact=args.exact,
                          activation_checkpointing_k=args.activation_checkpointing_k,
+                         activation_checkpointing_save_matmuls=args.activation_checkpointing_save_matmuls,
                          expert_parallel=args.expert_parallel)
     return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                       "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings,

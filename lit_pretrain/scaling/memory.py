@@ -10,6 +10,13 @@ What our own runs hold (torch.optim.AdamW, states in the parameter dtype):
   and AdamW states stay fp32 (the same 4 + 4 + 8), and autocast additionally caches a 16-bit copy of every weight a
   matmul reads during the forward (2 bytes per matmul parameter, kept for the backward): `cast_weight_bytes`.
 - "bf16-true": everything in bf16, 2 + 2 + 4 bytes per parameter.
+- "bf16-mixed-policy": bf16-mixed under ZeRO-2/3 with FSDP2's MixedPrecisionPolicy (strategy.mixed_precision_policy,
+  parallel/zero.py): fp32 sharded parameters, gradients and AdamW states (4 + 4 + 8), the gathered copies in bf16
+  (2 bytes: under ZeRO-2 held from forward to backward beside the fp32 shard, under ZeRO-3 the root and two blocks
+  at a time), no autocast copies; each block's unsharded bf16 gradient is cast to an fp32 buffer for the
+  reduce-scatter (2 + 4 bytes transient). Activations in bf16 with the residual stream bf16 (2 bytes, so a fully
+  checkpointed block keeps 2 bytes an element); the norms cast their input to fp32 and compute there
+  (`block_activation_bytes(fp32_norms=True)`), and the linears read the norms' bf16 output, one storage for q, k, v.
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 Table 2; s sequence length, b micro-batch, h hidden size, a heads, t tensor-parallel size), in bytes per layer for
 16-bit activations with 1-byte dropout masks:
@@ -20,8 +27,9 @@ Table 2; s sequence length, b micro-batch, h hidden size, a heads, t tensor-para
     full recomputation                         2·sbh  (only each layer's input is kept)
 That table describes the paper's GPT block (LayerNorm, dropout, GELU MLP of 4h, softmax attention storing the
 s×s scores); ours (RMSNorm, no dropout, SwiGLU, fused attention storing no scores) saves other tensors, counted by
-`block_activation_bytes` and used by `memory_plan` without recomputation. The table still gives the recomputation
-rows: full keeps each block's input (2sbh, as ours does); selective has no counterpart in our model.
+`block_activation_bytes` and used by `memory_plan` without recomputation. Of the table's recomputation rows, full
+keeps each block's input (2sbh, as ours does); our selective mode is torchtitan's op-level policy, not the paper's
+attention-only recomputation, and `memory_plan` counts what it keeps with scaling/recompute.py.
 Under "bf16-mixed" / "16-mixed" (autocast) our block saves a mix, counted by `block_activation_bytes(autocast=True)`
 and measured under CPU autocast by tests/test_run_plan.py: the residual stream stays fp32 (the embedding is fp32
 and each block adds a 16-bit output to it), so both norms run and save in fp32; every linear saves its own 16-bit
@@ -57,6 +65,7 @@ from typing import Dict, Optional
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.scaling import recompute as recomputation
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,9 @@ class StateBytes:
     activation_factor: float  # multiplier of Korthikanti et al.'s 16-bit activation formulas
     residual: int = 2  # bytes of a residual-stream element (a fully checkpointed block keeps its input)
     autocast: bool = False  # forward under torch.autocast: our block's mixed count (block_activation_bytes)
+    gathered: int = 0  # bytes of an FSDP2-gathered parameter when not the parameter's own (0: `param`)
+    fp32_norms: bool = False  # 16-bit activations whose norms compute in fp32 (block_activation_bytes)
+    grad_transient: int = 0  # bytes of an unsharded gradient before its reduce-scatter when not `grad`'s (0: grad)
 
 
 PRECISIONS: Dict[str, StateBytes] = {
@@ -78,6 +90,7 @@ PRECISIONS: Dict[str, StateBytes] = {
     "bf16-mixed": StateBytes(4, 4, 8, 2, 1.0, residual=4, autocast=True),
     "16-mixed": StateBytes(4, 4, 8, 2, 1.0, residual=4, autocast=True),
     "bf16-true": StateBytes(2, 2, 4, 0, 1.0),
+    "bf16-mixed-policy": StateBytes(4, 4, 8, 0, 1.0, residual=2, gathered=2, fp32_norms=True, grad_transient=6),
 }
 CHECKPOINTING = ("none", "selective", "full", "every_k")
 
@@ -89,7 +102,9 @@ def model_state_bytes(params: float, data_parallel: int = 1, zero_stage: int = 0
     b = _precision(precision)
     _check_parallel(data_parallel, zero_stage)
     nd = data_parallel
-    out = {"param_bytes": b.param * params / (nd if zero_stage >= 3 else 1),
+    # ZeRO-2 holds the gathered parameters through the step; in another dtype than the master, beside its shard
+    gathered_z2 = b.param * params / nd + b.gathered * params if b.gathered and zero_stage == 2 else None
+    out = {"param_bytes": gathered_z2 if gathered_z2 is not None else b.param * params / (nd if zero_stage >= 3 else 1),
            "grad_bytes": b.grad * params / (nd if zero_stage >= 2 else 1),
            "optimizer_bytes": b.optimizer * params / (nd if zero_stage >= 1 else 1)}
     out["model_state_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]
@@ -138,7 +153,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, mlp_hidden: int,
                            tensor_parallel: int = 1, sequence_parallel: bool = False,
                            bytes_per_element: float = 4.0, *, kv_heads: Optional[int] = None, mlp: str = "swiglu",
-                           norm: str = "rmsnorm", qk_norm: bool = False, autocast: bool = False, moe=None) -> float:
+                           norm: str = "rmsnorm", qk_norm: bool = False, autocast: bool = False, moe=None,
+                           fp32_norms: bool = False) -> float:
     """Bytes one of OUR blocks (model.py: pre-norms, RoPE, fused causal attention, MLP; no dropout, no biases)
     saves for backward on one tensor-parallel rank, without recomputation, counted by storage as
     parallel/memory.py's SavedActivations measures (a tensor saved by several ops counts once; weights and the RoPE
@@ -175,6 +191,10 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     autocast (bf16-mixed, 16-mixed; e = 2): the norm region is fp32 (4 bytes: the residual stream is fp32), and each
     column-parallel linear saves its own cast of its input: 3Nh (q, k, v) + 2Nh (SwiGLU's gate, up; GELU: Nh) in
     place of 2Nh.
+    fp32_norms (bf16-mixed-policy; e = 2): the residual stream is bf16 and each norm casts it to fp32 and computes
+    there, so the norm region is fp32 (4 bytes), plus each norm's weight cast to fp32 (h, 4 bytes); the linears
+    read the norm's bf16 output (2Nh, as without autocast). Measured for RMSNorm without QK-norm (tests/
+    test_mixed_precision.py); QK-norm's terms are counted at e bytes, an estimate (they too run in fp32).
     """
     n, h, f, a, t = seq_len * micro_batch, hidden, mlp_hidden, heads, tensor_parallel
     g = heads if kv_heads is None else kv_heads
@@ -197,6 +217,10 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
         replicated = rows * h + 2 * k * n * h  # the copies in and out of the experts: the same on every TP rank
         routing_bytes = 4.0 * 2 * n * experts + 32.0 * k * n
     sharded = (attention + mlp_elements) / t + replicated
+    if fp32_norms:
+        weights = 4.0 * 2 * h  # the two norms' weights cast to fp32
+        return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + 4.0 * n * a / t \
+            + routing_bytes + weights
     if autocast:
         # q, k, v and the MLP's column linears each save their own cast; an MoE block's router saves one cast of
         # its input and its experts' input is already counted (R·h; estimated, not measured under autocast).
@@ -210,12 +234,15 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
                 activation_checkpointing: str = "none", precision: str = "zero-mixed-adam",
                 device_memory: Optional[float] = None, exact: bool = False,
                 activation_checkpointing_k: int = 2, expert_parallel: int = 1,
-                expert_data_parallel: Optional[int] = None) -> dict:
+                expert_data_parallel: Optional[int] = None, activation_checkpointing_save_matmuls: str = "all") -> dict:
     """Per-device bytes of the most loaded rank: the first pipeline stage (all layers' worth of activations under
     1F1B, plus the embedding); with a single stage it also holds the fp32 logits.
     data_parallel: the ranks that shard model state at zero_stage (under HSDP the shard group, not the replicas).
-    activation_checkpointing: none (our block's count), selective or full (Korthikanti et al.'s rows; full keeps our
-    block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others none).
+    activation_checkpointing: none (our block's count), selective (torchtitan's op policy: the block's input, its
+    saved matmul and attention outputs, scaling/recompute.py; `activation_checkpointing_save_matmuls` all or
+    every_other), full (our block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others
+    none). "recompute_flops": the matmul and attention FLOPs the backward runs again on this rank per micro-batch
+    (scaling/recompute.py's convention, FlopCounterMode's).
     exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only.
     tensor_parallel (model.moe): the routed experts are split along their width like the dense MLP (parameters,
     gradients, AdamW state and their hidden activations divided by t); the router is replicated.
@@ -283,7 +310,7 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     m = cfg.moe  # with model.moe the larger of a dense and an MoE block (a pipeline stage may hold either)
     whole = max(block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel,
                                        2.0 * b.activation_factor, kv_heads=cfg.kv_heads, mlp=cfg.mlp, norm=cfg.norm,
-                                       qk_norm=cfg.qk_norm, autocast=b.autocast,
+                                       qk_norm=cfg.qk_norm, autocast=b.autocast, fp32_norms=b.fp32_norms,
                                        moe=(m.num_experts, m.top_k, cfg.d_ff_expert, m.num_shared_experts)
                                        if moe_layer else None)
                 for moe_layer in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)})
@@ -298,10 +325,23 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         checkpointed = math.ceil(layers_here / activation_checkpointing_k)  # blocks 0, k, 2k, ...
         per_layer = (checkpointed * kept + (layers_here - checkpointed) * whole) / layers_here
     else:
-        per_layer = b.activation_factor * activation_bytes_per_layer(cfg.seq_len, micro_batch, d, cfg.n_heads, t,
-                                                                     sequence_parallel, activation_checkpointing)
-    # The backward recomputes one checkpointed block at a time: its activations are live on top of the kept ones.
+        if cfg.moe is not None:
+            raise ConfigError("--activation-checkpointing selective is counted for dense blocks only (model.moe: "
+                              "its routing and grouped kernels are not measured under the op policy): use full")
+        per_layer = recomputation.selective_block_bytes(
+            cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel, 2.0 * b.activation_factor,
+            kv_heads=cfg.kv_heads, mlp=cfg.mlp, residual_bytes=b.residual,
+            save_matmuls=activation_checkpointing_save_matmuls)
+    # The backward recomputes one checkpointed block at a time: its activations are live on top of the kept ones
+    # (under selective an upper estimate: the saved outputs among them are the cached ones, not new).
     recompute = 0.0 if activation_checkpointing == "none" else whole
+    checkpointed = {"none": 0, "full": layers_here, "selective": layers_here,
+                    "every_k": math.ceil(layers_here / activation_checkpointing_k)}[activation_checkpointing]
+    ac_mode = "full" if activation_checkpointing == "every_k" else activation_checkpointing
+    flops = recomputation.recompute_flops(ac_mode, cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t,
+                                             kv_heads=cfg.kv_heads, mlp=cfg.mlp,
+                                             save_matmuls=activation_checkpointing_save_matmuls)
+    recompute_flops = {k: checkpointed * v for k, v in flops.items()}
     # 1F1B: the first stage has p micro-batches of its L/p layers in flight (Korthikanti et al. §4.2.3)
     activations = per_layer * layers_here * p
     tokens = cfg.seq_len * micro_batch
@@ -321,7 +361,7 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,
         "activation_bytes": activations + logits, "logits_bytes": logits, "recompute_bytes": recompute,
-        "transient_bytes": transient, "total_bytes": total,
+        "transient_bytes": transient, "total_bytes": total, "recompute_flops": recompute_flops,
     }
     if device_memory is not None:
         out["device_memory"] = device_memory
@@ -333,14 +373,14 @@ def _transient_bytes(b: StateBytes, cfg: GPTConfig, zero_stage: int, t: int, p: 
                      logits: float, tokens: int) -> float:
     """Buffers live at the start of the backward besides the saved activations (see the module docstring)."""
     out = 0.0
-    if p == 1:  # the fp32 gradient of the logits; under autocast also its 16-bit cast, the head matmul's input
-        out += logits + (2.0 * tokens * cfg.vocab_size / t if b.autocast else 0.0)
+    if p == 1:  # the fp32 gradient of the logits; under autocast (or bf16 gathered weights) also its 16-bit cast
+        out += logits + (2.0 * tokens * cfg.vocab_size / t if b.autocast or b.fp32_norms else 0.0)
     # FSDP2 (also on one rank) all-gathers into a full buffer beside the rank's shard, reduce-scatters from a full one
     if zero_stage >= 3:  # gathered: the root (embedding, final norm, untied head), the block computed, the prefetched
         root = cfg.vocab_size * cfg.d_model / t * (1 if cfg.tie_embeddings or p > 1 else 2) + cfg.d_model
-        out += b.param * (root + 2 * local_block)
+        out += (b.gathered or b.param) * (root + 2 * local_block)
     if zero_stage >= 2:  # one block's and the head's gradient, unsharded until their reduce-scatter
-        out += b.grad * (local_block + (cfg.vocab_size * cfg.d_model / t if p == 1 else 0.0))
+        out += (b.grad_transient or b.grad) * (local_block + (cfg.vocab_size * cfg.d_model / t if p == 1 else 0.0))
     return out
 
 

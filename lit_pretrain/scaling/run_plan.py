@@ -31,10 +31,12 @@ def run_memory(config) -> dict:
     out = memory_plan(model, micro, data_parallel=plan.data_parallel_shard, zero_stage=plan.zero_stage,
                       tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
                       sequence_parallel=plan.sequence_parallel, activation_checkpointing=plan.activation_checkpointing,
-                      precision=trainer.precision, device_memory=device,
+                      precision="bf16-mixed-policy" if plan.mixed_precision_policy else trainer.precision,
+                      device_memory=device,
                       activation_checkpointing_k=plan.activation_checkpointing_k,
                       expert_parallel=plan.expert_parallel,
-                      expert_data_parallel=plan.data_parallel // plan.expert_parallel)
+                      expert_data_parallel=plan.data_parallel // plan.expert_parallel,
+                      activation_checkpointing_save_matmuls=plan.activation_checkpointing_save_matmuls)
     out.update(run=config.run.name, layout=plan.describe(), world_size=plan.world_size, shape=shape_of(model))
     if device is not None:
         out["headroom_bytes"] = device - out["total_bytes"]
