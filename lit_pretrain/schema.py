@@ -496,11 +496,13 @@ class StrategyConfig:
     experts are their own data-parallel group (FSDP2 shards them over it at zero_stage 2/3). Composes with
     tensor_parallel (each expert split along its width over it: E/P experts x 1/t of their width a rank) and
     pipeline_parallel; not with zero_stage 1. 1: off."""
-    mixed_precision_policy: bool = True
+    mixed_precision_policy: Optional[bool] = None
     """zero_stage 2/3 (FSDP2, HSDP included) with trainer.precision=bf16-mixed: FSDP2's MixedPrecisionPolicy, as
     torchtitan and OLMo-core run it: parameters gathered in bf16 (half the all-gather bytes), the blocks computed in
     bf16 with the norms in fp32, gradients reduced in fp32; master weights and AdamW state stay fp32, and Lightning's
-    autocast is off (nothing left for it to cast). false: fp32 parameters gathered and autocast per op."""
+    autocast is off (nothing left for it to cast). null (default): on wherever it is built (ZeRO-2/3 and HSDP
+    without tensor, pipeline or expert parallelism), the autocast path elsewhere; true: on, refused where not built;
+    false: fp32 parameters gathered and autocast per op. `train`'s plan line says which ran."""
 
 
 @dataclass

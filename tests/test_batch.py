@@ -93,6 +93,10 @@ def test_plan_line_names_every_dimension_in_the_glossary_s_words():
         "plan: data parallel 2 replicate x 2 shard (ZeRO stage 3), tensor parallel 2 with sequence parallelism, "
         "pipeline parallel 2 (gpipe, 4 pipeline micro-batches), expert parallel 2; micro-batch 4 x seq_len 64 x "
         "data-parallel degree 4 x accumulation 3 = 3,072 tokens per step")
+    # FSDP2's mixed-precision policy (strategy.mixed_precision_policy) is said beside the ZeRO stage
+    policy = ParallelPlan(data_parallel_shard=2, zero_stage=2, mixed_precision_policy=True)
+    assert plan_line(policy, GlobalBatch(4, 64, 2, 1, 512)).startswith(
+        "plan: data parallel 1 replicate x 2 shard (ZeRO stage 2, bf16 parameters gathered, fp32 gradients reduced), ")
     assert plan_line(ParallelPlan(), GlobalBatch(8, 64, 1, 1, 512)) == (
         "plan: data parallel 1 replicate x 1 shard, tensor parallel 1, pipeline parallel 1, expert parallel 1; "
         "micro-batch 8 x seq_len 64 x data-parallel degree 1 x accumulation 1 = 512 tokens per step")

@@ -28,11 +28,16 @@ def test_the_policy_is_the_default_of_fsdp_under_bf16_mixed_and_refused_where_un
     assert not build_plan(cfg(*zero, "strategy.zero_stage=1", "trainer.precision=bf16-mixed")).mixed_precision_policy
     assert not build_plan(cfg(*zero, "trainer.precision=bf16-mixed",
                               "strategy.mixed_precision_policy=false")).mixed_precision_policy
-    with pytest.raises(ConfigError, match=r"strategy\.mixed_precision_policy=false"):
-        cfg("strategy=zero", "trainer.devices=4", "strategy.tensor_parallel=2", "trainer.precision=bf16-mixed")
-    # the fix the error names loads
-    cfg("strategy=zero", "trainer.devices=4", "strategy.tensor_parallel=2", "trainer.precision=bf16-mixed",
-        "strategy.mixed_precision_policy=false")
+    # null (the default) leaves the autocast path where the policy is not built, so such a config still loads ...
+    tp = ["strategy=zero", "trainer.devices=4", "strategy.tensor_parallel=2", "trainer.precision=bf16-mixed"]
+    assert not build_plan(cfg(*tp)).mixed_precision_policy
+    # ... and asking for it there, or without FSDP2 and bf16-mixed, is refused naming the key
+    with pytest.raises(ConfigError, match=r"strategy\.mixed_precision_policy=null"):
+        cfg(*tp, "strategy.mixed_precision_policy=true")
+    with pytest.raises(ConfigError, match=r"strategy\.mixed_precision_policy=true is FSDP2's policy.*zero_stage=1"):
+        cfg(*zero, "strategy.zero_stage=1", "trainer.precision=bf16-mixed", "strategy.mixed_precision_policy=true")
+    assert build_plan(cfg(*zero, "trainer.precision=bf16-mixed",
+                          "strategy.mixed_precision_policy=true")).mixed_precision_policy
 
 
 def test_the_strategy_runs_the_step_without_autocast_under_the_policy():

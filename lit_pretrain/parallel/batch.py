@@ -76,7 +76,8 @@ def plan_line(plan, batch: GlobalBatch) -> str:
     """The layout and batch a run applies, in one line (train prints it before the first step)."""
     data = f"data parallel {plan.data_parallel_replicate} replicate x {plan.data_parallel_shard} shard"
     if plan.zero_stage:
-        data += f" (ZeRO stage {plan.zero_stage})"
+        policy = ", bf16 parameters gathered, fp32 gradients reduced" if plan.mixed_precision_policy else ""
+        data += f" (ZeRO stage {plan.zero_stage}{policy})"
     tensor = f"tensor parallel {plan.tensor_parallel}" + (" with sequence parallelism" if plan.sequence_parallel
                                                          else "")
     pipeline = f"pipeline parallel {plan.pipeline_parallel}"

@@ -143,10 +143,26 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
         compile=compile_decision(trainer, model, degrees, compile).compile,
         expert_parallel=getattr(strategy, "expert_parallel", 1),
         activation_checkpointing_save_matmuls=getattr(model, "activation_checkpointing_save_matmuls", "all"),
-        mixed_precision_policy=stage in (2, 3) and trainer.precision == "bf16-mixed" and getattr(
-            strategy, "mixed_precision_policy", True))
+        mixed_precision_policy=mixed_precision_policy_for(strategy, trainer, stage, degrees))
     check_plan(plan, trainer, model, vocab_from)
     return plan
+
+
+def mixed_precision_policy_for(strategy, trainer, stage: int, degrees: dict) -> bool:
+    """strategy.mixed_precision_policy resolved: null (the default) turns FSDP2's policy on wherever it is built and
+    tested (zero_stage 2/3, HSDP included, under trainer.precision=bf16-mixed, without tensor, pipeline or expert
+    parallelism) and leaves the autocast path elsewhere, so a config that trained before still loads; true asks for
+    it and is refused where it is not built; false keeps the autocast path."""
+    setting = getattr(strategy, "mixed_precision_policy", None)
+    eligible = stage in (2, 3) and trainer.precision == "bf16-mixed"
+    if setting is True and not eligible:
+        raise ConfigError("strategy.mixed_precision_policy=true is FSDP2's policy: it needs strategy.zero_stage 2 or 3 "
+                          f"and trainer.precision=bf16-mixed (here zero_stage={stage}, trainer.precision="
+                          f"{trainer.precision}): set those, or leave strategy.mixed_precision_policy=null")
+    others = (degrees["tensor_parallel"], degrees["pipeline_parallel"], getattr(strategy, "expert_parallel", 1))
+    if setting is None:
+        return eligible and all(d == 1 for d in others)
+    return bool(setting) and eligible
 
 
 def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool, str]] = None,
@@ -185,10 +201,9 @@ def check_plan(plan: ParallelPlan, trainer, model=None, vocab_from: Optional[str
                           f"{plan.zero_stage} (FSDP2 under Lightning's ModelParallelStrategy): choose one of "
                           f"{', '.join(FSDP_PRECISIONS)}")
     if plan.mixed_precision_policy and (t > 1 or p > 1 or plan.expert_parallel > 1):
-        raise ConfigError("strategy.mixed_precision_policy=true (FSDP2 gathering bf16 parameters, the default under "
-                          "trainer.precision=bf16-mixed with zero_stage 2 or 3) is built and tested for ZeRO-2/3 and "
-                          "HSDP only, not yet with tensor, pipeline or expert parallelism: set "
-                          "strategy.mixed_precision_policy=false (fp32 parameters gathered, autocast per op)")
+        raise ConfigError("strategy.mixed_precision_policy=true (FSDP2 gathering bf16 parameters) is built and "
+                          "tested for ZeRO-2/3 and HSDP only, not yet with tensor, pipeline or expert parallelism: "
+                          "leave strategy.mixed_precision_policy=null (the autocast path there) or set it to false")
     if plan.sequence_parallel and t == 1:
         raise ConfigError("strategy.sequence_parallel=true shards the norms along the sequence across the "
                           "tensor-parallel group: it needs strategy.tensor_parallel > 1")

@@ -188,8 +188,8 @@ def main(argv=None) -> int:
 def _gpu_hours(args, run_config, result):
     """GPU-hours of `plan --run` (scaling/gpu_hours.py) at --mfu, else at the MFU of args.bench when it exists; None
     when neither is there."""
-    from lit_pretrain.parallel.plan import sized_model
     from lit_pretrain.model import shapes
+    from lit_pretrain.parallel.plan import sized_model
     from lit_pretrain.scaling.gpu_hours import bench_case_for, format_gpu_hours, gpu_hours, measured_mfu
 
     model = sized_model(run_config)
