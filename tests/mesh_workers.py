@@ -125,8 +125,11 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
     ref_model = copy.deepcopy(init)
     ref_losses, ref_norms, ref_grads, ref_opt = train_reference(ref_model, xs, ys)
     par, model, opt, losses, norms, grads0 = train_layout(plan, init, xs, ys)
-    full = par.full_state()
-    full_opt = par.full_optimizer_state(opt)
+    # Cloned: where gathering is the identity (replicated tensors: DDP, norms under tensor parallelism) the gathered
+    # state holds the live weights, which load_full_state below overwrites with the reference's: the comparison
+    # of `full` with the reference would then compare the reference with itself.
+    full = clone(par.full_state())
+    full_opt = clone(par.full_optimizer_state(opt))
     # The gathered AdamW state sliced into a fresh optimizer of this layout, and gathered again.
     fresh = adamw(model)
     par.load_full_optimizer_state(fresh, dist_broadcast(full_opt))
