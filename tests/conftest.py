@@ -1,5 +1,6 @@
 """Shared fixtures: one small prepared corpus for the whole session (tokenizer training is the slow part)."""
 
+import atexit
 import os
 import socket
 import subprocess
@@ -59,12 +60,28 @@ def train_args(data_dir: Path, root: Path, name: str) -> list:
             f"run.root_dir={root}", f"run.name={name}"]
 
 
+_SERVER = []
+
+
+def _prewarmed():
+    """This process's server of prewarmed `train` runs (tests/prewarmed.py), started on first use."""
+    if not _SERVER:
+        from tests.prewarmed import Server
+
+        _SERVER.append(Server(ROOT))
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]
+
+
 def run_module(*args, rc: int = 0, timeout: int = 480, **kwargs) -> subprocess.CompletedProcess:
     """`python -m ARGS` in a subprocess (Lightning's launcher re-runs the command for the other ranks, which inside
     pytest would re-launch pytest: shared/CPU-DISTRIBUTED.md, pitfall 2); asserts its exit code, showing the output's
     tail when it differs."""
-    out = subprocess.run([sys.executable, "-m", *args], env=launcher_env(), capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT, **kwargs)
+    if args[:2] == ("lit_pretrain.cli", "train"):  # forked from a process that imported Lightning once
+        out = _prewarmed().run(args, launcher_env(), ROOT, timeout, **kwargs)
+    else:
+        out = subprocess.run([sys.executable, "-m", *args], env=launcher_env(), capture_output=True, text=True,
+                             timeout=timeout, cwd=ROOT, **kwargs)
     assert out.returncode == rc, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
