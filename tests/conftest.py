@@ -1,6 +1,7 @@
 """Shared fixtures: one small prepared corpus for the whole session (tokenizer training is the slow part)."""
 
 import atexit
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -17,6 +18,12 @@ EXPERIMENTS = ROOT / "experiments"
 
 # Denormals slowed CPU steps 5x in measurements here (shared/CPU-DISTRIBUTED.md, pitfall 1).
 torch.set_flush_denormal(True)
+
+# The multi-process parity tests start their ranks with start_method="forkserver": multiprocessing's fork server,
+# one per pytest process, imports torch and the workers' modules once (~1.5 CPU s a rank otherwise) and forks a
+# rank from that clean, single-threaded process, never from pytest itself.
+multiprocessing.set_forkserver_preload(["tests.mesh_workers", "tests.expert_workers", "tests.moe_mesh_workers",
+                                        "tests.sharded_workers"])
 
 
 @pytest.fixture(scope="session")

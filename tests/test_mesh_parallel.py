@@ -64,7 +64,7 @@ def spawn(world, cases, measure_activations=False):
     with ctx.Manager() as manager:
         results = manager.dict()
         mp.start_processes(worker, args=(world, free_port(), cases, results, measure_activations), nprocs=world,
-                           join=True, start_method="spawn")
+                           join=True, start_method="forkserver")
         return dict(results)
 
 
