@@ -72,6 +72,8 @@ def _child(req: dict) -> None:
         os.close(fd)
     sys.stdin = open(os.devnull)
     os.chdir(req["cwd"])
+    if sys.path[0] == "":
+        sys.path[0] = req["cwd"]  # as `python -m` puts it: the working directory, absolute
     os.environ.clear()
     os.environ.update(req["env"])
     sys.argv = [sys.argv[0], *req["args"][1:]]
