@@ -68,10 +68,11 @@ def train_args(data_dir: Path, root: Path, name: str) -> list:
 
 
 _SERVER = []
+PREWARMED = {("lit_pretrain.cli", "train"), ("lit_pretrain.cli", "ladder")}  # the commands that import Lightning
 
 
 def _prewarmed():
-    """This process's server of prewarmed `train` runs (tests/prewarmed.py), started on first use."""
+    """This process's server of prewarmed runs (tests/prewarmed.py), started on first use."""
     if not _SERVER:
         from tests.prewarmed import Server
 
@@ -84,7 +85,7 @@ def run_module(*args, rc: int = 0, timeout: int = 480, **kwargs) -> subprocess.C
     """`python -m ARGS` in a subprocess (Lightning's launcher re-runs the command for the other ranks, which inside
     pytest would re-launch pytest: shared/CPU-DISTRIBUTED.md, pitfall 2); asserts its exit code, showing the output's
     tail when it differs."""
-    if args[:2] == ("lit_pretrain.cli", "train"):  # forked from a process that imported Lightning once
+    if args[:2] in PREWARMED or args[:1] == ("tests.mesh_resume",):  # forked from a process that imported Lightning
         out = _prewarmed().run(args, launcher_env(), ROOT, timeout, **kwargs)
     else:
         out = subprocess.run([sys.executable, "-m", *args], env=launcher_env(), capture_output=True, text=True,

@@ -8,8 +8,8 @@ the other ranks with `python -m lit_pretrain.cli ARGS`), in its own environment,
 stdout and stderr in files: a fresh interpreter's run in all but the import time. Nothing of lit_pretrain or tests is
 imported before the fork, so each run imports our code anew, as a fresh process does.
 
-Only the runs of `train` come here (tests/conftest.py, run_module): the other commands are cheap, and some tests
-measure what a command imports.
+Only the commands that train come here (tests/conftest.py, run_module: `train`, `ladder`, tests/mesh_resume.py):
+the other commands are cheap, and some tests measure what a command imports.
 """
 
 from __future__ import annotations
