@@ -1,5 +1,7 @@
 """Shared fixtures: one small prepared corpus for the whole session (tokenizer training is the slow part)."""
 
+import atexit
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -16,6 +18,12 @@ EXPERIMENTS = ROOT / "experiments"
 
 # Denormals slowed CPU steps 5x in measurements here (shared/CPU-DISTRIBUTED.md, pitfall 1).
 torch.set_flush_denormal(True)
+
+# The multi-process parity tests start their ranks with start_method="forkserver": multiprocessing's fork server,
+# one per pytest process, imports torch and the workers' modules once (~1.5 CPU s a rank otherwise) and forks a
+# rank from that clean, single-threaded process, never from pytest itself.
+multiprocessing.set_forkserver_preload(["tests.mesh_workers", "tests.expert_workers", "tests.moe_mesh_workers",
+                                        "tests.sharded_workers"])
 
 
 @pytest.fixture(scope="session")
@@ -59,12 +67,29 @@ def train_args(data_dir: Path, root: Path, name: str) -> list:
             f"run.root_dir={root}", f"run.name={name}"]
 
 
+_SERVER = []
+PREWARMED = {("lit_pretrain.cli", "train"), ("lit_pretrain.cli", "ladder")}  # the commands that import Lightning
+
+
+def _prewarmed():
+    """This process's server of prewarmed runs (tests/prewarmed.py), started on first use."""
+    if not _SERVER:
+        from tests.prewarmed import Server
+
+        _SERVER.append(Server(ROOT))
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]
+
+
 def run_module(*args, rc: int = 0, timeout: int = 480, **kwargs) -> subprocess.CompletedProcess:
     """`python -m ARGS` in a subprocess (Lightning's launcher re-runs the command for the other ranks, which inside
     pytest would re-launch pytest: shared/CPU-DISTRIBUTED.md, pitfall 2); asserts its exit code, showing the output's
     tail when it differs."""
-    out = subprocess.run([sys.executable, "-m", *args], env=launcher_env(), capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT, **kwargs)
+    if args[:2] in PREWARMED or args[:1] == ("tests.mesh_resume",):  # forked from a process that imported Lightning
+        out = _prewarmed().run(args, launcher_env(), ROOT, timeout, **kwargs)
+    else:
+        out = subprocess.run([sys.executable, "-m", *args], env=launcher_env(), capture_output=True, text=True,
+                             timeout=timeout, cwd=ROOT, **kwargs)
     assert out.returncode == rc, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 

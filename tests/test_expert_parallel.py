@@ -33,7 +33,7 @@ def spawn(world, cases):
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
         mp.start_processes(worker, args=(world, free_port(), cases, results), nprocs=world, join=True,
-                           start_method="spawn")
+                           start_method="forkserver")
         return dict(results)
 
 

@@ -72,7 +72,7 @@ def spawn(world, cases, measure_activations=False, hsdp_policy=False):
     with ctx.Manager() as manager:
         results = manager.dict()
         mp.start_processes(worker, args=(world, free_port(), cases, results, measure_activations, hsdp_policy),
-                           nprocs=world, join=True, start_method="spawn")
+                           nprocs=world, join=True, start_method="forkserver")
         return dict(results)
 
 

@@ -60,7 +60,7 @@ def spawn(world, cases):
     with ctx.Manager() as manager:
         results = manager.dict()
         mp.start_processes(moe_worker, args=(world, free_port(), cases, results), nprocs=world, join=True,
-                           start_method="spawn")
+                           start_method="forkserver")
         return dict(results)
 
 

@@ -145,7 +145,7 @@ def test_expert_parallel_layer_equals_the_plain_layer_and_each_rank_computes_onl
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(ep_worker, args=(2, free_port(), results), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(ep_worker, args=(2, free_port(), results), nprocs=2, join=True, start_method="forkserver")
         results = dict(results)
     for rank in (0, 1):
         r = results[rank]

@@ -92,6 +92,16 @@ def test_strategy_matches_one_process(runs, name):
     # Clipping was active at every step, in both runs, so each used the global norm of the whole gradient.
     assert [v for _, v in series(other, "train/clipped")] == [1.0] * STEPS
     assert [v for _, v in series(single, "train/clipped")] == [1.0] * STEPS
+    # What tests/test_ddp.py asserted of its own unclipped pair of runs, which these serve now (the same global batch
+    # on 1 and 2 processes; clipped, the gradient norms above also pin the averaging over ranks that AdamW's scale
+    # invariance would hide in the losses): it trains, the validation at the last step agrees within the losses'
+    # tolerance (same weights within float order, same windows), and the tokens of a step count both ranks.
+    loss = series(other, "train/loss")
+    assert loss[-1][1] < loss[0][1]
+    single_val, other_val = series(single, "val/loss"), series(other, "val/loss")
+    assert [s for s, _ in other_val] == [s for s, _ in single_val] == [STEPS]
+    assert other_val[-1][1] == pytest.approx(single_val[-1][1], abs=1e-5)
+    assert series(other, "train/tokens_seen")[0][1] == WORLD * 4 * 64 == series(single, "train/tokens_seen")[0][1]
     # Final weights: AdamW divides by sqrt(v) + eps, which turns a float-order difference in a tiny gradient
     # entry into a visible one; measured 5.6e-7 on every strategy after 6 steps; 1e-5 is 1% of one step's update
     # (lr 1e-3).
