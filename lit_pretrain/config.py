@@ -358,7 +358,9 @@ def _check_section(node: Any, schema: type, prefix: str) -> None:
         value = node[f.name]
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(f.type) or isinstance(value, DictConfig):
-            sub = f.type if dataclasses.is_dataclass(f.type) else type(getattr(schema(), f.name))
+            # Optional[Section] (model.moe, model.rope_scaling): the section's own class, from the annotation.
+            inner = [t for t in typing.get_args(f.type) if dataclasses.is_dataclass(t)]
+            sub = f.type if dataclasses.is_dataclass(f.type) else inner[0] if inner else type(getattr(schema(), f.name))
             if dataclasses.is_dataclass(sub):
                 _check_section(value, sub, f"{key}.")
             continue
