@@ -110,6 +110,12 @@ class StepCheckpoint(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
         if self._in_flight:
             as_saved_at_previous_batch_end(checkpoint["loops"]["fit_loop"])
+        loader = getattr(trainer.datamodule, "train_loader", None) if trainer.datamodule is not None else None
+        if not self._in_flight and loader is not None and loader.mid_epoch():
+            # The run's last checkpoint (max_steps): Lightning has counted the epoch as done, so a run continued from
+            # it (more max_steps, a context-extension stage) would start the next epoch and skip the rest of this
+            # one's data. Counted as not done, the continuation reads on from the next unseen window.
+            as_mid_epoch(checkpoint)
         checkpoint[META_KEY] = {"step": trainer.global_step, "world_size": trainer.world_size,
                                 "metrics_rows": self._metrics_rows, **self.run_meta}
 
@@ -180,3 +186,15 @@ def as_saved_at_previous_batch_end(fit_loop: Dict) -> None:
         done = counts["completed"]
         counts.update(ready=done, started=done, processed=done, completed=done - 1)
     fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+
+
+def as_mid_epoch(checkpoint: Dict) -> None:
+    """Rewrite Lightning's epoch counters of a checkpoint taken after max_steps ended the epoch loop (epoch ready =
+    started = processed = completed = e + 1) to those of one taken inside epoch e (processed = completed = e), as a
+    ModelCheckpoint at a batch's end has them: a restart then continues epoch e after its last completed batch."""
+    progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+    for part in ("total", "current"):
+        counts = progress[part]
+        if counts["completed"] == counts["ready"] and counts["completed"] > 0:
+            counts.update(processed=counts["completed"] - 1, completed=counts["completed"] - 1)
+    checkpoint["epoch"] = progress["current"]["completed"]
