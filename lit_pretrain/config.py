@@ -356,7 +356,7 @@ def check_ranges(cfg: DictConfig) -> None:
 
 def check_stage(config: Config) -> None:
     """data.shuffle_block_tokens, and a context-extension stage (model.seq_len in run.resume_allow_changes): what
-    the data order can continue exactly (docs/long_context.md)."""
+    the data order can continue exactly (docs/resume.md)."""
     block, seq_len, data = config.data.shuffle_block_tokens, config.model.seq_len, config.data
     if block is not None and block % seq_len:
         raise ConfigError(f"data.shuffle_block_tokens={block} is not a multiple of model.seq_len={seq_len}: a block "

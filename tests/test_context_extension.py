@@ -1,4 +1,4 @@
-"""A context-extension stage (docs/long_context.md): a run at model.seq_len 64 is continued at 128 with RoPE scaling
+"""A context-extension stage (docs/resume.md): a run at model.seq_len 64 is continued at 128 with RoPE scaling
 from its checkpoint (run.resume=<checkpoint>, run.resume_allow_changes=[model.seq_len, model.rope_scaling, ...]).
 The weights at the start of stage 2 are the checkpoint's, its first batch starts at exactly the next unseen token of
 the data order, no token is skipped or repeated across the boundary nor across a SIGKILL inside stage 2.

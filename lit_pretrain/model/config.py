@@ -159,7 +159,8 @@ class GPTConfig:
     """Mixture of experts (MoEConfig); null: every block's MLP is dense."""
     rope_scaling: Optional[RopeScalingConfig] = None
     """Scaled RoPE for a context longer than pretrained (RopeScalingConfig: Llama 3.1's llama3 rule or YaRN); null:
-    unscaled. Holds no weight: a context-extension stage sets it with a longer model.seq_len (docs/long_context.md)."""
+    unscaled. Holds no weight: a context-extension stage sets it with a longer model.seq_len (docs/resume.md,
+    "Context-extension stages")."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)

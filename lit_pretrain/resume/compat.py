@@ -30,7 +30,7 @@ FREE_KEYS = {
 }
 
 
-# Model keys that hold no weight: a context-extension stage (docs/long_context.md) changes them on purpose, when
+# Model keys that hold no weight: a context-extension stage (docs/resume.md) changes them on purpose, when
 # run.resume_allow_changes lists them (model.rope_scaling: the section, or one of its keys).
 STAGE_KEYS = ("model.seq_len", "model.rope_scaling")
 
