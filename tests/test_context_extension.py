@@ -18,6 +18,7 @@ from lit_pretrain.data.shards import load_manifest
 from lit_pretrain.data.train_loader import remap_to_window
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.resume import store
+from lit_pretrain.resume.checkpointing import as_micro_batches_done
 from lit_pretrain.resume.weights import read_checkpoint
 from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import EXPERIMENTS, run_module, tiny_data_overrides, train_args
@@ -67,8 +68,9 @@ def test_stage_continues_weights_and_the_next_unseen_token_across_a_sigkill(tmp_
         return run_module(*train_args(tiny_data_dir, tmp_path, name), *COMMON, *overrides,
                           extra(tmp_path / name, fault), rc=rc, start_new_session=True)
 
-    # Stage 1: 2 steps of 8 windows of 64 tokens: 1,024 tokens, two blocks and 4 of the third's 6 windows.
-    train("stage1", "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=2")
+    # Stage 1: 2 steps of 8 windows of 64 tokens: 1,024 tokens, two blocks and 4 of the third's 6 windows; in
+    # micro-batches of 4 windows (256 tokens), stage 2's of 4 windows of 128 (512 tokens).
+    train("stage1", "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=2", "trainer.micro_batch_size=4")
     checkpoint = tmp_path / "stage1" / "checkpoints" / store.step_file(2)
     # Stage 2, a new run folder continuing stage 1's checkpoint, killed at the start of step 5 (after step 4's
     # checkpoint), then resumed from its own checkpoint with run.resume=auto.
@@ -91,6 +93,10 @@ def test_stage_continues_weights_and_the_next_unseen_token_across_a_sigkill(tmp_
     assert two[0] == stream[1024:1152].tolist()  # the first batch of stage 2: exactly the next unseen token
     assert np.array_equal(np.concatenate(two[:12]), stream[1024:])
     assert two[12:] == two[8:12]
+    # Lightning counts stage 2's epoch in its own micro-batches: 2 done (stage 1's 4 of half the tokens), so the
+    # epoch ends when the data does, not 2 micro-batches early.
+    rows = [json.loads(line) for line in Path(f"{tmp_path / 'stage2'}.rank0.jsonl").read_text().splitlines()]
+    assert [r["ready"] for r in rows] == [3, 4, 5, 5]
     # One step count across the stages and the kill: steps 3, 4, 5 each logged once in stage 2's run folder.
     assert [s for s, _ in series(read_metrics(tmp_path / "stage2" / "metrics.csv"), "train/loss")] == [3, 4, 5]
 
@@ -103,6 +109,11 @@ def test_remap_by_token_offset():
     assert remap_to_window(state, 64) is state  # the same length: unchanged
     with pytest.raises(ConfigError, match=r"model\.seq_len=384: .*trained_samples=16 windows of 64 tokens = 1024"):
         remap_to_window(state, 384)
+    # Lightning's counts of the epoch's micro-batches, in the in-flight form (ready = completed + 1), moved to 2.
+    fit_loop = {"epoch_loop.batch_progress": {"current": {"ready": 4, "started": 4, "processed": 4, "completed": 3}}}
+    as_micro_batches_done(fit_loop, 2)
+    assert fit_loop["epoch_loop.batch_progress"]["current"] == {"ready": 2, "started": 2, "processed": 2,
+                                                                "completed": 1}
 
 
 @pytest.mark.parametrize("overrides,match", [

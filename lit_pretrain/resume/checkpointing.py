@@ -119,6 +119,18 @@ class StepCheckpoint(Callback):
         checkpoint[META_KEY] = {"step": trainer.global_step, "world_size": trainer.world_size,
                                 "metrics_rows": self._metrics_rows, **self.run_meta}
 
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
+        # Before Lightning restores its loops: a context-extension stage's position in micro-batches of this run.
+        datamodule = trainer.datamodule
+        states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader") or []
+        if datamodule is None or len(states) != 1 or states[0].get("window_tokens") in (None, datamodule.seq_len):
+            return
+        from lit_pretrain.data.train_loader import remap_to_window
+
+        _, world_size = datamodule.rank_and_world_size()
+        samples = remap_to_window(states[0], datamodule.seq_len)["trained_samples"]
+        as_micro_batches_done(checkpoint["loops"]["fit_loop"], samples // (datamodule.micro_batch_size * world_size))
+
     def save(self, trainer, step: int, in_flight: int) -> None:
         path = self.folder / (store.step_dir(step) if self.saver is not None else store.step_file(step))
         try:
@@ -198,3 +210,14 @@ def as_mid_epoch(checkpoint: Dict) -> None:
         if counts["completed"] == counts["ready"] and counts["completed"] > 0:
             counts.update(processed=counts["completed"] - 1, completed=counts["completed"] - 1)
     checkpoint["epoch"] = progress["current"]["completed"]
+
+
+def as_micro_batches_done(fit_loop: Dict, micro_batches: int) -> None:
+    """Shift Lightning's counts of this epoch's micro-batches (ready, started, processed, completed, in the form the
+    checkpoint has them) so that `ready` is `micro_batches`: the position of a loader remapped to another window
+    length. Lightning ends an epoch when `ready` reaches the loader's length, so counts in the old micro-batches
+    would end it early (or late) when a micro-batch's tokens change with model.seq_len."""
+    counts = fit_loop["epoch_loop.batch_progress"]["current"]
+    shift = micro_batches - counts["ready"]
+    for key in ("ready", "started", "processed", "completed"):
+        counts[key] += shift
