@@ -100,8 +100,8 @@ class TrainLoader(DataLoader):
         return trained * self.batch_size * self.sampler.world_size
 
     def mid_epoch(self) -> bool:
-        """Whether this epoch's data has windows left that no batch has reached yet."""
-        return self._base is not None and 0 < self._position < len(self.sampler) // self.batch_size
+        """Whether this epoch has windows left that were not trained on (a prefetched batch is not trained on)."""
+        return self._base is not None and 0 < self.trained_samples() < len(self.sampler) * self.sampler.world_size
 
     def position(self) -> Tuple[int, int]:
         """(epoch, global samples of it trained on so far); before the first batch of a resumed run, the
