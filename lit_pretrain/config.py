@@ -413,6 +413,7 @@ def check_ranges(cfg: DictConfig) -> None:
     from lit_pretrain.data.locate import check_corpus_reads_paths
 
     check_corpus_reads_paths(config.data)
+    check_stage(config)
     for i, spec in enumerate(cfg.callbacks.extra):
         module, _, cls = spec.class_path.partition(":")
         if not module or not cls:
@@ -422,12 +423,36 @@ def check_ranges(cfg: DictConfig) -> None:
             )
 
 
+def check_stage(config: Config) -> None:
+    """data.shuffle_block_tokens, and a context-extension stage (model.seq_len in run.resume_allow_changes): what
+    the data order can continue exactly (docs/resume.md)."""
+    block, seq_len, data = config.data.shuffle_block_tokens, config.model.seq_len, config.data
+    if block is not None and block % seq_len:
+        raise ConfigError(f"data.shuffle_block_tokens={block} is not a multiple of model.seq_len={seq_len}: a block "
+                          "holds whole windows; set it to a multiple (e.g. the longest context the run will reach)")
+    if block is not None and data.sources:
+        raise ConfigError("data.shuffle_block_tokens with data.sources is not supported (a mixture draws windows "
+                          "from each source): unset data.shuffle_block_tokens")
+    if "model.seq_len" in config.run.resume_allow_changes:
+        if data.sources:
+            raise ConfigError("run.resume_allow_changes lists model.seq_len with data.sources: a mixture's position "
+                              "is in windows drawn from each source and cannot be remapped to another window length; "
+                              "extend the context on a single corpus")
+        if block is None:
+            raise ConfigError("run.resume_allow_changes lists model.seq_len (a context-extension stage) but "
+                              "data.shuffle_block_tokens is null: the data continues at the next unseen token only "
+                              "over blocks both stages share; set data.shuffle_block_tokens to the first stage's (a "
+                              "multiple of both seq_lens), which that stage must have trained with")
+
+
 def _check_section(node: Any, schema: type, prefix: str) -> None:
     for f in dataclasses.fields(schema):
         value = node[f.name]
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(f.type) or isinstance(value, DictConfig):
-            sub = f.type if dataclasses.is_dataclass(f.type) else type(getattr(schema(), f.name))
+            # Optional[Section] (model.moe, model.rope_scaling): the section's own class, from the annotation.
+            inner = [t for t in typing.get_args(f.type) if dataclasses.is_dataclass(t)]
+            sub = f.type if dataclasses.is_dataclass(f.type) else inner[0] if inner else type(getattr(schema(), f.name))
             if dataclasses.is_dataclass(sub):
                 _check_section(value, sub, f"{key}.")
             continue

@@ -219,6 +219,13 @@ class DataConfig:
     mixture_schedule: List[MixturePhase] = field(default_factory=list)
     """Weight changes during the run, e.g. [{step: 800, weights: {web: 0.2, books: 0.8}}] for a decay-phase mix;
     entries in increasing step order."""
+    shuffle_block_tokens: Optional[int] = field(default=None, metadata={"ge": 1})
+    """The unit the training order shuffles, in tokens: each epoch permutes the blocks of this many consecutive
+    tokens of each shard (seeded by run.seed and the epoch) and reads each block's windows one after another, so the
+    order is one stream of tokens whatever model.seq_len is. A multiple of model.seq_len. null: model.seq_len (each
+    window shuffled on its own). A context-extension stage (docs/resume.md) continues the data exactly at the
+    next unseen token when both stages use the same value, a multiple of both seq_lens (e.g. the final context):
+    set it from the first stage on. A shard's tail shorter than a block is not trained on. Single corpus only."""
 
     def __post_init__(self):
         self.check_mixture()

@@ -76,3 +76,25 @@ class Raise(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
             raise RuntimeError(f"injected fault at step {self.step}")
+
+
+class RecordTokens(Callback):
+    """Appends {"step", "rank", "tokens": the micro-batch's input ids (B, T), "ready": Lightning's count of the
+    epoch's micro-batches, this one included} of every micro-batch to
+    `out`.rank<r>.jsonl, and saves the model's weights as training starts to `out`.start.pt (rank 0): what a
+    context-extension stage starts from and reads (tests/test_context_extension.py); a resumed attempt keeps the
+    first attempt's."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.is_global_zero and not Path(f"{self.out}.start.pt").exists():
+            import torch
+
+            torch.save({k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}, f"{self.out}.start.pt")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with open(f"{self.out}.rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "rank": trainer.global_rank, "tokens": batch[0].tolist(),
+                                "ready": trainer.fit_loop.epoch_loop.batch_progress.current.ready}) + "\n")

@@ -138,6 +138,15 @@ def test_resume_compatibility_rules():
     with pytest.raises(ConfigError, match="model.d_model .*cannot change"):
         compat.check_resume(saved, compat.run_meta({**cfg, "model": {"d_model": 32}}, manifest, 512),
                             ["model.d_model"], "c", "t")
+    # A context-extension stage: model.seq_len and model.rope_scaling (a section: listed whole or key by key) hold no
+    # weight and change when listed; never unlisted.
+    stage = {**cfg, "model": {"d_model": 64, "seq_len": 128, "rope_scaling": {"type": "llama3", "factor": 2.0}}}
+    unscaled = compat.run_meta({**cfg, "model": {"d_model": 64, "seq_len": 64, "rope_scaling": None}}, manifest, 512)
+    assert compat.check_resume(unscaled, compat.run_meta(stage, manifest, 512),
+                               ["model.seq_len", "model.rope_scaling"], "c", "t") == \
+        ["model.rope_scaling.factor", "model.rope_scaling.type", "model.seq_len"]
+    with pytest.raises(ConfigError, match="model.seq_len .*cannot change"):
+        compat.check_resume(unscaled, compat.run_meta(stage, manifest, 512), ["model.rope_scaling"], "c", "t")
     # A checkpoint written before trainer.val_batches became trainer.val_windows resumes; a changed val_windows
     # of a checkpoint that has it is an experiment change like any other.
     before_rename = compat.run_meta({**cfg, "trainer": {**cfg["trainer"], "val_batches": 20}}, manifest, 512)

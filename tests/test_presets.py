@@ -13,7 +13,11 @@ from tests.conftest import EXPERIMENTS
 
 MODELS = EXPERIMENTS / "model"
 # The published totals: Llama 3.2 1B and 3B (tied) and Llama 3.1 8B (untied), their model cards / config.json.
-PUBLISHED = {"llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824, "llama3_1_8b": 8_030_261_248}
+PUBLISHED = {"llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824, "llama3_1_8b": 8_030_261_248,
+             "llama3_1_8b_128k": 8_030_261_248}
+# meta-llama/Llama-3.1-8B config.json as released: the 128K preset exports exactly this (RoPE scaling, no weight).
+LLAMA3_1_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
 # The family's rungs: (total, non-embedding) at the 128,256-token vocabulary, as each file's comment states them.
 LADDER = {
     "ladder_14m": (16_908_928, 492_160), "ladder_30m": (36_636_928, 3_803_392),
@@ -61,8 +65,13 @@ def test_published_shape_counts_equal_transformers_llama(name):
     from lit_pretrain.interop.llama import to_llama_config
 
     cfg = preset(name)
+    exported = to_llama_config(cfg, eod_id=0, dtype="float32")
+    if name == "llama3_1_8b_128k":
+        assert exported["rope_scaling"] == LLAMA3_1_ROPE and exported["max_position_embeddings"] == 131072
+    elif name == "llama3_1_8b":  # the pretraining shape: unscaled, 8K
+        assert exported["rope_scaling"] is None and exported["max_position_embeddings"] == 8192
     with torch.device("meta"):
-        hf = LlamaForCausalLM(LlamaConfig(**to_llama_config(cfg, eod_id=0, dtype="float32")))
+        hf = LlamaForCausalLM(LlamaConfig(**exported))
     assert sum(p.numel() for p in hf.parameters()) == PUBLISHED[name] == shapes.params(cfg)
     # Tensor by tensor: the same multiset of shapes (the tied head is not a separate tensor in either).
     ours = sorted(tuple(s) for s in shapes.param_shapes(cfg).values())

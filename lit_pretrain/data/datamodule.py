@@ -63,6 +63,17 @@ class ShardWindows(Dataset):
         window = torch.from_numpy(self._maps[shard][offset : offset + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]  # (T,) inputs, (T,) next-token targets
 
+    def block_windows(self, block_tokens: int) -> torch.Tensor:
+        """Window indices of each block of block_tokens consecutive tokens (a multiple of seq_len) of each shard,
+        (blocks, block_tokens // seq_len) int64: block j of a shard holds its windows k·j .. k·j + k - 1. A shard's
+        n tokens hold (n - 1) // block_tokens blocks (each window reads one token past its block, as past itself)."""
+        k = block_tokens // self.seq_len
+        rows = []
+        for first, (_, tokens, _) in zip(self.starts, self.spans):
+            blocks = max(0, (tokens - 1) // block_tokens)
+            rows.append(first + torch.arange(blocks * k, dtype=torch.int64).view(blocks, k))
+        return torch.cat(rows) if rows else torch.empty(0, k, dtype=torch.int64)
+
     def __getstate__(self):
         return {**self.__dict__, "_maps": {}}
 
@@ -75,9 +86,13 @@ def epoch_seed(seed: int, epoch: int) -> int:
 class GlobalOrderSampler(Sampler[int]):
     """Rank `rank`'s share of the global training order (see the module docstring)."""
 
-    def __init__(self, num_windows: int, micro_batch_size: int, rank: int, world_size: int, seed: int):
+    def __init__(self, num_windows: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                 blocks: Optional[torch.Tensor] = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        # data.shuffle_block_tokens: the permutation is of blocks (rows of window indices), each read in a row.
+        self.blocks = blocks
+        num_windows = num_windows if blocks is None else blocks.numel()
         self.num_windows, self.rank, self.world_size, self.seed = num_windows, rank, world_size, seed
         self.global_batch_size = micro_batch_size * world_size
         # Every rank gets the same number of full micro-batches; the remainder of the permutation is skipped.
@@ -91,7 +106,10 @@ class GlobalOrderSampler(Sampler[int]):
     def global_order(self, epoch: int) -> torch.Tensor:
         """Window indices of epoch `epoch` in global order (the same for every rank and world size)."""
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        return torch.randperm(self.num_windows, generator=generator)[: self.samples_per_epoch]
+        if self.blocks is None:
+            return torch.randperm(self.num_windows, generator=generator)[: self.samples_per_epoch]
+        order = torch.randperm(len(self.blocks), generator=generator)
+        return self.blocks[order].flatten()[: self.samples_per_epoch]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.global_order(self.epoch)[self.start + self.rank :: self.world_size].tolist())
@@ -226,6 +244,13 @@ class TokenShardDataModule(L.LightningDataModule):
                 f"one global batch ({world_size} ranks x trainer.micro_batch_size={self.micro_batch_size}): lower "
                 "model.seq_len or trainer.micro_batch_size, or use a larger corpus"
             )
+        block = self.data.shuffle_block_tokens
+        if block not in (None, self.seq_len) and len(train.block_windows(block)) * (block // self.seq_len) < \
+                world_size * self.micro_batch_size:
+            raise DataError(
+                f"the train split's whole blocks of data.shuffle_block_tokens={block} tokens hold fewer windows than "
+                f"one global batch ({world_size} ranks x trainer.micro_batch_size={self.micro_batch_size}): lower "
+                "data.shuffle_block_tokens, or use a larger corpus")
         if len(val) < 1:  # any number of ranks validates one (validation.py pads the ranks without a window)
             raise DataError(
                 f"the validation split has no window of model.seq_len+1={self.seq_len + 1} tokens: lower "
@@ -286,8 +311,10 @@ class TokenShardDataModule(L.LightningDataModule):
             order = self.mixture_order(self.micro_batch_size * world_size * accumulate)
             self.train_sampler = MixtureSampler(order, self.micro_batch_size, rank, world_size)
         else:
+            block = self.data.shuffle_block_tokens
+            blocks = self.train_dataset.block_windows(block) if block not in (None, self.seq_len) else None
             self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank, world_size,
-                                                    self.seed)
+                                                    self.seed, blocks)
         kwargs = self._loader_kwargs()
         self.train_loader = TrainLoader(self.train_dataset, self.train_sampler, kwargs.pop("batch_size"), **kwargs)
         return self.train_loader

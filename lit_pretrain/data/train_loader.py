@@ -99,6 +99,10 @@ class TrainLoader(DataLoader):
         trained = self._position - len(self._handed_out) - self.in_flight
         return trained * self.batch_size * self.sampler.world_size
 
+    def mid_epoch(self) -> bool:
+        """Whether this epoch has windows left that were not trained on (a prefetched batch is not trained on)."""
+        return self._base is not None and 0 < self.trained_samples() < len(self.sampler) * self.sampler.world_size
+
     def position(self) -> Tuple[int, int]:
         """(epoch, global samples of it trained on so far); before the first batch of a resumed run, the
         checkpoint's."""
@@ -112,12 +116,20 @@ class TrainLoader(DataLoader):
         per_step = self.batch_size * self.sampler.world_size
         state = {"pending_drop_samples": self._pending_drop * per_step, "dropped": [dict(d) for d in self.dropped],
                  "epoch": self._epoch, "trained_samples": self.trained_samples()}
+        if self.window_tokens is not None:  # what a sample is, so a stage at another seq_len can remap by tokens
+            state["window_tokens"] = self.window_tokens
         if hasattr(self.sampler, "source_state"):  # a mixture: each source's draws, epoch and position there
             state["sources"] = self.sampler.source_state(self._epoch, state["trained_samples"])
         return state
 
+    @property
+    def window_tokens(self) -> Optional[int]:
+        """Tokens of one sample (model.seq_len); None for a mixture, whose sources' positions are draws."""
+        return getattr(self.dataset, "seq_len", None) if not hasattr(self.sampler, "source_state") else None
+
     def load_state_dict(self, state: Dict) -> None:
         per_step = self.batch_size * self.sampler.world_size
+        state = remap_to_window(state, self.window_tokens)
         for key in ("pending_drop_samples", "trained_samples"):
             if state[key] % per_step:
                 raise ConfigError(
@@ -132,3 +144,24 @@ class TrainLoader(DataLoader):
                 raise ConfigError("data.sources: the checkpoint was trained on a single corpus, not this mixture: "
                                   "resume with its data config, or start afresh")
             self.sampler.check_source_state(int(state["epoch"]), int(state["trained_samples"]), state["sources"])
+
+
+def remap_to_window(state: Dict, window_tokens: Optional[int]) -> Dict:
+    """A loader state saved at another window length (a context-extension stage: model.seq_len changed), in samples
+    of `window_tokens`. The order is one stream of tokens at any window length when data.shuffle_block_tokens is a
+    multiple of both (datamodule.GlobalOrderSampler), so the position is remapped by its token offset in the epoch:
+    trained_samples · old = trained_samples' · new, and the next window starts at the next unseen token."""
+    old = state.get("window_tokens", window_tokens)
+    if old == window_tokens or window_tokens is None:
+        return state
+    out = dict(state, window_tokens=window_tokens)
+    for key in ("trained_samples", "pending_drop_samples"):
+        tokens = state[key] * old
+        if tokens % window_tokens:
+            raise ConfigError(
+                f"model.seq_len={window_tokens}: the checkpoint's data position ({key}={state[key]} windows of "
+                f"{old} tokens = {tokens} tokens into epoch {state['epoch']}) is not a whole number of windows of "
+                f"{window_tokens} tokens: extend from a checkpoint whose tokens trained divide by the new seq_len "
+                "(a step count times trainer.tokens_per_step that does)")
+        out[key] = tokens // window_tokens
+    return out

@@ -8,7 +8,9 @@ to read. The two models compute the same function, which tests/test_hf.py checks
 - RoPE: both use the rotate-half layout (channel i paired with i + head_dim/2, `rotate_half`) with inverse
   frequencies theta^(-2i/head_dim) over the whole head, so wq and wk need no permutation (Meta's original
   interleaved checkpoints do; transformers' convert_llama_weights_to_hf.py permutes them once into this layout).
-  model.rope_theta <-> rope_theta (rope_parameters.rope_theta in transformers 5), rope type "default", no scaling.
+  model.rope_theta <-> rope_theta (rope_parameters.rope_theta in transformers 5); model.rope_scaling <-> rope type
+  "llama3" or "yarn" with their parameters (original_seq_len <-> original_max_position_embeddings): the same
+  inverse frequencies and cos/sin multiplier to the bit (lit_pretrain/model/rope.py), null <-> "default".
 - Attention: softmax(q·kᵀ / sqrt(head_dim)) causal, no bias: scaled_dot_product_attention's default scale is
   head_dim**-0.5, as `LlamaAttention.scaling`. Grouped-query attention: model.n_kv_heads <-> num_key_value_heads
   (`repeat_kv` gives query head h the key/value head h // (n_heads / n_kv_heads), as SDPA's enable_gqa does).
@@ -20,16 +22,18 @@ to read. The two models compute the same function, which tests/test_hf.py checks
 - model.moe: exported as `OlmoeForCausalLM` (lit_pretrain/interop/olmoe.py says what makes it the same function).
 What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm and
 model.mlp=gelu (`check_exportable`; Gemma 2 has a soft-cap but differs from our block elsewhere: embeddings scaled
-by sqrt(d), norms around each sublayer); on import a bias, scaled RoPE, another activation, sliding windows.
+by sqrt(d), norms around each sublayer); on import a bias, RoPE scaled other than llama3 or yarn (linear, dynamic,
+longrope; yarn with truncate=false or a partial rotary factor), another activation, sliding windows.
 """
 
+import math
 import re
 from dataclasses import replace
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from lit_pretrain.errors import DataError
 from lit_pretrain.interop import olmoe
-from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.config import GPTConfig, RopeScalingConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
@@ -63,10 +67,13 @@ _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 # The GPTConfig fields that decide what function a set of weights computes (seq_len does not: it is only how many
 # positions the RoPE tables cover; init_std and activation checkpointing do not either).
 FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
-                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe")
+                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling")
 # Issue 21's variants, at the values a Llama (and a weights file written before them) has.
 VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu",
-                    "qk_norm_scope": "head", "moe": None}
+                    "qk_norm_scope": "head", "moe": None, "rope_scaling": None}
+# model.rope_scaling's fields each type computes with (the others are unused by it).
+ROPE_FIELDS = {"llama3": ("type", "factor", "original_seq_len", "low_freq_factor", "high_freq_factor"),
+               "yarn": ("type", "factor", "original_seq_len", "beta_fast", "beta_slow", "attention_factor")}
 
 # transformers' LlamaConfig defaults, for a config.json that leaves a field out (transformers writes them all).
 LLAMA_DEFAULTS = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-6,
@@ -80,9 +87,67 @@ def function_fields(cfg: GPTConfig) -> Dict[str, Any]:
     out = {name: cfg.hidden_dim if name == "d_ff" else getattr(cfg, name) for name in FUNCTION_FIELDS}
     out["n_kv_heads"] = None if cfg.kv_heads == cfg.n_heads else cfg.kv_heads
     out["moe"] = olmoe.moe_function_fields(cfg)
+    out["rope_scaling"] = rope_function_fields(cfg)
     if cfg.moe is not None and len(cfg.moe_layers()) == cfg.n_layers:
         out["d_ff"] = None  # no dense MLP anywhere: its width computes nothing
     return out
+
+
+def rope_function_fields(cfg: GPTConfig) -> Optional[Dict[str, Any]]:
+    """model.rope_scaling's fields its type computes with, or None (unscaled)."""
+    rope = cfg.rope_scaling
+    if rope is None:
+        return None
+    if isinstance(rope, Mapping):
+        rope = RopeScalingConfig(**rope)
+    return {key: getattr(rope, key) for key in ROPE_FIELDS[rope.type]}
+
+
+def rope_parameters(cfg: GPTConfig) -> Dict[str, Any]:
+    """transformers' rope_parameters (5.x; rope_scaling in 4.x, without rope_theta) of model.rope_theta and
+    model.rope_scaling."""
+    rope = rope_function_fields(cfg)
+    if rope is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out = {"rope_type": rope.pop("type"), "rope_theta": cfg.rope_theta,
+           "original_max_position_embeddings": rope.pop("original_seq_len"), **rope}
+    if out.get("attention_factor", 0.0) is None:
+        del out["attention_factor"]  # transformers derives it from factor, as we do
+    return out
+
+
+def rope_scaling_of(hf_rope: Mapping[str, Any], max_positions: int, refuse, where: str = "rope_parameters"
+                    ) -> Optional[Dict[str, Any]]:
+    """model.rope_scaling of transformers' rope_parameters (or 4.x rope_scaling: `where`), as
+    `_compute_llama3_parameters` and `_compute_yarn_parameters` read it (their defaults included); None for
+    "default"."""
+    kind = hf_rope.get("rope_type", hf_rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_FIELDS:
+        raise refuse(f"{where}.rope_type", kind, "our RoPE is unscaled, llama3 or yarn")
+    if hf_rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(f"{where}.partial_rotary_factor", hf_rope["partial_rotary_factor"],
+                     "our RoPE turns the whole head")
+    original = hf_rope.get("original_max_position_embeddings") or max_positions
+    out = {"type": kind, "original_seq_len": int(original)}
+    if kind == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if not isinstance(hf_rope.get(key), (int, float)):
+                raise refuse(f"{where}.{key}", hf_rope.get(key), "Llama 3.1's scaling needs it")
+            out[key] = float(hf_rope[key])
+        return out
+    if hf_rope.get("truncate", True) is not True:
+        raise refuse(f"{where}.truncate", hf_rope["truncate"], "our YaRN floors and ceils its ramp's bounds")
+    factor = hf_rope.get("factor") or max_positions / original  # transformers' fallback (DeepSeek-V3's configs)
+    attention = hf_rope.get("attention_factor")
+    mscale, mscale_all_dim = hf_rope.get("mscale"), hf_rope.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:  # transformers' ratio of two yarn_get_mscale values
+        attention = (0.1 * mscale * math.log(factor) + 1.0) / (0.1 * mscale_all_dim * math.log(factor) + 1.0) \
+            if factor > 1 else 1.0
+    return {**out, "factor": float(factor), "beta_fast": float(hf_rope.get("beta_fast") or 32),
+            "beta_slow": float(hf_rope.get("beta_slow") or 1),
+            "attention_factor": None if attention is None else float(attention)}
 
 
 def architecture(cfg: GPTConfig) -> str:
@@ -137,8 +202,9 @@ def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         # transformers 4.x reads rope_theta and rope_scaling; 5.x reads rope_parameters (and folds rope_theta in).
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None if cfg.rope_scaling is None else
+        {k: v for k, v in rope_parameters(cfg).items() if k != "rope_theta"},
+        "rope_parameters": rope_parameters(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -186,11 +252,12 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
             raise refuse(key, get(key), "our linear layers have no bias")
     if qk_norm and hf.get("use_sliding_window"):
         raise refuse("use_sliding_window", True, "our attention is full causal attention")
-    if get("rope_scaling"):
-        raise refuse("rope_scaling", get("rope_scaling"), "our RoPE is unscaled")
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise refuse("rope_parameters.rope_type", rope.get("rope_type"), "our RoPE is the default, unscaled one")
+    # transformers 5 writes rope_parameters (rope_theta inside); 4.x rope_scaling beside rope_theta, and 5.x reads
+    # a rope_scaling first when both are there (`convert_rope_params_to_dict`).
+    rope = dict(get("rope_scaling") or hf.get("rope_parameters") or {})
+    rope_scaling = rope_scaling_of(rope, get("max_position_embeddings"), refuse,
+                                   "rope_scaling" if get("rope_scaling") else "rope_parameters")
+    rope = {**(hf.get("rope_parameters") or {}), **rope}
     fields = {
         "vocab_size": hf["vocab_size"],
         "n_layers": hf["num_hidden_layers"],
@@ -204,6 +271,7 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
         **VARIANT_DEFAULTS,
         "n_kv_heads": None if kv in (None, n_heads) else kv,
         "qk_norm": qk_norm,
+        "rope_scaling": rope_scaling,
     }
     return olmoe.from_config(hf, fields, refuse) if known[0] == olmoe.ARCHITECTURE else fields
 

@@ -84,6 +84,46 @@ class Float8Config:
 
 
 @dataclass
+class RopeScalingConfig:
+    """Scaled RoPE frequencies for a context longer than the one pretrained (model.rope_scaling; null: unscaled).
+    The inverse frequencies are pure functions of these fields (lit_pretrain/model/rope.py), equal to transformers'
+    `_compute_llama3_parameters` / `_compute_yarn_parameters` (tests/test_rope.py)."""
+
+    type: str = field(default="llama3", metadata={"choices": ["llama3", "yarn"]})
+    """llama3: Llama 3.1's rule (Meta's llama-models `apply_scaling`): wavelengths shorter than original_seq_len /
+    high_freq_factor are kept, longer than original_seq_len / low_freq_factor divided by factor, smoothly between.
+    yarn: YaRN (Peng et al. 2023, eq. 18-21): per-frequency ramp between interpolation and extrapolation over
+    beta_slow..beta_fast rotations, and attention logits scaled by attention_factor²."""
+    factor: float = field(default=8.0, metadata={"ge": 1})
+    """How many times longer than original_seq_len the context becomes (Llama 3.1: 8; YaRN: its s)."""
+    original_seq_len: int = field(default=8192, metadata={"ge": 1})
+    """The context length the model was pretrained at, before scaling (transformers'
+    original_max_position_embeddings; Llama 3.1: 8192)."""
+    low_freq_factor: float = field(default=1.0, metadata={"gt": 0})
+    """type=llama3 only: wavelengths above original_seq_len / low_freq_factor are divided by factor (Llama 3.1: 1)."""
+    high_freq_factor: float = field(default=4.0, metadata={"gt": 0})
+    """type=llama3 only: wavelengths below original_seq_len / high_freq_factor are kept (Llama 3.1: 4); must exceed
+    low_freq_factor."""
+    beta_fast: float = field(default=32.0, metadata={"gt": 0})
+    """type=yarn only: dimensions turning more than beta_fast times over original_seq_len extrapolate (unchanged);
+    YaRN's β (§4.2: 32 for Llama), as transformers' default."""
+    beta_slow: float = field(default=1.0, metadata={"gt": 0})
+    """type=yarn only: dimensions turning fewer than beta_slow times over original_seq_len interpolate (divided by
+    factor); YaRN's α (§4.2: 1), as transformers' default."""
+    attention_factor: Optional[float] = field(default=None, metadata={"gt": 0})
+    """type=yarn only: cos and sin are multiplied by it, so attention logits by its square (YaRN eq. 22's
+    sqrt(1/t), as transformers applies it). null: 0.1 ln(factor) + 1 (YaRN eq. 22)."""
+
+    def check(self) -> None:
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                             f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (Llama 3.1: 4 and 1)")
+        if self.type == "yarn" and self.beta_fast <= self.beta_slow:
+            raise ValueError(f"model.rope_scaling.beta_fast={self.beta_fast} must exceed "
+                             f"model.rope_scaling.beta_slow={self.beta_slow} (YaRN: 32 and 1)")
+
+
+@dataclass
 class GPTConfig:
     vocab_size: Optional[int] = field(default=None, metadata={"ge": 2})
     """Vocabulary size. null: taken from the prepared tokenizer (`data.vocab_size` after training)."""
@@ -148,12 +188,18 @@ class GPTConfig:
     float8: Optional[Float8Config] = None
     """FP8 training of the blocks' linears through torchao (Float8Config); null: none (the linears run in
     trainer.precision)."""
+    rope_scaling: Optional[RopeScalingConfig] = None
+    """Scaled RoPE for a context longer than pretrained (RopeScalingConfig: Llama 3.1's llama3 rule or YaRN); null:
+    unscaled. Holds no weight: a context-extension stage sets it with a longer model.seq_len (docs/resume.md,
+    "Context-extension stages")."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.float8, dict):
             self.float8 = Float8Config(**self.float8)
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
 
     @property
     def head_dim(self) -> int:
@@ -284,6 +330,8 @@ class GPTConfig:
                 if value % 8:
                     raise ValueError(f"{key}={value} with model.moe: the experts' grouped matmul needs a multiple "
                                      "of 8 (16-byte rows); round it to one")
+        if self.rope_scaling is not None:
+            self.rope_scaling.check()
         if self.head_dim % 2:
             raise ValueError(
                 f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_pretrain.model.config import GPTConfig, ModuleSpec, flops_per_token_formula  # noqa: F401
+from lit_pretrain.model.config import GPTConfig, ModuleSpec, RopeScalingConfig, flops_per_token_formula  # noqa: F401
 
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
 from lit_pretrain.model.init import initialize
 from lit_pretrain.model.moe import MoE
+from lit_pretrain.model.rope import inverse_frequencies
 
 
 def build_linear(spec: ModuleSpec) -> nn.Linear:
@@ -66,20 +67,23 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None):
-    """cos and sin tables of RoPE (Su et al. 2021, eq. 34), each (seq_len, head_dim), in fp32.
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None,
+                scaling: RopeScalingConfig | None = None):
+    """cos and sin tables of RoPE (Su et al. 2021, eq. 34), each (seq_len, head_dim), in fp32; scaled by
+    model.rope_scaling (lit_pretrain/model/rope.py: Llama 3.1's rule or YaRN, whose cos and sin carry its attention
+    factor, as transformers' rotary embedding multiplies them).
 
     Rotate-half layout (GPT-NeoX, Hugging Face LLaMA): channel i is paired with channel i + head_dim/2, not with
     its neighbour as in the paper's interleaved form; both are the same rotation up to a fixed channel permutation
     of wq and wk. fp32 because the angles reach seq_len radians: near 1000 rad bf16's spacing is 4 rad.
     """
-    # 1 / theta^(2i/Q) as transformers' Llama writes it, not theta^(-2i/Q), which rounds differently in the last bit:
-    # the same tables to the bit, so an exported model (interop/llama.py) gives transformers' logits exactly.
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (Q/2,)
+    inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling, device)  # (Q/2,)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)  # (T,)
     angles = torch.outer(positions, inv_freq)  # (T, Q/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, Q): both halves of a pair turn by the same angle
-    return angles.cos(), angles.sin()
+    if attention_factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -283,7 +287,8 @@ class GPT(nn.Module):
         """
         cfg = self.cfg
         initialize(self, cfg)  # model.init: lit_pretrain/model/init.py
-        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device=self.rope_cos.device)
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device=self.rope_cos.device,
+                               scaling=cfg.rope_scaling)
         # Assigned, not copied: the buffers may have been cast (e.g. `.to(bfloat16)`); the tables are fp32.
         self.rope_cos, self.rope_sin = cos, sin
 

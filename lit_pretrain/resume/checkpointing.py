@@ -110,8 +110,26 @@ class StepCheckpoint(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
         if self._in_flight:
             as_saved_at_previous_batch_end(checkpoint["loops"]["fit_loop"])
+        loader = getattr(trainer.datamodule, "train_loader", None) if trainer.datamodule is not None else None
+        if not self._in_flight and loader is not None and loader.mid_epoch():
+            # The run's last checkpoint (max_steps): Lightning has counted the epoch as done, so a run continued from
+            # it (more max_steps, a context-extension stage) would start the next epoch and skip the rest of this
+            # one's data. Counted as not done, the continuation reads on from the next unseen window.
+            as_mid_epoch(checkpoint)
         checkpoint[META_KEY] = {"step": trainer.global_step, "world_size": trainer.world_size,
                                 "metrics_rows": self._metrics_rows, **self.run_meta}
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
+        # Before Lightning restores its loops: a context-extension stage's position in micro-batches of this run.
+        datamodule = trainer.datamodule
+        states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader") or []
+        if datamodule is None or len(states) != 1 or states[0].get("window_tokens") in (None, datamodule.seq_len):
+            return
+        from lit_pretrain.data.train_loader import remap_to_window
+
+        _, world_size = datamodule.rank_and_world_size()
+        samples = remap_to_window(states[0], datamodule.seq_len)["trained_samples"]
+        as_micro_batches_done(checkpoint["loops"]["fit_loop"], samples // (datamodule.micro_batch_size * world_size))
 
     def save(self, trainer, step: int, in_flight: int) -> None:
         path = self.folder / (store.step_dir(step) if self.saver is not None else store.step_file(step))
@@ -180,3 +198,26 @@ def as_saved_at_previous_batch_end(fit_loop: Dict) -> None:
         done = counts["completed"]
         counts.update(ready=done, started=done, processed=done, completed=done - 1)
     fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+
+
+def as_mid_epoch(checkpoint: Dict) -> None:
+    """Rewrite Lightning's epoch counters of a checkpoint taken after max_steps ended the epoch loop (epoch ready =
+    started = processed = completed = e + 1) to those of one taken inside epoch e (processed = completed = e), as a
+    ModelCheckpoint at a batch's end has them: a restart then continues epoch e after its last completed batch."""
+    progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+    for part in ("total", "current"):
+        counts = progress[part]
+        if counts["completed"] == counts["ready"] and counts["completed"] > 0:
+            counts.update(processed=counts["completed"] - 1, completed=counts["completed"] - 1)
+    checkpoint["epoch"] = progress["current"]["completed"]
+
+
+def as_micro_batches_done(fit_loop: Dict, micro_batches: int) -> None:
+    """Shift Lightning's counts of this epoch's micro-batches (ready, started, processed, completed, in the form the
+    checkpoint has them) so that `ready` is `micro_batches`: the position of a loader remapped to another window
+    length. Lightning ends an epoch when `ready` reaches the loader's length, so counts in the old micro-batches
+    would end it early (or late) when a micro-batch's tokens change with model.seq_len."""
+    counts = fit_loop["epoch_loop.batch_progress"]["current"]
+    shift = micro_batches - counts["ready"]
+    for key in ("ready", "started", "processed", "completed"):
+        counts[key] += shift

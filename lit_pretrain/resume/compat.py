@@ -4,7 +4,8 @@ A resume continues one experiment. Keys that only say how it is run (devices, st
 checkpoint intervals, workers) may change freely, as long as the global batch (tokens per optimizer step) is the
 same. Keys that change the experiment (optimizer, schedule, seed, data, max_steps which shapes the schedule) are
 refused unless listed in `run.resume_allow_changes`; keys that change the model's shape are refused always, since
-the checkpoint's weights fit only their own shape. The tokenizer and the shard manifest are compared by hash.
+the checkpoint's weights fit only their own shape; model.seq_len and model.rope_scaling hold no weight and may change
+when listed (a context-extension stage). The tokenizer and the shard manifest are compared by hash.
 """
 
 import dataclasses
@@ -27,6 +28,16 @@ FREE_KEYS = {
     # so a run written before then must resume under the new default.
     "trainer.compile",
 }
+
+
+# Model keys that hold no weight: a context-extension stage (docs/resume.md) changes them on purpose, when
+# run.resume_allow_changes lists them (model.rope_scaling: the section, or one of its keys).
+STAGE_KEYS = ("model.seq_len", "model.rope_scaling")
+
+
+def _listed(key: str, allow: Iterable[str]) -> bool:
+    """key, or a section above it (model.rope_scaling for model.rope_scaling.factor), is in `allow`."""
+    return any(key == a or key.startswith(a + ".") for a in allow)
 
 
 # Keys a checkpoint written before their rename holds under the old name (config.RENAMED): trainer.val_batches
@@ -72,7 +83,7 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
     """Raise a ConfigError/DataError naming the first refused difference; return the allowed changed keys."""
     allow = set(allow)
     before, now = saved["config"], flatten(current["config"])
-    unknown = sorted(k for k in allow if k not in now)
+    unknown = sorted(k for k in allow if k not in now and not any(n.startswith(k + ".") for n in now))
     if unknown:
         raise ConfigError(f"run.resume_allow_changes names {unknown[0]!r}, which is not a config key")
     if saved["tokenizer_sha256"] != current["tokenizer_sha256"]:
@@ -94,10 +105,10 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
             continue  # a checkpoint written before the rename: the new key takes over from here
         if key not in before and now.get(key) == schema_defaults().get(key, object()):
             continue  # a key the checkpoint predates (e.g. model.moe), at its default: what that run computed
-        if key.startswith("model."):
+        if key.startswith("model.") and not (_listed(key, STAGE_KEYS) and _listed(key, allow)):
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               "the model's shape cannot change on resume; set it back, or start a new run")
-        if key not in allow:
+        if not _listed(key, allow):
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               f"set it back, or allow the change with run.resume_allow_changes=[{key}]")
         changed.append(key)
