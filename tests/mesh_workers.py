@@ -17,6 +17,7 @@ from lit_pretrain.model.gpt import GPT
 from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.optim.optimizers import build_adamw, build_optimizer, clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
+from lit_pretrain.parallel.context import context_losses
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.mesh import build_mesh, like
 from lit_pretrain.parallel.plan import ParallelPlan
@@ -81,7 +82,7 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))
         else:  # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
-            loss = lm_losses(model(x), y, split_cross_entropy=split_cross_entropy(par.vocab_group))[0]
+            loss = layout_loss(par, model, x, y)
             loss.backward()
             loss = loss.detach()
         par.sync_gradients()
@@ -95,6 +96,16 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         losses.append(loss.item() / d)
         norms.append(norm.item())
     return par, model, opt, losses, norms, grads0
+
+
+def layout_loss(par, model, x, y, docs=None):
+    """The task loss of this layout's forward: under context parallelism of this rank's positions, normalized over
+    the group (parallel/context.py), else lm_losses."""
+    logits = model(x) if docs is None else model(x, document_ids=docs)
+    split = split_cross_entropy(par.vocab_group)
+    if par.cp is not None:
+        return context_losses(logits, par.cp.local(y), par.cp.group, split_cross_entropy=split)[0]
+    return lm_losses(logits, y, split_cross_entropy=split)[0]
 
 
 def dist_broadcast(obj):
@@ -131,6 +142,7 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
             tp_logits = model(xs[0])  # (B, T, V/t) under tensor parallelism: this rank's vocabulary columns
             if par.vocab_group is not None:
                 tp_logits = whole_logits(tp_logits, par.vocab_group)
+    part = None if par.cp is None else par.cp.positions(xs.shape[-1])  # rank 0's positions under context parallelism
     rows = vocab_rows(model)
     if dist.get_rank() != 0:
         return
@@ -156,7 +168,8 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
         "round_trip": max_diff(back, ref_model.state_dict()),
         "opt_round_trip": max(abs(opt_back[n][k] - v).max().item() for n, s in full_opt.items() for k, v in s.items()),
         "loaded_logits": (loaded_logits - ref_logits).abs().max().item(),
-        "layout_logits": None if tp_logits is None else (tp_logits - ref_logits).abs().max().item(),
+        "layout_logits": None if tp_logits is None else (tp_logits - (ref_logits if part is None else
+                                                                       ref_logits[:, part])).abs().max().item(),
         "sequence_parallel": any(getattr(m, "sequence_parallel", False) for m in par.gpt.modules()),
         "vocab_rows": rows, "t": par.t,
     }
