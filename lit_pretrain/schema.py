@@ -496,6 +496,15 @@ class StrategyConfig:
     experts are their own data-parallel group (FSDP2 shards them over it at zero_stage 2/3). Composes with
     tensor_parallel (each expert split along its width over it: E/P experts x 1/t of their width a rank) and
     pipeline_parallel; not with zero_stage 1. 1: off."""
+    context_parallel: int = field(default=1, metadata={"ge": 1})
+    """Ranks that share one micro-batch and split its sequence (c; Llama 3's context parallelism, lit_pretrain/
+    parallel/context.py): each computes 2 of 2c chunks of the window (chunks r and 2c-1-r, which balances the causal
+    work), all-gathers the keys and values of every layer over the group and attends with the causal and document
+    mask in global positions. Activations per rank fall by c. Not a data-parallel degree (trainer.tokens_per_step
+    is split over data_parallel_replicate x data_parallel_shard only), but FSDP2 (zero_stage 2/3) shards the model
+    state over data_parallel_shard x context_parallel. Needs model.seq_len divisible by 2c (2c x tensor_parallel
+    with sequence_parallel). Composes with zero_stage 2/3, HSDP, tensor_parallel (with sequence_parallel) and
+    pipeline_parallel (docs/strategies.md). 1: off."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lit_pretrain.model.config import GPTConfig
-from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.gpt import GPT, document_ids
 from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.optim.optimizers import build_adamw, build_optimizer, clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
@@ -40,13 +40,15 @@ def adamw(model):
     return build_adamw(model, OptimConfig(lr_peak=LR, weight_decay=0.1, beta2=0.999), kernel="foreach")
 
 
-def reference(model, xs, ys, make_opt=adamw):
-    """One process: losses, pre-clip norms, first-step gradients by name, final weights and optimizer state."""
+def reference(model, xs, ys, make_opt=adamw, eod_id=None):
+    """One process: losses, pre-clip norms, first-step gradients by name, final weights and optimizer state.
+    eod_id: document masking (ys then hold IGNORE_INDEX after each EOD, `with_documents`)."""
     opt = make_opt(model)
     losses, norms, grads0 = [], [], None
     for x, y in zip(xs, ys):
         opt.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        logits = model(x) if eod_id is None else model(x, document_ids=document_ids(x, eod_id))
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), MAX_NORM, norm)
@@ -67,8 +69,18 @@ def data_parallel_rank(par) -> int:
     return dist.get_rank(par.replicate) * par.plan.data_parallel_shard + dist.get_rank(par.shard_group)
 
 
-def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
-    """`make_opt(model, par)`: the layout's optimizer (default: adamw)."""
+def with_documents(xs, eod_id: int):
+    """xs with EODs planted at positions 2, 6 and 11 of every window, so documents cross the chunk edges of
+    context parallelism 2 (4, 8, 12) and 4 (2, 4, 6, ...); targets rolled and masked after each EOD, as
+    module.loss_targets does."""
+    xs = xs.clone()
+    xs[..., [2, 6, 11]] = eod_id
+    ys = torch.roll(xs, -1, dims=-1).masked_fill(xs == eod_id, IGNORE_INDEX)
+    return xs, ys
+
+
+def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None, eod_id=None):
+    """`make_opt(model, par)`: the layout's optimizer (default: adamw). eod_id: document masking."""
     model = copy.deepcopy(init)
     par = apply_plan(model, plan, build_mesh(plan))
     opt = make_opt(model, par) if make_opt else adamw(model)
@@ -82,7 +94,7 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))
         else:  # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
-            loss = layout_loss(par, model, x, y)
+            loss = layout_loss(par, model, x, y, None if eod_id is None else document_ids(x, eod_id))
             loss.backward()
             loss = loss.detach()
         par.sync_gradients()
@@ -120,13 +132,16 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
     as a dict of MoEConfig fields). `train`: the (reference, run_layout) loops to use instead of this module's
     (tests/moe_mesh_workers.py adds model.moe's losses and bias update)."""
     train_reference, train_layout = train or (reference, run_layout)
+    variant = dict(variant)
+    eod = variant.pop("eod_id", None)  # document masking, with documents across chunk edges (with_documents)
+    masking = {} if eod is None else {"eod_id": eod}
     cfg = GPTConfig(**{**CFG, **variant})
     torch.manual_seed(0)
     init = GPT(cfg)
-    xs, ys = data()
+    xs, ys = data() if eod is None else with_documents(data()[0], eod)
     ref_model = copy.deepcopy(init)
-    ref_losses, ref_norms, ref_grads, ref_opt = train_reference(ref_model, xs, ys)
-    par, model, opt, losses, norms, grads0 = train_layout(plan, init, xs, ys)
+    ref_losses, ref_norms, ref_grads, ref_opt = train_reference(ref_model, xs, ys, **masking)
+    par, model, opt, losses, norms, grads0 = train_layout(plan, init, xs, ys, **masking)
     full = par.full_state()
     full_opt = par.full_optimizer_state(opt)
     # The gathered AdamW state sliced into a fresh optimizer of this layout, and gathered again.

@@ -33,6 +33,12 @@ CASES_2 = [
     ("tp2_sp", Plan(tensor_parallel=2, sequence_parallel=True)),
     ("tp2_sp_variants", Plan(tensor_parallel=2, sequence_parallel=True), VARIANTS),
     ("pp2_variants", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4), {**VARIANTS, "n_kv_heads": 1}),
+    # Context parallelism (issue 39): chunks r and 2c-1-r, K/V all-gathered; grouped-query attention (4:2) read
+    # over the gathered keys; ZeRO-3 over data_parallel_shard x context_parallel (here the 2 context ranks); and
+    # document masking with documents across the chunk edges (mesh_workers.with_documents).
+    ("cp2", Plan(context_parallel=2), {"n_kv_heads": 2}),
+    ("cp2_zero3", Plan(context_parallel=2, zero_stage=3)),
+    ("cp2_documents", Plan(context_parallel=2), {"eod_id": 5}),
 ]
 # optim.name=muon (mesh_workers.muon_case): data parallelism (our mesh's all-reduce, as DDP), ZeRO-1 (the real
 # ZeroRedundancyOptimizer over that replica group), ZeRO-3 (FSDP2 DTensor shards), TP 2 (our slices).
@@ -55,6 +61,14 @@ CASES_4 = [
     ("zero3_tp2_variants", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), VARIANTS),
     ("tp2_sp_pp2", Plan(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True, schedule="gpipe",
                         micro_batches=4)),
+    # Context parallelism with every other dimension (issue 39): 4 ranks of one window (chunks of 2 positions),
+    # ZeRO-2 and HSDP over data_parallel_shard x context_parallel, tensor parallelism with sequence parallelism
+    # (seq_len 16 = 2c x t x 4), pipeline parallelism (the stages read the window's length off their input).
+    ("cp4_documents", Plan(context_parallel=4), {"eod_id": 5}),
+    ("dp2_cp2_zero2", Plan(data_parallel_shard=2, context_parallel=2, zero_stage=2)),
+    ("hsdp_cp2", Plan(data_parallel_replicate=2, context_parallel=2, zero_stage=3)),
+    ("cp2_tp2_sp", Plan(context_parallel=2, tensor_parallel=2, sequence_parallel=True)),
+    ("cp2_pp2", Plan(context_parallel=2, pipeline_parallel=2, schedule="1f1b", micro_batches=4)),
 ]
 MUON_CASES_4 = [("muon_zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), MUON)]
 

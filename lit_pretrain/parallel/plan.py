@@ -208,6 +208,8 @@ def check_plan(plan: ParallelPlan, trainer, model=None, vocab_from: Optional[str
         _check_pipeline(plan, trainer, model)
     if plan.expert_parallel > 1:
         _check_expert_parallel(plan, model)
+    if plan.context_parallel > 1:
+        _check_context_parallel(plan, model)
     if model is not None:
         _check_model(plan, trainer, model, vocab_from)
 
@@ -232,6 +234,34 @@ def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
         raise ConfigError(f"model.n_layers={model.n_layers} is fewer than the {p * v} pipeline stages "
                           f"(strategy.pipeline_parallel={p} x strategy.pipeline.stages_per_rank={v}): every stage "
                           "needs a block; lower pipeline_parallel or add layers")
+
+
+def _check_context_parallel(plan: ParallelPlan, model) -> None:
+    """What strategy.context_parallel composes with (tests/test_mesh_parallel.py checks each against one process):
+    DDP replicas, ZeRO 2/3, HSDP, tensor parallelism with and without sequence parallelism, pipeline parallelism,
+    document masking."""
+    c = plan.context_parallel
+    if plan.zero_stage == 1:
+        raise ConfigError(f"strategy.zero_stage=1 with strategy.context_parallel={c} is not supported: "
+                          "ZeroRedundancyOptimizer keeps whole tensors per rank and our mesh's checkpoints gather "
+                          "a by-name optimizer state it does not hold; use zero_stage=2 (FSDP2 shards the same "
+                          "optimizer state, and the gradients, over data_parallel_shard x context_parallel)")
+    if plan.compile:
+        raise ConfigError(f"trainer.compile=true is not supported with strategy.context_parallel={c} (the compiled "
+                          "forward and loss run the whole window on one process): set trainer.compile=false")
+    if model is None:
+        return
+    if model.moe is not None:
+        raise ConfigError(f"model.moe with strategy.context_parallel={c} is not supported yet (the routing counts "
+                          "and load-balancing loss would see one rank's part of the sequence): set "
+                          "strategy.context_parallel=1, or use a dense model")
+    split = 2 * c * (plan.tensor_parallel if plan.sequence_parallel else 1)
+    if model.seq_len % split:
+        under = f" x strategy.tensor_parallel={plan.tensor_parallel} (sequence_parallel)" \
+            if plan.sequence_parallel else ""
+        raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by 2 x strategy.context_parallel={c}"
+                          f"{under} = {split}: each context-parallel rank computes 2 of 2c equal chunks of the "
+                          f"window; choose a model.seq_len that is a multiple of {split}")
 
 
 def _check_model(plan: ParallelPlan, trainer, model, vocab_from: Optional[str] = None) -> None:
