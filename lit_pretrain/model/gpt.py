@@ -139,7 +139,8 @@ class Attention(nn.Module):
         QK-norm then RoPE on q and k. cos, sin hold x's positions from its first; they may run past T (their first
         T rows are used), so a caller that does not know how long x will be here can pass the whole tables."""
         B, T, _ = x.shape
-        cos, sin = cos[:T], sin[:T]  # (T, head_dim)
+        if cos.dim() == 2:  # (B, T, head_dim) tables (document masking) are the rows' own already
+            cos, sin = cos[:T], sin[:T]  # (T, head_dim)
         # -1 heads, not cfg.n_heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
