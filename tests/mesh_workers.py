@@ -240,14 +240,32 @@ def saved_block_bytes(tp_group, sequence_parallel: bool) -> int:
     return meter.bytes
 
 
+def saved_context_block_bytes(group) -> int:
+    """Bytes the first block saves for backward on this rank under context parallelism over `group`, its RoPE
+    tables at this rank's positions included (as GPT.forward passes them)."""
+    from lit_pretrain.parallel.context import install_context_parallel
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    cp = install_context_parallel(model, group)
+    part = cp.positions(CFG["seq_len"])
+    h = model.tok_embeddings(data()[0][0][:, part])  # (B, T/c, d)
+    with SavedActivations(model) as meter:
+        out = model.blocks[0](h, model.rope_cos[part], model.rope_sin[part])
+    out.float().pow(2).mean().backward()
+    return meter.bytes
+
+
 def activation_case(out: dict) -> None:
-    """TP-only and TP + sequence parallelism, saved bytes per block, over the whole world as the TP group."""
+    """TP-only and TP + sequence parallelism, saved bytes per block, over the whole world as the TP group; and
+    context parallelism over the whole world."""
     plan = ParallelPlan(tensor_parallel=dist.get_world_size())
     tp = build_mesh(plan).get_group("tensor_parallel")
     measured = {sp: saved_block_bytes(tp, sp) for sp in (False, True)}
+    context = saved_context_block_bytes(dist.group.WORLD)
     if dist.get_rank() == 0:
-        out["activations"] = {"tp": measured[False], "tp_sp": measured[True],
-                              "shape": dict(batch=BATCH, **CFG)}
+        out["activations"] = {"tp": measured[False], "tp_sp": measured[True], "cp": context,
+                              "c": dist.get_world_size(), "shape": dict(batch=BATCH, **CFG)}
 
 
 MUON = OptimConfig(name="muon", lr_peak=LR, weight_decay=0.1, beta2=0.999)

@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
-from lit_pretrain.scaling.memory import memory_plan
+from lit_pretrain.scaling.memory import (block_activation_bytes, context_forward_bytes, context_mask_bytes,
+                                         memory_plan)
 from tests.conftest import free_port
 from tests.mesh_workers import BATCH, CFG, worker
 
@@ -171,6 +172,18 @@ def check_activations(measured):
     # do: on fp32 CPU kernels the bytes agree exactly, so a tensor added to or dropped from the block shows here.
     assert measured["tp"] == planned[False] and measured["tp_sp"] == planned[True], (measured, planned)
     assert ratio < 0.9  # sequence parallelism saves the norm region's bytes, not nothing
+    # Context parallelism (issue 39): rank 0 of CP 2 against the planner's block, its RoPE tables at its positions
+    # and the CPU's additive causal mask (scaling/memory.py), byte for byte as above; about 0.56 of one process's
+    # block at this shape (the gathered keys and values are the whole window's).
+    c = measured["c"]
+    whole = block_activation_bytes(CFG["seq_len"], BATCH, CFG["d_model"], CFG["n_heads"], cfg.hidden_dim)
+    planned_cp = (block_activation_bytes(CFG["seq_len"], BATCH, CFG["d_model"], CFG["n_heads"], cfg.hidden_dim,
+                                         context_parallel=c)
+                  + context_forward_bytes(CFG["seq_len"], BATCH, cfg.head_dim, c) + context_mask_bytes(CFG["seq_len"], c))
+    print(f"saved activations per block: one process {whole:.0f} B, CP {c} {measured['cp']} B (planned "
+          f"{planned_cp:.0f} B), ratio {measured['cp'] / whole:.4f}")
+    assert measured["cp"] == planned_cp, (measured, planned_cp)
+    assert measured["cp"] < 0.6 * whole
 
 
 def test_four_process_layouts_match_one_process():

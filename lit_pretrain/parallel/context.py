@@ -110,14 +110,32 @@ class ContextParallel:
         k, v = GatherKV.apply(k, v, self.group, self.c)  # (B, KV, T, Q) each
         if mask is not None:
             return attend(q, k, v, mask)  # (B, H, T/c, Q)
-        from torch.nn.attention.bias import causal_lower_right
-
         n = q.shape[2] // 2  # chunk length T/(2c)
         out = []
         for i, chunk in enumerate((self.rank, 2 * self.c - 1 - self.rank)):
             qi, end = q[:, :, i * n:(i + 1) * n], (chunk + 1) * n
-            out.append(attend(qi, k[:, :, :end], v[:, :, :end], causal_lower_right(n, end)))  # (B, H, n, Q)
+            if end == n:  # the first chunk: a square triangle, SDPA's own causal mask
+                out.append(attend(qi, k[:, :, :end], v[:, :, :end], is_causal=True))  # (B, H, n, Q)
+            else:
+                out.append(attend(qi, k[:, :, :end], v[:, :, :end], self.lower_right(n, end, q)))  # (B, H, n, Q)
         return torch.cat(out, dim=2)  # (B, H, T/c, Q)
+
+    def lower_right(self, n: int, end: int, q: torch.Tensor):
+        """The causal mask of n queries ending at key `end`, aligned to the bottom right. On GPUs PyTorch's
+        CausalBias, which the flash and memory-efficient kernels apply without a mask in memory; elsewhere SDPA
+        would materialize it in every layer (and keep it for backward), so one additive mask, made once per window
+        and shape and shared by every layer, is passed instead (n x end elements of q's dtype)."""
+        if q.device.type == "cuda":
+            from torch.nn.attention.bias import causal_lower_right
+
+            return causal_lower_right(n, end)
+        key = (n, end, q.dtype, q.device)
+        cached = getattr(self, "_mask", None)
+        if cached is None or cached[0] != key:
+            allowed = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(end - n)  # (n, end)
+            mask = torch.zeros(n, end, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+            self._mask = cached = (key, mask)
+        return cached[1]
 
 
 def context_losses(logits: torch.Tensor, targets: torch.Tensor, group, z_loss: float = 0.0,
