@@ -104,7 +104,7 @@ class ContextParallel:
         rank's k, v (B, KV, T/c, Q). mask: (B, 1, T/c, T) bool in global positions (document masking), or None for
         the causal mask, which needs none: each of the two query chunks attends to the keys up to its own end, with
         the causal triangle aligned to the bottom right (SDPA's is_causal aligns it to the top left), as two SDPA
-        calls without a T/c x T mask in memory."""
+        calls."""
         from lit_pretrain.model.gpt import attend
 
         k, v = GatherKV.apply(k, v, self.group, self.c)  # (B, KV, T, Q) each
@@ -123,19 +123,22 @@ class ContextParallel:
     def lower_right(self, n: int, end: int, q: torch.Tensor):
         """The causal mask of n queries ending at key `end`, aligned to the bottom right. On GPUs PyTorch's
         CausalBias, which the flash and memory-efficient kernels apply without a mask in memory; elsewhere SDPA
-        would materialize it in every layer (and keep it for backward), so one additive mask, made once per window
-        and shape and shared by every layer, is passed instead (n x end elements of q's dtype)."""
+        would materialize it in every layer (and keep it for backward), so one additive mask of n x T elements
+        of q's dtype, made once per window length and shared by every layer and both chunks, is passed instead:
+        the mask of n queries ending at `end` is its last `end` columns (query i may see key j <= end - n + i,
+        which is column j + T - end <= T - n + i of the whole one)."""
         if q.device.type == "cuda":
             from torch.nn.attention.bias import causal_lower_right
 
             return causal_lower_right(n, end)
-        key = (n, end, q.dtype, q.device)
+        T = 2 * self.c * n
+        key = (n, q.dtype, q.device)
         cached = getattr(self, "_mask", None)
         if cached is None or cached[0] != key:
-            allowed = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(end - n)  # (n, end)
-            mask = torch.zeros(n, end, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+            allowed = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)  # (n, T)
+            mask = torch.zeros(n, T, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
             self._mask = cached = (key, mask)
-        return cached[1]
+        return cached[1][:, T - end:]  # (n, end)
 
 
 def context_losses(logits: torch.Tensor, targets: torch.Tensor, group, z_loss: float = 0.0,
