@@ -14,8 +14,7 @@ import torch.multiprocessing as mp
 
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
-from lit_pretrain.scaling.memory import (block_activation_bytes, context_forward_bytes, context_mask_bytes,
-                                         memory_plan)
+from lit_pretrain.scaling.memory import block_activation_bytes, context_forward_bytes, context_mask_bytes, memory_plan
 from tests.conftest import free_port
 from tests.mesh_workers import BATCH, CFG, worker
 
@@ -179,7 +178,8 @@ def check_activations(measured):
     whole = block_activation_bytes(CFG["seq_len"], BATCH, CFG["d_model"], CFG["n_heads"], cfg.hidden_dim)
     planned_cp = (block_activation_bytes(CFG["seq_len"], BATCH, CFG["d_model"], CFG["n_heads"], cfg.hidden_dim,
                                          context_parallel=c)
-                  + context_forward_bytes(CFG["seq_len"], BATCH, cfg.head_dim, c) + context_mask_bytes(CFG["seq_len"], c))
+                  + context_forward_bytes(CFG["seq_len"], BATCH, cfg.head_dim, c)
+                  + context_mask_bytes(CFG["seq_len"], c))
     print(f"saved activations per block: one process {whole:.0f} B, CP {c} {measured['cp']} B (planned "
           f"{planned_cp:.0f} B), ratio {measured['cp'] / whole:.4f}")
     assert measured["cp"] == planned_cp, (measured, planned_cp)

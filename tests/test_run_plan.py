@@ -13,9 +13,9 @@ from lit_pretrain.cli import main
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
-from lit_pretrain.scaling import memory, shapes
 from lit_pretrain.parallel.batch import global_batch
 from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.scaling import memory, shapes
 from lit_pretrain.scaling.run_plan import MIN_HEADROOM, format_fit, run_memory
 from tests.conftest import EXPERIMENTS
 
