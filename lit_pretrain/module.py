@@ -19,6 +19,7 @@ from lit_pretrain.optim.optimizers import build_optimizer
 from lit_pretrain.optim.schedule import lr_lambda
 from lit_pretrain.optim.step_guard import StepGuard
 from lit_pretrain.parallel.apply import apply_plan
+from lit_pretrain.parallel.context import context_losses
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.vocab import split_cross_entropy
 from lit_pretrain.resume.verified import sidecar_path, verify
@@ -162,6 +163,10 @@ class PretrainModule(L.LightningModule):
         # (B, T, V), or this rank's (B, T, V/t) under tensor parallelism, whose group the loss then reduces over
         logits = self.model(x) if docs is None else self.model(x, document_ids=docs)
         group = self.parallel.vocab_group if self.parallel is not None else None
+        split = self.parallel.cp if self.parallel is not None else None
+        if split is not None:  # context parallelism: logits of this rank's positions (parallel/context.py)
+            return context_losses(logits, split.local(y), split.group, self.optim_cfg.z_loss,
+                                  split_cross_entropy(group))
         return lm_losses(logits, y, self.optim_cfg.z_loss, split_cross_entropy(group))
 
     def on_fit_start(self):

@@ -508,8 +508,17 @@ class StrategyConfig:
     torchtitan and OLMo-core run it: parameters gathered in bf16 (half the all-gather bytes), the blocks computed in
     bf16 with the norms in fp32, gradients reduced in fp32; master weights and AdamW state stay fp32, and Lightning's
     autocast is off (nothing left for it to cast). null (default): on wherever it is built (ZeRO-2/3 and HSDP
-    without tensor, pipeline or expert parallelism), the autocast path elsewhere; true: on, refused where not built;
-    false: fp32 parameters gathered and autocast per op. `train`'s plan line says which ran."""
+    without tensor, pipeline, expert or context parallelism), the autocast path elsewhere; true: on, refused where
+    not built; false: fp32 parameters gathered and autocast per op. `train`'s plan line says which ran."""
+    context_parallel: int = field(default=1, metadata={"ge": 1})
+    """Ranks that share one micro-batch and split its sequence (c; Llama 3's context parallelism, lit_pretrain/
+    parallel/context.py): each computes 2 of 2c chunks of the window (chunks r and 2c-1-r, which balances the causal
+    work), all-gathers the keys and values of every layer over the group and attends with the causal and document
+    mask in global positions. Activations per rank fall by c. Not a data-parallel degree (trainer.tokens_per_step
+    is split over data_parallel_replicate x data_parallel_shard only), but FSDP2 (zero_stage 2/3) shards the model
+    state over data_parallel_shard x context_parallel. Needs model.seq_len divisible by 2c (2c x tensor_parallel
+    with sequence_parallel). Composes with zero_stage 2/3, HSDP, tensor_parallel (with sequence_parallel) and
+    pipeline_parallel (docs/strategies.md). 1: off."""
 
 
 @dataclass

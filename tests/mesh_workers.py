@@ -14,10 +14,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lit_pretrain.model.config import GPTConfig
-from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.gpt import GPT, document_ids
 from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
 from lit_pretrain.optim.optimizers import build_adamw, build_optimizer, clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
+from lit_pretrain.parallel.context import context_losses
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.mesh import build_mesh, like
 from lit_pretrain.parallel.plan import ParallelPlan
@@ -40,13 +41,15 @@ def adamw(model):
     return build_adamw(model, OptimConfig(lr_peak=LR, weight_decay=0.1, beta2=0.999), kernel="foreach")
 
 
-def reference(model, xs, ys, make_opt=adamw):
-    """One process: losses, pre-clip norms, first-step gradients by name, final weights and optimizer state."""
+def reference(model, xs, ys, make_opt=adamw, eod_id=None):
+    """One process: losses, pre-clip norms, first-step gradients by name, final weights and optimizer state.
+    eod_id: document masking (ys then hold IGNORE_INDEX after each EOD, `with_documents`)."""
     opt = make_opt(model)
     losses, norms, grads0 = [], [], None
     for x, y in zip(xs, ys):
         opt.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        logits = model(x) if eod_id is None else model(x, document_ids=document_ids(x, eod_id))
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), MAX_NORM, norm)
@@ -75,8 +78,18 @@ def data_parallel_rank(par) -> int:
     return dist.get_rank(par.replicate) * par.plan.data_parallel_shard + dist.get_rank(par.shard_group)
 
 
-def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
-    """`make_opt(model, par)`: the layout's optimizer (default: adamw)."""
+def with_documents(xs, eod_id: int):
+    """xs with EODs planted at positions 2, 6 and 11 of every window, so documents cross the chunk edges of
+    context parallelism 2 (4, 8, 12) and 4 (2, 4, 6, ...); targets rolled and masked after each EOD, as
+    module.loss_targets does."""
+    xs = xs.clone()
+    xs[..., [2, 6, 11]] = eod_id
+    ys = torch.roll(xs, -1, dims=-1).masked_fill(xs == eod_id, IGNORE_INDEX)
+    return xs, ys
+
+
+def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None, eod_id=None):
+    """`make_opt(model, par)`: the layout's optimizer (default: adamw). eod_id: document masking."""
     model = copy.deepcopy(init)
     par = apply_plan(model, plan, build_mesh(plan))
     opt = make_opt(model, par) if make_opt else adamw(model)
@@ -90,7 +103,7 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))
         else:  # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
-            loss = lm_losses(model(x), y, split_cross_entropy=split_cross_entropy(par.vocab_group))[0]
+            loss = layout_loss(par, model, x, y, None if eod_id is None else document_ids(x, eod_id))
             loss.backward()
             loss = loss.detach()
         par.sync_gradients()
@@ -106,6 +119,16 @@ def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
     return par, model, opt, losses, norms, grads0
 
 
+def layout_loss(par, model, x, y, docs=None):
+    """The task loss of this layout's forward: under context parallelism of this rank's positions, normalized over
+    the group (parallel/context.py), else lm_losses."""
+    logits = model(x) if docs is None else model(x, document_ids=docs)
+    split = split_cross_entropy(par.vocab_group)
+    if par.cp is not None:
+        return context_losses(logits, par.cp.local(y), par.cp.group, split_cross_entropy=split)[0]
+    return lm_losses(logits, y, split_cross_entropy=split)[0]
+
+
 def dist_broadcast(obj):
     """Rank 0's object on every rank (the gathered state exists on rank 0 only, as a checkpoint file would)."""
     box = [obj]
@@ -118,13 +141,16 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
     as a dict of MoEConfig fields). `train`: the (reference, run_layout) loops to use instead of this module's
     (tests/moe_mesh_workers.py adds model.moe's losses and bias update)."""
     train_reference, train_layout = train or (reference, run_layout)
+    variant = dict(variant)
+    eod = variant.pop("eod_id", None)  # document masking, with documents across chunk edges (with_documents)
+    masking = {} if eod is None else {"eod_id": eod}
     cfg = GPTConfig(**{**CFG, **variant})
     torch.manual_seed(0)
     init = GPT(cfg)
-    xs, ys = data()
+    xs, ys = data() if eod is None else with_documents(data()[0], eod)
     ref_model = copy.deepcopy(init)
-    ref_losses, ref_norms, ref_grads, ref_opt = train_reference(ref_model, xs, ys)
-    par, model, opt, losses, norms, grads0 = train_layout(plan, init, xs, ys)
+    ref_losses, ref_norms, ref_grads, ref_opt = train_reference(ref_model, xs, ys, **masking)
+    par, model, opt, losses, norms, grads0 = train_layout(plan, init, xs, ys, **masking)
     # Cloned: where gathering is the identity (replicated tensors: DDP, norms under tensor parallelism) the gathered
     # state holds the live weights, which load_full_state below overwrites with the reference's: the comparison
     # of `full` with the reference would then compare the reference with itself.
@@ -143,6 +169,7 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
             tp_logits = model(xs[0])  # (B, T, V/t) under tensor parallelism: this rank's vocabulary columns
             if par.vocab_group is not None:
                 tp_logits = whole_logits(tp_logits, par.vocab_group)
+    part = None if par.cp is None else par.cp.positions(xs.shape[-1])  # rank 0's positions under context parallelism
     rows = vocab_rows(model)
     if dist.get_rank() != 0:
         return
@@ -168,7 +195,8 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
         "round_trip": max_diff(back, ref_model.state_dict()),
         "opt_round_trip": max(abs(opt_back[n][k] - v).max().item() for n, s in full_opt.items() for k, v in s.items()),
         "loaded_logits": (loaded_logits - ref_logits).abs().max().item(),
-        "layout_logits": None if tp_logits is None else (tp_logits - ref_logits).abs().max().item(),
+        "layout_logits": None if tp_logits is None else (tp_logits - (ref_logits if part is None else
+                                                                       ref_logits[:, part])).abs().max().item(),
         "sequence_parallel": any(getattr(m, "sequence_parallel", False) for m in par.gpt.modules()),
         "vocab_rows": rows, "t": par.t,
     }
@@ -228,15 +256,34 @@ def saved_block_bytes(tp_group, sequence_parallel: bool, checkpointing: str = "n
     return meter.bytes
 
 
+def saved_context_block_bytes(group) -> int:
+    """Bytes the first block saves for backward on this rank under context parallelism over `group`, its RoPE
+    tables at this rank's positions included (as GPT.forward passes them)."""
+    from lit_pretrain.parallel.context import install_context_parallel
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    cp = install_context_parallel(model, group)
+    part = cp.positions(CFG["seq_len"])
+    h = model.tok_embeddings(data()[0][0][:, part])  # (B, T/c, d)
+    with SavedActivations(model) as meter:
+        out = model.blocks[0](h, model.rope_cos[part], model.rope_sin[part])
+    out.float().pow(2).mean().backward()
+    return meter.bytes
+
+
 def activation_case(out: dict) -> None:
-    """TP-only and TP + sequence parallelism, saved bytes per block, over the whole world as the TP group."""
+    """TP-only and TP + sequence parallelism, saved bytes per block, over the whole world as the TP group; and
+    context parallelism over the whole world."""
     plan = ParallelPlan(tensor_parallel=dist.get_world_size())
     tp = build_mesh(plan).get_group("tensor_parallel")
     measured = {sp: saved_block_bytes(tp, sp) for sp in (False, True)}
     selective = {sp: saved_block_bytes(tp, sp, "selective") for sp in (False, True)}
+    context = saved_context_block_bytes(dist.group.WORLD)
     if dist.get_rank() == 0:
         out["activations"] = {"tp": measured[False], "tp_sp": measured[True], "selective_tp": selective[False],
-                              "selective_tp_sp": selective[True], "shape": dict(batch=BATCH, **CFG)}
+                              "selective_tp_sp": selective[True], "cp": context, "c": dist.get_world_size(),
+                              "shape": dict(batch=BATCH, **CFG)}
 
 
 MUON = OptimConfig(name="muon", lr_peak=LR, weight_decay=0.1, beta2=0.999)

@@ -21,10 +21,9 @@ from lit_pretrain.optim.optimizers import clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
-from lit_pretrain.parallel.vocab import split_cross_entropy
 from lit_pretrain.resume.sharded import save as sharded
 from lit_pretrain.resume.sharded.manifest import STEP_FOLDER
-from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, data, data_parallel_rank
+from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, data, data_parallel_rank, layout_loss
 
 K1 = 2  # steps before the checkpoint; the data has mesh_workers.STEPS = 3
 MODEL: dict = {}  # model keys over CFG (tests/expert_workers.py sets model.moe)
@@ -47,9 +46,9 @@ def train_steps(par, model, opt, xs, ys) -> list:
         if par is not None and par.runner is not None:
             loss = par.runner.loss((x, y))
         else:
-            # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py)
-            split = split_cross_entropy(par.vocab_group if par is not None else None)
-            loss = lm_losses(model(x), y, split_cross_entropy=split)[0]
+            # under tensor parallelism the logits are this rank's vocabulary columns (parallel/vocab.py); under
+            # context parallelism this rank's positions (mesh_workers.layout_loss)
+            loss = layout_loss(par, model, x, y) if par is not None else lm_losses(model(x), y)[0]
             loss.backward()
             loss = loss.detach()
         if par is not None:

@@ -60,3 +60,30 @@ L, D, F, V, T, B = 2, 64, 192, 8192, 32, 4
 ])
 def test_formulas_match_the_measured_bytes(formula, measured):
     assert formula() == measured
+
+
+def test_context_parallel_bytes_by_hand():
+    """Issue 39, Llama 3's all-gather (parallel/context.py): per block the window's stacked K and V gathered and
+    their gradient scattered, 2 x B x T x g·Q fp32 elements each; the loss's (sum, count) pair per micro-batch.
+    L 4, B 1, T 4096, 4 heads of 64: 4 x 2 x 4096 x 256 x 4 = 33,554,432 bytes (`make bench` measured exactly
+    this for CP 2 on the default model)."""
+    assert cm.context_parallel(4, 1, 4096, 256) == {"all_gather": 33_554_432, "reduce_scatter": 33_554_432,
+                                                    "all_reduce": 8}
+    # grouped-query attention gathers only the key/value heads; two micro-batches, with z-loss: 3 scalars each
+    assert cm.context_parallel(2, 2, 16, 8, micro_batches=2, z_loss=True) == {
+        "all_gather": 4 * 2 * 2 * 16 * 8 * 2 * 2, "reduce_scatter": 4 * 2 * 2 * 16 * 8 * 2 * 2, "all_reduce": 24}
+
+
+def test_context_parallel_chunks_balance_the_causal_work():
+    """Chunks r and 2c-1-r of 2c (Llama 3 §3.3.2): every position once over the group, and each rank's queries see
+    the same number of causal keys."""
+    from lit_pretrain.parallel.context import chunk_positions, gathered_order
+
+    assert chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert chunk_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    assert sorted(gathered_order(16, 4).tolist()) == list(range(16))
+    work = {int((chunk_positions(64, 4, r) + 1).sum()) for r in range(4)}  # keys each rank's queries attend to
+    assert len(work) == 1
+    with pytest.raises(ValueError, match="divisible by 8"):
+        chunk_positions(12, 4, 0)

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.parallel.plan import ParallelPlan as Plan
-from lit_pretrain.scaling.memory import memory_plan
+from lit_pretrain.scaling.memory import block_activation_bytes, context_forward_bytes, context_mask_bytes, memory_plan
 from tests.conftest import free_port
 from tests.mesh_workers import BATCH, CFG, worker
 
@@ -34,6 +34,15 @@ CASES_2 = [
     ("tp2_sp", Plan(tensor_parallel=2, sequence_parallel=True, activation_checkpointing="selective")),
     ("tp2_sp_variants", Plan(tensor_parallel=2, sequence_parallel=True), VARIANTS),
     ("pp2_variants", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4), {**VARIANTS, "n_kv_heads": 1}),
+    # Context parallelism (issue 39): chunks r and 2c-1-r, K/V all-gathered; grouped-query attention (4:2) read
+    # over the gathered keys; ZeRO-3 over data_parallel_shard x context_parallel (here the 2 context ranks); and
+    # document masking with documents across the chunk edges (mesh_workers.with_documents).
+    ("cp2", Plan(context_parallel=2), {"n_kv_heads": 2}),
+    ("cp2_zero3", Plan(context_parallel=2, zero_stage=3)),
+    # full activation checkpointing recomputes each block's all-gather of K and V in the backward (the 128K run's
+    # layout: experiments/runs/llama3_1_8b_h200x8_128k.yaml)
+    ("cp2_zero3_full_checkpointing", Plan(context_parallel=2, zero_stage=3, activation_checkpointing="full")),
+    ("cp2_documents", Plan(context_parallel=2), {"eod_id": 5}),
 ]
 # optim.name=muon (mesh_workers.muon_case): data parallelism (our mesh's all-reduce, as DDP), ZeRO-1 (the real
 # ZeroRedundancyOptimizer over that replica group), ZeRO-3 (FSDP2 DTensor shards), TP 2 (our slices).
@@ -63,6 +72,14 @@ CASES_4 = [
     ("zero3_tp2_variants", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), VARIANTS),
     ("tp2_sp_pp2", Plan(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True, schedule="gpipe",
                         micro_batches=4)),
+    # Context parallelism with every other dimension (issue 39): 4 ranks of one window (chunks of 2 positions),
+    # HSDP at ZeRO-2 (FSDP2 over data_parallel_replicate x (data_parallel_shard x context_parallel)), tensor
+    # parallelism with sequence parallelism (seq_len 16 = 2c x t x 4), pipeline parallelism (the stages read the
+    # window's length off their input). Measured 6-9 s a case on 2 loaded cores.
+    ("cp4_documents", Plan(context_parallel=4), {"eod_id": 5}),
+    ("hsdp_cp2_zero2", Plan(data_parallel_replicate=2, context_parallel=2, zero_stage=2)),
+    ("cp2_tp2_sp", Plan(context_parallel=2, tensor_parallel=2, sequence_parallel=True)),
+    ("cp2_pp2", Plan(context_parallel=2, pipeline_parallel=2, schedule="1f1b", micro_batches=4)),
 ]
 MUON_CASES_4 = [("muon_zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), MUON)]
 
@@ -195,6 +212,19 @@ def check_activations(measured):
         planned = memory_plan(cfg, BATCH, tensor_parallel=2, sequence_parallel=sp, precision="32-true",
                               activation_checkpointing="selective")["activation_bytes_per_layer"]
         assert measured[key] == pytest.approx(planned, rel=0.01), (key, measured, planned)
+    # Context parallelism (issue 39): rank 0 of CP 2 against the planner's block, its RoPE tables at its positions
+    # and the CPU's additive causal mask (scaling/memory.py), byte for byte as above; about 0.56 of one process's
+    # block at this shape (the gathered keys and values are the whole window's).
+    c = measured["c"]
+    whole = block_activation_bytes(CFG["seq_len"], BATCH, CFG["d_model"], CFG["n_heads"], cfg.hidden_dim)
+    planned_cp = (block_activation_bytes(CFG["seq_len"], BATCH, CFG["d_model"], CFG["n_heads"], cfg.hidden_dim,
+                                         context_parallel=c)
+                  + context_forward_bytes(CFG["seq_len"], BATCH, cfg.head_dim, c)
+                  + context_mask_bytes(CFG["seq_len"], c))
+    print(f"saved activations per block: one process {whole:.0f} B, CP {c} {measured['cp']} B (planned "
+          f"{planned_cp:.0f} B), ratio {measured['cp'] / whole:.4f}")
+    assert measured["cp"] == planned_cp, (measured, planned_cp)
+    assert measured["cp"] < 0.6 * whole
 
 
 def test_four_process_layouts_match_one_process():

@@ -31,6 +31,8 @@ def test_the_policy_is_the_default_of_fsdp_under_bf16_mixed_and_refused_where_un
     # null (the default) leaves the autocast path where the policy is not built, so such a config still loads ...
     tp = ["strategy=zero", "trainer.devices=4", "strategy.tensor_parallel=2", "trainer.precision=bf16-mixed"]
     assert not build_plan(cfg(*tp)).mixed_precision_policy
+    assert not build_plan(cfg("strategy=zero", "trainer.devices=2", "strategy.context_parallel=2",
+                              "trainer.precision=bf16-mixed")).mixed_precision_policy
     # ... and asking for it there, or without FSDP2 and bf16-mixed, is refused naming the key
     with pytest.raises(ConfigError, match=r"strategy\.mixed_precision_policy=null"):
         cfg(*tp, "strategy.mixed_precision_policy=true")

@@ -303,3 +303,28 @@ def test_zero3_tensor_parallel_resume_from_single_process_and_sigkill(train, sin
     assert latest(run) == "step0000004"
     train("zero3-tp2", *layout, "run.resume=auto")
     assert_same_run(ref, run, first_step=2)
+
+
+def test_context_parallel_zero3_resume_from_single_process_and_sigkill(train, single_ref):
+    """Issue 39: a single-process checkpoint resumed under CP 2 x ZeRO-3 (2 processes: FSDP2 shards over the two
+    context-parallel ranks, which share every micro-batch), SIGKILL of every rank mid-accumulation, resumed again:
+    bitwise the uninterrupted run of the same layout from the same checkpoint; both ranks read one process's windows,
+    and the losses are one process's up to float order."""
+    # Micro-batches of 8 windows of 64: the one data-parallel rank takes 2 a step, as one process, so the SIGKILL
+    # below lands mid-accumulation.
+    layout = ["strategy=zero", "strategy.context_parallel=2", "trainer.devices=2", "trainer.micro_batch_size=8"]
+    step2 = single_ref / "checkpoints" / store.step_file(2)
+    ref, _ = train("cp2-zero3-ref", *layout, f"run.resume={step2}", record=True)
+    expected = global_indices(single_ref.parent / f"{single_ref.name}.indices")
+    prefix = ref.parent / "cp2-zero3-ref.indices"
+    for rank in ("0", "1"):  # context-parallel peers read the same windows, one process's
+        assert global_indices(prefix, rank=rank) == {k: expected[k] for k in range(2, STEPS)}, rank
+    # Attention's keys gathered and the loss summed over the two halves of each window: another float order. The
+    # losses measured within 1e-6 of one process's; assert_close_losses' 1e-5 keeps its margin.
+    assert_close_losses(single_ref, ref, range(2, STEPS))
+    assert_global_sizes(ref)  # summary.json and MFU: the whole model's sizes and the global tokens
+    run, _ = train("cp2-zero3", *layout, f"run.resume={step2}", faults=[{"step": 4, "micro_batch": 1}],
+                   rc=-signal.SIGKILL)
+    assert latest(run) == "step0000004"
+    train("cp2-zero3", *layout, "run.resume=auto")
+    assert_same_run(ref, run, first_step=2)

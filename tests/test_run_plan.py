@@ -14,8 +14,11 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model import shapes
+from lit_pretrain.parallel.batch import global_batch
+from lit_pretrain.parallel.plan import build_plan
 from lit_pretrain.scaling import memory
-from lit_pretrain.scaling.run_plan import MIN_HEADROOM, run_memory
+from lit_pretrain.scaling.run_plan import MIN_HEADROOM, format_fit, run_memory
 from tests.conftest import EXPERIMENTS
 
 RUNS = EXPERIMENTS / "runs"
@@ -38,6 +41,10 @@ def test_every_sized_run_file_loads_and_fits_its_device_memory(run_file):
     stated = f"{r['total_bytes'] / 1e9:.1f} GB of {c.trainer.device_memory_gb:g} GB a GPU, " \
              f"{r['headroom_fraction']:.0%} headroom"
     assert stated in run_file.read_text()
+    if c.strategy.context_parallel > 1:  # the 128K stage: compile is refused with context parallelism, and the
+        # stage is a number of steps at a constant rate, not a pretraining budget
+        assert (c.trainer.precision, c.trainer.compile, c.schedule.kind) == ("bf16-mixed", False, "constant")
+        return
     assert (c.trainer.precision, c.trainer.compile, c.schedule.kind) == ("bf16-mixed", True, "wsd")
     # the budget: ceil(tokens_per_param x N / tokens_per_step) steps
     n = shapes.params(c.model)
@@ -61,6 +68,24 @@ def test_budget_of_the_8b_run_and_its_refusals():
     # the fix the error names
     fixed = config.load(run, ["trainer.micro_batch_size=2", "model.activation_checkpointing=full"])
     assert run_memory(config.to_object(fixed))["fits"]
+
+
+def test_the_128k_run_fits_with_the_context_parallel_degree_the_planner_names():
+    """Issue 39: 131,072-token windows of the 8B on 8 H200 fit with at least 10% free only from context parallelism
+    4 (with full activation checkpointing); the planner names that degree, and the file uses it. Without it the
+    config is refused when it loads, the error naming strategy.context_parallel=4."""
+    run = RUNS / "llama3_1_8b_h200x8_128k.yaml"
+    c = config.to_object(config.load(run))
+    assert (c.model.seq_len, c.strategy.context_parallel, c.trainer.devices) == (131072, 4, 8)
+    m = run_memory(c)
+    assert m["fits"] and m["headroom_fraction"] >= 0.10 and m["context_parallel_needed"] == 4, m
+    assert m["context_parallel"] == 4 and m["context_parallel_bytes"] > 0
+    assert "context_parallel needed: 4" in format_fit(m)
+    # 4 context-parallel ranks share each window: 2 data-parallel ranks x 16 accumulation = 32 windows of 2^17
+    batch = global_batch(c.trainer, c.model.seq_len, build_plan(c))
+    assert (batch.data_parallel, batch.accumulation, batch.tokens_per_step) == (2, 16, 2**22)
+    with pytest.raises(ConfigError, match="strategy.context_parallel=4: the smallest context-parallel degree"):
+        config.load(run, ["strategy.context_parallel=2"])
 
 
 def test_a_fixed_vocabulary_smaller_than_the_tokenizer_is_refused_by_name():

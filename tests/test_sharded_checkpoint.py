@@ -43,7 +43,11 @@ def check(r):
 def test_two_process_reshard_matrix(tmp_path):
     zero3, tp2 = Plan(data_parallel_shard=2, zero_stage=3), Plan(tensor_parallel=2)
     cases = {"zero3_to_tp2": (zero3, tp2), "tp2_to_zero3": (tp2, zero3),
-             "pp2_to_zero2": (Plan(pipeline_parallel=2, micro_batches=2), Plan(data_parallel_shard=2, zero_stage=2))}
+             "pp2_to_zero2": (Plan(pipeline_parallel=2, micro_batches=2), Plan(data_parallel_shard=2, zero_stage=2)),
+             # issue 39: a context-parallel checkpoint (ZeRO-3 over the 2 context ranks) into a layout without
+             # context parallelism and back; loaded bitwise both ways
+             "cp2_zero3_to_zero3": (Plan(context_parallel=2, zero_stage=3), zero3),
+             "zero3_to_cp2": (zero3, Plan(context_parallel=2))}
     results = spawn(2, [("reshard", (src, dst, tmp_path / name)) for name, (src, dst) in cases.items()])
     for name in cases:
         check(results[name])

@@ -150,12 +150,18 @@ def _moe(r: _Run) -> List[Dict]:
     return [*mlp.run(r.c, r.args.repeats), *expert_parallel.run(r.c, r.args.repeats)]
 
 
+def _long_context(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench.parallel import long_context
+
+    return long_context.run(r.c)
+
+
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
     "compositions": _compositions, "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
     "prepare_memory": _prepare_memory, "mixture": _mixture, "masking": _masking, "data_engines": _data_engines,
-    "moe": _moe,
+    "moe": _moe, "long_context": _long_context,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 

@@ -116,13 +116,18 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return t - first
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+def document_mask(doc_ids: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
     """Block-diagonal causal mask of doc_ids (B, T): True where query i may look at key j (j <= i, same document).
-    Returns (B, 1, T, T) bool, broadcast over heads (so it also serves a tensor-parallel rank's share of them)."""
+    Returns (B, 1, T, T) bool, broadcast over heads (so it also serves a tensor-parallel rank's share of them).
+    queries: (Tq,) the positions of the queries when they are only some of the T (context parallelism computes
+    part of the sequence's queries over all its keys): their rows, (B, 1, Tq, T)."""
     T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-    return (same & causal)[:, None]  # (B, 1, T, T)
+    keys = torch.arange(T, device=doc_ids.device)  # (T,)
+    rows = doc_ids if queries is None else doc_ids[:, queries]  # (B, Tq)
+    queries = keys if queries is None else queries  # (Tq,)
+    causal = keys[None, :] <= queries[:, None]  # (Tq, T)
+    same = rows[:, :, None] == doc_ids[:, None, :]  # (B, Tq, T)
+    return (same & causal)[:, None]  # (B, 1, Tq, T)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -149,13 +154,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.wo = build_linear(spec["attn.wo"])
+        # Context parallelism (lit_pretrain/parallel/context.py) sets this from outside: a callable (q, k, v, mask)
+        # -> y that attends this rank's queries over the whole sequence's keys and values. None: one process's.
+        self.context = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries (B, n_heads, T, head_dim), keys and values (B, n_kv_heads, T, head_dim) of x (B, T, d_model),
         QK-norm then RoPE on q and k. cos, sin hold x's positions from its first; they may run past T (their first
         T rows are used), so a caller that does not know how long x will be here can pass the whole tables."""
         B, T, _ = x.shape
-        cos, sin = cos[:T], sin[:T]  # (T, head_dim)
+        if cos.dim() == 2:  # (B, T, head_dim) tables (document masking) are the rows' own already
+            cos, sin = cos[:T], sin[:T]  # (T, head_dim)
         # -1 heads, not cfg.n_heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
@@ -173,7 +182,9 @@ class Attention(nn.Module):
         (`document_mask`)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
-        if mask is None:
+        if self.context is not None:  # keys and values of the whole sequence, mask in its positions
+            y = self.context(q, k, v, mask)  # (B, n_heads, T, head_dim)
+        elif mask is None:
             y = attend(q, k, v, is_causal=True)  # (B, n_heads, T, head_dim)
         else:
             # SDPA with an explicit mask, not flex_attention: on this CPU (torch 2.13) flex_attention has no
@@ -271,6 +282,9 @@ class GPT(nn.Module):
         # Non-persistent: derived from the config, so checkpoints hold only weights.
         self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
+        # Context parallelism sets this from outside (lit_pretrain/parallel/context.py): an object whose
+        # positions(T, device) are the (T/c,) positions of a window of T that this process computes. None: all.
+        self.context_split = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -295,15 +309,22 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of idx (B, T). document_ids (B, T), e.g. `document_ids(idx, eod_id)`: attention stays inside each
         document and RoPE positions restart at each document's first token, so a document is computed as if it
-        were alone in the window (document masking). None: one causal sequence per row, positions 0..T-1."""
+        were alone in the window (document masking). None: one causal sequence per row, positions 0..T-1.
+        Under context parallelism (`context_split`) the logits are those of this process's T/c positions."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(
                 f"input has {T} tokens but model.seq_len={self.cfg.seq_len}: the RoPE tables cover only "
                 "model.seq_len positions; raise model.seq_len or feed shorter windows"
             )
+        # Under context parallelism this process computes only the (T/c,) positions `part` of the window, whose
+        # attention reads every position's keys (Attention.context); None: all of them.
+        part = None if self.context_split is None else self.context_split.positions(T, idx.device)
         if document_ids is None:
-            cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None  # (T, head_dim); is_causal attention
+            if part is None:
+                cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None  # (T, head_dim); is_causal attention
+            else:  # global positions; the causal mask is Attention.context's
+                cos, sin, mask = self.rope_cos[part], self.rope_sin[part], None  # (T/c, head_dim)
         else:
             if document_ids.shape != idx.shape:
                 raise ValueError(f"document_ids {tuple(document_ids.shape)} must have the shape of the input "
@@ -311,8 +332,12 @@ class GPT(nn.Module):
             # RoPE scores depend on relative positions only, so inside a masked document the restart changes the
             # scores by rounding alone; it makes them the very angles the document gets when alone in a window.
             positions = document_positions(document_ids)  # (B, T)
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, head_dim)
-            mask = document_mask(document_ids)  # (B, 1, T, T)
+            if part is not None:  # counted over the whole window: a document may start in another rank's chunk
+                positions = positions[:, part]  # (B, T/c)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T or T/c, head_dim)
+            mask = document_mask(document_ids, part)  # (B, 1, T or T/c, T)
+        if part is not None:
+            idx = idx[:, part]  # (B, T/c)
         x = self.tok_embeddings(idx)  # (B, T, d_model)
         for block in self.blocks:
             x = block(x, cos, sin, mask)  # (B, T, d_model)

@@ -5,7 +5,7 @@ from typing import Optional
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit_pretrain.parallel.mesh import ParallelModel
+from lit_pretrain.parallel.mesh import ParallelModel, fsdp_dims
 from lit_pretrain.parallel.plan import ParallelPlan
 
 
@@ -18,7 +18,8 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     2. tensor parallelism (and sequence parallelism): swap the planned linears for our column/row layers, on the
        plain module names (before any wrapper prefixes them), and split each routed expert along its width
        (parallel/expert_tensor.py); then expert parallelism: keep this rank's experts (of those slices) and give the
-       MoE layers their all-to-all dispatch (parallel/expert.py);
+       MoE layers their all-to-all dispatch (parallel/expert.py); then context parallelism: the positions this rank
+       computes and the attention over the group's gathered keys and values (parallel/context.py);
     3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them), under
        the op policy when selective;
     4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
@@ -27,8 +28,10 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     5. FSDP2 (ZeRO stages 2 and 3; HSDP with replicas): each block, then the root — the GPT, or each pipeline
        stage's forward, whose hooks are the ones the schedule calls. Last, because it shards whatever parameters
        the steps before left (TP slices included) and its hooks must sit outside checkpointing and compile; under
-       expert parallelism the experts apart, over their own data-parallel group. With plan.mixed_precision_policy
-       (ZeRO 2/3 under bf16-mixed) FSDP2 gathers bf16 parameters and reduces fp32 gradients (zero.py).
+       expert parallelism the experts apart, over their own data-parallel group; under context parallelism over
+       data_parallel_shard x context_parallel (the ranks that hold the same weights). With
+       plan.mixed_precision_policy (ZeRO 2/3 under bf16-mixed) FSDP2 gathers bf16 parameters and reduces fp32
+       gradients (zero.py).
 
     `mesh`: our (pipeline, replicate, shard, tensor) mesh when plan.uses_mesh; else `fsdp_mesh`, the data-parallel
     mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
@@ -59,6 +62,10 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.expert import apply_expert_parallel
 
         par.ep = apply_expert_parallel(gpt, plan, mesh.device_type if mesh is not None else "cpu")
+    if plan.context_parallel > 1:  # after the pipeline split and tensor parallelism: the blocks this rank runs
+        from lit_pretrain.parallel.context import install_context_parallel
+
+        par.cp = install_context_parallel(gpt, par.cp_group, plan.tensor_parallel if plan.sequence_parallel else 1)
     if gpt.cfg.float8 is not None:
         from lit_pretrain.parallel.float8 import convert_float8
 
@@ -81,9 +88,7 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         par.runner.refresh_blocks()
     if plan.uses_fsdp:
         if mesh is not None:
-            dims = ("data_parallel_replicate", "data_parallel_shard") if plan.data_parallel_replicate > 1 \
-                else ("data_parallel_shard",)
-            fsdp_mesh = mesh[dims]
+            fsdp_mesh = mesh[fsdp_dims(plan)]  # over data_parallel_shard x context_parallel under the latter
         if fsdp_mesh is None:
             raise ValueError(f"strategy.zero_stage={plan.zero_stage} needs a device mesh: run it under the strategy "
                              "build_strategy returns")

@@ -35,10 +35,24 @@ from lit_pretrain.parallel.pipeline import is_tied_copy, tied_grad_sync
 from lit_pretrain.parallel.plan import MESH_DIMS, ParallelPlan
 from lit_pretrain.parallel.tensor import gather, plain_name, plan_of, shard, style_of, sync_partial_grads
 
+# FSDP2's shard dimension under context parallelism: data_parallel_shard x context_parallel flattened (torchtitan's
+# dp_shard_cp), so the context-parallel ranks, which hold the same weights, each keep a share of them too.
+SHARD_CONTEXT = "data_parallel_shard_context"
+
 
 def build_mesh(plan: ParallelPlan, device_type: str = "cpu") -> DeviceMesh:
-    """The (pipeline, data_parallel_replicate, data_parallel_shard, tensor_parallel) mesh, tensor ranks innermost."""
-    return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
+    """The (pipeline, data_parallel_replicate, data_parallel_shard, context_parallel, tensor_parallel) mesh, tensor
+    ranks innermost; under context parallelism with the flattened SHARD_CONTEXT dimension as well."""
+    mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=MESH_DIMS)
+    if plan.context_parallel > 1:
+        mesh[("data_parallel_shard", "context_parallel")]._flatten(SHARD_CONTEXT)
+    return mesh
+
+
+def fsdp_dims(plan: ParallelPlan) -> tuple:
+    """The mesh dimensions FSDP2 shards (and, with replicas, replicates: HSDP) over under `plan`."""
+    shard = SHARD_CONTEXT if plan.context_parallel > 1 else "data_parallel_shard"
+    return ("data_parallel_replicate", shard) if plan.data_parallel_replicate > 1 else (shard,)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -70,6 +84,8 @@ class ParallelModel:
         self.ep = None  # parallel/expert.py ExpertGroups under strategy.expert_parallel (set by apply_plan)
         self.forward_losses = None  # trainer.compile's compiled forward and loss (parallel/compile.py compile_model)
         self.tp = self.pp = self.replicate = self.shard_group = None
+        self.cp = None  # parallel/context.py ContextParallel under strategy.context_parallel (set by apply_plan)
+        self.cp_group = self.fsdp_group = None
         self.t = self.p = 1
         self.tp_rank = 0
         self._styles: Optional[Dict[int, Optional[str]]] = None  # parameter id -> tensor-parallel style (_style)
@@ -79,6 +95,9 @@ class ParallelModel:
                                             "data_parallel_shard"))
             self.t, self.p = plan.tensor_parallel, plan.pipeline_parallel
             self.tp_rank = dist.get_rank(self.tp)
+            self.cp_group = mesh.get_group("context_parallel")
+            # the group FSDP2 shards over (without replicas): data-parallel shard x context-parallel ranks
+            self.fsdp_group = mesh.get_group(fsdp_dims(plan)[-1])
 
     @property
     def vocab_group(self):
@@ -95,7 +114,7 @@ class ParallelModel:
     def sync_gradients(self) -> None:
         if self.mesh is None:
             return  # DDP and Lightning's FSDP strategy reduce gradients themselves
-        fsdp_shard = (dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)) if self.plan.uses_fsdp \
+        fsdp_shard = (dist.get_rank(self.fsdp_group), dist.get_world_size(self.fsdp_group)) if self.plan.uses_fsdp \
             else None
         tied_grad_sync(self.gpt, self.pp, fsdp_shard, self.t)
         if self.t > 1:
@@ -113,6 +132,12 @@ class ParallelModel:
             named = [(n, g) for n, g in named if not self.is_expert(n)]
         if self.plan.data_parallel_replicate > 1:
             all_reduce_flat([g for _, g in named], self.replicate, divide_by=self.plan.data_parallel_replicate)
+        # ZeRO-1 on this mesh (context parallelism): the shard ranks' gradients too, averaged as DDP's all-reduce
+        if self.plan.data_parallel_shard > 1:
+            all_reduce_flat([g for _, g in named], self.shard_group, divide_by=self.plan.data_parallel_shard)
+        # Context-parallel ranks: each gradient is of c x its share of the micro-batch's loss (parallel/context.py)
+        if self.plan.context_parallel > 1:
+            all_reduce_flat([g for _, g in named], self.cp_group, divide_by=self.plan.context_parallel)
 
     def grad_norm(self, parameters=None) -> torch.Tensor:
         """The pre-clip global norm (StepGuard's norm_fn). Without our mesh: of `parameters` (default: the GPT's),
@@ -130,7 +155,7 @@ class ParallelModel:
             sq[int(self.is_expert(name))] += local(p.grad).detach().float().pow(2).sum()
         # The dense part is whole on each FSDP shard group; the experts are split over the expert-parallel group,
         # and sharded over their own data-parallel group under FSDP (else equal there after the sync).
-        dense = [self.shard_group] if self.plan.uses_fsdp else []
+        dense = [self.fsdp_group] if self.plan.uses_fsdp else []
         experts = [] if self.ep is None else [self.ep.group] + ([self.ep.data_group] if self.plan.uses_fsdp else [])
         for part, groups in ((0, dense), (1, experts)):
             for group in groups:

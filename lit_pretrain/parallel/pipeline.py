@@ -59,12 +59,18 @@ class StageForward(nn.Module):
         self._gpt = [gpt]  # the RoPE tables, unregistered: the stage does not own them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            x = self.tok_embeddings(x)  # (B, T) ids -> (B, T, d_model)
         gpt = self._gpt[0]
         # The whole tables, which attention cuts to its own length: under sequence parallelism x holds T/t
         # positions here while attention sees all T (parallel/sequence.py).
         cos, sin = gpt.rope_cos, gpt.rope_sin
+        split = gpt.context_split
+        if split is not None:  # context parallelism: this rank's positions of the window (parallel/context.py)
+            first = self.tok_embeddings is not None  # the first stage reads the whole window's ids
+            part = split.positions(x.shape[1] if first else split.window_of(x.shape[1]), x.device)  # (T/c,)
+            cos, sin = cos[part], sin[part]  # (T/c, head_dim)
+            x = x[:, part] if first else x
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)  # (B, T) ids -> (B, T, d_model)
         for block in self.blocks:
             x = block(x, cos, sin)  # (B, T, d_model)
         if self.lm_head is not None:
@@ -214,7 +220,15 @@ class PipelineRunner:
         # fp32 cross-entropy (and optim.z_loss) as in PretrainModule.losses; scaled so gradients match Lightning's
         # accumulation. The parts are kept apart for logging: the schedule sees only their sum.
         # Under tensor parallelism logits are this rank's vocabulary columns: the loss reduces over the group.
-        task, z = lm_losses(logits, target, self.z_loss, split_cross_entropy(vocab_group(self.gpt)))
+        split = self.gpt.context_split
+        if split is not None:  # context parallelism: this rank's positions, the group's count (parallel/context.py)
+            from lit_pretrain.parallel.context import context_losses
+
+            task, z = context_losses(logits, split.local(target), split.group, self.z_loss,
+                                     split_cross_entropy(vocab_group(self.gpt)))
+            target = split.local(target)
+        else:
+            task, z = lm_losses(logits, target, self.z_loss, split_cross_entropy(vocab_group(self.gpt)))
         predicted = (target != IGNORE_INDEX).sum().to(task.dtype)  # validation weighs micro-batches by it
         self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(()), predicted]))
         return (task if z is None else task + z) * self.scale

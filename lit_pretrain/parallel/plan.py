@@ -1,8 +1,8 @@
 """The parallel plan: how one run splits its work, as data, built and checked when the config loads.
 
-Four degrees multiply to the world size (trainer.devices x trainer.num_nodes), outermost first:
+Five degrees multiply to the world size (trainer.devices x trainer.num_nodes), outermost first:
 
-    pipeline_parallel x data_parallel_replicate x data_parallel_shard x tensor_parallel
+    pipeline_parallel x data_parallel_replicate x data_parallel_shard x context_parallel x tensor_parallel
 
 - data_parallel_shard ranks hold 1/shard of the model state at `zero_stage` (1: optimizer state, ZeroRedundancy-
   Optimizer; 2: also gradients; 3: also parameters, both FSDP2);
@@ -10,7 +10,11 @@ Four degrees multiply to the world size (trainer.devices x trainer.num_nodes), o
   all-reduces gradients across replicas, Zhao et al. 2023 "PyTorch FSDP" §3.2.2);
 - tensor_parallel ranks split each block's matrices (Megatron layers, parallel/tensor.py), optionally with sequence
   parallelism over the same group;
-- pipeline_parallel ranks hold contiguous slices of the blocks (parallel/pipeline.py).
+- pipeline_parallel ranks hold contiguous slices of the blocks (parallel/pipeline.py);
+- context_parallel ranks share one micro-batch and split its sequence (parallel/context.py, Llama 3's all-gather):
+  not a data-parallel dimension for the batch (parallel/batch.py), but FSDP2 shards model state over data-parallel
+  shard x context-parallel ranks, and their gradients are averaged like data-parallel ones (as torchtitan's
+  dp_shard_cp).
 
 Tensor-parallel ranks are neighbours (innermost), so on GPUs their per-layer collectives stay inside a node, as
 torchtitan's ParallelDims orders them. One degree may be -1: the rest of the world. The strategy presets
@@ -28,8 +32,9 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.parallel.batch import global_batch
 from lit_pretrain.parallel.compile_policy import CompileDecision, decide, run_flops
 
-MESH_DIMS = ("pipeline", "data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
-DEGREE_KEYS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "pipeline_parallel")
+MESH_DIMS = ("pipeline", "data_parallel_replicate", "data_parallel_shard", "context_parallel", "tensor_parallel")
+DEGREE_KEYS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "pipeline_parallel",
+               "context_parallel")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Precisions Lightning's ModelParallelStrategy accepts (lightning/pytorch/trainer/connectors/accelerator_connector.py).
 FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -52,10 +57,11 @@ class ParallelPlan:
     expert_parallel: int = 1
     activation_checkpointing_save_matmuls: str = "all"
     mixed_precision_policy: bool = False  # FSDP2 gathers bf16 parameters and reduces fp32 gradients (zero.py)
+    context_parallel: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+        return self.data_parallel * self.context_parallel * self.tensor_parallel * self.pipeline_parallel
 
     @property
     def data_parallel(self) -> int:
@@ -70,19 +76,27 @@ class ParallelPlan:
     def uses_mesh(self) -> bool:
         """Whether the run needs our own device mesh (parallel/mesh.py) rather than plain DDP or plain FSDP."""
         return self.tensor_parallel > 1 or self.pipeline_parallel > 1 or self.expert_parallel > 1 or (
-            self.uses_fsdp and self.data_parallel_replicate > 1)
+            self.uses_fsdp and self.data_parallel_replicate > 1) or self.context_parallel > 1
 
     @property
     def mesh_shape(self):
-        return (self.pipeline_parallel, self.data_parallel_replicate, self.data_parallel_shard, self.tensor_parallel)
+        return (self.pipeline_parallel, self.data_parallel_replicate, self.data_parallel_shard, self.context_parallel,
+                self.tensor_parallel)
 
     def describe(self) -> str:
-        parts = [f"{k}={getattr(self, k)}" for k in DEGREE_KEYS] + [f"zero_stage={self.zero_stage}"]
+        keys = DEGREE_KEYS if self.context_parallel > 1 else DEGREE_KEYS[:4]
+        parts = [f"{k}={getattr(self, k)}" for k in keys] + [f"zero_stage={self.zero_stage}"]
+        n = len(keys)
         if self.sequence_parallel:
             parts.append("sequence_parallel=true")
         if self.expert_parallel > 1:
             parts.append(f"expert_parallel={self.expert_parallel}")
-        return " x ".join(parts[:4]) + ", " + ", ".join(parts[4:])
+        return " x ".join(parts[:n]) + ", " + ", ".join(parts[n:])
+
+
+def context_degree(strategy) -> int:
+    """strategy.context_parallel (1 for a section written before it existed)."""
+    return getattr(strategy, "context_parallel", 1)
 
 
 def _resolve(world: int, degrees: dict) -> dict:
@@ -125,7 +139,7 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
     # What the keys leave unset: the data-parallel ranks shard state when a ZeRO stage is asked for, else replicate;
     # they take the rest of the world unless a tensor or pipeline degree already does.
     if replicate is None and shard is None:
-        rest = 1 if -1 in (strategy.tensor_parallel, strategy.pipeline_parallel) else -1
+        rest = 1 if -1 in (strategy.tensor_parallel, strategy.pipeline_parallel, context_degree(strategy)) else -1
         replicate, shard = (1, rest) if stage >= 1 else (rest, 1)
     elif replicate is None:
         replicate = -1 if shard != -1 else 1
@@ -133,7 +147,8 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
         shard = -1 if replicate != -1 else 1
     degrees = _resolve(world, {"data_parallel_replicate": replicate, "data_parallel_shard": shard,
                                "tensor_parallel": strategy.tensor_parallel,
-                               "pipeline_parallel": strategy.pipeline_parallel})
+                               "pipeline_parallel": strategy.pipeline_parallel,
+                               "context_parallel": context_degree(strategy)})
     pc = strategy.pipeline
     plan = ParallelPlan(
         **degrees, zero_stage=stage, sequence_parallel=bool(strategy.sequence_parallel), schedule=pc.schedule,
@@ -159,7 +174,8 @@ def mixed_precision_policy_for(strategy, trainer, stage: int, degrees: dict) -> 
         raise ConfigError("strategy.mixed_precision_policy=true is FSDP2's policy: it needs strategy.zero_stage 2 or 3 "
                           f"and trainer.precision=bf16-mixed (here zero_stage={stage}, trainer.precision="
                           f"{trainer.precision}): set those, or leave strategy.mixed_precision_policy=null")
-    others = (degrees["tensor_parallel"], degrees["pipeline_parallel"], getattr(strategy, "expert_parallel", 1))
+    others = (degrees["tensor_parallel"], degrees["pipeline_parallel"], getattr(strategy, "expert_parallel", 1),
+              degrees.get("context_parallel", 1))
     if setting is None:
         return eligible and all(d == 1 for d in others)
     return bool(setting) and eligible
@@ -178,7 +194,9 @@ def compile_decision(trainer, model, degrees: dict, compile: Optional[Union[bool
     if model is not None and model.vocab_size is not None:
         from lit_pretrain.model.shapes import flops_per_token  # pure arithmetic, no torch
 
-        replicas = degrees["data_parallel_replicate"] * degrees["data_parallel_shard"]
+        # context-parallel ranks split their replica's tokens too
+        replicas = degrees["data_parallel_replicate"] * degrees["data_parallel_shard"] * degrees.get(
+            "context_parallel", 1)
         # each process's share of the global batch (parallel/batch.py: null is one micro-batch of one process)
         tokens = (trainer.tokens_per_step or trainer.micro_batch_size * model.seq_len) // replicas
         flops = run_flops(trainer.max_steps, tokens, flops_per_token(model))
@@ -216,6 +234,8 @@ def check_plan(plan: ParallelPlan, trainer, model=None, vocab_from: Optional[str
         _check_pipeline(plan, trainer, model)
     if plan.expert_parallel > 1:
         _check_expert_parallel(plan, model)
+    if plan.context_parallel > 1:
+        _check_context_parallel(plan, model)
     if model is not None:
         _check_model(plan, trainer, model, vocab_from)
 
@@ -240,6 +260,45 @@ def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
         raise ConfigError(f"model.n_layers={model.n_layers} is fewer than the {p * v} pipeline stages "
                           f"(strategy.pipeline_parallel={p} x strategy.pipeline.stages_per_rank={v}): every stage "
                           "needs a block; lower pipeline_parallel or add layers")
+
+
+def _check_context_parallel(plan: ParallelPlan, model) -> None:
+    """What strategy.context_parallel composes with (tests/test_mesh_parallel.py checks each against one process):
+    DDP replicas, ZeRO 2/3, HSDP, tensor parallelism with and without sequence parallelism, pipeline parallelism,
+    document masking."""
+    c = plan.context_parallel
+    if plan.zero_stage == 1:
+        raise ConfigError(f"strategy.zero_stage=1 with strategy.context_parallel={c} is not supported: "
+                          "ZeroRedundancyOptimizer keeps whole tensors per rank and our mesh's checkpoints gather "
+                          "a by-name optimizer state it does not hold; use zero_stage=2 (FSDP2 shards the same "
+                          "optimizer state, and the gradients, over data_parallel_shard x context_parallel)")
+    if plan.compile:
+        raise ConfigError(f"trainer.compile=true is not supported with strategy.context_parallel={c} (the compiled "
+                          "forward and loss run the whole window on one process): set trainer.compile=false")
+    if plan.activation_checkpointing == "selective":
+        raise ConfigError(f"model.activation_checkpointing=selective with strategy.context_parallel={c} is not "
+                          "supported yet (neither its op policy over the gathered keys and values nor its planner "
+                          "rows are tested under context parallelism): use full, which is")
+    if plan.mixed_precision_policy:
+        raise ConfigError(f"strategy.mixed_precision_policy=true with strategy.context_parallel={c} is not tested "
+                          "yet: leave strategy.mixed_precision_policy=null (the autocast path there) or false")
+    if model is None:
+        return
+    if model.float8 is not None:
+        raise ConfigError(f"model.float8 with strategy.context_parallel={c} is not supported (not validated: no fp8 "
+                          "parity test under context parallelism): set model.float8=null or "
+                          "strategy.context_parallel=1")
+    if model.moe is not None:
+        raise ConfigError(f"model.moe with strategy.context_parallel={c} is not supported yet (the routing counts "
+                          "and load-balancing loss would see one rank's part of the sequence): set "
+                          "strategy.context_parallel=1, or use a dense model")
+    split = 2 * c * (plan.tensor_parallel if plan.sequence_parallel else 1)
+    if model.seq_len % split:
+        under = f" x strategy.tensor_parallel={plan.tensor_parallel} (sequence_parallel)" \
+            if plan.sequence_parallel else ""
+        raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by 2 x strategy.context_parallel={c}"
+                          f"{under} = {split}: each context-parallel rank computes 2 of 2c equal chunks of the "
+                          f"window; choose a model.seq_len that is a multiple of {split}")
 
 
 def _check_model(plan: ParallelPlan, trainer, model, vocab_from: Optional[str] = None) -> None:

@@ -43,6 +43,14 @@ all-gathers its gradient (backward); the head's input is all-gathered (forward) 
 cross-entropy all-reduces 3 B T as without sequence parallelism.
   all_gather = e B T d (4L + 2),  reduce_scatter = e B T d (4L + 2),  all_reduce = e (d (2L + 1) + 3 B T)
   [+ replicas' gradients]
+Context parallelism over c ranks (parallel/context.py), per block: forward, one all-gather of this rank's keys and
+values stacked, whose output is the window's (2, B, T, g·Q); backward, one reduce-scatter of their gradient, whose
+input is the same size (g key/value heads of Q channels, g/t of them under tensor parallelism). The loss all-reduces
+(summed loss, predicted count) per micro-batch, and (summed z-loss) with optim.z_loss. Without FSDP
+`sync_gradients` all-reduces every gradient over the context-parallel group (`replicas_all_reduce`'s bytes); with
+FSDP the group is part of the shard group (`zero` with w = data_parallel_shard x c). With activation checkpointing
+the recomputed forward all-gathers again (not counted here).
+  all_gather = reduce_scatter = 2 e B T g Q L per micro-batch,  all_reduce = e (2 or 3) per micro-batch
 """
 
 from typing import Dict, List, Tuple
@@ -135,3 +143,12 @@ def grad_norm(shard_groups: int, tensor_pipeline_groups: int = 0, e: int = 4) ->
 
 def total(*parts: Dict[str, int]) -> Dict[str, int]:
     return {k: sum(p.get(k, 0) for p in parts) for k in KINDS}
+
+
+def context_parallel(L: int, B: int, T: int, kv_channels: int, micro_batches: int = 1, z_loss: bool = False,
+                     e: int = 4) -> Dict[str, int]:
+    """Context parallelism's own collectives per rank per step: each block's all-gather of the window's keys and
+    values (B sequences of T positions, kv_channels = key/value heads x head_dim on this tensor-parallel rank) and
+    the reduce-scatter of their gradient, and the loss's all-reduce of its sums and count; per micro-batch."""
+    kv = e * 2 * B * T * kv_channels * L * micro_batches
+    return {"all_gather": kv, "reduce_scatter": kv, "all_reduce": e * (3 if z_loss else 2) * micro_batches}

@@ -154,7 +154,7 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            tensor_parallel: int = 1, sequence_parallel: bool = False,
                            bytes_per_element: float = 4.0, *, kv_heads: Optional[int] = None, mlp: str = "swiglu",
                            norm: str = "rmsnorm", qk_norm: bool = False, autocast: bool = False, moe=None,
-                           fp32_norms: bool = False) -> float:
+                           fp32_norms: bool = False, context_parallel: int = 1) -> float:
     """Bytes one of OUR blocks (model.py: pre-norms, RoPE, fused causal attention, MLP; no dropout, no biases)
     saves for backward on one tensor-parallel rank, without recomputation, counted by storage as
     parallel/memory.py's SavedActivations measures (a tensor saved by several ops counts once; weights and the RoPE
@@ -185,6 +185,10 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       parallelism, so the copies' input and outputs (R·h + 2kNh) stay whole on every rank; the routed experts'
       gate and up projections (2R·f_e) are split along the expert width and divided by t, as the shared experts'
       term is (parallel/expert_tensor.py).
+    - Context parallelism over c ranks (parallel/context.py): every term above counts this rank's N/c tokens, and
+      attention saves the all-gathered keys and values of the whole window (2NgQ/t, in place of this rank's
+      2NgQ/(ct)) and, beside its output as wo's input, the two chunks' outputs apart (N·h/(ct) more). Per forward,
+      not per block (`context_forward_bytes`): the RoPE tables at this rank's positions.
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.
@@ -196,7 +200,9 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     read the norm's bf16 output (2Nh, as without autocast). Measured for RMSNorm without QK-norm (tests/
     test_mixed_precision.py); QK-norm's terms are counted at e bytes, an estimate (they too run in fp32).
     """
-    n, h, f, a, t = seq_len * micro_batch, hidden, mlp_hidden, heads, tensor_parallel
+    c = context_parallel
+    whole_n = seq_len * micro_batch
+    n, h, f, a, t = whole_n // c, hidden, mlp_hidden, heads, tensor_parallel
     g = heads if kv_heads is None else kv_heads
     kv = g * (h // a)  # key/value channels
     if sequence_parallel and t == 1:
@@ -208,6 +214,8 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     attention = 2 * n * h + 2 * n * kv
     if qk_norm:
         attention += 2 * n * h + n * a + 2 * n * kv + n * g
+    if c > 1:  # the gathered keys and values of the window in place of this rank's, and the chunks' two outputs
+        attention += 2 * (whole_n - n) * kv + n * h
     mlp_elements = (4 if mlp == "swiglu" else 2) * n * f
     routing_bytes = replicated = 0.0
     if moe is not None:
@@ -229,12 +237,45 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     return bytes_per_element * (norm_region + column_inputs + sharded) + 4.0 * n * a / t + routing_bytes
 
 
+def context_forward_bytes(seq_len: int, micro_batch: int, head_dim: int, context_parallel: int,
+                          document_masking: bool = False) -> float:
+    """Bytes a context-parallel forward saves once for all its blocks (parallel/context.py): the fp32 RoPE tables
+    cos and sin at this rank's seq_len/c positions, (T/c, head_dim) each, or per row (B, T/c, head_dim) under
+    document masking. One process saves none: its tables are the model's buffers."""
+    if context_parallel == 1:
+        return 0.0
+    rows = micro_batch if document_masking else 1
+    return 4.0 * 2 * rows * seq_len // context_parallel * head_dim
+
+
+def context_mask_bytes(seq_len: int, context_parallel: int, bytes_per_element: float = 4.0) -> float:
+    """The additive causal mask a context-parallel rank passes to SDPA off the GPU, once per forward (parallel/
+    context.py ContextParallel.lower_right): chunk 2c-1-r's T/(2c) queries over the keys up to its end, at most
+    (rank 0) T/(2c) x T elements. On CUDA, PyTorch's CausalBias needs none, so `memory_plan` leaves it out; CPU
+    measurements add it."""
+    if context_parallel == 1:
+        return 0.0
+    return bytes_per_element * seq_len // (2 * context_parallel) * seq_len
+
+
+def context_transient_bytes(cfg: GPTConfig, micro_batch: int, context_parallel: int, tensor_parallel: int = 1,
+                            bytes_per_element: float = 4.0) -> float:
+    """The all-gathered K/V transient of a context-parallel backward, one block at a time: the gradient of the
+    window's keys and values and its rank-major copy, the reduce-scatter's input (parallel/context.py GatherKV),
+    2 x 2·B·T·g·Q/t elements."""
+    if context_parallel == 1:
+        return 0.0
+    kv = cfg.kv_heads * cfg.head_dim // tensor_parallel
+    return bytes_per_element * 2 * 2 * micro_batch * cfg.seq_len * kv
+
+
 def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_stage: int = 0,
                 tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False,
                 activation_checkpointing: str = "none", precision: str = "zero-mixed-adam",
                 device_memory: Optional[float] = None, exact: bool = False,
                 activation_checkpointing_k: int = 2, expert_parallel: int = 1,
-                expert_data_parallel: Optional[int] = None, activation_checkpointing_save_matmuls: str = "all") -> dict:
+                expert_data_parallel: Optional[int] = None, activation_checkpointing_save_matmuls: str = "all",
+                context_parallel: int = 1) -> dict:
     """Per-device bytes of the most loaded rank: the first pipeline stage (all layers' worth of activations under
     1F1B, plus the embedding); with a single stage it also holds the fp32 logits.
     data_parallel: the ranks that shard model state at zero_stage (under HSDP the shard group, not the replicas).
@@ -250,7 +291,12 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     tensor-parallel slices: E/P experts x 1/t of their width), their state sharded at zero_stage over
     `expert_data_parallel` ranks (the data-parallel ranks holding the same experts; default data_parallel /
     expert_parallel); the dense part as before. Activations are unchanged: a rank computes the token copies routed
-    to its experts, as many as its own on average (parallel/expert.py)."""
+    to its experts, as many as its own on average (parallel/expert.py).
+    context_parallel (c): each rank computes seq_len/c positions of every window, so activations, logits and the
+    checkpointed inputs fall by c, attention keeps the gathered keys and values of the whole window
+    (block_activation_bytes), the forward keeps its RoPE tables at its positions (context_forward_bytes) and the
+    backward the gathered K/V's gradient one block at a time (context_transient_bytes). Model state is sharded
+    over `data_parallel`, which the caller gives as data_parallel_shard x context_parallel (FSDP2's group)."""
     b = _precision(precision)
     _check_parallel(data_parallel, zero_stage)
     t, p, L = tensor_parallel, pipeline_parallel, cfg.n_layers
@@ -312,11 +358,14 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
                                        2.0 * b.activation_factor, kv_heads=cfg.kv_heads, mlp=cfg.mlp, norm=cfg.norm,
                                        qk_norm=cfg.qk_norm, autocast=b.autocast, fp32_norms=b.fp32_norms,
                                        moe=(m.num_experts, m.top_k, cfg.d_ff_expert, m.num_shared_experts)
-                                       if moe_layer else None)
+                                       if moe_layer else None, context_parallel=context_parallel)
                 for moe_layer in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)})
     # What a fully checkpointed block keeps: its input, in the residual stream's dtype (sharded along the sequence
     # under sequence parallelism).
-    kept = b.residual * cfg.seq_len * micro_batch * d / (t if sequence_parallel else 1)
+    cp = context_parallel
+    if cp < 1 or cfg.seq_len % (2 * cp):
+        raise ConfigError(f"--context-parallel {cp} must be at least 1 and 2 x it divide --seq-len {cfg.seq_len}")
+    kept = b.residual * cfg.seq_len * micro_batch * d / (t if sequence_parallel else 1) / cp
     if activation_checkpointing == "none":  # our block's own count
         per_layer = whole
     elif activation_checkpointing == "full":
@@ -344,19 +393,22 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     recompute_flops = {k: checkpointed * v for k, v in flops.items()}
     # 1F1B: the first stage has p micro-batches of its L/p layers in flight (Korthikanti et al. §4.2.3)
     activations = per_layer * layers_here * p
-    tokens = cfg.seq_len * micro_batch
+    tokens = cfg.seq_len * micro_batch // cp  # this rank's
     logits = 4.0 * tokens * v / t if p == 1 else 0.0
+    activation_elements = 2.0 * b.activation_factor  # bytes of an activation element (fp32: 4)
+    context = context_forward_bytes(cfg.seq_len, micro_batch, cfg.head_dim, cp) + context_transient_bytes(
+        cfg, micro_batch, cp, t, activation_elements)
     # autocast casts the weight a matmul reads (the blocks' linears and the head, not the embedding's lookup),
     # gathered in full under ZeRO-3, and saves the copy for the backward
     matmul_params = layers_here * (local_block - norms) + (v * d / t if p == 1 else 0) - routed * (1 - 1 / ep)
     cast = b.cast_weight * matmul_params
     transient = _transient_bytes(b, cfg, zero_stage, t, p, local_block, logits, tokens)
-    total = states["model_state_bytes"] + cast + activations + logits + recompute + transient
+    total = states["model_state_bytes"] + cast + activations + logits + recompute + transient + context
     out = {
         "params": shapes.params(cfg), "active_params": shapes.active_params(cfg), "params_per_device": local,
         "precision": precision,
         "data_parallel": data_parallel, "zero_stage": zero_stage, "tensor_parallel": t, "pipeline_parallel": p,
-        "expert_parallel": ep,
+        "expert_parallel": ep, "context_parallel": cp, "context_parallel_bytes": context,
         "sequence_parallel": sequence_parallel, "activation_checkpointing": activation_checkpointing,
         "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,

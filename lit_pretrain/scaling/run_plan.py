@@ -28,22 +28,45 @@ def run_memory(config) -> dict:
     # a pipeline cuts each micro-batch into pipeline micro-batches, p of them in flight (memory_plan's 1F1B count)
     micro = trainer.micro_batch_size // plan.micro_batches if plan.pipeline_parallel > 1 else trainer.micro_batch_size
     device = trainer.device_memory_gb * 1e9 if trainer.device_memory_gb else None
-    out = memory_plan(model, micro, data_parallel=plan.data_parallel_shard, zero_stage=plan.zero_stage,
-                      tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
-                      sequence_parallel=plan.sequence_parallel, activation_checkpointing=plan.activation_checkpointing,
-                      precision="bf16-mixed-policy" if plan.mixed_precision_policy else trainer.precision,
-                      device_memory=device,
-                      activation_checkpointing_k=plan.activation_checkpointing_k,
-                      expert_parallel=plan.expert_parallel,
-                      expert_data_parallel=plan.data_parallel // plan.expert_parallel,
-                      activation_checkpointing_save_matmuls=plan.activation_checkpointing_save_matmuls)
+    # FSDP2 shards over data_parallel_shard x context_parallel (parallel/mesh.py fsdp_dims)
+    shard = plan.data_parallel_shard * plan.context_parallel
+
+    def plan_with(context: int, shard: int) -> dict:
+        return memory_plan(model, micro, data_parallel=shard, zero_stage=plan.zero_stage,
+                           tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
+                           sequence_parallel=plan.sequence_parallel,
+                           activation_checkpointing=plan.activation_checkpointing,
+                           precision="bf16-mixed-policy" if plan.mixed_precision_policy else trainer.precision,
+                           device_memory=device, activation_checkpointing_k=plan.activation_checkpointing_k,
+                           expert_parallel=plan.expert_parallel,
+                           expert_data_parallel=plan.data_parallel // plan.expert_parallel,
+                           activation_checkpointing_save_matmuls=plan.activation_checkpointing_save_matmuls,
+                           context_parallel=context)
+
+    out = plan_with(plan.context_parallel, shard)
     out.update(run=config.run.name, layout=plan.describe(), world_size=plan.world_size, shape=shape_of(model))
     if device is not None:
         out["headroom_bytes"] = device - out["total_bytes"]
         out["headroom_fraction"] = out["headroom_bytes"] / device
         out["min_headroom"] = MIN_HEADROOM
         out["fits"] = out["headroom_fraction"] >= MIN_HEADROOM
+        out["context_parallel_needed"] = context_parallel_needed(plan, model, device, plan_with)
     return out
+
+
+def context_parallel_needed(plan, model, device: float, plan_with) -> int | None:
+    """The smallest strategy.context_parallel (a power of 2) with which the run leaves MIN_HEADROOM of `device`
+    free, the other ranks of each replica sharding the model state (data_parallel_shard = the rest); None when
+    none does. `plan_with(context, fsdp_shard)`: the memory plan with those degrees."""
+    ranks = plan.world_size // (plan.data_parallel_replicate * plan.tensor_parallel * plan.pipeline_parallel)
+    c = 1
+    while c <= ranks and ranks % c == 0 and model.seq_len % (2 * c if c > 1 else 1) == 0:
+        if plan.sequence_parallel and c > 1 and model.seq_len % (2 * c * plan.tensor_parallel):
+            break
+        if plan_with(c, ranks)["total_bytes"] <= (1 - MIN_HEADROOM) * device:
+            return c
+        c *= 2
+    return None
 
 
 def shape_of(model) -> dict:
@@ -64,7 +87,15 @@ def check_fits(config) -> None:
             f"{r['activation_checkpointing']}, micro_batch {r['micro_batch']}), leaving {r['headroom_fraction']:.0%} "
             f"free where {MIN_HEADROOM:.0%} is kept for what the plan does not count: lower "
             "trainer.micro_batch_size, set model.activation_checkpointing=full, or shard more (strategy.zero_stage=3, "
-            "strategy.tensor_parallel); `lit-pretrain memory --run RUN_FILE` shows the breakdown")
+            f"strategy.tensor_parallel{needed_hint(r)}); `lit-pretrain memory --run RUN_FILE` shows the breakdown")
+
+
+def needed_hint(r: dict) -> str:
+    """The context-parallel degree that fits, when one does and the run has fewer (run_memory's figure)."""
+    c = r.get("context_parallel_needed")
+    if c is None or c <= r.get("context_parallel", 1):
+        return ""
+    return f", strategy.context_parallel={c}: the smallest context-parallel degree that fits"
 
 
 def budget_steps(config) -> int:
@@ -116,4 +147,6 @@ def format_fit(m: dict) -> str:
         text += (f" of {m['device_memory'] / 1e9:g} GB: headroom {m['headroom_bytes'] / 1e9:.1f} GB "
                  f"({m['headroom_fraction']:.0%}, at least {m['min_headroom']:.0%} kept): "
                  f"{'fits' if m['fits'] else 'does NOT fit'}")
+        if m.get("context_parallel_needed", 1) not in (None, 1):
+            text += f"; context_parallel needed: {m['context_parallel_needed']}"
     return text
