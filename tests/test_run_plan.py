@@ -14,7 +14,6 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
-from lit_pretrain.model import shapes
 from lit_pretrain.parallel.batch import global_batch
 from lit_pretrain.parallel.plan import build_plan
 from lit_pretrain.scaling import memory
