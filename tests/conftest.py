@@ -26,6 +26,17 @@ multiprocessing.set_forkserver_preload(["tests.mesh_workers", "tests.expert_work
                                         "tests.sharded_workers"])
 
 
+@pytest.fixture(autouse=True)
+def _no_resolved_resume_left_behind():
+    """A `train` run in this process (cli.main in a test) leaves rank 0's resolved resume in os.environ for the ranks
+    Lightning starts from it (resume/session.py RESOLVED_ENV): removed after each test, so that a later test's
+    torchrun (whose ranks inherit pytest's environment, not a rank 0's) never resumes from another test's file."""
+    from lit_pretrain.resume.session import RESOLVED_ENV
+
+    yield
+    os.environ.pop(RESOLVED_ENV, None)
+
+
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory) -> Path:
     """400 documents of the default corpus, byte-level BPE with 512 tokens, prepared once."""

@@ -184,7 +184,7 @@ def test_each_recipe_trains_like_bf16_for_200_steps_and_its_checkpoint_is_a_plai
 
 
 @pytest.mark.slow
-def test_compiled_fp8_step_is_the_eager_one(monkeypatch):
+def test_compiled_fp8_step_is_the_eager_one(monkeypatch, request):
     """trainer.compile with model.float8 on one process: the whole forward and loss as one graph (fullgraph, through
     apply_plan as the module applies it) computes what eager does. Traced by dynamo and AOTAutograd (backend
     aot_eager: the tensor subclasses and the hooks are what can break tracing, as `torch.is_inference_mode_enabled`
@@ -198,7 +198,13 @@ def test_compiled_fp8_step_is_the_eager_one(monkeypatch):
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.plan import ParallelPlan
 
+    from lit_pretrain.parallel import compile as compile_module
+
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    # parallel/compile.py keeps one compiled forward-and-loss per process (functools.cache): one an earlier test
+    # compiled with inductor would stand in for aot_eager here, and ours must not stand in for inductor later
+    compile_module._compiled.cache_clear()
+    request.addfinalizer(compile_module._compiled.cache_clear)
     torch.manual_seed(0)
     compiled = GPT(GPTConfig(**{**CFG, "n_layers": 2}, float8=Float8Config("rowwise")))
     eager = copy.deepcopy(compiled)
