@@ -253,6 +253,6 @@ def test_moe_memory_plan_counts_selective_and_full_by_block_kind():
     moe_block = moe_step("selective", 2, "every_other", num_shared_experts=1)[3] - moe_step(
         "selective", 1, "every_other", num_shared_experts=1)[3]
     dense_block = measured("selective", "every_other", 2)[0] - measured("selective", "every_other", 1)[0]
-    # here the dense block (SwiGLU width 96 over N tokens) keeps more than the MoE one (width 24 over 2N copies)
+    # here the dense block (SwiGLU width 128 over N tokens) keeps more than the MoE one (width 24 over 2N copies)
     assert dense_block > moe_block
     assert plan["activation_bytes_per_layer"] == pytest.approx(max(dense_block, moe_block), rel=0.01)
