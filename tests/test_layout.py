@@ -59,7 +59,8 @@ def test_plan_carries_schedule_checkpointing_and_compile():
     # selective with model.moe under expert parallelism and tensor parallelism loads (refused before issue 40's
     # MoE policy: tests/test_activation_checkpointing.py, tests/test_expert_parallel.py check it)
     plan = build_plan(cfg("strategy=ddp", "strategy.expert_parallel=2", "strategy.tensor_parallel=2",
-                          "trainer.devices=4", "model.moe={num_experts: 4}", "model.activation_checkpointing=selective"))
+                          "trainer.devices=4", "model.moe={num_experts: 4}",
+                          "model.activation_checkpointing=selective"))
     assert (plan.activation_checkpointing, plan.expert_parallel, plan.tensor_parallel) == ("selective", 2, 2)
     assert ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel_shard=2, zero_stage=3).uses_mesh
     assert not ParallelPlan(data_parallel_shard=4, zero_stage=3).uses_mesh  # plain FSDP: Lightning's strategy

@@ -28,10 +28,10 @@ forward, the whole s×s product though the causal kernel skips half): under `sel
 under `full` the whole forward, in both but the block's last matmul (w_down): torch's non-reentrant checkpoint
 stops the recomputation once it has rebuilt the last tensor the backward needs (`set_checkpoint_early_stop`, on by
 default), and nothing in the backward reads w_down's output, only its input. An MoE block's forward ends with its
-auxiliary and z losses, whose backward reads tensors computed after every matmul: there nothing is spared. FlopCounterMode
-has no formula for `aten._grouped_mm` (torch 2.13): the tests pass it 2·M·K·N. Attention is counted apart:
-FlopCounterMode has no formula for the CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`), so on CPU it
-measures matmuls only. Measured against FlopCounterMode and the saved-tensor hooks (parallel/memory.py) in
+auxiliary and z losses, whose backward reads tensors computed after every matmul: there nothing is spared.
+FlopCounterMode has no formula for `aten._grouped_mm` (torch 2.13): the tests pass it 2·M·K·N. Attention is counted
+apart: FlopCounterMode has no formula for the CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`), so on CPU
+it measures matmuls only. Measured against FlopCounterMode and the saved-tensor hooks (parallel/memory.py) in
 tests/test_activation_checkpointing.py.
 """
 
