@@ -112,6 +112,11 @@ def check_planner(r):
         # activations whole (replicated, as before the split) plans 32,768 B above what is saved; dividing the
         # copies' input and outputs by t too would plan below it.
         assert planned <= saved <= 1.03 * planned, (sp, saved, planned)
+    for sp, (kept, planned, same) in r["selective"].items():
+        # selective on the MoE block under TP 2 (and SP): the block's input, the cached matmul, attention and top-k
+        # outputs, the router's and the experts' down product whole on each rank, against scaling/recompute.py
+        # within 1%; gradients and routing counts bit-identical to none's
+        assert kept == pytest.approx(planned, rel=0.01) and same, (sp, kept, planned, same)
 
 
 def test_four_process_moe_layouts_match_one_process():
