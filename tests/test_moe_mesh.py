@@ -49,8 +49,11 @@ CASES_4 = [
     # (aux_loss 0: each data-parallel rank's Switch loss is its half-batch's).
     ("zero3_tp2_sp_moe", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2, sequence_parallel=True),
      {"moe": {**TP_MOE["moe"], "aux_loss": 0.0}}),
-    # Both: replicated routing inside the stages, the routed and shared experts split, the z-loss through the scaler.
-    ("tp2_pp2_moe", Plan(tensor_parallel=2, pipeline_parallel=2, schedule="gpipe", micro_batches=4),
+    # Both: replicated routing inside the stages, the routed and shared experts split, the z-loss through the scaler;
+    # under selective activation checkpointing (the MoE op policy inside the pipeline's stages, with TP's in-place
+    # collectives run again in the recomputation; the same math, so the same bounds).
+    ("tp2_pp2_moe", Plan(tensor_parallel=2, pipeline_parallel=2, schedule="gpipe", micro_batches=4,
+                         activation_checkpointing="selective"),
      {"moe": {**TP_MOE["moe"], "aux_loss": 0.0}}),
 ]
 
