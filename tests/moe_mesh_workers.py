@@ -184,10 +184,10 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
 def planner_case(out: dict) -> None:
     """One MoE block (a shared expert) under tensor parallelism over the whole world, with and without sequence
     parallelism: its parameters on this rank and the bytes it saves for backward, against the memory planner."""
+    from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
     from lit_pretrain.parallel.expert_tensor import apply_expert_tensor_parallel
     from lit_pretrain.parallel.memory import SavedActivations
     from lit_pretrain.parallel.tensor import apply_tensor_parallel
-    from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
     from lit_pretrain.scaling.memory import block_activation_bytes, memory_plan
     from lit_pretrain.scaling.recompute import selective_block_bytes
 
