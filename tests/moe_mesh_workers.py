@@ -184,10 +184,12 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
 def planner_case(out: dict) -> None:
     """One MoE block (a shared expert) under tensor parallelism over the whole world, with and without sequence
     parallelism: its parameters on this rank and the bytes it saves for backward, against the memory planner."""
+    from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
     from lit_pretrain.parallel.expert_tensor import apply_expert_tensor_parallel
     from lit_pretrain.parallel.memory import SavedActivations
     from lit_pretrain.parallel.tensor import apply_tensor_parallel
     from lit_pretrain.scaling.memory import block_activation_bytes, memory_plan
+    from lit_pretrain.scaling.recompute import selective_block_bytes
 
     t = dist.get_world_size()
     tp = build_mesh(ParallelPlan(tensor_parallel=t)).get_group("tensor_parallel")
@@ -195,24 +197,41 @@ def planner_case(out: dict) -> None:
     cfg = GPTConfig(**{**CFG, "n_layers": 1, "moe": moe})
     x = data()[0][0]
     B, T = x.shape
-    measured = {}
-    for sp in (False, True):
+    def run(sp: bool, mode: str):
         torch.manual_seed(0)
         model = GPT(cfg)
         apply_tensor_parallel(model, tp, sequence_parallel=sp)
         apply_expert_tensor_parallel(model, tp)  # the routed experts too, as apply_plan does
+        apply_activation_checkpointing(model, mode)
         block = model.blocks[0]
         h = model.tok_embeddings(x)  # (B, T, d), or this rank's (B, T/t, d) under sequence parallelism
         with SavedActivations(model) as meter:
-            block(h, model.rope_cos, model.rope_sin)
+            y = block(h, model.rope_cos, model.rope_sin)
+        y.square().mean().backward()  # selective: the recomputation's collectives and routing under TP
         counts = block.mlp.load[:4]  # this forward's assignments per expert: the whole micro-batch's
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+        return meter.bytes, counts, grads, block
+
+    measured, selective = {}, {}
+    for sp in (False, True):
+        saved, counts, grads, block = run(sp, "none")
         planned = block_activation_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, t, sp, moe=(4, 2, 32, 1))
-        measured[sp] = (meter.bytes, planned, counts.sum().item())
+        measured[sp] = (saved, planned, counts.sum().item())
+        # model.activation_checkpointing=selective on this MoE block under TP (and SP): bytes kept against the
+        # planner's selective row, and gradients and counts bit-identical to none's (the same kernels and
+        # collectives on the same inputs; the routing from the kept top-k)
+        kept, sel_counts, sel_grads, _ = run(sp, "selective")
+        planned = selective_block_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, t, sp, kv_heads=cfg.kv_heads,
+                                        mlp=cfg.mlp, moe=(4, 2, 32, 1))
+        same = torch.equal(sel_counts, counts) and all(  # None: the head and final norm, outside the block
+            (g is None) == (grads[n] is None) and (g is None or torch.equal(g, grads[n])) for n, g in sel_grads.items())
+        selective[sp] = (kept, planned, same)
     plan = memory_plan(cfg, B, tensor_parallel=t, precision="32-true")
     # The planner's per-rank count: one block, the embedding (vocab-parallel in its accounting) and the final norm.
     planned_block = plan["params_per_device"] - cfg.vocab_size * cfg.d_model / t - cfg.d_model
     if dist.get_rank() == 0:
-        out["planner"] = {"saved": measured, "block_params": sum(p.numel() for p in block.parameters()),
+        out["planner"] = {"saved": measured, "selective": selective,
+                          "block_params": sum(p.numel() for p in block.parameters()),
                           "planned_block_params": planned_block, "tokens": B * T}
 
 

@@ -164,3 +164,95 @@ def test_the_bench_reports_selective_and_full_against_none():
     full, selective = cases["act_ckpt_full_vs_none_saved_bytes"], cases["act_ckpt_selective_vs_none_saved_bytes"]
     assert 0 < full["ratio"] < selective["ratio"] < 1 and full["reference"] == selective["reference"]
     assert cases["act_ckpt_selective_vs_none_step_seconds"]["value"] > 0
+
+
+# model.moe under selective: 4 experts, top 2, width 24, grouped-query attention as above.
+MOE = dict(num_experts=4, top_k=2, d_ff_expert=24, aux_loss=1e-2, router_z_loss=1e-3)
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+    """2·M·K·N for torch's `aten._grouped_mm` (FlopCounterMode has none in torch 2.13): a (M, K) @ b (L, K, N)
+    grouped by rows, or a (K, M) @ b (M, N) grouped along M (the weights' gradients), both one GEMM's FLOPs."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+def moe_step(mode, n_layers=1, save_matmuls="all", autocast=False, **moe):
+    """(loss with the MoE losses, gradients by name, routing counts, saved bytes, FLOPs) of one step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lit_pretrain.model.config import MoEConfig
+    from lit_pretrain.model.moe import moe_layers, moe_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layers=n_layers, moe=MoEConfig(**{**MOE, **moe}), **{**SHAPE, "seq_len": T}))
+    apply_activation_checkpointing(model, mode, save_matmuls=save_matmuls)
+    model.train()
+    x, y = batch()
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops}) as flops:
+        with SavedActivations(model) as meter, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) + moe_loss(model)
+        loss.backward()
+    grads = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+    counts = [m.load.clone() for m in moe_layers(model)]
+    return loss.detach(), grads, counts, meter.bytes, flops.get_total_flops()
+
+
+def test_moe_selective_gives_the_losses_gradients_and_routing_of_none():
+    # The kept top-k routes the recomputation as the forward did; the rest reruns the same CPU kernels on the same
+    # inputs: bit-identical. A shared expert, a capacity (a data-dependent mask) and the balancing bias on; the
+    # routing counts (aux and z statistics included) accumulated once per forward, not again in the recomputation.
+    moe = dict(num_shared_experts=1, capacity_factor=1.0, bias_update_rate=1e-2)
+    ref, sel = moe_step("none", 2, **moe), moe_step("selective", 2, **moe)
+    assert torch.equal(sel[0], ref[0])
+    assert sel[1].keys() == ref[1].keys()
+    for name, g in sel[1].items():
+        assert torch.equal(g, ref[1][name]), name
+    assert all(torch.equal(a, b) for a, b in zip(sel[2], ref[2])) and len(sel[2]) == 2
+
+
+@pytest.mark.parametrize("shared, save_matmuls, autocast", [(1, "all", False), (1, "every_other", True),
+                                                            (0, "every_other", False)])
+def test_moe_selective_keeps_the_planned_bytes_and_recomputes_the_planned_flops(shared, save_matmuls, autocast):
+    """As the dense test above, on an MoE block: the router's, the grouped experts' and the shared experts' outputs
+    and the top-k kept, measured against scaling/recompute.py's MoE row within 1% (exact here). `all` recomputes no
+    matmul; every_other the 2nd, 4th, ... including the last, since the block's auxiliary losses follow it."""
+    from lit_pretrain.scaling.recompute import recompute_flops, selective_block_bytes
+
+    moe = dict(num_shared_experts=shared)
+    shape = (4, 2, 24, shared)
+    per_block = moe_step("selective", 2, save_matmuls, autocast, **moe)[3] - moe_step(
+        "selective", 1, save_matmuls, autocast, **moe)[3]
+    planned = selective_block_bytes(T, B, D, 4, 128, bytes_per_element=2.0 if autocast else 4.0, kv_heads=2,
+                                    residual_bytes=4.0, save_matmuls=save_matmuls, moe=shape)
+    assert per_block == pytest.approx(planned, rel=0.01), (per_block, planned)
+    recomputed = moe_step("selective", 1, save_matmuls, autocast, **moe)[4] - moe_step("none", 1, autocast=autocast,
+                                                                                          **moe)[4]
+    planned_flops = recompute_flops("selective", T, B, D, 4, 128, kv_heads=2, save_matmuls=save_matmuls,
+                                    moe=shape)["matmul"]
+    assert recomputed == pytest.approx(planned_flops, rel=0.01, abs=0), (recomputed, planned_flops)
+    assert (planned_flops > 0) == (save_matmuls == "every_other")
+
+
+def test_moe_memory_plan_counts_selective_and_full_by_block_kind():
+    """memory_plan with model.moe: a dense first block and two MoE blocks. Full recomputes an MoE block's every
+    matmul (FlopCounterMode's count); the selective row per layer is the larger block's (the dense one here), its
+    recomputed FLOPs the sum over the blocks of their kinds (their own counts are measured in the tests above)."""
+    from lit_pretrain.model.config import MoEConfig
+    from lit_pretrain.scaling.memory import memory_plan
+    from lit_pretrain.scaling.recompute import recompute_flops
+
+    shape = (4, 2, 24, 1)
+    full = moe_step("full", num_shared_experts=1)[4] - moe_step("none", num_shared_experts=1)[4]
+    assert full == pytest.approx(recompute_flops("full", T, B, D, 4, 128, kv_heads=2, moe=shape)["matmul"], rel=0.01)
+    cfg = GPTConfig(n_layers=3, moe=MoEConfig(**MOE, num_shared_experts=1, first_dense_layers=1), **SHAPE)
+    plan = memory_plan(cfg, B, precision="32-true", activation_checkpointing="selective",
+                       activation_checkpointing_save_matmuls="every_other")
+    dense = recompute_flops("selective", T, B, D, 4, cfg.hidden_dim, kv_heads=2, save_matmuls="every_other")
+    moe = recompute_flops("selective", T, B, D, 4, cfg.hidden_dim, kv_heads=2, save_matmuls="every_other", moe=shape)
+    assert plan["recompute_flops"] == {k: dense[k] + 2 * moe[k] for k in dense}
+    moe_block = moe_step("selective", 2, "every_other", num_shared_experts=1)[3] - moe_step(
+        "selective", 1, "every_other", num_shared_experts=1)[3]
+    dense_block = measured("selective", "every_other", 2)[0] - measured("selective", "every_other", 1)[0]
+    # here the dense block (SwiGLU width 128 over N tokens) keeps more than the MoE one (width 24 over 2N copies)
+    assert dense_block > moe_block
+    assert plan["activation_bytes_per_layer"] == pytest.approx(max(dense_block, moe_block), rel=0.01)

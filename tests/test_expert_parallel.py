@@ -54,7 +54,10 @@ def check(results, held, plans):
 
 def test_two_process_expert_parallelism_matches_one_process(tmp_path):
     cases = {"ep2": Plan(data_parallel_replicate=2, expert_parallel=2),
-             "ep2_zero3": Plan(data_parallel_shard=2, zero_stage=3, expert_parallel=2)}
+             "ep2_zero3": Plan(data_parallel_shard=2, zero_stage=3, expert_parallel=2),
+             # selective activation checkpointing: the kept top-k routes the recomputation as the forward did, the
+             # all-to-alls (in-place c10d ops) run again in it with the same splits; the routing counted once
+             "ep2_selective": Plan(data_parallel_replicate=2, expert_parallel=2, activation_checkpointing="selective")}
     reshard = {"ep2_zero3_to_zero3": (cases["ep2_zero3"], Plan(data_parallel_shard=2, zero_stage=3)),
                "zero2_to_ep2": (Plan(data_parallel_shard=2, zero_stage=2), cases["ep2"]),
                # each rank 1/2 of every expert's width (offset on dim 1 or 2) into half the experts whole (dim 0)
@@ -62,7 +65,7 @@ def test_two_process_expert_parallelism_matches_one_process(tmp_path):
     results = spawn(2, [("parity", plan, name) for name, plan in cases.items()]
                     + [("reshard", src, dst, tmp_path / name) for name, (src, dst) in reshard.items()])
     print({k: {m: v for m, v in r.items() if isinstance(v, (int, float))} for k, r in results.items()})
-    check(results, {"ep2": LAYERS * E // 2, "ep2_zero3": LAYERS * E // 2}, cases)
+    check(results, {"ep2": LAYERS * E // 2, "ep2_zero3": LAYERS * E // 2, "ep2_selective": LAYERS * E // 2}, cases)
     for name in reshard:
         check_reshard(results[name])
 

@@ -56,6 +56,12 @@ def test_plan_carries_schedule_checkpointing_and_compile():
                           "strategy.pipeline.micro_batches=2", "model.activation_checkpointing=full"))
     assert (plan.schedule, plan.micro_batches, plan.stages_per_rank) == ("gpipe", 2, 1)
     assert plan.activation_checkpointing == "full" and not plan.compile
+    # selective with model.moe under expert parallelism and tensor parallelism loads (refused before issue 40's
+    # MoE policy: tests/test_activation_checkpointing.py, tests/test_expert_parallel.py check it)
+    plan = build_plan(cfg("strategy=ddp", "strategy.expert_parallel=2", "strategy.tensor_parallel=2",
+                          "trainer.devices=4", "model.moe={num_experts: 4}",
+                          "model.activation_checkpointing=selective"))
+    assert (plan.activation_checkpointing, plan.expert_parallel, plan.tensor_parallel) == ("selective", 2, 2)
     assert ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel_shard=2, zero_stage=3).uses_mesh
     assert not ParallelPlan(data_parallel_shard=4, zero_stage=3).uses_mesh  # plain FSDP: Lightning's strategy
     assert ParallelPlan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3).uses_mesh  # HSDP

@@ -412,6 +412,14 @@ def test_memory_command_takes_moe_and_counts_olmoe_as_transformers_does(capsys):
     assert main(["memory", *olmoe, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["params"], out["active_params"]) == (6_919_161_856, 1_282_017_280)  # as OlmoeForCausalLM's
+    # selective with model.moe (refused before): between full and none per layer, no matmul recomputed
+    rows = {}
+    for mode in ("none", "selective", "full"):
+        assert main(["memory", *olmoe, "--activation-checkpointing", mode, "--json"]) == 0
+        rows[mode] = json.loads(capsys.readouterr().out)
+    per_layer = {mode: row["activation_bytes_per_layer"] for mode, row in rows.items()}
+    assert per_layer["full"] < per_layer["selective"] < per_layer["none"], per_layer
+    assert rows["selective"]["recompute_flops"] == {"matmul": 0.0, "attention": 0.0}
     assert main(["memory", "--params", "1e8", "--model", "moe={num_experts: 4}"]) == 2
     assert "--params searches dense shapes" in capsys.readouterr().err
     assert main(["memory", *olmoe[:6], "--model", "moe={experts: 4}"]) == 2

@@ -165,8 +165,9 @@ class GPTConfig:
                                           metadata={"choices": ["none", "full", "every_k", "selective"]})
     """Recompute whole blocks in the backward pass instead of saving their activations: none, full (every block)
     or every_k (blocks 0, k, 2k, ...); or selective, torchtitan's op-level policy: every block keeps its matmul and
-    attention outputs and recomputes only the cheap ops between them (norms, RoPE, activations). Applied from
-    outside the GPT by lit_pretrain.parallel; the GPT ignores it."""
+    attention outputs and recomputes only the cheap ops between them (norms, RoPE, activations); with model.moe also
+    the router's, the grouped experts' and the router's top-k (the recomputation routes as the forward did). Applied
+    from outside the GPT by lit_pretrain.parallel; the GPT ignores it."""
     activation_checkpointing_k: int = field(default=2, metadata={"ge": 1})
     """activation_checkpointing=every_k only: checkpoint one block in every k."""
     activation_checkpointing_save_matmuls: str = field(default="all", metadata={"choices": ["all", "every_other"]})

@@ -50,8 +50,16 @@ def _ops(*names: str) -> set:
 # stand in for: the buffer is recomputed empty and only running the op fills it. They run again in the backward, as
 # under full checkpointing (one more collective per row-parallel linear; the losses stay bit-identical,
 # tests/test_mesh_parallel.py).
-MATMULS = _ops("aten.mm", "aten.addmm", "aten.bmm")
-SAVED = MATMULS | _ops(
+#
+# model.moe: the router is an mm and the routed experts' three products are `aten._grouped_mm` calls inside one
+# autograd Function (model/moe_kernels.py): matmuls too, kept (counted by every_other in forward order). The routing
+# is data-dependent: `aten.topk`'s indices and values are kept (12 bytes per token copy), so the recomputation routes
+# exactly as the forward did by construction, whatever the kernels do with ties; the argsort, bincount, gathers and
+# the capacity mask then rerun from them (integer ops, exact). Expert parallelism's all-to-alls (parallel/expert.py)
+# are in-place c10d ops like the tensor-parallel ones above: they run again in the recomputation, with the same
+# split sizes (from the kept routing), three per MoE layer, as under full checkpointing.
+MATMULS = _ops("aten.mm", "aten.addmm", "aten.bmm", "aten._grouped_mm")
+SAVED = MATMULS | _ops("aten.topk") | _ops(
     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
     "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor",

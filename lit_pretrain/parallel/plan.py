@@ -305,8 +305,6 @@ def _check_model(plan: ParallelPlan, trainer, model, vocab_from: Optional[str] =
     t = plan.tensor_parallel
     if model.moe is not None:
         _check_moe(plan, model)
-    if plan.activation_checkpointing == "selective":
-        _check_selective(plan, model)
     if model.qk_norm and model.qk_norm_scope == "projection" and t > 1:
         raise ConfigError(f"model.qk_norm_scope=projection normalizes over all heads of q and k, which "
                           f"strategy.tensor_parallel={t} splits across ranks: set qk_norm_scope=head or "
@@ -368,12 +366,6 @@ def _check_expert_parallel(plan: ParallelPlan, model) -> None:
                           f"strategy.expert_parallel={ep}: each rank owns an equal share of the experts")
 
 
-def _check_selective(plan: ParallelPlan, model) -> None:
-    if model.moe is not None:
-        raise ConfigError("model.activation_checkpointing=selective is not supported with model.moe (so neither with "
-                          "strategy.expert_parallel): the op policy is tested and its memory counted on dense blocks "
-                          "only, not through the routing and the grouped expert kernels; use "
-                          "model.activation_checkpointing=full")
 
 
 def _check_moe(plan: ParallelPlan, model) -> None:

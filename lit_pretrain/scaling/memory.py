@@ -280,8 +280,8 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     1F1B, plus the embedding); with a single stage it also holds the fp32 logits.
     data_parallel: the ranks that shard model state at zero_stage (under HSDP the shard group, not the replicas).
     activation_checkpointing: none (our block's count), selective (torchtitan's op policy: the block's input, its
-    saved matmul and attention outputs, scaling/recompute.py; `activation_checkpointing_save_matmuls` all or
-    every_other), full (our block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others
+    saved matmul and attention outputs, with model.moe also the router's, the grouped experts' and the router's
+    top-k, scaling/recompute.py; `activation_checkpointing_save_matmuls` all or every_other), full (our block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others
     none). "recompute_flops": the matmul and attention FLOPs the backward runs again on this rank per micro-batch
     (scaling/recompute.py's convention, FlopCounterMode's).
     exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only.
@@ -354,6 +354,7 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     else:
         states = model_state_bytes(local, data_parallel, zero_stage, precision)
     m = cfg.moe  # with model.moe the larger of a dense and an MoE block (a pipeline stage may hold either)
+    moe_shape = (m.num_experts, m.top_k, cfg.d_ff_expert, m.num_shared_experts) if m is not None else None
     whole = max(block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel,
                                        2.0 * b.activation_factor, kv_heads=cfg.kv_heads, mlp=cfg.mlp, norm=cfg.norm,
                                        qk_norm=cfg.qk_norm, autocast=b.autocast, fp32_norms=b.fp32_norms,
@@ -373,24 +374,26 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     elif activation_checkpointing == "every_k":
         checkpointed = math.ceil(layers_here / activation_checkpointing_k)  # blocks 0, k, 2k, ...
         per_layer = (checkpointed * kept + (layers_here - checkpointed) * whole) / layers_here
-    else:
-        if cfg.moe is not None:
-            raise ConfigError("--activation-checkpointing selective is counted for dense blocks only (model.moe: "
-                              "its routing and grouped kernels are not measured under the op policy): use full")
-        per_layer = recomputation.selective_block_bytes(
+    else:  # with model.moe the larger of a dense and an MoE block, as `whole`
+        per_layer = max(recomputation.selective_block_bytes(
             cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel, 2.0 * b.activation_factor,
             kv_heads=cfg.kv_heads, mlp=cfg.mlp, residual_bytes=b.residual,
-            save_matmuls=activation_checkpointing_save_matmuls)
+            save_matmuls=activation_checkpointing_save_matmuls, moe=moe_shape if moe_layer else None)
+            for moe_layer in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)})
     # The backward recomputes one checkpointed block at a time: its activations are live on top of the kept ones
     # (under selective an upper estimate: the saved outputs among them are the cached ones, not new).
     recompute = 0.0 if activation_checkpointing == "none" else whole
     checkpointed = {"none": 0, "full": layers_here, "selective": layers_here,
                     "every_k": math.ceil(layers_here / activation_checkpointing_k)}[activation_checkpointing]
     ac_mode = "full" if activation_checkpointing == "every_k" else activation_checkpointing
-    flops = recomputation.recompute_flops(ac_mode, cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t,
-                                             kv_heads=cfg.kv_heads, mlp=cfg.mlp,
-                                             save_matmuls=activation_checkpointing_save_matmuls)
-    recompute_flops = {k: checkpointed * v for k, v in flops.items()}
+    # Each checkpointed block of the first stage (layers 0 .. layers_here - 1) recomputes as its kind, dense or MoE.
+    flops_of = {moe_layer: recomputation.recompute_flops(
+        ac_mode, cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
+        save_matmuls=activation_checkpointing_save_matmuls, moe=moe_shape if moe_layer else None)
+        for moe_layer in (False, True)}
+    ids = range(0, layers_here, activation_checkpointing_k if activation_checkpointing == "every_k" else 1) \
+        if checkpointed else ()
+    recompute_flops = {k: sum((flops_of[cfg.is_moe_layer(i)][k] for i in ids), 0.0) for k in flops_of[False]}
     # 1F1B: the first stage has p micro-batches of its L/p layers in flight (Korthikanti et al. §4.2.3)
     activations = per_layer * layers_here * p
     tokens = cfg.seq_len * micro_batch // cp  # this rank's
