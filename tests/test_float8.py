@@ -195,10 +195,9 @@ def test_compiled_fp8_step_is_the_eager_one(monkeypatch, request):
     import functools
 
     from lit_pretrain.model.losses import lm_losses
+    from lit_pretrain.parallel import compile as compile_module
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.plan import ParallelPlan
-
-    from lit_pretrain.parallel import compile as compile_module
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     # parallel/compile.py keeps one compiled forward-and-loss per process (functools.cache): one an earlier test

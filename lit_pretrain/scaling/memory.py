@@ -281,9 +281,10 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     data_parallel: the ranks that shard model state at zero_stage (under HSDP the shard group, not the replicas).
     activation_checkpointing: none (our block's count), selective (torchtitan's op policy: the block's input, its
     saved matmul and attention outputs, with model.moe also the router's, the grouped experts' and the router's
-    top-k, scaling/recompute.py; `activation_checkpointing_save_matmuls` all or every_other), full (our block's input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others
-    none). "recompute_flops": the matmul and attention FLOPs the backward runs again on this rank per micro-batch
-    (scaling/recompute.py's convention, FlopCounterMode's).
+    top-k, scaling/recompute.py; `activation_checkpointing_save_matmuls` all or every_other), full (our block's
+    input in the residual dtype), every_k (blocks 0, k, 2k, ... full, the others none). "recompute_flops": the
+    matmul and attention FLOPs the backward runs again on this rank per micro-batch (scaling/recompute.py's
+    convention, FlopCounterMode's).
     exact: model states from `per_rank_model_state_bytes` (FSDP2's padded dim-0 shards); data parallelism only.
     tensor_parallel (model.moe): the routed experts are split along their width like the dense MLP (parameters,
     gradients, AdamW state and their hidden activations divided by t); the router is replicated.
