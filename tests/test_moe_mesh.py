@@ -143,21 +143,24 @@ def test_four_process_moe_layouts_match_one_process():
 
 
 @pytest.mark.parametrize("strategy", [
-    ["strategy=pipeline", "trainer.devices=2"],
+    # context parallelism 2 with expert parallelism 2 over the pair (each rank half of every window): the monitor's
+    # counts summed over the context-parallel group (MeshStrategy.data_parallel_sum), the checkpoint's experts
+    # gathered from both ranks. The pipeline alone runs in ep2_pp2 below.
+    ["strategy=ddp", "strategy.context_parallel=2", "strategy.expert_parallel=2", "trainer.devices=2"],
     ["strategy=tensor", "strategy.sequence_parallel=true", "trainer.devices=2"],
     # expert parallelism 2 over the 2 data-parallel ranks of each stage: each rank half the windows, so the step
     # routes the same 8 windows
     ["strategy=pipeline", "strategy.expert_parallel=2", "trainer.devices=4", "trainer.micro_batch_size=4"],
-], ids=["pp2", "tp2_sp", "ep2_pp2"])
+], ids=["cp2_ep2", "tp2_sp", "ep2_pp2"])
 def test_moe_trains_through_the_cli_under_the_mesh(tmp_path, tiny_data_dir, strategy):
-    """`lit-pretrain train` with model.moe under strategy=pipeline (2 stages of one MoE block each, 1F1B, 4
-    micro-batches), under strategy=tensor with sequence parallelism, and under the pipeline with expert
-    parallelism (4 processes, each stage's experts split over its 2 data-parallel ranks): the config loads, 2 steps
-    train, and the MoE monitor logs every layer (both stages') with the step's own assignments: 8 windows x 64
-    tokens x top 2 = 1,024 per layer, not doubled by a sum over the tensor-parallel ranks
-    (MeshStrategy.data_parallel_sum), not joined by the pipeline schedule's shape-inference forward (which
-    parallel/pipeline.py does not count: only the schedule's micro-batch forwards do), which runs again
-    on step 2 after the validation after step 1 switched the schedule to evaluation."""
+    """`lit-pretrain train` with model.moe under context parallelism 2 x expert parallelism 2, under
+    strategy=tensor with sequence parallelism, and under the pipeline with expert parallelism (4 processes, 2
+    stages of one MoE block each, 1F1B, each stage's experts split over its 2 data-parallel ranks): the config
+    loads, 2 steps train, and the MoE monitor logs every layer (both stages') with the step's own assignments: 8
+    windows x 64 tokens x top 2 = 1,024 per layer, not doubled by a sum over the tensor-parallel ranks nor halved by
+    leaving out the context-parallel ones (MeshStrategy.data_parallel_sum), not joined by the pipeline schedule's
+    shape-inference forward (which parallel/pipeline.py does not count: only the schedule's micro-batch forwards
+    do), which runs again on step 2 after the validation after step 1 switched the schedule to evaluation."""
     moe = ("model.moe={num_experts: 4, top_k: 2, d_ff_expert: 64, num_shared_experts: 1, aux_loss: 0.01, "
            "router_z_loss: 0.001, bias_update_rate: 0.001}")
     # 513 (the tokenizer's 512 + 1: FSDP pads an odd dim 0); under tensor parallelism the vocabulary splits in
