@@ -99,6 +99,9 @@ BAD = [
     # expert groups are made of data-parallel x context-parallel ranks (here 1 x 2)
     (["strategy=ddp", "strategy.context_parallel=2", "strategy.expert_parallel=4", "model=olmoe_1b_7b",
       "trainer.devices=2"], "strategy.expert_parallel=4 does not divide the 2 data-parallel ranks"),
+    # a capacity would drop tokens by each rank's part of the window
+    (["strategy=ddp", "strategy.context_parallel=2", "model=olmoe_1b_7b", "model.moe.capacity_factor=1.25",
+      "model.seq_len=64", "trainer.devices=2"], "model.moe.capacity_factor=1.25 with strategy.context_parallel=2"),
     # the embedding and head split their rows over t = 2 (parallel/vocab.py): one line naming both keys and the fix
     (["strategy=tensor", "model.vocab_size=513", "trainer.devices=2"],
      "model.vocab_size=513 is not divisible by strategy.tensor_parallel=2"),

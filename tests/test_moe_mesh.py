@@ -63,6 +63,11 @@ CASES_4 = [
     # ranks (the one process's batch), so the auxiliary loss is exact too.
     ("zero3_cp2_ep2_moe", Plan(data_parallel_shard=2, zero_stage=3, context_parallel=2, expert_parallel=2),
      {"moe": {**MOE, "aux_loss": 1e-2, "aux_loss_scope": "global"}}),
+    # CP 2 x TP 2 + SP: the MoE gathers the context-parallel rank's T/c positions over the tensor-parallel pair
+    # (weights after 3 steps measured 4.8e-5, near check's 5e-5: float order, as CP_NORM_REL below says); CP 2 x
+    # PP 2: the stages' losses through the scaler, c x their share each.
+    ("cp2_tp2_sp_moe", Plan(context_parallel=2, tensor_parallel=2, sequence_parallel=True), TP_MOE),
+    ("cp2_pp2_moe", Plan(context_parallel=2, pipeline_parallel=2, schedule="1f1b", micro_batches=4), {"moe": MOE}),
 ]
 
 

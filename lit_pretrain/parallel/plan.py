@@ -290,6 +290,11 @@ def _check_context_parallel(plan: ParallelPlan, model) -> None:
         raise ConfigError(f"model.float8 with strategy.context_parallel={c} is not supported (not validated: no fp8 "
                           "parity test under context parallelism): set model.float8=null or "
                           "strategy.context_parallel=1")
+    if model.moe is not None and model.moe.capacity_factor is not None:
+        raise ConfigError(f"model.moe.capacity_factor={model.moe.capacity_factor} with strategy.context_parallel={c} "
+                          "is not supported: each rank would cap its experts over its own part of the window, so "
+                          "which tokens are dropped would depend on the chunking (measured: the routing parts from "
+                          "one process's after a step); set model.moe.capacity_factor=null (dropless)")
     split = 2 * c * (plan.tensor_parallel if plan.sequence_parallel else 1)
     if model.seq_len % split:
         under = f" x strategy.tensor_parallel={plan.tensor_parallel} (sequence_parallel)" \
