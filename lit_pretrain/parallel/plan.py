@@ -265,9 +265,9 @@ def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
 def _check_context_parallel(plan: ParallelPlan, model) -> None:
     """What strategy.context_parallel composes with (tests/test_mesh_parallel.py checks each against one process):
     DDP replicas, ZeRO 2/3, HSDP, tensor parallelism with and without sequence parallelism, pipeline parallelism,
-    document masking; model.moe with and without expert parallelism (tests/test_moe_mesh.py: the routing counts
-    summed over the group, parallel/moe_mesh.py install_global_counts; experts split over data-parallel x
-    context-parallel ranks, parallel/expert.py)."""
+    document masking; model.moe, dropless, with and without expert parallelism (tests/test_moe_mesh.py: the
+    routing counts summed over the group, parallel/moe_mesh.py install_global_counts; experts split over
+    data-parallel x context-parallel ranks, parallel/expert.py)."""
     c = plan.context_parallel
     if plan.zero_stage == 1:
         raise ConfigError(f"strategy.zero_stage=1 with strategy.context_parallel={c} is not supported: "
