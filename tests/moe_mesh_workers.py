@@ -209,12 +209,28 @@ def planner_case(out: dict) -> None:
         counts = block.mlp.load[:4]  # this forward's assignments per expert: the whole micro-batch's
         planned = block_activation_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, t, sp, moe=(4, 2, 32, 1))
         measured[sp] = (meter.bytes, planned, counts.sum().item())
+    # Context parallelism over the same 2 ranks: one MoE block on this rank's T/c positions (parallel/context.py),
+    # its RoPE tables at those positions, against the planner's block, tables and CPU causal mask.
+    from lit_pretrain.parallel.context import install_context_parallel
+    from lit_pretrain.scaling.memory import context_forward_bytes, context_mask_bytes
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    cp = install_context_parallel(model, dist.group.WORLD)
+    part = cp.positions(T)
+    with SavedActivations(model) as meter:
+        model.blocks[0](model.tok_embeddings(x[:, part]), model.rope_cos[part], model.rope_sin[part])
+    cp_planned = (block_activation_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, moe=(4, 2, 32, 1),
+                                         context_parallel=t)
+                  + context_forward_bytes(T, B, cfg.head_dim, t) + context_mask_bytes(T, t))
+    context = (meter.bytes, cp_planned, model.blocks[0].mlp.load[:4].sum().item())
     plan = memory_plan(cfg, B, tensor_parallel=t, precision="32-true")
     # The planner's per-rank count: one block, the embedding (vocab-parallel in its accounting) and the final norm.
     planned_block = plan["params_per_device"] - cfg.vocab_size * cfg.d_model / t - cfg.d_model
     if dist.get_rank() == 0:
         out["planner"] = {"saved": measured, "block_params": sum(p.numel() for p in block.parameters()),
-                          "planned_block_params": planned_block, "tokens": B * T}
+                          "planned_block_params": planned_block, "tokens": B * T,
+                         "context": context}
 
 
 def moe_worker(rank: int, world: int, port: int, cases: list, results):
