@@ -499,8 +499,9 @@ class StrategyConfig:
     expert_parallel: int = field(default=1, metadata={"ge": 1})
     """model.moe only: data-parallel ranks that split the routed experts (P): each holds E/P experts of every MoE
     layer (parameters, gradients, optimizer state) and computes them for its group's tokens, exchanged by
-    all-to-all (lit_pretrain/parallel/expert.py). Divides the data-parallel degree D; the D/P ranks holding the same
-    experts are their own data-parallel group (FSDP2 shards them over it at zero_stage 2/3). Composes with
+    all-to-all (lit_pretrain/parallel/expert.py). Divides the data-parallel degree D (D x context_parallel: those
+    ranks route different tokens too); the D/P ranks holding the same experts are their own data-parallel group
+    (FSDP2 shards them over it at zero_stage 2/3). Composes with context_parallel,
     tensor_parallel (each expert split along its width over it: E/P experts x 1/t of their width a rank) and
     pipeline_parallel; not with zero_stage 1. 1: off."""
     mixed_precision_policy: Optional[bool] = None
@@ -517,8 +518,9 @@ class StrategyConfig:
     mask in global positions. Activations per rank fall by c. Not a data-parallel degree (trainer.tokens_per_step
     is split over data_parallel_replicate x data_parallel_shard only), but FSDP2 (zero_stage 2/3) shards the model
     state over data_parallel_shard x context_parallel. Needs model.seq_len divisible by 2c (2c x tensor_parallel
-    with sequence_parallel). Composes with zero_stage 2/3, HSDP, tensor_parallel (with sequence_parallel) and
-    pipeline_parallel (docs/strategies.md). 1: off."""
+    with sequence_parallel). Composes with zero_stage 2/3, HSDP, tensor_parallel (with sequence_parallel),
+    pipeline_parallel and model.moe, with expert_parallel over data-parallel x context-parallel ranks (the routing
+    counts summed over the group; docs/strategies.md). 1: off."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Spawned workers for tests/test_moe_mesh.py: model.moe under tensor (and sequence), pipeline parallelism and HSDP
 against one process, through tests/mesh_workers.py's `case` with training loops that add what an MoE step adds:
 `moe.moe_loss` to the loss (under pipeline parallelism the schedule's backward trains it, parallel/moe_mesh.py),
-and `moe.end_step` after the optimizer step, with the routing counts summed over the data-parallel ranks only.
+and `moe.end_step` after the optimizer step, with the routing counts summed over the data-parallel (and
+context-parallel) ranks only.
 
 Each loop also records, per step and MoE layer, the statistics `end_step` kept (tokens per expert, dropped, total,
 auxiliary and z losses, forwards) and the balancing bias; the case compares them with one process's.
@@ -18,15 +19,14 @@ import torch.nn.functional as F
 
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
-from lit_pretrain.model.losses import lm_losses
 from lit_pretrain.model.moe import end_step, moe_layers, moe_loss
+from lit_pretrain.optim.optimizers import clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.mesh import build_mesh, local
 from lit_pretrain.parallel.moe_mesh import data_parallel_sum
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.tensor import plain_name, style_of
-from lit_pretrain.parallel.vocab import split_cross_entropy
-from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, case, data, data_parallel_rank
+from tests.mesh_workers import BATCH, CFG, MAX_NORM, adamw, case, data, data_parallel_rank, layout_loss
 
 _RECORDED: dict = {}  # "reference" / "layout" -> [per step: {layer: (stats, bias)}]
 
@@ -79,19 +79,20 @@ def moe_run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None):
         if par.runner is not None:
             loss = par.runner.loss((x, y))  # the MoE losses train inside the schedule's backward
         else:
-            # logits: this rank's columns
-            loss = lm_losses(model(x), y, split_cross_entropy=split_cross_entropy(par.vocab_group))[0]
+            # logits: this rank's columns (of its positions under context parallelism)
+            loss = layout_loss(par, model, x, y)
             balance = moe_loss(model)
             (loss if balance is None else loss + balance).backward()
             loss = loss.detach()
         par.sync_gradients()
         norm = par.grad_norm()
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], MAX_NORM, norm)
+        # by device mesh: FSDP2 shards the experts under expert parallelism over a mesh of their own
+        clip_by_global_norm([p for p in model.parameters() if p.grad is not None], MAX_NORM, norm)
         if step == 0:
             # Single-process names (activation checkpointing's wrapper prefixes the parameters' names).
             grads0 = par._gather_named({plain_name(n): p.grad for n, p in model.named_parameters()})
         opt.step()
-        end_step(model, lambda t: data_parallel_sum(t, [par.replicate, par.shard_group]))
+        end_step(model, lambda t: data_parallel_sum(t, [par.replicate, par.shard_group, par.cp_group]))
         record(model, "layout")
         for group in (par.replicate, par.shard_group):
             dist.all_reduce(loss, group=group)
@@ -171,7 +172,7 @@ def moe_case(plan: ParallelPlan, out: dict, name: str, variant: dict):
     r = out[name]
     r.update(counts=counts, z_stat=stats_z, bias=bias, stats_consistent=consistent,
              replicas_equal=_RECORDED["replicas_equal"], expert_shapes=shapes,
-             tensor_parallel=plan.tensor_parallel,
+             tensor_parallel=plan.tensor_parallel, expert_parallel=plan.expert_parallel,
              layers_seen=sorted(seen) == cfg.moe_layers(), bias_on=cfg.moe.bias_update_rate > 0)
     if micro > 1:  # the auxiliary loss's own share of the first MoE router's gradient, in one process
         no_aux = GPTConfig(**{**CFG, **variant, "moe": {**variant["moe"], "aux_loss": 0.0}})
@@ -226,13 +227,28 @@ def planner_case(out: dict) -> None:
         same = torch.equal(sel_counts, counts) and all(  # None: the head and final norm, outside the block
             (g is None) == (grads[n] is None) and (g is None or torch.equal(g, grads[n])) for n, g in sel_grads.items())
         selective[sp] = (kept, planned, same)
+    # Context parallelism over the same 2 ranks: one MoE block on this rank's T/c positions (parallel/context.py),
+    # its RoPE tables at those positions, against the planner's block, tables and CPU causal mask.
+    from lit_pretrain.parallel.context import install_context_parallel
+    from lit_pretrain.scaling.memory import context_forward_bytes, context_mask_bytes
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    cp = install_context_parallel(model, dist.group.WORLD)
+    part = cp.positions(T)
+    with SavedActivations(model) as meter:
+        model.blocks[0](model.tok_embeddings(x[:, part]), model.rope_cos[part], model.rope_sin[part])
+    cp_planned = (block_activation_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, moe=(4, 2, 32, 1),
+                                         context_parallel=t)
+                  + context_forward_bytes(T, B, cfg.head_dim, t) + context_mask_bytes(T, t))
+    context = (meter.bytes, cp_planned, model.blocks[0].mlp.load[:4].sum().item())
     plan = memory_plan(cfg, B, tensor_parallel=t, precision="32-true")
     # The planner's per-rank count: one block, the embedding (vocab-parallel in its accounting) and the final norm.
     planned_block = plan["params_per_device"] - cfg.vocab_size * cfg.d_model / t - cfg.d_model
     if dist.get_rank() == 0:
         out["planner"] = {"saved": measured, "selective": selective,
                           "block_params": sum(p.numel() for p in block.parameters()),
-                          "planned_block_params": planned_block, "tokens": B * T}
+                          "planned_block_params": planned_block, "tokens": B * T, "context": context}
 
 
 def moe_worker(rank: int, world: int, port: int, cases: list, results):

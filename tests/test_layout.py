@@ -102,8 +102,12 @@ BAD = [
      "strategy.zero_stage=1 with strategy.context_parallel=2"),
     (["strategy=ddp", "strategy.context_parallel=2", "trainer.compile=true", "trainer.devices=2"],
      "trainer.compile"),
-    (["strategy=ddp", "strategy.context_parallel=2", "model=olmoe_1b_7b", "trainer.devices=2"],
-     "model.moe with strategy.context_parallel=2"),
+    # expert groups are made of data-parallel x context-parallel ranks (here 1 x 2)
+    (["strategy=ddp", "strategy.context_parallel=2", "strategy.expert_parallel=4", "model=olmoe_1b_7b",
+      "trainer.devices=2"], "strategy.expert_parallel=4 does not divide the 2 data-parallel ranks"),
+    # a capacity would drop tokens by each rank's part of the window
+    (["strategy=ddp", "strategy.context_parallel=2", "model=olmoe_1b_7b", "model.moe.capacity_factor=1.25",
+      "model.seq_len=64", "trainer.devices=2"], "model.moe.capacity_factor=1.25 with strategy.context_parallel=2"),
     # the embedding and head split their rows over t = 2 (parallel/vocab.py): one line naming both keys and the fix
     (["strategy=tensor", "model.vocab_size=513", "trainer.devices=2"],
      "model.vocab_size=513 is not divisible by strategy.tensor_parallel=2"),
@@ -169,6 +173,12 @@ def test_context_parallel_ranks_share_their_replica_batch_and_multiply_the_world
         assert plan.world_size == c.trainer.devices and plan.uses_mesh
         assert global_batch(c.trainer, c.model.seq_len, plan).accumulation == accumulation, overrides
         assert f"context_parallel={degrees[2]}" in plan.describe()
+    # model.moe under CP 2, and CP 2 x EP 2 on 2 processes (the experts split over the context-parallel pair, which
+    # route different tokens): both load (tests/test_moe_mesh.py checks them against one process)
+    for extra in ([], ["strategy.expert_parallel=2"]):
+        plan = build_plan(cfg("strategy=ddp", "strategy.context_parallel=2", "model=olmoe_1b_7b", "model.seq_len=64",
+                              "trainer.devices=2", *extra))
+        assert plan.context_parallel == 2 and plan.expert_parallel == (2 if extra else 1)
 
 
 # Minimax contiguous partitions, checked by hand: the largest stage (with first/last extras) is as small as any

@@ -93,7 +93,8 @@ def spawn(world, cases, measure_activations=False, hsdp_policy=False):
         return dict(results)
 
 
-def check(results, names):
+def check(results, names, norm_rel=None):
+    """`norm_rel`: a looser pre-clip norm bound for some cases, by name, each justified where it is given."""
     for name in names:
         r = results[name]
         # Same weights and batches; only float summation order differs (partial products summed by all-reduce
@@ -102,7 +103,7 @@ def check(results, names):
         # accumulation, data-parallel mean) or a missing shard moves the loss by 1e-3 or more.
         assert r["loss"] < 2e-6, (name, r)
         # Norms ~1e-1..1: a norm missing the replicated parameters or counting them t times is off by >10%.
-        assert r["norm_rel"] < 1e-5, (name, r)
+        assert r["norm_rel"] < (norm_rel or {}).get(name, 1e-5), (name, r)
         assert r["clipped"], "MAX_NORM must be below every norm so clipping is exercised"
         assert r["grad_keys"] and r["grad"] < 1e-6, (name, r)
         # After K AdamW steps (lr 1e-2) the update divides by sqrt(v): float-order differences grow; 5e-5 is

@@ -87,6 +87,26 @@ def test_the_128k_run_fits_with_the_context_parallel_degree_the_planner_names():
         config.load(run, ["strategy.context_parallel=2"])
 
 
+def test_experts_shard_over_data_parallel_times_context_parallel_ranks_over_expert_parallel():
+    """ZeRO-3 x CP 2 x EP 2 on 4 processes: FSDP2 shards each rank's experts over the 4 / 2 = 2 ranks holding the same
+    ones (parallel/expert.py: the data-parallel x context-parallel ranks, tests/test_moe_mesh.py zero3_cp2_ep2_moe),
+    so the run's plan is memory_plan's with expert_data_parallel=2, not 1 (data-parallel ranks alone / P)."""
+    from lit_pretrain.parallel.plan import sized_model
+
+    c = config.to_object(config.load(RUNS / "default.yaml", [
+        "strategy=zero", "strategy.context_parallel=2", "strategy.expert_parallel=2", "trainer.devices=4",
+        "trainer.micro_batch_size=4", "model.moe={num_experts: 8, top_k: 2}"]))
+    m, plan = run_memory(c), build_plan(c)
+    assert (plan.data_parallel_shard, plan.context_parallel, plan.expert_parallel) == (2, 2, 2)
+
+    def direct(edp):
+        return memory.memory_plan(sized_model(c), c.trainer.micro_batch_size, data_parallel=4, zero_stage=3,
+                                  precision=c.trainer.precision, expert_parallel=2, expert_data_parallel=edp,
+                                  context_parallel=2)["total_bytes"]
+
+    assert m["total_bytes"] == direct(2) < direct(1), (m["total_bytes"], direct(2), direct(1))
+
+
 def test_a_fixed_vocabulary_smaller_than_the_tokenizer_is_refused_by_name():
     from lit_pretrain.train import resolve_vocab
 

@@ -89,7 +89,8 @@ class MoE(nn.Module):
         self.expert_dispatch: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.step_stats: Optional[torch.Tensor] = None  # `load` of the last finished step, reduced over ranks
         # model.moe.aux_loss_scope=global: sums the counts over the data-parallel ranks running this forward
-        # together; set from outside (parallel/moe_mesh.py). None: this process's counts alone.
+        # together (and the context-parallel ranks holding the rest of the micro-batch, under either scope); set
+        # from outside (parallel/moe_mesh.py). None: this process's counts alone.
         self.count_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         # Whether a training forward adds to `load`: the pipeline runner turns it off outside the schedule's
         # micro-batch forwards (parallel/pipeline.py).
@@ -146,8 +147,8 @@ class MoE(nn.Module):
         # sequence-wise loss does). Router z-loss (ST-MoE eq. 5): mean over tokens of logsumexp(logits)^2.
         probs = scores if moe.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         assigned = counts.float()  # (E,), no gradient (argmax-like)
-        if moe.aux_loss_scope == "global" and moe.aux_loss > 0 and self.count_reduce is not None:
-            assigned = self.count_reduce(assigned)  # every data-parallel rank's micro-batch at once
+        if moe.aux_loss > 0 and self.count_reduce is not None:
+            assigned = self.count_reduce(assigned)  # the tokens of every rank the loss's scope covers
         f = assigned / assigned.sum().clamp(min=1)  # = counts / (N k) on one process: top-k picks k experts
         aux = E * (f * probs.mean(0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()

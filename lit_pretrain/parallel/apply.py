@@ -70,7 +70,8 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.float8 import convert_float8
 
         convert_float8(gpt, device_type or (mesh.device_type if mesh is not None else "cpu"))
-    if plan.data_parallel > 1:  # model.moe.aux_loss_scope=global: the counts' all-reduce (a collective: all call it)
+    # model.moe: the counts' all-reduce (aux_loss_scope=global; context parallelism): a collective, all call it
+    if plan.data_parallel > 1 or plan.context_parallel > 1:
         from lit_pretrain.parallel.moe_mesh import install_global_counts
 
         install_global_counts(gpt, plan)

@@ -19,7 +19,8 @@ Each rank's loss is the mean over its own B/D tokens, and the backward of the co
 every token's contribution home to the expert's owner, so the owner holds the sum over its expert group's D_q = P
 ranks of d(rank's loss)/dw; summing over the expert data-parallel group adds the other groups' tokens, and the one-
 process gradient is that sum divided by D (not by the group's size, D/P): FSDP2's gradient divide factor, or the
-divisor of our all-reduce.
+divisor of our all-reduce. Under context parallelism over C ranks each rank's loss is C x its share of its micro-
+batch's (parallel/context.py) and its tokens are routed like a data-parallel rank's: D·C in place of D throughout.
 
 Dispatch. Each MoE layer routes its own tokens as before, sorts the token copies by expert, and sends each rank the
 copies of its experts (`torch.distributed.all_to_all_single` with the per-rank counts as split sizes: gloo supports
@@ -51,8 +52,8 @@ def is_expert_param(name: str) -> bool:
 @dataclass
 class ExpertGroups:
     """One rank's place in the expert layout: `degree` (P) ranks per expert group, this rank's index `rank` in it,
-    the data-parallel degree D, and the groups (`group`: expert-parallel; `data_mesh`: the 1-D mesh of the ranks
-    holding the same experts, size D/P)."""
+    the data-parallel degree D (D·C under context parallelism: the ranks whose gradients are averaged), and the
+    groups (`group`: expert-parallel; `data_mesh`: the 1-D mesh of the ranks holding the same experts, size D/P)."""
     degree: int
     rank: int
     data_parallel: int
@@ -74,10 +75,18 @@ def expert_mesh(plan, device_type: str = "cpu") -> DeviceMesh:
 
     Global rank = ((p·R + r)·S + s)·T + t (parallel/plan.py MESH_DIMS, tensor ranks innermost); its data-parallel
     index d = r·S + s = q·P + e, q its expert data-parallel index, e its expert-parallel rank. Collective: every rank
-    builds it (one process group per dimension slice)."""
+    builds it (one process group per dimension slice). Under context parallelism the c ranks of a data-parallel
+    rank route different tokens (their parts of its sequences), as data-parallel ranks do: d runs over the data-
+    parallel x context-parallel ranks, d = (r·S + s)·C + c (`token_ranks`)."""
     P, T = plan.expert_parallel, plan.tensor_parallel
-    ranks = torch.arange(plan.world_size).view(plan.pipeline_parallel, plan.data_parallel // P, P, T)
+    ranks = torch.arange(plan.world_size).view(plan.pipeline_parallel, token_ranks(plan) // P, P, T)
     return DeviceMesh(device_type, ranks.permute(0, 3, 1, 2).contiguous(), mesh_dim_names=EXPERT_MESH_DIMS)
+
+
+def token_ranks(plan) -> int:
+    """The ranks of one (pipeline stage, tensor-parallel rank) that route different tokens: data-parallel x
+    context-parallel (D·C)."""
+    return plan.data_parallel * plan.context_parallel
 
 
 class _AllToAll(torch.autograd.Function):
@@ -136,7 +145,7 @@ def apply_expert_parallel(model: nn.Module, plan, device_type: str = "cpu") -> O
 
     P = plan.expert_parallel
     mesh = expert_mesh(plan, device_type)
-    groups = ExpertGroups(degree=P, rank=mesh.get_local_rank("expert_parallel"), data_parallel=plan.data_parallel,
+    groups = ExpertGroups(degree=P, rank=mesh.get_local_rank("expert_parallel"), data_parallel=token_ranks(plan),
                           group=mesh.get_group("expert_parallel"), data_mesh=mesh["expert_data_parallel"])
     for layer in moe_layers(model):
         if layer.cfg.num_experts % P:

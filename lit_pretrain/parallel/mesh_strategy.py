@@ -72,8 +72,10 @@ class MeshStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStra
         from lit_pretrain.parallel.moe_mesh import data_parallel_sum
 
         mesh = self.device_mesh
-        return data_parallel_sum(tensor, [mesh.get_group(n) for n in ("data_parallel_replicate",
-                                                                       "data_parallel_shard")])
+        # context-parallel ranks counted the other parts of their sequences
+        names = ("data_parallel_replicate", "data_parallel_shard") + (
+            ("context_parallel",) if self.plan.context_parallel > 1 else ())
+        return data_parallel_sum(tensor, [mesh.get_group(n) for n in names])
 
     def setup(self, trainer) -> None:
         super().setup(trainer)

@@ -17,7 +17,8 @@ for a mixture-of-experts layer (model/moe.py), applied from outside it (expert p
   MoEAuxLossAutoScaler (megatron/core/transformer/moe/moe_utils.py), since a stage cannot add a loss of its layers
   to the last stage's task loss (`install_pipeline_losses`).
 - Routing counts (DeepSeek-V3's bias update, the MoE monitor) are summed over the data-parallel ranks only
-  (`data_parallel_sum`): tensor-parallel ranks counted the same tokens, pipeline stages hold other layers.
+  (`data_parallel_sum`): tensor-parallel ranks counted the same tokens, pipeline stages hold other layers. Context-
+  parallel ranks counted other tokens (their parts of the sequence): they are summed over too.
 """
 
 from typing import Callable, Iterable
@@ -109,20 +110,32 @@ def data_parallel_sum(t: torch.Tensor, groups: Iterable) -> torch.Tensor:
 
 
 def install_global_counts(model: nn.Module, plan) -> int:
-    """model.moe.aux_loss_scope=global: give every MoE layer of `model` the sum of its routing counts over the
-    data-parallel ranks of this rank's (pipeline stage, tensor-parallel rank), on a process group of its own (made
-    here: a collective, every rank calls it), so the sum inside the forward, and again in an activation-checkpointing
-    recomputation inside the backward, never interleaves with the gradients' collectives. Returns the layers given it;
-    none with one data-parallel rank or the micro-batch scope."""
+    """Give every MoE layer of `model` the sum of its routing counts over the ranks whose tokens its auxiliary loss
+    covers, on a process group of its own (made here: a collective, every rank calls it), so the sum inside the
+    forward, and again in an activation-checkpointing recomputation inside the backward, never interleaves with the
+    gradients' collectives: model.moe.aux_loss_scope=global, the data-parallel x context-parallel ranks of this
+    rank's (pipeline stage, tensor-parallel rank); micro_batch under context parallelism, the context-parallel
+    group (its ranks hold parts of the same micro-batch). Returns the layers given it; none where one rank holds
+    those tokens.
+
+    With f_i from the summed counts (a constant of backward), each rank's E Σ_i f_i P_i over its own tokens' mean
+    probabilities P_i is linear in them, so the mean over the context-parallel group of the ranks' losses is the
+    micro-batch's, and the gradients' average over the group (parallel/context.py) is one process's: no sum of the
+    P_i is needed. The router z-loss, a mean over tokens, likewise: every rank of the group holds T/c positions."""
     # Decided from the model's config, not the layers held: a pipeline stage may hold none, and every rank must
     # make the same groups.
-    moe, d = model.cfg.moe, plan.data_parallel
-    if d == 1 or moe is None or moe.aux_loss_scope != "global" or moe.aux_loss == 0:
+    moe, d, c = model.cfg.moe, plan.data_parallel, plan.context_parallel
+    if moe is None or moe.aux_loss == 0:
+        return 0
+    scope = d * c if moe.aux_loss_scope == "global" else c
+    if scope == 1:
         return 0
     layers = moe_layers(model)
-    # Global rank = ((p·D) + data-parallel index)·T + t (parallel/plan.py MESH_DIMS): a group per (p, t).
-    ranks = torch.arange(plan.world_size).view(plan.pipeline_parallel, d, plan.tensor_parallel).permute(0, 2, 1)
-    group, _ = dist.new_subgroups_by_enumeration(ranks.reshape(-1, d).tolist())
+    # Global rank = ((p·D + data-parallel index)·C + context-parallel index)·T + t (parallel/plan.py MESH_DIMS).
+    ranks = torch.arange(plan.world_size).view(plan.pipeline_parallel, d, c, plan.tensor_parallel)
+    # A group per (p, t) over D x C, or per (p, data-parallel index, t) over C.
+    ranks = ranks.permute(0, 3, 1, 2) if scope == d * c else ranks.permute(0, 1, 3, 2)
+    group, _ = dist.new_subgroups_by_enumeration(ranks.reshape(-1, scope).tolist())
     for layer in layers:
         layer.count_reduce = lambda t, group=group: data_parallel_sum(t, [group])
     return len(layers)

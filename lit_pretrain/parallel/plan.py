@@ -265,7 +265,9 @@ def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
 def _check_context_parallel(plan: ParallelPlan, model) -> None:
     """What strategy.context_parallel composes with (tests/test_mesh_parallel.py checks each against one process):
     DDP replicas, ZeRO 2/3, HSDP, tensor parallelism with and without sequence parallelism, pipeline parallelism,
-    document masking."""
+    document masking; model.moe, dropless, with and without expert parallelism (tests/test_moe_mesh.py: the
+    routing counts summed over the group, parallel/moe_mesh.py install_global_counts; experts split over
+    data-parallel x context-parallel ranks, parallel/expert.py)."""
     c = plan.context_parallel
     if plan.zero_stage == 1:
         raise ConfigError(f"strategy.zero_stage=1 with strategy.context_parallel={c} is not supported: "
@@ -288,10 +290,11 @@ def _check_context_parallel(plan: ParallelPlan, model) -> None:
         raise ConfigError(f"model.float8 with strategy.context_parallel={c} is not supported (not validated: no fp8 "
                           "parity test under context parallelism): set model.float8=null or "
                           "strategy.context_parallel=1")
-    if model.moe is not None:
-        raise ConfigError(f"model.moe with strategy.context_parallel={c} is not supported yet (the routing counts "
-                          "and load-balancing loss would see one rank's part of the sequence): set "
-                          "strategy.context_parallel=1, or use a dense model")
+    if model.moe is not None and model.moe.capacity_factor is not None:
+        raise ConfigError(f"model.moe.capacity_factor={model.moe.capacity_factor} with strategy.context_parallel={c} "
+                          "is not supported: each rank would cap its experts over its own part of the window, so "
+                          "which tokens are dropped would depend on the chunking (measured: the routing parts from "
+                          "one process's after a step); set model.moe.capacity_factor=null (dropless)")
     split = 2 * c * (plan.tensor_parallel if plan.sequence_parallel else 1)
     if model.seq_len % split:
         under = f" x strategy.tensor_parallel={plan.tensor_parallel} (sequence_parallel)" \
@@ -348,14 +351,14 @@ def check_vocab(vocab_size, t: int, vocab_from: Optional[str] = None) -> None:
 
 
 def _check_expert_parallel(plan: ParallelPlan, model) -> None:
-    ep, d = plan.expert_parallel, plan.data_parallel
+    ep, d = plan.expert_parallel, plan.data_parallel * plan.context_parallel
     if model is not None and model.moe is None:
         raise ConfigError(f"strategy.expert_parallel={ep} splits a mixture of experts, but model.moe is null: set "
                           "model.moe or strategy.expert_parallel=1")
     if d % ep:
         raise ConfigError(f"strategy.expert_parallel={ep} does not divide the {d} data-parallel ranks "
-                          f"(data_parallel_replicate x data_parallel_shard): expert groups are made of data-parallel "
-                          f"ranks; choose an expert_parallel that divides {d}")
+                          f"(data_parallel_replicate x data_parallel_shard x context_parallel): expert groups are "
+                          f"made of the ranks that route different tokens; choose an expert_parallel that divides {d}")
     if plan.zero_stage == 1:
         raise ConfigError(f"strategy.zero_stage=1 (ZeroRedundancyOptimizer) partitions whole tensors over all "
                           "data-parallel ranks and broadcasts each from its owner, which would overwrite the experts "

@@ -39,7 +39,8 @@ def run_memory(config) -> dict:
                            precision="bf16-mixed-policy" if plan.mixed_precision_policy else trainer.precision,
                            device_memory=device, activation_checkpointing_k=plan.activation_checkpointing_k,
                            expert_parallel=plan.expert_parallel,
-                           expert_data_parallel=plan.data_parallel // plan.expert_parallel,
+                           # the ranks holding the same experts: replicas x (shards x context ranks) / P
+                           expert_data_parallel=plan.data_parallel_replicate * shard // plan.expert_parallel,
                            activation_checkpointing_save_matmuls=plan.activation_checkpointing_save_matmuls,
                            context_parallel=context)
 
