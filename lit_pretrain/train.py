@@ -271,10 +271,22 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
             if type(logger).__name__ == "WandbLogger":
                 logger.experiment.finish()  # else a second train() in this process would log into this run
     resume_session.release(plan)
+    _leave_agent_process_group()
     if stepper.interrupted:  # Ctrl-C: checkpoint and summary written; the last line says how to go on
         raise Interrupted(trainer.global_step, f"interrupted: checkpoint at step {trainer.global_step} written; "
                           f"resume with: {resume_command()}" if trainer.is_global_zero else "")
     return summary
+
+
+def _leave_agent_process_group() -> None:
+    """Under torchrun (its agent holds the store, not rank 0) each rank destroys its process group once the run has
+    ended: a gloo group left to the interpreter's own teardown aborted a torchrun rank after a finished run
+    ("terminate called without an active exception", exit -6, so torchrun failed the job), seen once in the suite.
+    Not under Lightning's launcher, whose store lives in rank 0's process while the other ranks may still end."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def stop_reason(callbacks: list, steps: int, max_steps: int) -> str:
