@@ -1,4 +1,4 @@
-"""Workers for tests/test_mixed_precision.py (no Lightning imported: spawned ranks start faster).
+"""Workers for tests/test_mixed_precision.py, run in its own process (one rank).
 
 `train`: 200 AdamW steps of a tiny GPT under FSDP2 on the process group this process holds (one rank is enough for
 the math: FSDP2 then skips its collectives but still casts parameters and gradients as the policy says), in one of
@@ -18,25 +18,10 @@ from lit_pretrain.model.losses import lm_losses
 from lit_pretrain.optim.optimizers import build_adamw, clip_by_global_norm
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.plan import ParallelPlan
-from lit_pretrain.schema import OptimConfig
 
-STEPS, BATCH, SEQ, VOCAB = 200, 8, 32, 64
-CFG = dict(vocab_size=VOCAB, n_layers=2, d_model=64, n_heads=4, seq_len=SEQ)
-OPTIM = OptimConfig(lr_peak=1e-3, grad_clip_norm=1.0)
-LAST = 20  # the final loss: the mean of the last 20 steps' losses
-
-
-def markov_windows(n: int, seed: int = 0) -> torch.Tensor:
-    """tests/test_bf16.py's data: a fixed random Markov chain the tiny model is still learning at step 200."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.full((VOCAB, VOCAB), -4.0)
-    logits.scatter_(1, torch.randint(0, VOCAB, (VOCAB, 4), generator=g), 2.0)
-    probs = logits.softmax(-1)
-    out = torch.empty(n, SEQ + 1, dtype=torch.long)
-    out[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
-    for t in range(SEQ):
-        out[:, t + 1] = torch.multinomial(probs[out[:, t]], 1, generator=g).squeeze(1)
-    return out
+# tests/test_bf16.py's model, optimizer, data and final-loss window: the policy is compared on the run that test
+# compares bf16-mixed with fp32 on (a Markov chain the tiny model is still learning at step 200)
+from tests.test_bf16 import BATCH, CFG, LAST, OPTIM, STEPS, markov_windows
 
 
 def sharded(recipe: str, mesh, seed: int, stage: int = 3):

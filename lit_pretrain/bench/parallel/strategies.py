@@ -1,5 +1,5 @@
-"""Cases: step time of each strategy on 2 processes against one process on the same global batch; activation
-checkpointing's extra compute against the activation memory it saves.
+"""Cases: step time of each strategy on 2 processes against one process on the same global batch (activation
+checkpointing's cases are the step group's: bench/step/checkpointing.py).
 
 Strategy runs go through our Trainer set-up (build_strategy, PretrainModule with configure_model) on in-memory
 random windows: the data path is a case of its own. Each strategy runs in a subprocess (this module, run as
@@ -9,7 +9,6 @@ not a speed-up.
 """
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -17,11 +16,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from lit_pretrain.bench import stats
 
@@ -87,42 +84,10 @@ def _worker(args) -> None:
         Path(args.out).write_text(json.dumps({"step_seconds": clock.step_seconds()}))
 
 
-def activation_checkpointing(c, steps: int = 4, skip: int = 1, alternations: int = stats.ALTERNATIONS) -> list:
-    """Full activation checkpointing against none, one process: seconds per step and saved-activation bytes."""
-    from lit_pretrain.model.gpt import GPT
-    from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
-    from lit_pretrain.parallel.memory import SavedActivations
-
-    torch.manual_seed(c.run.seed)
-    base = GPT(c.model)
-    g = torch.Generator().manual_seed(c.run.seed)
-    windows = torch.randint(0, c.model.vocab_size, (c.trainer.micro_batch_size, c.model.seq_len + 1), generator=g)
-    x, y = windows[:, :-1], windows[:, 1:]
-    seconds, saved = {"none": [], "full": []}, {}
-    for _ in range(alternations):  # alternate: medians and spread (bench/stats.py)
-        for mode in ("none", "full"):
-            model = copy.deepcopy(base)
-            apply_activation_checkpointing(model, mode)
-            with SavedActivations(model) as meter:
-                F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
-            saved[mode] = meter.bytes
-            for step in range(steps):
-                if step == skip:
-                    start = time.perf_counter()
-                F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
-            seconds[mode].append((time.perf_counter() - start) / (steps - skip))
-    return [
-        {"case": "act_ckpt_full_step_seconds", **stats.summary(seconds["none"], seconds["full"]),
-         "goal": "report (recompute: ~1.33 expected)", "unit": "s/step",
-         "detail": {"forward_backward_only": True, "micro_batch_size": c.trainer.micro_batch_size}},
-        {"case": "act_ckpt_full_saved_bytes", "value": saved["full"], "reference": saved["none"],
-         "ratio": saved["full"] / saved["none"], "goal": "report (< 1)", "unit": "bytes"},
-    ]
-
-
 def run(c, run_file: str = "experiments/runs/default.yaml", overrides=(), devices: int = 2,
         steps: int = 2 + stats.ALTERNATIONS, skip: int = 2) -> list:
-    """One case per strategy (seconds per step on `devices` processes / one process), then the two AC cases.
+    """One case per strategy (seconds per step on `devices` processes / one process). Activation checkpointing's
+    none / selective / full cases are the step group's (bench/step/checkpointing.py).
 
     A launch costs ~10 s of start-up against a fraction of a second a step, so the pairs are timed steps, not
     alternated launches: step i of the strategy against step i of the one process (bench/stats.py)."""
@@ -138,7 +103,7 @@ def run(c, run_file: str = "experiments/runs/default.yaml", overrides=(), device
                       "goal": "report (no speed-up expected on 2 cores)", "unit": "s/step",
                       "detail": {"global_batch": global_batch, "timed_steps": steps - skip,
                                  "pairs": "timed step i of each side"}})
-    return cases + activation_checkpointing(c)
+    return cases
 
 
 if __name__ == "__main__":
