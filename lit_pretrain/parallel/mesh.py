@@ -19,7 +19,8 @@
 - `full_state` / `load_full_state` and the optimizer's: layout-independent state by single-process names, gathered
   onto rank 0 (FSDP shards with `full_tensor`, tensor-parallel slices with `tensor.gather`, the routed experts'
   too, then their expert-parallel share, stages by object gather); loading slices a full tensor into this rank's
-  share of any layout.
+  share of any layout. ZeRO-1 (under context parallelism): ZeroRedundancyOptimizer's own consolidation, named, and
+  each rank loads the state of the tensors it updates.
 """
 
 from typing import Dict, Optional
@@ -276,8 +277,10 @@ class ParallelModel:
             return None
         names = {id(p): plain_name(n) for n, p in self.gpt.named_parameters()}
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        return {order[i]: {k: torch.as_tensor(v) for k, v in s.items()}
-                for i, s in optimizer.state_dict()["state"].items() if s}
+        named = {order[i]: {k: torch.as_tensor(v) for k, v in s.items()}
+                 for i, s in optimizer.state_dict()["state"].items() if s}
+        optimizer._all_state_dicts = []  # its copy of every rank's state, kept until the next save otherwise
+        return named
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, by_name: dict) -> None:
         """Fill `optimizer.state` for this rank's parameters from a by-name state (full_optimizer_state's form); under
