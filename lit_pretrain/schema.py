@@ -458,7 +458,8 @@ class StrategyConfig:
     one process, zero and fsdp default zero_stage to 3, the others to 0."""
     zero_stage: Optional[int] = field(default=None, metadata={"ge": 0, "le": 3})
     """ZeRO stage of the data-parallel ranks: 0 none (replicas all-reduce gradients), 1 optimizer state sharded
-    (ZeroRedundancyOptimizer; data parallelism alone), 2 also gradients (FSDP2, parameters kept gathered from
+    (ZeroRedundancyOptimizer over data_parallel_shard x context_parallel; no replicas, tensor, pipeline or expert
+    parallelism), 2 also gradients (FSDP2, parameters kept gathered from
     forward to backward), 3 also parameters (FSDP2, resharded after forward). null: 3 for name=zero or fsdp,
     else 0."""
     data_parallel_replicate: Optional[int] = field(default=None, metadata={"ge": -1})
@@ -517,8 +518,9 @@ class StrategyConfig:
     work), all-gathers the keys and values of every layer over the group and attends with the causal and document
     mask in global positions. Activations per rank fall by c. Not a data-parallel degree (trainer.tokens_per_step
     is split over data_parallel_replicate x data_parallel_shard only), but FSDP2 (zero_stage 2/3) shards the model
-    state over data_parallel_shard x context_parallel. Needs model.seq_len divisible by 2c (2c x tensor_parallel
-    with sequence_parallel). Composes with zero_stage 2/3, HSDP, tensor_parallel (with sequence_parallel),
+    state over data_parallel_shard x context_parallel, as ZeroRedundancyOptimizer does the optimizer state at
+    zero_stage 1. Needs model.seq_len divisible by 2c (2c x tensor_parallel with sequence_parallel). Composes with
+    zero_stage 1/2/3, HSDP, tensor_parallel (with sequence_parallel),
     pipeline_parallel and model.moe, with expert_parallel over data-parallel x context-parallel ranks (the routing
     counts summed over the group; docs/strategies.md). 1: off."""
 

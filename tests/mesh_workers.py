@@ -36,9 +36,10 @@ def data():
     return x, torch.roll(x, -1, dims=-1)
 
 
-def adamw(model):
-    # torch's default betas (0.9, 0.999); foreach, the kernel that works on every layout's tensors.
-    return build_adamw(model, OptimConfig(lr_peak=LR, weight_decay=0.1, beta2=0.999), kernel="foreach")
+def adamw(model, zero_stage=None):
+    # torch's default betas (0.9, 0.999); foreach, the kernel that works on every layout's tensors. zero_stage=1:
+    # inside ZeroRedundancyOptimizer, as the module builds it (optim.build_optimizer).
+    return build_adamw(model, OptimConfig(lr_peak=LR, weight_decay=0.1, beta2=0.999), zero_stage, kernel="foreach")
 
 
 def reference(model, xs, ys, make_opt=adamw, eod_id=None):
@@ -89,10 +90,11 @@ def with_documents(xs, eod_id: int):
 
 
 def run_layout(plan: ParallelPlan, init, xs, ys, make_opt=None, eod_id=None):
-    """`make_opt(model, par)`: the layout's optimizer (default: adamw). eod_id: document masking."""
+    """`make_opt(model, par)`: the layout's optimizer (default: adamw, at the plan's ZeRO stage). eod_id: document
+    masking."""
     model = copy.deepcopy(init)
     par = apply_plan(model, plan, build_mesh(plan))
-    opt = make_opt(model, par) if make_opt else adamw(model)
+    opt = make_opt(model, par) if make_opt else adamw(model, plan.zero_stage)
     d = plan.data_parallel
     dp_rank = data_parallel_rank(par)
     per = BATCH // d
@@ -157,7 +159,7 @@ def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
     full = clone(par.full_state())
     full_opt = clone(par.full_optimizer_state(opt))
     # The gathered AdamW state sliced into a fresh optimizer of this layout, and gathered again.
-    fresh = adamw(model)
+    fresh = adamw(model, plan.zero_stage)
     par.load_full_optimizer_state(fresh, dist_broadcast(full_opt))
     opt_back = par.full_optimizer_state(fresh)
     # Round trip: the reference's (single-process) weights into this layout, and gathered back.

@@ -67,7 +67,7 @@ def train_steps(par, model, opt, xs, ys) -> list:
 def layout(plan: ParallelPlan):
     model = copy.deepcopy(init_model())
     par = apply_plan(model, plan, build_mesh(plan))
-    return par, model, adamw(model)
+    return par, model, adamw(model, plan.zero_stage)  # ZeRO-1: ZeroRedundancyOptimizer, each rank its tensors' state
 
 
 def save(folder: Path, par, model, opt) -> None:

@@ -98,8 +98,9 @@ BAD = [
      "model.seq_len=66 is not divisible by 2 x strategy.context_parallel=2"),
     (["strategy=tensor", "strategy.sequence_parallel=true", "strategy.context_parallel=2", "model.seq_len=68",
       "trainer.devices=4"], "model.seq_len=68 is not divisible by 2 x strategy.context_parallel=2 x"),
-    (["strategy=zero", "strategy.zero_stage=1", "strategy.context_parallel=2", "trainer.devices=2"],
-     "strategy.zero_stage=1 with strategy.context_parallel=2"),
+    # ZeRO-1 x CP is built; with tensor parallelism as well it is refused as without CP (whole tensors)
+    (["strategy=tensor", "strategy.zero_stage=1", "strategy.context_parallel=2", "trainer.devices=4"],
+     "strategy.zero_stage=1 is PyTorch's ZeroRedundancyOptimizer"),
     (["strategy=ddp", "strategy.context_parallel=2", "trainer.compile=true", "trainer.devices=2"],
      "trainer.compile"),
     # expert groups are made of data-parallel x context-parallel ranks (here 1 x 2)
@@ -119,6 +120,14 @@ BAD = [
      "strategy.mixed_precision_policy=true with strategy.context_parallel=2"),
     (["strategy=zero", "strategy.context_parallel=2", "trainer.precision=bf16-mixed", "model.float8={}",
       "trainer.devices=2"], "model.float8 with strategy.context_parallel=2"),
+    # ZeRO-1 x CP with replicas, pipeline or expert parallelism: refused, as without CP
+    (["strategy=zero", "strategy.zero_stage=1", "strategy.context_parallel=2", "strategy.data_parallel_replicate=2",
+      "trainer.devices=4"], "strategy.zero_stage=1 is PyTorch's ZeroRedundancyOptimizer"),
+    (["strategy=zero", "strategy.zero_stage=1", "strategy.context_parallel=2", "strategy.pipeline_parallel=2",
+      "trainer.devices=4"], "strategy.zero_stage=1 is PyTorch's ZeroRedundancyOptimizer"),
+    (["strategy=zero", "strategy.zero_stage=1", "strategy.context_parallel=2", "strategy.expert_parallel=2",
+      "model=olmoe_1b_7b", "model.seq_len=64", "trainer.devices=2"],
+     r"strategy.zero_stage=1 \(ZeroRedundancyOptimizer\) partitions whole tensors"),
 ]
 
 
@@ -165,6 +174,9 @@ def test_context_parallel_ranks_share_their_replica_batch_and_multiply_the_world
         (["strategy=ddp", "strategy.context_parallel=2", "trainer.devices=2"], (1, 1, 2, 0), 2),
         # ZeRO-3 shards over data_parallel_shard x context_parallel; the data is split over the 2 shards only
         (["strategy=zero", "strategy.context_parallel=2", "trainer.devices=4"], (1, 2, 2, 3), 1),
+        # ZeRO-1 likewise: ZeroRedundancyOptimizer over the 4 shard x context ranks, the data over the 2 shards
+        (["strategy=zero", "strategy.zero_stage=1", "strategy.context_parallel=2", "trainer.devices=4"],
+         (1, 2, 2, 1), 1),
     ]:
         c = cfg(*overrides)
         plan = build_plan(c)

@@ -43,6 +43,9 @@ CASES_2 = [
     # layout: experiments/runs/llama3_1_8b_h200x8_128k.yaml)
     ("cp2_zero3_full_checkpointing", Plan(context_parallel=2, zero_stage=3, activation_checkpointing="full")),
     ("cp2_documents", Plan(context_parallel=2), {"eod_id": 5}),
+    # ZeRO-1: ZeroRedundancyOptimizer over the context-parallel pair, the gradients all-reduced as at ZeRO-0 (cp2's
+    # model, so `check_zero1` can compare the two); its gathered state by ZeroRedundancyOptimizer's consolidation
+    ("cp2_zero1", Plan(context_parallel=2, zero_stage=1), {"n_kv_heads": 2}),
 ]
 # optim.name=muon (mesh_workers.muon_case): data parallelism (our mesh's all-reduce, as DDP), ZeRO-1 (the real
 # ZeroRedundancyOptimizer over that replica group), ZeRO-3 (FSDP2 DTensor shards), TP 2 (our slices).
@@ -80,6 +83,9 @@ CASES_4 = [
     ("hsdp_cp2_zero2", Plan(data_parallel_replicate=2, context_parallel=2, zero_stage=2)),
     ("cp2_tp2_sp", Plan(context_parallel=2, tensor_parallel=2, sequence_parallel=True)),
     ("cp2_pp2", Plan(context_parallel=2, pipeline_parallel=2, schedule="1f1b", micro_batches=4)),
+    # ZeRO-1 over data_parallel_shard x context_parallel (4 ranks): gradients all-reduced over the shard pair and
+    # over the context pair (ParallelModel.sync_gradients), each rank updating its quarter of the tensors
+    ("zero1_shard2_cp2", Plan(data_parallel_shard=2, context_parallel=2, zero_stage=1)),
 ]
 MUON_CASES_4 = [("muon_zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), MUON)]
 
@@ -129,6 +135,15 @@ def check(results, names, norm_rel=None):
         assert all(parallel == (r["t"] > 1) for _, _, parallel in r["vocab_rows"]), (name, r)
 
 
+def check_zero1(zero1, zero0):
+    """ZeRO-1 moves where each tensor's AdamW update is computed (its owner, then a broadcast), not its value: the
+    same all-reduced gradients, clipped by the same norm, through the same foreach kernel per element. So every
+    measure of CP 2 x ZeRO-1 against one process equals CP 2 at ZeRO-0's to the bit (measured: equal); an owner
+    updating with another rank's gradient, or a state lost in the consolidation, would show in the weights."""
+    measures = ("loss", "norm_rel", "grad", "weights", "exp_avg", "exp_avg_sq", "loaded_logits")
+    assert {k: zero1[k] for k in measures} == {k: zero0[k] for k in measures}, (zero1, zero0)
+
+
 def check_float8(results, names):
     for name in names:
         r = results[name]
@@ -173,6 +188,7 @@ def test_two_process_layouts_match_one_process():
     results = spawn(2, CASES_2 + MUON_CASES_2 + FLOAT8_CASES_2, measure_activations=True)
     print({k: {m: v for m, v in r.items() if isinstance(v, (int, float))} for k, r in results.items()})
     check(results, [c[0] for c in CASES_2])
+    check_zero1(results["cp2_zero1"], results["cp2"])
     check_float8(results, [c[0] for c in FLOAT8_CASES_2])
     check_muon(results, [c[0] for c in MUON_CASES_2])
     check_activations(results["activations"])

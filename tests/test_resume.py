@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from lit_pretrain.resume import store
-from lit_pretrain.resume.weights import read_checkpoint
+from lit_pretrain.resume.weights import load_optimizer_state, read_checkpoint
 from lit_pretrain.runs import table as run_table
 from lit_pretrain.runs.compare import compare, panels
 from lit_pretrain.runs.folder import read_metrics, series
@@ -309,7 +309,8 @@ def test_context_parallel_zero3_resume_from_single_process_and_sigkill(train, si
     """Issue 39: a single-process checkpoint resumed under CP 2 x ZeRO-3 (2 processes: FSDP2 shards over the two
     context-parallel ranks, which share every micro-batch), SIGKILL of every rank mid-accumulation, resumed again:
     bitwise the uninterrupted run of the same layout from the same checkpoint; both ranks read one process's windows,
-    and the losses are one process's up to float order."""
+    and the losses are one process's up to float order. Then ZeRO-1 x CP 2 from its sharded step-4 folder, resumed
+    from its own one-file checkpoint: bitwise."""
     # Micro-batches of 8 windows of 64: the one data-parallel rank takes 2 a step, as one process, so the SIGKILL
     # below lands mid-accumulation.
     layout = ["strategy=zero", "strategy.context_parallel=2", "trainer.devices=2", "trainer.micro_batch_size=8"]
@@ -328,3 +329,19 @@ def test_context_parallel_zero3_resume_from_single_process_and_sigkill(train, si
     assert latest(run) == "step0000004"
     train("cp2-zero3", *layout, "run.resume=auto")
     assert_same_run(ref, run, first_step=2)
+    # ZeRO-1 x CP 2 (ZeroRedundancyOptimizer over the context-parallel pair): the ZeRO-3 run's sharded step-4 folder
+    # resharded into it, then one-file checkpoints (the whole optimizer state consolidated by name on rank 0) after
+    # steps 5 and 6; resumed from step 5's file, step 6 is bitwise the run's.
+    zero1 = [*layout, "strategy.zero_stage=1", "checkpoint.format=single", "trainer.checkpoint_every_n_steps=1"]
+    zero1_ref, _ = train("cp2-zero1-ref", *zero1, f"run.resume={ref / 'checkpoints' / store.step_dir(4)}")
+    assert_close_losses(single_ref, zero1_ref, (4, 5))
+    step5 = zero1_ref / "checkpoints" / store.step_file(5)
+    one = load_optimizer_state(step5)  # the file reads into one process: AdamW's state of every parameter, at step 5
+    assert len(one.state) == sum(len(g["params"]) for g in one.param_groups)
+    assert {int(s["step"]) for s in one.state.values()} == {5}
+    zero1_run, _ = train("cp2-zero1", *zero1, f"run.resume={step5}")
+    assert losses(zero1_run) == [(6, dict(losses(zero1_ref))[6])]
+    wa, wb = weights(zero1_ref), weights(zero1_run)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = (read_checkpoint(r)["optimizer_states"][0]["state"] for r in (zero1_ref, zero1_run))
+    assert sa.keys() == sb.keys() and all(torch.equal(v, sb[i][k]) for i in sa for k, v in sa[i].items())

@@ -107,6 +107,22 @@ def test_experts_shard_over_data_parallel_times_context_parallel_ranks_over_expe
     assert m["total_bytes"] == direct(2) < direct(1), (m["total_bytes"], direct(2), direct(1))
 
 
+def test_zero1_under_context_parallelism_splits_the_optimizer_state_over_shard_times_context_ranks():
+    """ZeRO-1 x CP 2 on 4 processes: ZeroRedundancyOptimizer partitions over data_parallel_shard x context_parallel
+    (4 ranks), so AdamW's fp32 moments (8 bytes a parameter, twice the 4 of an fp32 weight: Rajbhandari et al. 2020,
+    P_os) are 1/4 per rank, weights and gradients whole; the default model's tensors all divide by 4, so the split
+    is exact. Without CP, 2 shards hold half each."""
+    def states(*overrides):
+        c = config.to_object(config.load(RUNS / "default.yaml", ["strategy=zero", "strategy.zero_stage=1",
+                                                                 "trainer.micro_batch_size=4", *overrides]))
+        m = run_memory(c)
+        return m["data_parallel"], m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"]
+
+    d, params, grads, optimizer = states("strategy.context_parallel=2", "trainer.devices=4")
+    assert (d, grads, optimizer) == (4, params, 2 * params / 4)
+    assert states("trainer.devices=2") == (2, params, params, 2 * params / 2)
+
+
 def test_a_fixed_vocabulary_smaller_than_the_tokenizer_is_refused_by_name():
     from lit_pretrain.train import resolve_vocab
 

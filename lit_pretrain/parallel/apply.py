@@ -35,7 +35,8 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
 
     `mesh`: our (pipeline, replicate, shard, tensor) mesh when plan.uses_mesh; else `fsdp_mesh`, the data-parallel
     mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
-    the optimizer. Idempotent: Lightning may call configure_model again (trainer.validate after fit).
+    the optimizer (under context parallelism: ParallelModel.sync_gradients on our mesh, and the optimizer).
+    Idempotent: Lightning may call configure_model again (trainer.validate after fit).
     model.float8 converts the blocks' linears to torchao's Float8Linear (parallel/float8.py) between steps 2 and 3,
     before any wrapper sees them, as torchtitan converts before parallelizing; `device_type`: where the step runs
     ("cuda": fp8 matmuls on the GPU; else emulated).

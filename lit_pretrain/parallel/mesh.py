@@ -19,7 +19,8 @@
 - `full_state` / `load_full_state` and the optimizer's: layout-independent state by single-process names, gathered
   onto rank 0 (FSDP shards with `full_tensor`, tensor-parallel slices with `tensor.gather`, the routed experts'
   too, then their expert-parallel share, stages by object gather); loading slices a full tensor into this rank's
-  share of any layout.
+  share of any layout. ZeRO-1 (under context parallelism): ZeroRedundancyOptimizer's own consolidation, named, and
+  each rank loads the state of the tensors it updates.
 """
 
 from typing import Dict, Optional
@@ -249,7 +250,12 @@ class ParallelModel:
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
         """Optimizer state by single-process parameter name on rank 0: AdamW's {name: {step, exp_avg, exp_avg_sq}},
-        Muon's {name: {momentum_buffer}} (sharded like its parameter, so gathered like it)."""
+        Muon's {name: {momentum_buffer}} (sharded like its parameter, so gathered like it). ZeRO-1 (context
+        parallelism): each rank holds the whole state of its own tensors, consolidated by ZeroRedundancyOptimizer."""
+        from lit_pretrain.optim.optimizers import local_optimizer
+
+        if local_optimizer(optimizer) is not optimizer:
+            return self._zero_optimizer_state(optimizer)
         flat = {}
         for name, p in self.gpt.named_parameters():  # the same order on every rank of a stage
             for key, value in optimizer.state.get(p, {}).items():
@@ -263,12 +269,30 @@ class ParallelModel:
             out.setdefault(name, {})[key] = v
         return out
 
+    def _zero_optimizer_state(self, optimizer) -> Optional[dict]:
+        """ZeroRedundancyOptimizer's state by single-process name on rank 0: its own consolidation (what Lightning's
+        DDPStrategy saves at ZeRO-1; every rank of its group calls it), whose indices follow its param groups."""
+        optimizer.consolidate_state_dict(to=0)  # ZeRO-1's group is the world (plan.check_plan refuses the rest)
+        if dist.get_rank() != 0:
+            return None
+        names = {id(p): plain_name(n) for n, p in self.gpt.named_parameters()}
+        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        named = {order[i]: {k: torch.as_tensor(v) for k, v in s.items()}
+                 for i, s in optimizer.state_dict()["state"].items() if s}
+        optimizer._all_state_dicts = []  # its copy of every rank's state, kept until the next save otherwise
+        return named
+
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, by_name: dict) -> None:
-        """Fill `optimizer.state` for this rank's parameters from a by-name state (full_optimizer_state's form)."""
+        """Fill `optimizer.state` for this rank's parameters from a by-name state (full_optimizer_state's form); under
+        ZeRO-1 the state of the tensors this rank's share of ZeroRedundancyOptimizer updates."""
+        from lit_pretrain.optim.optimizers import local_optimizer
+
+        held = local_optimizer(optimizer)
+        owned = {id(p) for g in held.param_groups for p in g["params"]}
         for name, p in self.gpt.named_parameters():
             name = plain_name(name)
             state = by_name.get(name)
-            if state is None:
+            if state is None or id(p) not in owned:
                 continue
-            optimizer.state[p] = {k: like(self._share(name, v).clone(), p) if v.dim() > 0 else v.clone()
-                                  for k, v in state.items()}
+            held.state[p] = {k: like(self._share(name, v).clone(), p) if v.dim() > 0 else v.clone()
+                             for k, v in state.items()}

@@ -12,9 +12,9 @@ Five degrees multiply to the world size (trainer.devices x trainer.num_nodes), o
   parallelism over the same group;
 - pipeline_parallel ranks hold contiguous slices of the blocks (parallel/pipeline.py);
 - context_parallel ranks share one micro-batch and split its sequence (parallel/context.py, Llama 3's all-gather):
-  not a data-parallel dimension for the batch (parallel/batch.py), but FSDP2 shards model state over data-parallel
-  shard x context-parallel ranks, and their gradients are averaged like data-parallel ones (as torchtitan's
-  dp_shard_cp).
+  not a data-parallel dimension for the batch (parallel/batch.py), but the ZeRO stages shard model state over
+  data-parallel shard x context-parallel ranks (FSDP2 at 2/3, ZeroRedundancyOptimizer at 1), and their gradients
+  are averaged like data-parallel ones (as torchtitan's dp_shard_cp).
 
 Tensor-parallel ranks are neighbours (innermost), so on GPUs their per-layer collectives stay inside a node, as
 torchtitan's ParallelDims orders them. One degree may be -1: the rest of the world. The strategy presets
@@ -211,9 +211,10 @@ def check_plan(plan: ParallelPlan, trainer, model=None, vocab_from: Optional[str
                           "to 1, 2 or 3, or data_parallel_shard=1")
     if plan.zero_stage == 1 and (t > 1 or p > 1 or plan.data_parallel_replicate > 1):
         raise ConfigError("strategy.zero_stage=1 is PyTorch's ZeroRedundancyOptimizer, which partitions whole tensors "
-                          "over one DDP group and cannot see tensor-parallel shards, pipeline stages or replica "
-                          "groups: with tensor_parallel, pipeline_parallel or data_parallel_replicate > 1 use "
-                          "zero_stage=2 (FSDP2 shards the same optimizer state, and gradients too)")
+                          "over one group of data-parallel (x context-parallel) ranks and cannot see tensor-parallel "
+                          "shards, pipeline stages or replica groups: with tensor_parallel, pipeline_parallel or "
+                          "data_parallel_replicate > 1 use zero_stage=2 (FSDP2 shards the same optimizer state, "
+                          "and gradients too)")
     if plan.uses_fsdp and trainer.precision not in FSDP_PRECISIONS:
         raise ConfigError(f"trainer.precision={trainer.precision} is not supported with strategy.zero_stage="
                           f"{plan.zero_stage} (FSDP2 under Lightning's ModelParallelStrategy): choose one of "
@@ -264,16 +265,13 @@ def _check_pipeline(plan: ParallelPlan, trainer, model) -> None:
 
 def _check_context_parallel(plan: ParallelPlan, model) -> None:
     """What strategy.context_parallel composes with (tests/test_mesh_parallel.py checks each against one process):
-    DDP replicas, ZeRO 2/3, HSDP, tensor parallelism with and without sequence parallelism, pipeline parallelism,
+    DDP replicas, ZeRO 1/2/3 (ZeRO-1: ZeroRedundancyOptimizer over data_parallel_shard x context_parallel, the
+    gradients all-reduced over both as DDP's; its refusals with replicas, tensor, pipeline and expert parallelism
+    hold here too), HSDP, tensor parallelism with and without sequence parallelism, pipeline parallelism,
     document masking; model.moe, dropless, with and without expert parallelism (tests/test_moe_mesh.py: the
     routing counts summed over the group, parallel/moe_mesh.py install_global_counts; experts split over
     data-parallel x context-parallel ranks, parallel/expert.py)."""
     c = plan.context_parallel
-    if plan.zero_stage == 1:
-        raise ConfigError(f"strategy.zero_stage=1 with strategy.context_parallel={c} is not supported: "
-                          "ZeroRedundancyOptimizer keeps whole tensors per rank and our mesh's checkpoints gather "
-                          "a by-name optimizer state it does not hold; use zero_stage=2 (FSDP2 shards the same "
-                          "optimizer state, and the gradients, over data_parallel_shard x context_parallel)")
     if plan.compile:
         raise ConfigError(f"trainer.compile=true is not supported with strategy.context_parallel={c} (the compiled "
                           "forward and loss run the whole window on one process): set trainer.compile=false")

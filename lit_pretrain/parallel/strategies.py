@@ -8,10 +8,11 @@ The same config runs on CPU (gloo) and on GPUs (nccl): the backend is chosen fro
 | one process | "auto" (one device) | |
 | data_parallel_replicate only, zero_stage 0 or 1 | DDPStrategy | ZeRO-1: ZeroRedundancyOptimizer (optim) |
 | data_parallel_shard only, zero_stage 2 or 3 | ModelParallelStrategy (verified loads) | FSDP2 in apply_plan |
-| tensor, pipeline or expert parallel > 1, or HSDP | MeshStrategy (parallel/mesh_strategy.py) | apply_plan, our mesh |
+| tensor, pipeline, expert, context parallel > 1, or HSDP | MeshStrategy (parallel/mesh_strategy.py) | apply_plan |
 
 Lightning's own FSDPStrategy refuses CPUs and refuses norm-based gradient clipping; ModelParallelStrategy runs
-FSDP2 on both and leaves clipping to our module, which reduces the norm over the whole sharded gradient.
+FSDP2 on both and leaves clipping to our module, which reduces the norm over the whole sharded gradient. ZeRO-1
+under context parallelism runs on our mesh: its gradient all-reduce, then ZeroRedundancyOptimizer (optim).
 """
 
 from datetime import timedelta
