@@ -65,7 +65,7 @@ def serve() -> None:
         req = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
-        zygote_r, zygote_w = os.pipe()  # the write end lives in the run's zygote only: EOF when it has exited
+        zygote_r, zygote_w = os.pipe()  # the run's zygote writes its pid there
         pid = os.fork()
         if pid == 0:
             proto.close()
@@ -75,13 +75,20 @@ def serve() -> None:
         proto.write(f"pid {pid}\n")
         proto.flush()
         _, status = os.waitpid(pid, 0)
-        select.select([zygote_r], [], [], 60)
+        _gone(_read_line(zygote_r), time.monotonic() + 60)
         os.close(zygote_r)
         proto.write(f"rc {os.waitstatus_to_exitcode(status)}\n")
         proto.flush()
 
 
-def _child(req: dict, zygote_alive: int) -> None:
+def _gone(pid_line: bytes, deadline: float) -> None:
+    """Returns once the zygote has exited and was reaped (it exits when its run has; its parent, the run, being gone,
+    init reaps it), so that nothing is left in the run's session when the run's exit code is reported."""
+    while pid_line and os.path.exists(f"/proc/{int(pid_line)}") and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _child(req: dict, zygote_pid_w: int) -> None:
     if req["new_session"]:
         os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
@@ -91,7 +98,7 @@ def _child(req: dict, zygote_alive: int) -> None:
         os.dup2(fd, target)
         os.close(fd)
     sys.stdin = open(0, closefd=False)  # fd 0, /dev/null: a rank forked later closes every other descriptor
-    _run(_start_zygote(zygote_alive) or req)
+    _run(_start_zygote(zygote_pid_w) or req)
 
 
 def _run(req: dict) -> None:
@@ -111,10 +118,8 @@ def _run(req: dict) -> None:
 _ZYGOTE = {}  # in a run: the pipes to its zygote
 
 
-def _start_zygote(alive_w: int):
+def _start_zygote(pid_w: int):
     """Forks the zygote. Returns None in the run; in a rank the zygote forked, that rank's request."""
-    import ctypes
-
     req_r, req_w = os.pipe()
     ans_r, ans_w = os.pipe()
     saved = {s: signal.getsignal(s) for s in SIGNALS}
@@ -125,7 +130,9 @@ def _start_zygote(alive_w: int):
         for s in SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         try:
-            rank = _zygote(req_r, ans_w, alive_w)
+            os.write(pid_w, f"{os.getpid()}\n".encode())
+            os.close(pid_w)
+            rank = _zygote(req_r, ans_w)
         except BaseException:
             import traceback
 
@@ -138,9 +145,7 @@ def _start_zygote(alive_w: int):
         return rank
     os.close(req_r)
     os.close(ans_w)
-    os.close(alive_w)
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    os.close(pid_w)
     _ZYGOTE.update(req=req_w, ans=ans_r, lock=threading.Lock())
     launcher = sys.modules.get(LAUNCHER)
     if launcher is not None:
@@ -161,7 +166,7 @@ def _read_line(fd: int) -> bytes:
     return line
 
 
-def _zygote(req_r: int, ans_w: int, alive_w: int):
+def _zygote(req_r: int, ans_w: int):
     """The zygote's loop: a rank per request line; returns (in the rank) its request, or None at EOF."""
     while True:
         line = _read_line(req_r)
@@ -173,7 +178,7 @@ def _zygote(req_r: int, ans_w: int, alive_w: int):
         if middle == 0:
             rank = os.fork()
             if rank == 0:
-                for fd in (pid_r, pid_w, req_r, ans_w, alive_w):
+                for fd in (pid_r, pid_w, req_r, ans_w):
                     os.close(fd)
                 return req
             os.write(pid_w, f"{rank}\n".encode())
@@ -204,6 +209,12 @@ class RankPopen(subprocess.Popen):
         req = dict(args=[str(a) for a in args[2:]], env={str(k): str(v) for k, v in env.items()},
                    cwd=os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd())
         with _ZYGOTE["lock"]:
+            if not _ZYGOTE.get("subreaper"):  # only a run that starts ranks adopts orphans (a supervisor never does)
+                import ctypes
+
+                if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+                    raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+                _ZYGOTE["subreaper"] = True
             os.write(_ZYGOTE["req"], (json.dumps(req) + "\n").encode())
             pid = int(_read_line(_ZYGOTE["ans"]) or 0)
         if pid <= 0:
@@ -230,27 +241,59 @@ class Server:
             return line.strip()
 
 
-    def run(self, args: list, env: dict, cwd: Path, timeout: float,
-            start_new_session: bool = False) -> subprocess.CompletedProcess:
-        with self.lock, tempfile.TemporaryDirectory() as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            req = dict(args=list(args), env=dict(env), cwd=str(cwd), stdout=str(out), stderr=str(err),
+    def start(self, args: list, env: dict, cwd: Path, stdout: Path, stderr: Path,
+              start_new_session: bool = False) -> Started:
+        """Starts `python -m ARGS`, its output into the files (or FIFOs) named; wait for it with the handle before the
+        next run (one run at a time)."""
+        self.lock.acquire()
+        try:
+            req = dict(args=list(args), env=dict(env), cwd=str(cwd), stdout=str(stdout), stderr=str(stderr),
                        new_session=start_new_session)
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
-            deadline = time.monotonic() + timeout
             pid = int(self._line(time.monotonic() + 60).split()[1])
-            line = self._line(deadline)
-            if not line:  # as subprocess.run does on a timeout: kill (its session too), then raise
-                try:
-                    os.killpg(pid, signal.SIGKILL) if start_new_session else os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self._line(time.monotonic() + 60)
-                raise subprocess.TimeoutExpired(args, timeout, out.read_text(), err.read_text())
-            rc = int(line.split()[1])
+        except BaseException:
+            self.lock.release()
+            raise
+        return Started(self, list(args), pid, start_new_session)
+
+    def run(self, args: list, env: dict, cwd: Path, timeout: float,
+            start_new_session: bool = False) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            run = self.start(args, env, cwd, out, err, start_new_session)
+            try:
+                rc = run.wait(timeout)
+            except subprocess.TimeoutExpired:  # as subprocess.run does on a timeout: kill (its session too), then raise
+                run.kill()
+                run.wait(60)
+                raise subprocess.TimeoutExpired(args, timeout, out.read_text(), err.read_text()) from None
             return subprocess.CompletedProcess([sys.executable, "-m", *args], rc, out.read_text(), err.read_text())
 
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+class Started:
+    """A run the server started: its pid (its session's id under start_new_session), and as Popen's, wait() for its
+    exit code (after its zygote has exited) and kill()."""
+
+    def __init__(self, server: Server, args: list, pid: int, new_session: bool):
+        self.server, self.args, self.pid, self.new_session = server, args, pid, new_session
+        self.returncode = None
+
+    def wait(self, timeout: float = None) -> int:
+        if self.returncode is None:
+            line = self.server._line(time.monotonic() + (1e9 if timeout is None else timeout))
+            if not line:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(line.split()[1])
+            self.server.lock.release()
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL) if self.new_session else os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
