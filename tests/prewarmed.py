@@ -176,10 +176,13 @@ def _zygote(req_r: int, ans_w: int):
         pid_r, pid_w = os.pipe()
         middle = os.fork()
         if middle == 0:
+            middle = os.getpid()
             rank = os.fork()
             if rank == 0:
                 for fd in (pid_r, pid_w, req_r, ans_w):
                     os.close(fd)
+                while os.getppid() == middle:  # until reparented: from its first line on, its parent is the run
+                    time.sleep(0.001)
                 return req
             os.write(pid_w, f"{rank}\n".encode())
             os._exit(0)  # the rank is reparented to the run (its subreaper) now, before the run hears its pid

@@ -14,8 +14,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -214,11 +212,9 @@ def test_a_rank_that_never_starts_ends_the_start_within_the_startup_timeout(tmp_
            "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}
     env.pop("NODE_RANK", None)
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", *train_args(tiny_data_dir, tmp_path, "alone"), "strategy=ddp",
-                          "trainer.devices=1", "trainer.num_nodes=2", "trainer.micro_batch_size=4",
-                          "trainer.progress_bar=false",
-                          "strategy.startup_timeout_seconds=3"], env=env, capture_output=True, text=True,
-                         timeout=240, cwd=ROOT)
+    out = _prewarmed().run([*train_args(tiny_data_dir, tmp_path, "alone"), "strategy=ddp", "trainer.devices=1",
+                            "trainer.num_nodes=2", "trainer.micro_batch_size=4", "trainer.progress_bar=false",
+                            "strategy.startup_timeout_seconds=3"], env, ROOT, 240)
     seconds = time.monotonic() - started
     lines = [line for line in out.stderr.splitlines() if line.startswith("lit-pretrain train: error:")]
     assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]
