@@ -13,7 +13,8 @@ def facts() -> dict:
     return {"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
             "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "env": os.environ.get("PROBE"),
             "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
-            "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            "sigint": {signal.default_int_handler: "python", signal.SIG_IGN: "ignored",
+                       signal.SIG_DFL: "default"}.get(signal.getsignal(signal.SIGINT), "other"),
             "ours_imported": sorted(m for m in sys.modules if m.startswith("lit_pretrain"))}
 
 
