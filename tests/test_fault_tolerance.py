@@ -1,6 +1,8 @@
 """A rank that dies, stops or hangs ends the job in bounded time with one line of ours; run.max_restarts restarts it
 bitwise (issue 31). Real `lit-pretrain train` runs of 2 processes (Lightning's launcher, gloo), faults injected by
-tests/failure_helpers.py; each run in a session of its own, so the test can count what is left of it.
+tests/failure_helpers.py; each run in a session of its own, so the test can count what is left of it. The runs
+fork from the prewarmed server (tests/prewarmed.py), their rank 1 from its zygote: what the launcher, the
+watchdog and the supervisor do is theirs, only Lightning's import is shared.
 
 Bounds: strategy.peer_failure_timeout_seconds=5 here. A process gone on the same host is seen at the next heartbeat
 (1 s); a stopped one after the 5 s; a hang after strategy.hang_timeout_seconds=4. The exits are asserted within
@@ -11,8 +13,8 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 
 from lit_pretrain.resume.weights import read_checkpoint
 from lit_pretrain.runs.folder import read_metrics, series
-from tests.conftest import ROOT, launcher_env, train_args
+from tests.conftest import ROOT, _prewarmed, launcher_env, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -49,19 +51,23 @@ def session_processes(sid: int) -> list:
 
 
 class Job:
-    """`python -m ARGS` in a new session; every output line with the time it arrived (for the measurements)."""
+    """`python -m ARGS` in a new session, forked from the prewarmed server (tests/prewarmed.py: a fresh
+    interpreter's run but for the import time; Lightning's rank 1 likewise; a supervisor's run is a real fork-exec);
+    its stdout and stderr into one FIFO, every line with the time it arrived (for the measurements)."""
 
     def __init__(self, *args):
-        self.proc = subprocess.Popen([sys.executable, "-m", *args], env=launcher_env(), cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        fifo = Path(tempfile.mkdtemp(prefix="job-")) / "output"
+        os.mkfifo(fifo)
         self.lines = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+        self.reader = threading.Thread(target=self._read, args=(fifo,), daemon=True)
+        self.reader.start()  # opens the FIFO for reading: the run's opening it for writing returns then
+        self.proc = _prewarmed().start(args, launcher_env(), ROOT, fifo, fifo, start_new_session=True)
 
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line.rstrip("\n")))
+    def _read(self, fifo: Path):
+        with open(fifo) as output:
+            for line in output:
+                self.lines.append((time.time(), line.rstrip("\n")))
+        shutil.rmtree(fifo.parent, ignore_errors=True)
 
     def wait(self, timeout=300) -> int:
         try:
@@ -70,6 +76,7 @@ class Job:
             left = session_processes(self.proc.pid)
             for pid in left:  # never leave a run behind, even when the test fails
                 os.kill(pid, 9)
+            self.proc.wait(60)  # after a timeout: the run's end, now that it is killed
         self.reader.join(10)
         self.ended, self.left = time.time(), left
         return code
@@ -205,11 +212,9 @@ def test_a_rank_that_never_starts_ends_the_start_within_the_startup_timeout(tmp_
            "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}
     env.pop("NODE_RANK", None)
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", *train_args(tiny_data_dir, tmp_path, "alone"), "strategy=ddp",
-                          "trainer.devices=1", "trainer.num_nodes=2", "trainer.micro_batch_size=4",
-                          "trainer.progress_bar=false",
-                          "strategy.startup_timeout_seconds=3"], env=env, capture_output=True, text=True,
-                         timeout=240, cwd=ROOT)
+    out = _prewarmed().run([*train_args(tiny_data_dir, tmp_path, "alone"), "strategy=ddp", "trainer.devices=1",
+                            "trainer.num_nodes=2", "trainer.micro_batch_size=4", "trainer.progress_bar=false",
+                            "strategy.startup_timeout_seconds=3"], env, ROOT, 240)
     seconds = time.monotonic() - started
     lines = [line for line in out.stderr.splitlines() if line.startswith("lit-pretrain train: error:")]
     assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -18,6 +18,9 @@ from lit_pretrain.schema import DataConfig, DeduplicationConfig
 from tests.conftest import free_port, run_module
 from tests.planted import planted_corpus
 
+# A test on the Ray session is multi-process (a local cluster: GCS, raylet, 2 workers; ~12 s of the session's start,
+# its tasks and its teardown), so it is slow like every other multi-process test and leaves `make test-fast`.
+ON_RAY = pytest.mark.slow
 NO_RAY = "ray is not installed (pip install 'lit-pretrain[ray]'; CI installs it with the dev extra)"
 
 
@@ -92,6 +95,7 @@ def small_groups(monkeypatch):
     monkeypatch.setattr(ray_engine, "GROUP_BYTES", 1)
 
 
+@ON_RAY
 @pytest.mark.parametrize("workers, one_file_a_task", [(1, True), (2, False)])
 def test_ray_engine_writes_the_local_engines_folder(corpus, local_folder, ray_session, monkeypatch, tmp_path,
                                                     workers, one_file_a_task):
@@ -111,6 +115,7 @@ def test_ray_engine_writes_the_local_engines_folder(corpus, local_folder, ray_se
     assert any(line.startswith("ray lsh: ") and "documents/s" in line for line in lines)
 
 
+@ON_RAY
 def test_a_killed_worker_is_replaced_and_the_output_is_unchanged(corpus, local_folder, ray_session, small_groups,
                                                                  tmp_path):
     from lit_pretrain.data.prepare import prepare
@@ -122,7 +127,7 @@ def test_a_killed_worker_is_replaced_and_the_output_is_unchanged(corpus, local_f
     assert folder_bytes(tmp_path / "ray") == local_folder
 
 
-@pytest.mark.parametrize("engine", ["local", "ray"])
+@pytest.mark.parametrize("engine", ["local", pytest.param("ray", marks=ON_RAY)])
 def test_a_file_the_workers_cannot_read_is_one_line_naming_it(corpus, request, tmp_path, engine):
     from lit_pretrain.data.prepare import prepare
 
@@ -138,6 +143,7 @@ def test_a_file_the_workers_cannot_read_is_one_line_naming_it(corpus, request, t
     assert not (tmp_path / "out").exists()
 
 
+@ON_RAY
 def test_invalid_utf8_and_a_corpus_cut_mid_file_are_counted_alike(ray_session, tmp_path):
     """The counters the workers report per document (bytes that are not UTF-8, control characters, empty lines)
     add up to the local engine's, and data.max_documents cuts the corpus at the same document inside a file."""
@@ -226,6 +232,7 @@ def _listening(pids) -> list:
     return found
 
 
+@ON_RAY
 def test_the_local_cluster_listens_on_loopback_only(ray_session):
     import ray
 
