@@ -33,7 +33,7 @@ train: $(STAMP) ## pretrain the default experiment on this machine (RUN=..., ARG
 	$(BIN)/lit-pretrain train $(RUN) $(ARGS)
 
 TEST_WORKERS ?= 2
-# One OpenMP thread per process: 2 xdist workers of 2 threads each (torch's default on 2 cores), plus the processes
+# One OpenMP thread per process (test and test-fast): 2 xdist workers of 2 threads each (torch's default on 2 cores), plus the processes
 # the multi-process tests spawn, oversubscribe the cores and spin-wait; the multi-process tests set 1 thread anyway.
 TEST_THREADS ?= 1
 # Each worker's queue starts with its share of the long tests (tests/longest_first.py: durations from the last run).
@@ -41,7 +41,7 @@ test: $(STAMP) ## run the whole test suite (TEST_WORKERS=2 pytest-xdist workers;
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal) $(PYTEST_ARGS)
 
 test-fast: $(STAMP) ## run the tests that take no extra processes or end-to-end runs
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the package and tests
 	$(BIN)/ruff check lit_pretrain tests
