@@ -423,9 +423,11 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
         ax.plot(grid, frontier, "k--", lw=1.2, label="fitted law, compute-optimal frontier")
     for j, p in enumerate(result["predictions"]):
         lo, hi = p["interval"] or (p["predicted_loss"], p["predicted_loss"])
-        ax.errorbar([p["flops"]], [p["predicted_loss"]], yerr=[[p["predicted_loss"] - lo], [hi - p["predicted_loss"]]],
-                    fmt="s", color="tab:red", capsize=4, mfc="none",
-                    label=f"prediction, {level:.0%} bootstrap interval" if j == 0 else None)
+        # the interval as a bar of its own: a percentile interval need not hold the full-data fit's prediction
+        ax.plot([p["flops"]] * 2, [lo, hi], "_-", color="tab:red", ms=10, lw=1.2,
+                label=f"{level:.0%} bootstrap interval" if j == 0 else None)
+        ax.plot([p["flops"]], [p["predicted_loss"]], "s", color="tab:red", mfc="none",
+                label="prediction (written before it trained)" if j == 0 else None)
         if p["measured_loss"] is not None:
             ax.plot([p["flops"]], [p["measured_loss"]], "*", color="tab:red", ms=12,
                     label="held-out rung, measured" if j == 0 else None)
