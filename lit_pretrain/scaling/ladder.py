@@ -51,6 +51,10 @@ class LadderModel:
     """This size's token budgets as tokens-per-parameter ratios (N all parameters), one rung each: D = ratio × N
     rounded to whole optimizer steps. Each an integer multiple of the smallest: one WSD run of the largest budget,
     and each smaller budget's cooldown branched from its checkpoint (ladder_rules.budget_steps)."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads (grouped-query attention); null: the run file's model.n_kv_heads."""
+    d_ff: Optional[int] = None
+    """MLP hidden width; null: the run file's model.d_ff."""
 
 
 @dataclass
@@ -86,6 +90,12 @@ class LadderGrid:
     seed-to-seed spread of the loss, in the report and in the bootstrap."""
     seeded_model: int = 0
     """Index into models of the size trained with every seed."""
+    micro_batch_size: Optional[int] = None
+    """trainer.micro_batch_size of every rung (sequences a device a micro-step); null: the whole batch in one (one
+    process). With several devices the batch rule's sequences are rounded to sequences_multiple."""
+    sequences_multiple: int = 1
+    """The batch rule's sequences a step are rounded to a multiple of this (at least one): micro_batch_size × devices
+    on a multi-GPU grid, so each step splits evenly."""
     workers: int = 1
     """Rungs trained at the same time, each in its own process (1: one after another, in the ladder's process)."""
     checkpoints_per_rung: int = 4
@@ -129,8 +139,10 @@ def _models(data, key: str, path: Path) -> List[LadderModel]:
         except (TypeError, AttributeError) as err:
             raise ConfigError(f"{path}: {key}[{i}]: {err}; a model is {{n_layers, d_model, n_heads, "
                               "tokens_per_param: [ratio, ...]}}") from None
-        bad = [k for k in ("n_layers", "d_model", "n_heads") if not isinstance(getattr(models[-1], k), int)
-               or isinstance(getattr(models[-1], k), bool) or getattr(models[-1], k) < 1]
+        bad = [k for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff")
+               if not (k in ("n_kv_heads", "d_ff") and getattr(models[-1], k) is None)
+               and (not isinstance(getattr(models[-1], k), int) or isinstance(getattr(models[-1], k), bool)
+                    or getattr(models[-1], k) < 1)]
         if bad:
             raise ConfigError(f"{path}: {key}[{i}].{bad[0]}={getattr(models[-1], bad[0])!r}: expected an integer "
                               ">= 1")
@@ -182,6 +194,10 @@ def load_grid(path: str | Path) -> LadderGrid:
               ("seeded_model", isinstance(grid.seeded_model, int) and 0 <= grid.seeded_model < len(grid.models),
                f"an index into models (0..{len(grid.models) - 1})"),
               ("workers", isinstance(grid.workers, int) and grid.workers >= 1, "an integer >= 1"),
+              ("micro_batch_size", grid.micro_batch_size is None or isinstance(grid.micro_batch_size, int)
+               and grid.micro_batch_size >= 1, "null or an integer >= 1"),
+              ("sequences_multiple", isinstance(grid.sequences_multiple, int) and grid.sequences_multiple >= 1,
+               "an integer >= 1"),
               ("checkpoints_per_rung", isinstance(grid.checkpoints_per_rung, int) and grid.checkpoints_per_rung >= 1,
                "an integer >= 1"),
               ("min_steps", isinstance(grid.min_steps, int) and grid.min_steps >= 1, "an integer >= 1"),
@@ -204,6 +220,7 @@ def rung_recipe(grid: LadderGrid, non_embedding: int, seq_len: int) -> dict:
     """The rules' learning rate, batch, beta2 and warmup of a model of `non_embedding` parameters."""
     lr, batch = grid.lr_rule, grid.batch_rule
     sequences = rules.sequences_per_step(non_embedding, batch["sequences"], batch["params"], batch["exponent"])
+    sequences = max(1, round(sequences / grid.sequences_multiple)) * grid.sequences_multiple
     tokens_per_step = sequences * seq_len
     return {"lr": rules.scaled(lr["lr"], non_embedding, lr["params"], lr["exponent"]), "sequences": sequences,
             "tokens_per_step": tokens_per_step, "beta2": rules.beta2_for(tokens_per_step),
@@ -221,7 +238,8 @@ def plan_rungs(grid: LadderGrid, path: Path) -> List[dict]:
     rungs = []
     for key in MODEL_LISTS:
         for i, m in enumerate(getattr(grid, key)):
-            cfg = shapes.with_shape(base, m.n_layers, m.d_model, m.n_heads)
+            cfg = dataclasses.replace(shapes.with_shape(base, m.n_layers, m.d_model, m.n_heads),
+                                      **{k: getattr(m, k) for k in ("n_kv_heads", "d_ff") if getattr(m, k)})
             try:
                 cfg.check()
             except ValueError as err:
@@ -254,7 +272,8 @@ def plan_rungs(grid: LadderGrid, path: Path) -> List[dict]:
                     every = budgets[[s for s, _ in budgets].index(min(s for s, _ in budgets))][1] \
                         if is_stem and len(budgets) > 1 else max(1, math.ceil(steps / grid.checkpoints_per_rung))
                     rungs.append({
-                        "name": name, "shape": {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads},
+                        "name": name, "shape": {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+                                                **{k: getattr(m, k) for k in ("n_kv_heads", "d_ff") if getattr(m, k)}},
                         "params": n, "non_embedding_params": non_embedding, "head_params": base.vocab_size * m.d_model,
                         "tied": bool(base.tie_embeddings), "steps": steps, "tokens": d, "tokens_per_param": d / n,
                         "flops": 6.0 * n * d, "flops_per_token": fpt, "train_flops": float(fpt * d),

@@ -85,10 +85,21 @@ def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0, noise: f
             "degenerate": boot["degenerate"]}
 
 
+def safe_loss(law: ParametricLaw, n: float, d: float) -> float:
+    """law.loss(n, d) in logs: a resampled law's exponent can be large enough that n**alpha overflows a float
+    (its term is then 0 or inf, never an OverflowError)."""
+    terms = [math.log(law.A) - law.alpha * math.log(n), math.log(law.B) - law.beta * math.log(d)]
+    return law.E + sum(math.exp(t) if t < 700 else math.inf for t in terms)
+
+
 def predict(law: ParametricLaw, samples: List[ParametricLaw], n: float, d: float, level: float) -> Dict:
-    """The law's loss at (N, D) and the percentile interval of the resampled laws' losses there."""
-    values = [s.loss(n, d) for s in samples]
-    return {"predicted_loss": law.loss(n, d), "interval": percentile_interval(values, level) if values else None}
+    """The law's loss at (N, D) and the percentile interval of the resampled laws' losses there (a resample whose
+    loss there is infinite is counted in `resamples_infinite`, not in the interval)."""
+    values = [safe_loss(s, n, d) for s in samples]
+    finite = [v for v in values if math.isfinite(v)]
+    return {"predicted_loss": safe_loss(law, n, d),
+            "interval": percentile_interval(finite, level) if len(finite) > 1 else None,
+            "resamples_infinite": len(values) - len(finite)}
 
 
 def ratio_at(fitted: Dict, flops: float, level: float) -> Dict:
@@ -170,8 +181,8 @@ def fit_rungs(grid, rungs: List[dict]) -> Dict:
         raise DataError(f"{grid.root_dir}: the law fits under no parameter-count convention: {failed}")
     dev = complete_rows(root, [r for r in rungs if r["role"] == "dev"])
     development = {c: [{"name": r["name"], "measured_loss": r["final_val_loss"],
-                        "predicted_loss": f["law"].loss(n_of(r, c), r["tokens"]),
-                        "relative_error": (f["law"].loss(n_of(r, c), r["tokens"]) - r["final_val_loss"])
+                        "predicted_loss": safe_loss(f["law"], n_of(r, c), r["tokens"]),
+                        "relative_error": (safe_loss(f["law"], n_of(r, c), r["tokens"]) - r["final_val_loss"])
                         / r["final_val_loss"]} for r in dev] for c, f in by_convention.items()}
     if dev:
         chosen = min(by_convention, key=lambda c: (np.mean([abs(x["relative_error"]) for x in development[c]]),
@@ -411,7 +422,7 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
                     label=f"N = {n:,}")
         span = grid[(grid >= min(r["flops"] for r in mine) / 2) & (grid <= max(r["flops"] for r in mine) * 2)]
         n_law = n_of(mine[0], result.get("convention", "total")) if "non_embedding_params" in mine[0] else n
-        ax.plot(span, [law.loss(n_law, c / (6 * n)) for c in span], "-", color=color, alpha=0.5, lw=1)
+        ax.plot(span, [safe_loss(law, n_law, c / (6 * n)) for c in span], "-", color=color, alpha=0.5, lw=1)
         others = [r for r in mine if r["role"] == "dev"]
         if others:
             ax.plot([r["flops"] for r in others], [r["final_val_loss"] for r in others], "D", color=color, mfc="none",
@@ -419,7 +430,7 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
     if law.alpha > 0 and law.beta > 0 and (result.get("convention", "total") == "total" or all(
             r.get("tied") for r in rows) and result.get("convention") == "non_embedding_plus_head"):
         # eq. 4's closed form counts C = 6·N_X·D: the x axis's compute only where N_X is every parameter
-        frontier = [law.loss(*law.compute_optimal(c)) for c in grid]
+        frontier = [safe_loss(law, *law.compute_optimal(c)) for c in grid]
         ax.plot(grid, frontier, "k--", lw=1.2, label="fitted law, compute-optimal frontier")
     for j, p in enumerate(result["predictions"]):
         lo, hi = p["interval"] or (p["predicted_loss"], p["predicted_loss"])
