@@ -425,3 +425,38 @@ def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(t
     assert (uninterrupted["final_val_loss"], uninterrupted["final_train_loss"]) == (
         first["final_val_loss"], first["final_train_loss"])
     assert result["rungs"][0]["final_val_loss"] == uninterrupted["final_val_loss"]
+
+
+def test_gpu_grid_rungs_are_the_presets_and_its_held_out_rung_is_the_run_files(capsys):
+    # experiments/ladder/gpu.yaml: each rung's shape is its depth-dial preset's, the held-out rung is llama3_2_1b
+    # with the recipe of experiments/runs/llama3_2_1b_h200x8.yaml (lr 9e-4, 2^20 tokens a step, beta2 0.95), 10x
+    # beyond the fitted compute, the development rung about 3x; `--plan --mfu` prints the grid's GPU-hours.
+    from lit_pretrain import config as config_lib
+    from lit_pretrain.callbacks.throughput import GPU_PEAK_FLOPS
+    from lit_pretrain.scaling.gpu_hours import gpu_hours
+    from lit_pretrain.scaling.ladder_rung import rung_overrides
+
+    path = EXPERIMENTS / "ladder" / "gpu.yaml"
+    grid = ladder.load_grid(path)
+    rungs = ladder.plan_rungs(grid, path)
+    keys = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff")
+    presets = {name: {k: yaml.safe_load((EXPERIMENTS / "model" / f"{name}.yaml").read_text())[k] for k in keys}
+               for name in ("ladder_60m", "ladder_124m", "ladder_350m", "ladder_760m", "ladder_1b", "llama3_2_1b")}
+    shapes = {name: [r for r in rungs if r["shape"] == shape] for name, shape in presets.items()}
+    assert all(shapes.values()) and sum(map(len, shapes.values())) == len(rungs)
+    assert {r["role"] for r in shapes["ladder_1b"]} == {"dev"} and {r["role"] for r in shapes["llama3_2_1b"]} == {
+        "held_out"}
+    held, dev = shapes["llama3_2_1b"][0], shapes["ladder_1b"][0]
+    largest = max(r["flops"] for r in rungs if r["role"] == "fit")
+    assert held["params"] == 1_235_814_400 and held["flops"] / largest >= 10 and 2.5 < dev["flops"] / largest < 3.5
+    run = config_lib.to_object(config_lib.load(grid.run_file, [*grid.overrides, *rung_overrides(grid, held)]))
+    target = config_lib.to_object(config_lib.load(EXPERIMENTS / "runs" / "llama3_2_1b_h200x8.yaml", []))
+    assert (run.optim.lr_peak, run.trainer.tokens_per_step, run.optim.beta2, run.trainer.micro_batch_size) == \
+        pytest.approx((target.optim.lr_peak, target.trainer.tokens_per_step, target.optim.beta2,
+                        target.trainer.micro_batch_size))
+    assert held["steps"] == math.ceil(20 * held["params"] / 2**20) - 2  # the run file's 23,572, to a multiple of 5
+    assert ladder.main(["--plan", str(path), "--mfu", "0.4"]) == 0
+    peak = next(p["half"] for name, p in GPU_PEAK_FLOPS if name == "H200")
+    hours = gpu_hours(sum(r["train_flops_own"] for r in rungs), 0.4, peak)
+    assert f"GPU-hours: {hours:,.0f} at MFU 40.0% of one H200's" in capsys.readouterr().out
+    assert ladder.main([str(path), "--mfu", "0.4"]) == 2  # --mfu goes with --plan
