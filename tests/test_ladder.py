@@ -55,33 +55,33 @@ def test_optimal_ratio_closed_form():
 
 @pytest.mark.parametrize("convention", ["total", "non_embedding"])
 def test_fit_recovers_a_known_law_and_predicts_the_held_out_rungs(convention):
-    # The default grid's 13 fitted (N, D) points: 4 sizes, each with budgets of one run and its branched cooldowns
-    # (5-40 tokens per parameter), their losses drawn from TRUE in the convention's N with 0.1% multiplicative noise
+    # The default grid's 9 fitted (N, D) points: 3 sizes, each with budgets of one run and its branched cooldowns
+    # (3-40 tokens per parameter), their losses drawn from TRUE in the convention's N with 0.1% multiplicative noise
     # (seeded; a stand-in for the run-to-run spread of a validation loss), one fit and 30 bootstrap resamples, each
     # jittered by that spread. Under tying, non_embedding_plus_head counts what total counts (asserted, not refitted).
-    # Tolerances cover noise seeds 0-4 of either convention here (worst seen, then a margin): E 19%, alpha 21%,
-    # beta 9%, B 45%, A 78% (A and B trade off against the exponents, Besiroglu et al. 2024); the development rung
-    # (3.0x) within 0.33% and the held-out rung (10.8x the largest fitted compute) within 0.66%, their 90% intervals
-    # at most 3.7% wide; the compute-optimal ratio within 59% (it goes as G^-2, Hoffmann et al. eq. 4). Seed 0:
-    # E -6%, A -12%, alpha -5%; held out -0.24%/-0.39% (total), ratio -16%.
+    # Tolerances cover noise seeds 0-4 of either convention here (worst seen, then a margin): E 15%, alpha 14%,
+    # beta 8%, B 26%, A 32% (A and B trade off against the exponents, Besiroglu et al. 2024); the development rung
+    # (3.4x) within 0.38% and the held-out rung (10.3x the largest fitted compute) within 0.70%; their 90% intervals
+    # up to 16% wide (9 points resampled with replacement often lose a size); the compute-optimal ratio within 22%
+    # (it goes as G^-2, Hoffmann et al. eq. 4). Seed 0 (total): E -1%, A -6%, alpha -2%, held out +0.08%.
     rungs = default_rungs()
     points = fit_points([{**r, "final_val_loss": 0.0} for r in rungs if r["role"] == "fit"])  # (N, D) once
-    assert len(points) == 13 and all(n_of(r, "non_embedding_plus_head") == n_of(r, "total") for r in rungs)
+    assert len(points) == 9 and all(n_of(r, "non_embedding_plus_head") == n_of(r, "total") for r in rungs)
     n, d = np.array([n_of(p, convention) for p in points], dtype=float), np.array([p["tokens"] for p in points])
     noise = np.exp(np.random.default_rng(0).normal(0, 0.001, len(n)))
     fitted = fit_ladder(n, d, np.array([TRUE.loss(a, b) for a, b in zip(n, d)]) * noise, resamples=30, level=0.9,
                         noise=0.001)
-    for key, tolerance in (("E", 0.25), ("alpha", 0.25), ("beta", 0.15), ("A", 1.0), ("B", 0.6)):
+    for key, tolerance in (("E", 0.25), ("alpha", 0.25), ("beta", 0.15), ("A", 0.5), ("B", 0.4)):
         assert getattr(fitted["law"], key) == pytest.approx(getattr(TRUE, key), rel=tolerance), key
     for r in (r for r in rungs if r["role"] in ("dev", "held_out")):
         truth = TRUE.loss(n_of(r, convention), r["tokens"])
         p = predict(fitted["law"], fitted["samples"], n_of(r, convention), r["tokens"], 0.9)
-        assert abs(p["predicted_loss"] - truth) / truth < 0.008, (r["name"], p, truth)
+        assert abs(p["predicted_loss"] - truth) / truth < 0.01, (r["name"], p, truth)
         # a 90% interval may miss the truth; its width is what is checked
         assert p["interval"][0] < p["predicted_loss"] < p["interval"][1] and p["interval"][1] - p["interval"][0] < \
-            0.045 * truth
+            0.2 * truth
     ratio, truth = ratio_at(fitted, rungs[-1]["flops"], 0.9), optimal_tokens_per_param(TRUE, rungs[-1]["flops"])
-    assert ratio["tokens_per_param"] == pytest.approx(truth, rel=0.7)
+    assert ratio["tokens_per_param"] == pytest.approx(truth, rel=0.4)
     assert ratio["interval"][0] < ratio["tokens_per_param"] < ratio["interval"][1]
     assert ratio["resamples_without_optimum"] == 0
 
@@ -316,19 +316,19 @@ def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, mon
     written = (tmp_path / "prediction.json").read_text()
     write_prediction(grid, rungs, log)
     assert (tmp_path / "prediction.json").read_text() == written  # the same fitted losses: kept as written
-    assert len(points) == 6 and points[-1] == unique(fit)  # two calls, a fit a convention each, of the 13 points
+    assert len(points) == 6 and points[-1] == unique(fit)  # two calls, a fit a convention each, of the 9 points
 
-    partial_fit = next(r for r in fit if r["name"] == "L2_d48_tpp10")
+    partial_fit = next(r for r in fit if r["name"] == "L3_d48_tpp10")
     partial_held = held[0]
     summary(partial_fit, partial_fit["steps"] // 3, 9.0)
     summary(partial_held, partial_held["steps"] - 1, 9.0)
     assert ladder.rung_state(tmp_path / partial_fit["name"], partial_fit) == "new"  # (no checkpoint in this test)
     fitted = fit_rungs(grid, rungs)
-    assert points[-1] == unique(r for r in fit if r is not partial_fit)  # 12 points, not the 9.0
+    assert points[-1] == unique(r for r in fit if r is not partial_fit)  # 8 points, not the 9.0
     assert [row["name"] for row in fitted["rows"]] == [r["name"] for r in fit if r is not partial_fit]
     assert fitted["excluded"] == [partial_fit["name"]]
 
-    # prediction.json came from 13 points: written again from the 12 complete ones, saying so
+    # prediction.json came from 9 points: written again from the 8 complete ones, saying so
     log.clear()
     write_prediction(grid, rungs, log)
     again = json.loads((tmp_path / "prediction.json").read_text())
