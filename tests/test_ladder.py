@@ -460,3 +460,18 @@ def test_gpu_grid_rungs_are_the_presets_and_its_held_out_rung_is_the_run_files(c
     hours = gpu_hours(sum(r["train_flops_own"] for r in rungs), 0.4, peak)
     assert f"GPU-hours: {hours:,.0f} at MFU 40.0% of one H200's" in capsys.readouterr().out
     assert ladder.main([str(path), "--mfu", "0.4"]) == 2  # --mfu goes with --plan
+
+
+def test_a_resampled_law_beyond_float_range_predicts_without_an_error():
+    # A bootstrap refit can send alpha to hundreds (N^alpha overflows a float) or A = e^a below the smallest float
+    # (A = 0.0): each term is then 0 (or inf, left out of the interval), where law.loss raised (both stopped a ladder
+    # at its prediction here).
+    from lit_pretrain.scaling.ladder_report import safe_loss
+
+    assert safe_loss(ParametricLaw(E=2.0, A=1e5, B=1e3, alpha=300.0, beta=0.3), 3e5, 1e7) == \
+        pytest.approx(2.0 + 1e3 / 1e7**0.3)
+    assert safe_loss(ParametricLaw(E=2.0, A=0.0, B=1e3, alpha=0.3, beta=0.3), 3e5, 1e7) == \
+        pytest.approx(2.0 + 1e3 / 1e7**0.3)
+    assert safe_loss(ParametricLaw(E=2.0, A=1e5, B=1e3, alpha=-300.0, beta=0.3), 3e5, 1e7) == math.inf
+    p = predict(TRUE, [TRUE, ParametricLaw(E=2.0, A=1e5, B=1e3, alpha=-300.0, beta=0.3), TRUE], 3e5, 1e7, 0.9)
+    assert p["resamples_infinite"] == 1 and p["interval"] == pytest.approx([TRUE.loss(3e5, 1e7)] * 2)

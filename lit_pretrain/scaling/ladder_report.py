@@ -86,9 +86,10 @@ def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0, noise: f
 
 
 def safe_loss(law: ParametricLaw, n: float, d: float) -> float:
-    """law.loss(n, d) in logs: a resampled law's exponent can be large enough that n**alpha overflows a float
-    (its term is then 0 or inf, never an OverflowError)."""
-    terms = [math.log(law.A) - law.alpha * math.log(n), math.log(law.B) - law.beta * math.log(d)]
+    """law.loss(n, d) in logs: a resampled law's exponent can be large enough that n**alpha overflows a float, and
+    its A or B (e^a, e^b) small enough to be 0.0 (its term is then 0 or inf, never an error)."""
+    terms = [(math.log(c) if c > 0 else -math.inf) - power * math.log(x)
+             for c, power, x in ((law.A, law.alpha, n), (law.B, law.beta, d))]
     return law.E + sum(math.exp(t) if t < 700 else math.inf for t in terms)
 
 
