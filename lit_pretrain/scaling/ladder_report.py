@@ -443,6 +443,16 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
         if p["measured_loss"] is not None:
             ax.plot([p["flops"]], [p["measured_loss"]], "*", color="tab:red", ms=12,
                     label="held-out rung, measured" if j == 0 else None)
+    # the axis spans the measured and predicted losses: an interval reaching far beyond them (a bootstrap whose
+    # resamples lost a size) is cut at the edge, and its end written there
+    shown = [r["final_val_loss"] for r in rows] + [p["predicted_loss"] for p in result["predictions"]
+                                                   if math.isfinite(p["predicted_loss"])]
+    top, bottom = 1.1 * max(shown), 0.9 * min(shown)
+    ax.set_ylim(bottom, top)
+    for p in result["predictions"]:
+        if p["interval"] and not bottom <= p["interval"][1] <= top:
+            ax.annotate(f"interval to {p['interval'][1]:.4g}", (p["flops"], top), textcoords="offset points",
+                        xytext=(-10, -12), ha="right", fontsize=7, color="tab:red")
     ax.axvline(result["compute_limit_flops"], color="grey", lw=0.8, ls=":", label="compute limit of the fit")
     ax.set(xscale="log", xlabel="training compute C = 6ND (FLOPs)", ylabel="final validation loss (nats / token)",
            title="model ladder: fitted below the limit, predicted above")
