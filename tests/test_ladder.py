@@ -218,12 +218,16 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
         "step0000004.ckpt", "step0000008.ckpt", "step0000010.ckpt"]
     before = first.stat().st_mtime_ns
 
-    path = write_grid(tmp_path, tiny_data_dir)  # the same grid without the fault (callbacks.extra may change)
+    # The same grid without the fault (callbacks.extra may change), now with two workers: the killed rung resumes in
+    # a worker process, and the held-out rung starts only after every other rung is complete and the prediction is
+    # written (ladder_pool.py).
+    path = write_grid(tmp_path, tiny_data_dir, workers=2)
     lines = Console()
     result = ladder.run_ladder(path, log=lines)
     assert any(line.startswith(f"rung 1 of 10 {names[0]}") and "finished earlier" in line for line in lines), lines
-    assert any(line.startswith(f"rung 9 of 10 {names[8]}") and "resumed from step 8" in line
+    assert any(line.startswith(f"rung 9 of 10 {names[8]}") and "started, resumes from step 8" in line
                for line in lines), lines
+    assert any(line.startswith(f"rung 9 of 10 {names[8]}") and ": val loss" in line for line in lines), lines
     assert first.stat().st_mtime_ns == before  # not trained again
     second = json.loads((root / names[8] / "summary.json").read_text())
     # resumed, not restarted: 15 steps in all, of which this session trained only the part after step 8
