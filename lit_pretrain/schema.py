@@ -336,6 +336,14 @@ class ScheduleConfig:
     """Learning rate at the last step (cosine, linear, wsd)."""
     decay_fraction: float = field(default=0.2, metadata={"gt": 0.0, "le": 1.0})
     """wsd only: fraction of trainer.max_steps spent in the final linear decay (Hu et al. 2024, MiniCPM)."""
+    decay_shape: str = field(default="linear", metadata={"choices": ["linear", "1-sqrt"]})
+    """wsd only: the decay's shape, linear or 1-sqrt (lr_min + (lr_peak - lr_min)·(1 - sqrt(progress)), Hägele et
+    al. 2024, the cooldown they find best; lit_pretrain/optim/schedule.py)."""
+
+    def __post_init__(self):
+        if self.decay_shape != "linear" and self.kind != "wsd":
+            raise ConfigError(f"schedule.decay_shape={self.decay_shape} shapes the decay of schedule.kind=wsd only "
+                              f"(this run's is {self.kind}): set schedule.kind=wsd or drop schedule.decay_shape")
 
 
 LOGGERS = ("csv", "tensorboard", "wandb")

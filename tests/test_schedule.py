@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from lit_pretrain.errors import ConfigError
 from lit_pretrain.optim.schedule import lr_at, lr_lambda
 from lit_pretrain.schema import ScheduleConfig
 
@@ -58,3 +59,23 @@ def test_lambda_is_relative_to_peak():
 def test_unknown_kind_is_an_error():
     with pytest.raises(ValueError, match="schedule.kind"):
         lr_at(0, kind="step", lr_peak=1.0, lr_min=0.0, warmup_steps=0, max_steps=10)
+
+
+def test_wsd_one_minus_sqrt_table():
+    # Hägele et al. 2024 (arXiv 2405.18392) §3: the 1-sqrt cooldown, lr_min + (lr_peak - lr_min)·(1 - sqrt(p)). Same
+    # rows as the wsd line of TABLE (lr_peak 1, lr_min 0.1, warmup 2, max_steps 10, decay_fraction 0.5): stable to
+    # step 4, then p = (s - 4)/5: 1 - 0.9·sqrt(p) = 1 - 0.9·(0.4472136, 0.6324555, 0.7745967, 0.8944272, 1).
+    got = [lr_at(s, kind="wsd", lr_peak=1.0, lr_min=0.1, warmup_steps=2, max_steps=10, decay_fraction=0.5,
+                 decay_shape="1-sqrt") for s in range(10)]
+    assert got == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 0.5975078, 0.4307900, 0.3028629, 0.1950155, 0.1], abs=1e-7)
+    # A wsd run of S steps is, up to step S - round(f·S) - 1, the constant-rate run of the same warmup whatever its
+    # max_steps: the ladder branches each budget's cooldown from one long run's checkpoint at that step.
+    for max_steps in (20, 40, 80):
+        start = max_steps - round(0.2 * max_steps)
+        assert [lr_at(s, kind="wsd", lr_peak=1.0, lr_min=0.0, warmup_steps=3, max_steps=max_steps,
+                      decay_fraction=0.2, decay_shape="1-sqrt") for s in range(start)] == \
+            [lr_at(s, kind="constant", lr_peak=1.0, lr_min=0.0, warmup_steps=3, max_steps=1) for s in range(start)]
+        assert lr_at(start, kind="wsd", lr_peak=1.0, lr_min=0.0, warmup_steps=3, max_steps=max_steps,
+                     decay_fraction=0.2, decay_shape="1-sqrt") < 1.0
+    with pytest.raises(ConfigError, match="schedule.decay_shape=1-sqrt shapes the decay of schedule.kind=wsd only"):
+        ScheduleConfig(kind="cosine", decay_shape="1-sqrt")

@@ -144,6 +144,8 @@ def callbacks(plan: Plan, every_n_steps: int, keep_last: int, run_meta: Dict, lr
                                                        async_save=async_save)]
     if "optim.lr_peak" in plan.changed:
         out.append(NewLrPeak(lr_peak))
+    elif any(key == "trainer.max_steps" or key.startswith("schedule.") for key in plan.changed):
+        out.append(NewSchedule())
     return out
 
 
@@ -154,6 +156,20 @@ def csv_logger(run_dir: Path) -> ResumableCSVLogger:
 
 def plugins(run_dir: Path) -> list:
     return [AtomicCheckpointIO(root=run_dir)]
+
+
+class NewSchedule(Callback):
+    """An allowed change of the schedule's shape (trainer.max_steps, schedule.*): the restored optimizer holds the
+    rate the old schedule set for the coming step; set the new schedule's (LambdaLR's rate is base rate × the
+    factor at its step, and the factor is rebuilt from the config). Without it the first step of a resume runs at
+    the old schedule's rate (a ladder's branched cooldown would start one step late)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                           scheduler.lr_lambdas):
+                group["lr"] = base * factor(scheduler.last_epoch)
 
 
 class NewLrPeak(Callback):

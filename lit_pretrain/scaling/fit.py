@@ -120,8 +120,10 @@ def fit_parametric(n: Sequence[float], d: Sequence[float], loss: Sequence[float]
 
 
 def bootstrap(n, d, loss, best: Dict, resamples: int, seed: int = 0, delta: float = HUBER_DELTA,
-              extra_starts: int = 8) -> Dict:
+              extra_starts: int = 8, loss_noise: float = 0.0) -> Dict:
     """Refit on `resamples` resamples of the runs (drawn with replacement); percentile intervals and standard errors.
+    loss_noise: each resampled loss is also multiplied by exp(ε), ε ~ Normal(0, loss_noise) drawn afresh per run and
+    resample: a measured seed-to-seed spread of the loss (relative standard deviation) enters the intervals.
 
     Each resample starts from the full-data optimum and from the `extra_starts` grid points with the lowest
     objective on the full data (the whole grid for every resample would cost resamples × 4,500 L-BFGS runs).
@@ -133,8 +135,9 @@ def bootstrap(n, d, loss, best: Dict, resamples: int, seed: int = 0, delta: floa
     starts = np.vstack([best["theta"], grid[np.argsort(initial)[:extra_starts]]])  # (k, 5)
     idx = rng.integers(0, len(log_n), (resamples, len(log_n)))
     rows = np.repeat(idx, len(starts), axis=0)  # (resamples * k, runs)
-    x, f = minimize_rows(_rows_objective(log_n[rows], log_d[rows], log_l[rows], delta), np.tile(starts, (resamples, 1)),
-                        **_GRID)
+    jitter = np.repeat(rng.normal(0.0, loss_noise, idx.shape), len(starts), axis=0) if loss_noise > 0 else 0.0
+    x, f = minimize_rows(_rows_objective(log_n[rows], log_d[rows], log_l[rows] + jitter, delta),
+                        np.tile(starts, (resamples, 1)), **_GRID)
     f = np.where(np.isfinite(f), f, np.inf).reshape(resamples, len(starts))
     chosen = x.reshape(resamples, len(starts), 5)[np.arange(resamples), np.argmin(f, axis=1)]
     samples = []

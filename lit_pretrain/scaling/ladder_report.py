@@ -1,8 +1,19 @@
-"""The ladder's fit, predictions and report: L(N, D) = E + A/N^alpha + B/D^beta fitted to the rungs at or below the
-compute limit (Hoffmann et al. 2022 approach 3, eq. 2, through scaling/fit.py), bootstrap intervals (rungs resampled
-with replacement and refitted, fit.bootstrap; percentile intervals), the compute-optimal tokens-per-parameter ratio
-beside Chinchilla's 20, and the prediction of every held-out rung against its measured final validation loss.
-Writes <root_dir>/report.json, report.md and ladder.png.
+"""The ladder's fit, predictions and report: L(N, D) = E + A/N^alpha + B/D^beta fitted to the fitted rungs
+(Hoffmann et al. 2022 approach 3, eq. 2, through scaling/fit.py) under each parameter-count convention, bootstrap
+intervals (points resampled with replacement and refitted, each loss also jittered by the measured seed-to-seed
+spread; percentile intervals), the convention chosen by its error on the development rungs, the compute-optimal
+tokens-per-parameter ratio, and the prediction of every held-out rung against its measured final validation loss.
+Writes <root_dir>/prediction.json (before any held-out rung trains), report.json, report.md and ladder.png.
+
+Parameter counts (CONVENTIONS). With the embedding tied to the head (one V×d matrix):
+- total: every parameter, the tied matrix once (Hoffmann et al. 2022; Pearce & Song 2024 recommend it);
+- non_embedding: the tied matrix left out (Kaplan et al. 2020 §2.1; OLMo-core's ladder sizes);
+- non_embedding_plus_head: the tied matrix counted once, as the head (OLMo's ladder counts all but the input
+  embedding; nanochat's matrices plus the head): with tying this is `total`, with an untied head N - V·d.
+Compute is one number everywhere (limit, ratios, prediction.json, report, picture): C = 6·N·D with N every
+parameter, the head's matmul included (Porian et al. 2024), attention's 12·L·H·Q·T per token left out (Hoffmann et
+al. §3.3 count). The compute-optimal allocation of a law fitted in convention X is eq. 4 with C = 6·N_X·D (that law
+knows only N_X); its tokens-per-parameter ratio is per N_X.
 """
 
 import io
@@ -14,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from lit_pretrain.errors import RunFolderError
+from lit_pretrain.errors import DataError, RunFolderError
 from lit_pretrain.scaling import fit as fit_lib
 from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete
 from lit_pretrain.scaling.laws import ParametricLaw
@@ -42,11 +53,31 @@ def optimal_tokens_per_param(law: ParametricLaw, flops: float) -> Optional[float
     return ratio if math.isfinite(ratio) and ratio > 0 else None
 
 
-def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0) -> Dict:
-    """The law fitted to all points, and its bootstrap: each resample draws the points with replacement and refits
-    (fit.bootstrap); returns the law, the resampled laws and the coefficients' percentile intervals."""
+CONVENTIONS = ("total", "non_embedding", "non_embedding_plus_head")
+CONVENTION_TEXT = {
+    "total": "every parameter, the tied embedding/head matrix once (Hoffmann et al. 2022)",
+    "non_embedding": "parameters without the tied embedding/head matrix (Kaplan et al. 2020, OLMo-core)",
+    "non_embedding_plus_head": "non-embedding plus the head, the tied matrix counted once as the head (OLMo 2024, "
+                               "nanochat); equal to total where the embedding is tied",
+}
+COMPUTE = "C = 6·N·D, N every parameter (the head's matmul included), D training tokens"
+
+
+def n_of(row: dict, convention: str) -> float:
+    """A rung's parameter count under a convention (CONVENTIONS); an untied model's head is a second V×d matrix."""
+    if convention == "non_embedding":
+        return row["non_embedding_params"]
+    if convention == "non_embedding_plus_head":
+        return row["non_embedding_params"] + row["head_params"]
+    return row["params"]
+
+
+def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0, noise: float = 0.0) -> Dict:
+    """The law fitted to all points, and its bootstrap: each resample draws the points with replacement, multiplies
+    each loss by exp(Normal(0, noise)) (the seed-to-seed spread) and refits (fit.bootstrap); returns the law, the
+    resampled laws and the coefficients' percentile intervals."""
     best = fit_lib.fit_parametric(n, d, loss)
-    boot = fit_lib.bootstrap(n, d, loss, best, resamples, seed=seed)
+    boot = fit_lib.bootstrap(n, d, loss, best, resamples, seed=seed, loss_noise=noise)
     samples = [ParametricLaw.from_dict(s) for s in boot["samples"]]
     intervals = {k: percentile_interval([getattr(s, k) for s in samples], level)
                  for k in ("E", "A", "B", "alpha", "beta")} if len(samples) > 1 else {}
@@ -54,10 +85,22 @@ def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0) -> Dict:
             "degenerate": boot["degenerate"]}
 
 
+def safe_loss(law: ParametricLaw, n: float, d: float) -> float:
+    """law.loss(n, d) in logs: a resampled law's exponent can be large enough that n**alpha overflows a float, and
+    its A or B (e^a, e^b) small enough to be 0.0 (its term is then 0 or inf, never an error)."""
+    terms = [(math.log(c) if c > 0 else -math.inf) - power * math.log(x)
+             for c, power, x in ((law.A, law.alpha, n), (law.B, law.beta, d))]
+    return law.E + sum(math.exp(t) if t < 700 else math.inf for t in terms)
+
+
 def predict(law: ParametricLaw, samples: List[ParametricLaw], n: float, d: float, level: float) -> Dict:
-    """The law's loss at (N, D) and the percentile interval of the resampled laws' losses there."""
-    values = [s.loss(n, d) for s in samples]
-    return {"predicted_loss": law.loss(n, d), "interval": percentile_interval(values, level) if values else None}
+    """The law's loss at (N, D) and the percentile interval of the resampled laws' losses there (a resample whose
+    loss there is infinite is counted in `resamples_infinite`, not in the interval)."""
+    values = [safe_loss(s, n, d) for s in samples]
+    finite = [v for v in values if math.isfinite(v)]
+    return {"predicted_loss": safe_loss(law, n, d),
+            "interval": percentile_interval(finite, level) if len(finite) > 1 else None,
+            "resamples_infinite": len(values) - len(finite)}
 
 
 def ratio_at(fitted: Dict, flops: float, level: float) -> Dict:
@@ -77,32 +120,91 @@ def complete_rows(root: Path, rungs: List[dict]) -> List[dict]:
     for rung in rungs:
         s = read_summary(root / rung["name"])
         if rung_complete(s, rung):
-            rows.append({**{k: rung[k] for k in ("name", "role", "shape", "params", "steps", "tokens",
-                                                   "tokens_per_param", "flops")},
+            rows.append({**{k: rung.get(k) for k in ("name", "role", "shape", "params", "non_embedding_params",
+                                                       "head_params", "tied", "steps", "tokens", "tokens_per_param",
+                                                       "flops", "seed", "branch_of", "lr", "tokens_per_step")},
                          "final_val_loss": s["final_val_loss"], "train_seconds": s.get("train_seconds"),
                          "tokens_per_second": s.get("tokens_per_second")})
     return rows
 
 
+def seed_spread(rows: List[dict]) -> Dict:
+    """The seed-to-seed spread of the fitted rungs trained with several seeds: per (N, D) the losses and their
+    relative standard deviation (ddof 1), and the pooled one, sqrt(mean variance) (0 without replicas)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["params"], r["tokens"]), []).append(r)
+    out = []
+    for (n, d), members in sorted(groups.items()):
+        if len(members) > 1:
+            losses = np.array([m["final_val_loss"] for m in members])
+            out.append({"params": n, "tokens": d, "names": [m["name"] for m in members], "losses": losses.tolist(),
+                        "relative_std": float(losses.std(ddof=1) / losses.mean()),
+                        "range_relative": float((losses.max() - losses.min()) / losses.mean())})
+    pooled = float(np.sqrt(np.mean([g["relative_std"] ** 2 for g in out]))) if out else 0.0
+    return {"groups": out, "relative_std": pooled}
+
+
+def fit_points(rows: List[dict]) -> List[dict]:
+    """One point per fitted (N, D): the mean loss of its seeds."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["params"], r["tokens"]), []).append(r)
+    return [{**members[0], "final_val_loss": float(np.mean([m["final_val_loss"] for m in members])),
+             "seeds": len(members)} for _, members in sorted(groups.items())]
+
+
 def fit_rungs(grid, rungs: List[dict]) -> Dict:
-    """The law fitted to the complete rungs at or below the compute limit (their summary.json), with its bootstrap;
+    """The law under each convention, fitted to the complete fitted rungs (their summary.json; seeds averaged), with
+    its bootstrap jittered by the seed spread; the convention chosen by the development rungs' mean |relative error|
+    (the first, total, where none is measured). The chosen fit's law, samples and intervals are at the top level.
     `excluded` names the fitted rungs left out as not complete."""
     fit = [r for r in rungs if r["role"] == "fit"]
-    rows = complete_rows(Path(grid.root_dir), fit)
+    root = Path(grid.root_dir)
+    rows = complete_rows(root, fit)
     excluded = [r["name"] for r in fit if r["name"] not in {row["name"] for row in rows}]
-    if len(rows) < LAW_PARAMETERS + 1:
-        raise RunFolderError(f"{grid.root_dir}: {len(rows)} fitted rungs are complete, and L(N, D) needs at least "
-                             f"{LAW_PARAMETERS + 1}; not complete: {', '.join(excluded)}: run the ladder again to "
-                             "finish them")
-    n, d, loss = (np.array([r[k] for r in rows], dtype=float) for k in ("params", "tokens", "final_val_loss"))
-    return {**fit_ladder(n, d, loss, grid.bootstrap, grid.interval), "rows": rows, "excluded": excluded}
+    points = fit_points(rows)
+    if len(points) < LAW_PARAMETERS + 1:
+        raise RunFolderError(f"{grid.root_dir}: {len(points)} fitted (N, D) points are complete, and L(N, D) needs at "
+                             f"least {LAW_PARAMETERS + 1}; not complete: {', '.join(excluded)}: run the ladder again "
+                             "to finish them")
+    spread = seed_spread(rows)
+    d, loss = (np.array([p[k] for p in points], dtype=float) for k in ("tokens", "final_val_loss"))
+    by_convention, failed = {}, {}
+    for convention in CONVENTIONS:
+        n = np.array([n_of(p, convention) for p in points], dtype=float)
+        try:
+            by_convention[convention] = fit_ladder(n, d, loss, grid.bootstrap, grid.interval,
+                                                   noise=spread["relative_std"])
+        except DataError as err:  # these points do not pin the law down in this convention: reported, not chosen
+            failed[convention] = str(err)
+    if not by_convention:
+        raise DataError(f"{grid.root_dir}: the law fits under no parameter-count convention: {failed}")
+    dev = complete_rows(root, [r for r in rungs if r["role"] == "dev"])
+    development = {c: [{"name": r["name"], "measured_loss": r["final_val_loss"],
+                        "predicted_loss": safe_loss(f["law"], n_of(r, c), r["tokens"]),
+                        "relative_error": (safe_loss(f["law"], n_of(r, c), r["tokens"]) - r["final_val_loss"])
+                        / r["final_val_loss"]} for r in dev] for c, f in by_convention.items()}
+    if dev:
+        chosen = min(by_convention, key=lambda c: (np.mean([abs(x["relative_error"]) for x in development[c]]),
+                                                 CONVENTIONS.index(c)))
+        chosen_by = f"smallest mean |relative error| on the development rungs {', '.join(r['name'] for r in dev)}"
+    else:
+        chosen = next(c for c in CONVENTIONS if c in by_convention)
+        chosen_by = "no development rung measured: the first convention that fits"
+    return {**by_convention[chosen], "convention": chosen, "chosen_by": chosen_by, "by_convention": by_convention,
+            "development": development, "failed_conventions": failed, "seed_spread": spread, "rows": rows,
+            "points": points, "excluded": excluded}
 
 
-def predictions_of(grid, fitted: Dict, rungs: List[dict]) -> List[dict]:
+def predictions_of(grid, fitted: Dict, rungs: List[dict], convention: Optional[str] = None) -> List[dict]:
+    """The held-out rungs' predicted losses and intervals under `convention` (default: the chosen one)."""
+    convention = convention or fitted.get("convention", "total")
+    f = fitted["by_convention"][convention] if "by_convention" in fitted else fitted
     largest_fit = max(r["flops"] for r in fitted["rows"])
     out = []
     for r in (r for r in rungs if r["role"] == "held_out"):
-        p = predict(fitted["law"], fitted["samples"], r["params"], r["tokens"], grid.interval)
+        p = predict(f["law"], f["samples"], n_of(r, convention), r["tokens"], grid.interval)
         lo, hi = p["interval"] or (math.nan, math.nan)
         out.append({"name": r["name"], "params": r["params"], "tokens": r["tokens"], "flops": r["flops"],
                     "compute_over_largest_fitted": r["flops"] / largest_fit, **p,
@@ -126,8 +228,11 @@ def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Opt
     if old is not None and _same_inputs(old, inputs, predictions_of(grid, fitted, rungs)):
         return fitted
     measured = [r["name"] for r in complete_rows(Path(grid.root_dir), rungs) if r["role"] == "held_out"]
-    record = {"predictions": predictions_of(grid, fitted, rungs), "fitted_val_losses": inputs,
-              "held_out_measured_before": measured,
+    record = {"predictions": predictions_of(grid, fitted, rungs), "convention": fitted.get("convention"),
+              "chosen_by": fitted.get("chosen_by"), "compute": COMPUTE,
+              "by_convention": {c: predictions_of(grid, fitted, rungs, c) for c in fitted.get("by_convention", {})},
+              "development": fitted.get("development"), "seed_spread": fitted.get("seed_spread"),
+              "fitted_val_losses": inputs, "held_out_measured_before": measured,
               "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
     if old is not None:
@@ -167,12 +272,20 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     predicted_at = json.loads(written.read_text()).get("written_at") if written.is_file() else None
     unfinished = [r["name"] for r in rungs if r["name"] not in measured]
     largest_held = max(p["flops"] for p in predictions)
+    fitted.setdefault("by_convention", {})
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
-        "conventions": {"N": "all parameters, embeddings included (Hoffmann et al. 2022)", "D": "training tokens",
-                        "C": "6·N·D", "loss": "final validation loss, nats per token",
+        "conventions": {"N": f"{fitted.get('convention', 'total')}: "
+                             f"{CONVENTION_TEXT[fitted.get('convention', 'total')]}",
+                        "chosen_by": fitted.get("chosen_by"), "D": "training tokens", "C": COMPUTE,
+                        "loss": "final validation loss, nats per token",
                         "interval": f"bootstrap percentile interval, {grid.interval:.0%} coverage, "
-                                    f"{grid.bootstrap} resamples of the fitted rungs"},
+                                    f"{grid.bootstrap} resamples of the fitted points, each loss jittered by the "
+                                    f"seed spread ({100 * fitted.get('seed_spread', {}).get('relative_std', 0):.2f}%)"},
+        "convention": fitted.get("convention", "total"),
+        "by_convention": {c: _convention_result(grid, fitted, rungs, c, measured, largest_held)
+                          for c in fitted.get("by_convention", {})},
+        "failed_conventions": fitted.get("failed_conventions", {}), "seed_spread": fitted.get("seed_spread"),
         "law": {**{k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta", "a", "b")},
                 "intervals": fitted["intervals"], "objective": fitted["fit"]["objective"],
                 "starts_at_best": fitted["fit"]["starts_at_best"], "degenerate_resamples": fitted["degenerate"]},
@@ -199,6 +312,22 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     return result
 
 
+def _convention_result(grid, fitted: Dict, rungs: List[dict], convention: str, measured: Dict[str, float],
+                       largest_held: float) -> Dict:
+    """One convention's law, intervals, development and held-out errors and optimum ratio, for the side by side."""
+    f = fitted["by_convention"][convention]
+    law = f["law"]
+    held = [{**p, "measured_loss": measured.get(p["name"]),
+             "relative_error": (p["predicted_loss"] - measured[p["name"]]) / measured[p["name"]]
+             if p["name"] in measured else None} for p in predictions_of(grid, fitted, rungs, convention)]
+    return {"N": CONVENTION_TEXT[convention],
+            "law": {**{k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta", "a", "b")},
+                    "intervals": f["intervals"], "objective": f["fit"]["objective"],
+                    "degenerate_resamples": f["degenerate"]},
+            "development": fitted["development"].get(convention, []), "held_out": held,
+            "optimal_tokens_per_param_at_largest_held_out": ratio_at(f, largest_held, grid.interval)}
+
+
 def _value(value, spec: str) -> str:
     return "none (no optimum)" if value is None else f"{value:{spec}}"
 
@@ -209,10 +338,36 @@ def _interval(interval, spec: str) -> str:
 
 def markdown(result: dict) -> str:
     law = result["law"]
+    conv = result["conventions"]
     lines = [f"# Model ladder: {result['grid']}", "",
-             f"L(N, D) = E + A/N^alpha + B/D^beta fitted to the rungs at C = 6ND <= "
-             f"{result['compute_limit_flops']:.3g} FLOPs ({result['conventions']['interval']}).", "",
-             "| coefficient | value | interval |", "|---|---|---|"]
+             f"L(N, D) = E + A/N^alpha + B/D^beta fitted to the rungs at C <= {result['compute_limit_flops']:.3g} "
+             f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; chosen by {conv['chosen_by']}.", ""]
+    if result.get("by_convention"):
+        lines += ["| N convention | E | A | B | alpha | beta | development error | held-out error | "
+                  "tokens/param optimum at the largest held-out C |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, c in result["by_convention"].items():
+            law_c = c["law"]
+            dev = ", ".join(f"{100 * x['relative_error']:+.2f}%" for x in c["development"]) or "-"
+            held = ", ".join("-" if x["relative_error"] is None else f"{100 * x['relative_error']:+.2f}%"
+                             for x in c["held_out"])
+            ratio_c = c["optimal_tokens_per_param_at_largest_held_out"]
+            lines.append(f"| {name}{' (chosen)' if name == result.get('convention') else ''} | {law_c['E']:.4g} | "
+                         f"{law_c['A']:.4g} | {law_c['B']:.4g} | {law_c['alpha']:.4f} | {law_c['beta']:.4f} | {dev} "
+                         f"| {held} | {_value(ratio_c['tokens_per_param'], '.1f')} "
+                         f"{_interval(ratio_c['interval'], '.1f')} |")
+        for name, why in result.get("failed_conventions", {}).items():
+            lines.append(f"| {name} | fit failed: {why} | | | | | | | |")
+        lines.append("")
+    spread = result.get("seed_spread") or {}
+    for g in spread.get("groups", []):
+        lines.append(f"Seeds at N {g['params']:,}, D {g['tokens']:,}: losses "
+                     f"{', '.join(f'{x:.4f}' for x in g['losses'])}, relative standard deviation "
+                     f"{100 * g['relative_std']:.2f}%, range {100 * g['range_relative']:.2f}%.")
+    if spread.get("groups"):
+        lines += [f"Pooled seed-to-seed relative standard deviation {100 * spread['relative_std']:.2f}% (in the "
+                  "bootstrap).", ""]
+    lines += [f"The chosen law ({result.get('convention', 'total')}):", "",
+              "| coefficient | value | interval |", "|---|---|---|"]
     for key in ("E", "A", "B", "alpha", "beta"):
         lines.append(f"| {key} | {law[key]:.4g} | {_interval(law['intervals'].get(key), '.4g')} |")
     lines += ["", "| compute-optimal tokens per parameter | at C | value | interval | Chinchilla |",
@@ -233,11 +388,14 @@ def markdown(result: dict) -> str:
         "not measured (the rung is not complete)"
     lines += ["", f"Goal: {result['goal']}. Measured on {far['name']} ({far['compute_over_largest_fitted']:.1f}x): "
               f"{error}, interval {100 * lo:+.2f}% .. {100 * hi:+.2f}% of the prediction.", "",
-              "| rung | role | N | D | tokens/param | C | val loss | train s |", "|---|---|---|---|---|---|---|---|"]
+              "| rung | role | N | non-embedding N | D | tokens/param | C | lr | tokens a step | cooldown from | "
+              "val loss | train s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rungs"]:
         seconds = f"{r['train_seconds']:.0f}" if r.get("train_seconds") is not None else "-"
-        lines.append(f"| {r['name']} | {r['role']} | {r['params']:,} | {r['tokens']:,} | {r['tokens_per_param']:.3g} "
-                     f"| {r['flops']:.3g} | {r['final_val_loss']:.4f} | {seconds} |")
+        lines.append(f"| {r['name']} | {r['role']} | {r['params']:,} | {r.get('non_embedding_params') or 0:,} | "
+                     f"{r['tokens']:,} | {r['tokens_per_param']:.3g} | {r['flops']:.3g} | {r.get('lr') or 0:.3g} | "
+                     f"{r.get('tokens_per_step') or 0:,} | {r.get('branch_of') or '-'} | {r['final_val_loss']:.4f} | "
+                     f"{seconds} |")
     if result.get("unfinished_rungs"):
         lines += ["", f"Not complete (not fitted, not measured): {', '.join(result['unfinished_rungs'])}."]
     return "\n".join(lines) + "\n"
@@ -264,17 +422,37 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
             ax.plot([r["flops"] for r in fit_pts], [r["final_val_loss"] for r in fit_pts], "o", color=color,
                     label=f"N = {n:,}")
         span = grid[(grid >= min(r["flops"] for r in mine) / 2) & (grid <= max(r["flops"] for r in mine) * 2)]
-        ax.plot(span, [law.loss(n, c / (6 * n)) for c in span], "-", color=color, alpha=0.5, lw=1)
-    frontier = [law.loss(*law.compute_optimal(c)) for c in grid]
-    ax.plot(grid, frontier, "k--", lw=1.2, label="fitted law, compute-optimal frontier")
+        n_law = n_of(mine[0], result.get("convention", "total")) if "non_embedding_params" in mine[0] else n
+        ax.plot(span, [safe_loss(law, n_law, c / (6 * n)) for c in span], "-", color=color, alpha=0.5, lw=1)
+        others = [r for r in mine if r["role"] == "dev"]
+        if others:
+            ax.plot([r["flops"] for r in others], [r["final_val_loss"] for r in others], "D", color=color, mfc="none",
+                    label=f"development rung, N = {n:,}")
+    if law.alpha > 0 and law.beta > 0 and (result.get("convention", "total") == "total" or all(
+            r.get("tied") for r in rows) and result.get("convention") == "non_embedding_plus_head"):
+        # eq. 4's closed form counts C = 6·N_X·D: the x axis's compute only where N_X is every parameter
+        frontier = [safe_loss(law, *law.compute_optimal(c)) for c in grid]
+        ax.plot(grid, frontier, "k--", lw=1.2, label="fitted law, compute-optimal frontier")
     for j, p in enumerate(result["predictions"]):
         lo, hi = p["interval"] or (p["predicted_loss"], p["predicted_loss"])
-        ax.errorbar([p["flops"]], [p["predicted_loss"]], yerr=[[p["predicted_loss"] - lo], [hi - p["predicted_loss"]]],
-                    fmt="s", color="tab:red", capsize=4, mfc="none",
-                    label=f"prediction, {level:.0%} bootstrap interval" if j == 0 else None)
+        # the interval as a bar of its own: a percentile interval need not hold the full-data fit's prediction
+        ax.plot([p["flops"]] * 2, [lo, hi], "_-", color="tab:red", ms=10, lw=1.2,
+                label=f"{level:.0%} bootstrap interval" if j == 0 else None)
+        ax.plot([p["flops"]], [p["predicted_loss"]], "s", color="tab:red", mfc="none",
+                label="prediction (written before it trained)" if j == 0 else None)
         if p["measured_loss"] is not None:
             ax.plot([p["flops"]], [p["measured_loss"]], "*", color="tab:red", ms=12,
                     label="held-out rung, measured" if j == 0 else None)
+    # the axis spans the measured and predicted losses: an interval reaching far beyond them (a bootstrap whose
+    # resamples lost a size) is cut at the edge, and its end written there
+    shown = [r["final_val_loss"] for r in rows] + [p["predicted_loss"] for p in result["predictions"]
+                                                   if math.isfinite(p["predicted_loss"])]
+    top, bottom = 1.1 * max(shown), 0.9 * min(shown)
+    ax.set_ylim(bottom, top)
+    for p in result["predictions"]:
+        if p["interval"] and not bottom <= p["interval"][1] <= top:
+            ax.annotate(f"interval to {p['interval'][1]:.4g}", (p["flops"], top), textcoords="offset points",
+                        xytext=(-10, -12), ha="right", fontsize=7, color="tab:red")
     ax.axvline(result["compute_limit_flops"], color="grey", lw=0.8, ls=":", label="compute limit of the fit")
     ax.set(xscale="log", xlabel="training compute C = 6ND (FLOPs)", ylabel="final validation loss (nats / token)",
            title="model ladder: fitted below the limit, predicted above")

@@ -163,18 +163,75 @@ def train_rung(grid, rung: dict, signals: LadderSignals, output: Optional[RungOu
 
     root = Path(grid.root_dir)
     folder = root / rung["name"]
-    shape = rung["shape"]
-    rung_overrides = [
-        f"run.name={rung['name']}", f"run.root_dir={grid.root_dir}", f"trainer.precision={grid.precision}",
-        f"trainer.max_steps={rung['steps']}", f"schedule.warmup_steps={rung['warmup_steps']}",
-        f"model.n_layers={shape['n_layers']}", f"model.d_model={shape['d_model']}", f"model.n_heads={shape['n_heads']}",
-        f"trainer.checkpoint_every_n_steps={rung['checkpoint_every']}", "run.keep_last_checkpoints=1",
-        # a folder killed before its first checkpoint holds nothing to resume: run.resume=auto starts it again and
-        # keeps the killed attempt's files in its attempts/ folder
-        "run.resume=auto"]
-    cfg = config_lib.load(grid.run_file, [*grid.overrides, *rung_overrides])
+    cfg = config_lib.load(grid.run_file, [*grid.overrides, *rung_overrides(grid, rung)])
     with output or RungOutput(root, folder) as out:
         try:
             return train(cfg, extra_callbacks=[StopRung(signals, out)])
         except Interrupted:  # a Ctrl-C the run took: its checkpoint and summary are written, the ladder stops
             return read_summary(folder)
+
+
+def rung_overrides(grid, rung: dict) -> List[str]:
+    """The rung's keys over the grid's: shape, the rules' recipe (ladder.rung_recipe), a WSD schedule with its 1-sqrt
+    cooldown, checkpoints, seed; a branch not started yet resumes from its run's checkpoint at its branch step."""
+    from lit_pretrain.resume.store import step_file
+    from lit_pretrain.scaling.ladder import checkpointed_step
+
+    shape, folder = rung["shape"], Path(grid.root_dir) / rung["name"]
+    out = [
+        f"run.name={rung['name']}", f"run.root_dir={grid.root_dir}", f"trainer.precision={grid.precision}",
+        f"trainer.max_steps={rung['steps']}", f"model.n_layers={shape['n_layers']}",
+        f"model.d_model={shape['d_model']}", f"model.n_heads={shape['n_heads']}",
+        f"trainer.micro_batch_size={grid.micro_batch_size or rung['sequences']}",
+        f"trainer.tokens_per_step={rung['tokens_per_step']}",
+        *(f"model.{k}={shape[k]}" for k in ("n_kv_heads", "d_ff") if k in shape),
+        f"optim.lr_peak={rung['lr']!r}", f"optim.beta2={rung['beta2']}", "schedule.kind=wsd",
+        "schedule.decay_shape=1-sqrt", f"schedule.decay_fraction={grid.cooldown_fraction}", "schedule.lr_min=0.0",
+        f"schedule.warmup_steps={rung['warmup_steps']}",
+        f"trainer.checkpoint_every_n_steps={rung['checkpoint_every']}",
+        f"run.keep_last_checkpoints={rung['keep_checkpoints']}"]
+    if rung.get("seed") is not None:
+        out.append(f"run.seed={rung['seed']}")
+    if rung.get("branch_of") and checkpointed_step(folder) is None:
+        # the cooldown of this budget from the longer run's checkpoint at its branch step: only max_steps differs,
+        # and the rate up to that step is the constant one either way (optim/schedule.py)
+        stem = Path(grid.root_dir) / rung["branch_of"] / "checkpoints" / step_file(rung["branch_step"])
+        out += [f"run.resume={stem}", "run.resume_allow_changes=[trainer.max_steps]"]
+    else:
+        # a folder killed before its first checkpoint holds nothing to resume: run.resume=auto starts it again and
+        # keeps the killed attempt's files in its attempts/ folder
+        out += ["run.resume=auto", *(["run.resume_allow_changes=[trainer.max_steps]"] if rung.get("branch_of")
+                                     else [])]
+    return out
+
+
+def main(argv=None) -> int:
+    """`python -m lit_pretrain.scaling.ladder_rung GRID RUNG`: one rung in a worker process of the ladder
+    (ladder_pool.py); exit 0 when it finished or a signal stopped it at a checkpoint (its summary says which)."""
+    import traceback
+
+    from lit_pretrain.scaling import ladder
+
+    grid_path, name = argv if argv is not None else sys.argv[1:]
+    grid = ladder.load_grid(grid_path)
+    rung = next(r for r in ladder.plan_rungs(grid, Path(grid_path)) if r["name"] == name)
+    signals = LadderSignals().install()
+    output = RungOutput(Path(grid.root_dir), Path(grid.root_dir) / name)
+    try:
+        train_rung(grid, rung, signals, output)
+    except BaseException:
+        log = Path(grid.root_dir) / name / "train.log"
+        text = (output.unplaced or "") + traceback.format_exc()
+        if log.parent.is_dir():
+            with open(log, "a") as out:
+                out.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signals.uninstall()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
