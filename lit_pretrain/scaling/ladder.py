@@ -31,9 +31,16 @@ from typing import Callable, Dict, List, Optional
 import yaml
 
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
-from lit_pretrain.runs.state import is_finished
 from lit_pretrain.scaling import ladder_rules as rules
-from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete, steps_completed
+from lit_pretrain.scaling.ladder_state import (
+    LAW_PARAMETERS,
+    LadderStopped,
+    checkpointed_step,
+    duration,
+    read_summary,
+    rung_complete,
+    rung_state,
+)
 
 DEFAULT_GRID = Path("experiments") / "ladder" / "default.yaml"
 SMALL_GRID = Path("experiments") / "ladder" / "tiny.yaml"
@@ -317,45 +324,6 @@ def check_fittable(rungs: List[dict], grid: LadderGrid, path: Path) -> None:
                           "needs at least 2")
 
 
-def rung_state(folder: Path, rung: dict) -> str:
-    """finished (rung_complete: summary.json `finished`, of the planned steps and size), partial (a checkpoint to
-    resume), or new. A summary that is not finished (running, preempted, failed: run_state.py) holds no size yet, or
-    only a partial run's."""
-    s = read_summary(folder)
-    if s is not None:
-        if is_finished(s) and s.get("params") != rung["params"] or steps_completed(s) > rung["steps"]:
-            raise RunFolderError(f"{folder} holds a run of {s.get('params')} parameters and {s.get('steps')} steps, "
-                                 f"not the rung's {rung['params']} and {rung['steps']}: move it away or set another "
-                                 "root_dir in the grid file (a rung folder is never overwritten)")
-        if rung_complete(s, rung):
-            return "finished"
-    return "partial" if checkpointed_step(folder) is not None else "new"
-
-
-def checkpointed_step(folder: Path) -> Optional[int]:
-    """The step of a run folder's newest checkpoint (where a resume continues), None without one."""
-    from lit_pretrain.resume.store import step_files, step_of
-
-    checkpoints = folder / "checkpoints"
-    found = step_files(checkpoints) if checkpoints.is_dir() else []
-    return step_of(found[-1]) if found else None
-
-
-class LadderStopped(Exception):
-    """A signal stopped the ladder at a rung's checkpoint (or between rungs); `signum` None where the run's own
-    handler took it. The command that continues it is printed."""
-
-    def __init__(self, signum: Optional[int]):
-        super().__init__(f"stopped by signal {signum}")
-        self.signum = signum
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
-        f"{seconds // 60}:{seconds % 60:02d}"
-
-
 def estimate_seconds(rungs: List[dict], flops_per_second: float, workers: int = 1) -> float:
     """Seconds to train `rungs` with `workers` at flops_per_second each: the rungs before the prediction shared
     out, then the held-out ones (at least the longest of them)."""
@@ -381,7 +349,7 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
         f"{sum(r['role'] == 'dev' for r in rungs)} development, {len(held)} held out, the largest at "
         f"{max(r['flops'] for r in held) / largest:.1f}x the largest fitted compute), {own:.3g} training FLOPs "
         f"(branched cooldowns train only their own steps); estimated "
-        f"{_duration(estimate_seconds(rungs, grid.flops_per_second, grid.workers))} at "
+        f"{duration(estimate_seconds(rungs, grid.flops_per_second, grid.workers))} at "
         f"{grid.flops_per_second:.3g} FLOP/s a worker, {grid.workers} worker(s)")
     for r in rungs:
         branch = f"  from {r['branch_of']} at step {r['branch_step']}" if r["branch_of"] else ""
@@ -472,8 +440,8 @@ def _train_rungs(grid: LadderGrid, rungs: List[dict], max_rungs: Optional[int], 
         elapsed = time.perf_counter() - started
         rate = done_flops / elapsed if done_flops > 0 else grid.flops_per_second
         left = [r for r in rungs[k:] if rung_state(root / r["name"], r) != "finished"]
-        log(f"{resumed}val loss {summary['final_val_loss']:.4f} in {_duration(time.perf_counter() - rung_started)}; "
-            f"elapsed {_duration(elapsed)}, estimated time left {_duration(estimate_seconds(left, rate))} "
+        log(f"{resumed}val loss {summary['final_val_loss']:.4f} in {duration(time.perf_counter() - rung_started)}; "
+            f"elapsed {duration(elapsed)}, estimated time left {duration(estimate_seconds(left, rate))} "
             f"({rate:.3g} FLOP/s so far)")
         if signals.signum is not None:  # it reached the rung as its last step was done
             stop(f"after rung {k} of {len(rungs)} {rung['name']}")

@@ -1,5 +1,5 @@
 """The ladder with `workers` > 1: up to that many rungs train at once, each in its own process
-(`python -m lit_pretrain.scaling.ladder_rung GRID RUNG`, the same train_rung as the one-worker ladder runs in its own
+(`python -m lit_pretrain.scaling.ladder_worker GRID RUNG`, the same train_rung as the one-worker ladder runs in its own
 process, its output in the rung's train.log).
 
 A rung starts when what it needs is there: a branched budget once the run it branches from is complete; a held-out
@@ -21,7 +21,14 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from lit_pretrain.scaling.ladder_state import read_summary, rung_complete
+from lit_pretrain.scaling.ladder_state import (
+    LadderStopped,
+    checkpointed_step,
+    duration,
+    read_summary,
+    rung_complete,
+    rung_state,
+)
 
 POLL_SECONDS = 0.5
 
@@ -30,13 +37,11 @@ def train_parallel(grid, grid_path: Path, rungs: List[dict], max_rungs: Optional
                    command: str):
     """As ladder._train_rungs, with grid.workers rungs at a time: the fit write_prediction made (or None), False
     where --max-rungs stopped it; LadderStopped where a signal stopped it; RuntimeError where a rung failed."""
-    from lit_pretrain.scaling import ladder
-
     root = Path(grid.root_dir)
     index = {r["name"]: k for k, r in enumerate(rungs, start=1)}
     pending: List[dict] = []
     for rung in rungs:
-        if ladder.rung_state(root / rung["name"], rung) == "finished":
+        if rung_state(root / rung["name"], rung) == "finished":
             log(f"{_head(rung, index, rungs)}: finished earlier, val loss "
                 f"{read_summary(root / rung['name'])['final_val_loss']:.4f}, not trained again")
         else:
@@ -64,10 +69,10 @@ def train_parallel(grid, grid_path: Path, rungs: List[dict], max_rungs: Optional
                 from lit_pretrain.scaling.ladder_report import write_prediction
 
                 fitted = write_prediction(grid, rungs, log)  # every other rung is complete: predict first
-            step = ladder.checkpointed_step(root / rung["name"])
+            step = checkpointed_step(root / rung["name"])
             log(f"{_head(rung, index, rungs)}: started" + (f", resumes from step {step}" if step else "")
                 + f" (log {root / rung['name'] / 'train.log'})")
-            process = subprocess.Popen([sys.executable, "-m", "lit_pretrain.scaling.ladder_rung", str(grid_path),
+            process = subprocess.Popen([sys.executable, "-m", "lit_pretrain.scaling.ladder_worker", str(grid_path),
                                         rung["name"]], stdin=subprocess.DEVNULL)
             running[rung["name"]] = (process, rung, time.perf_counter())
             pending.remove(rung)
@@ -91,12 +96,12 @@ def train_parallel(grid, grid_path: Path, rungs: List[dict], max_rungs: Optional
                 rate = done_flops / elapsed if done_flops > 0 else grid.flops_per_second * grid.workers
                 left = [r for r in pending + [x[1] for x in running.values()]]
                 log(f"{head}: val loss {summary['final_val_loss']:.4f} in "
-                    f"{ladder._duration(time.perf_counter() - rung_started)}; elapsed {ladder._duration(elapsed)}, "
-                    f"estimated time left {ladder._duration(sum(r['train_flops_own'] for r in left) / rate)} "
+                    f"{duration(time.perf_counter() - rung_started)}; elapsed {duration(elapsed)}, "
+                    f"estimated time left {duration(sum(r['train_flops_own'] for r in left) / rate)} "
                     f"({rate:.3g} FLOP/s so far)")
             elif signals.signum is not None or process.returncode == 0:
                 signals.signum = signals.signum or signal.SIGTERM  # the worker's own handler took a signal
-                log(f"{head}: stopped with its checkpoint of step {ladder.checkpointed_step(root / name)} of "
+                log(f"{head}: stopped with its checkpoint of step {checkpointed_step(root / name)} of "
                     f"{rung['steps']}; not fitted or reported until it is complete")
             else:
                 failed.append(name)
@@ -112,7 +117,7 @@ def train_parallel(grid, grid_path: Path, rungs: List[dict], max_rungs: Optional
                            "again to continue")
     if signals.signum is not None:
         log(f"ladder stopped by {signals.name}; continue with: {command}")
-        raise ladder.LadderStopped(signals.signum)
+        raise LadderStopped(signals.signum)
     if pending:
         log(f"stopping after {launched} rungs (--max-rungs {max_rungs}): run the same command again to continue")
         return False

@@ -175,7 +175,7 @@ def rung_overrides(grid, rung: dict) -> List[str]:
     """The rung's keys over the grid's: shape, the rules' recipe (ladder.rung_recipe), a WSD schedule with its 1-sqrt
     cooldown, checkpoints, seed; a branch not started yet resumes from its run's checkpoint at its branch step."""
     from lit_pretrain.resume.store import step_file
-    from lit_pretrain.scaling.ladder import checkpointed_step
+    from lit_pretrain.scaling.ladder_state import checkpointed_step
 
     shape, folder = rung["shape"], Path(grid.root_dir) / rung["name"]
     out = [
@@ -203,35 +203,3 @@ def rung_overrides(grid, rung: dict) -> List[str]:
         out += ["run.resume=auto", *(["run.resume_allow_changes=[trainer.max_steps]"] if rung.get("branch_of")
                                      else [])]
     return out
-
-
-def main(argv=None) -> int:
-    """`python -m lit_pretrain.scaling.ladder_rung GRID RUNG`: one rung in a worker process of the ladder
-    (ladder_pool.py); exit 0 when it finished or a signal stopped it at a checkpoint (its summary says which)."""
-    import traceback
-
-    from lit_pretrain.scaling import ladder
-
-    grid_path, name = argv if argv is not None else sys.argv[1:]
-    grid = ladder.load_grid(grid_path)
-    rung = next(r for r in ladder.plan_rungs(grid, Path(grid_path)) if r["name"] == name)
-    signals = LadderSignals().install()
-    output = RungOutput(Path(grid.root_dir), Path(grid.root_dir) / name)
-    try:
-        train_rung(grid, rung, signals, output)
-    except BaseException:
-        log = Path(grid.root_dir) / name / "train.log"
-        text = (output.unplaced or "") + traceback.format_exc()
-        if log.parent.is_dir():
-            with open(log, "a") as out:
-                out.write(text)
-        else:
-            print(text, file=sys.stderr, flush=True)
-        return 1
-    finally:
-        signals.uninstall()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
