@@ -17,7 +17,7 @@ import pytest
 CACHE_KEY = "lit_pretrain/durations"
 LONG = 5.0  # seconds: tests at least this long are placed; shorter ones keep their file order (their fixtures too)
 
-# Seconds under `make test` (2 workers) on 2 idle cores, for a checkout whose cache holds none yet (a clean clone, as
+# Seconds under `make test` (then 2 workers) on 2 idle cores, for a checkout whose cache holds none yet (a clean clone, as
 # CI runs): every test of at least LONG seconds in the clean-clone `.ci/run` of 2e80722 (1,136 tests, pytest 649 s;
 # setup + call + teardown). Node ids as pytest prints them.
 KNOWN = {
