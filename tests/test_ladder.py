@@ -148,6 +148,7 @@ def write_grid(tmp_path: Path, data_dir: Path = None, extra=(), **changes) -> Pa
      ["held_out[0].tokens_per_param", "list one ratio"]),
     ({"cooldown_fraction": 0.3}, ["cooldown_fraction=0.3", "expected 1/m"]),
     ({"bootstrap": 1}, ["bootstrap=1"]),
+    ({"bootstrap_method": "cases"}, ["bootstrap_method='cases'", "residuals or points"]),
     ({"budgets": [1]}, ["unknown keys ['budgets']"]),
     ({"models": [{"n_layers": "2", "d_model": 16, "n_heads": 2, "tokens_per_param": [1]}]},
      ["models[0].n_layers='2'", "integer"]),
@@ -291,7 +292,7 @@ def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, mon
 
     points = []
 
-    def fake_fit(n, d, loss, resamples, level, noise=0.0):
+    def fake_fit(n, d, loss, resamples, level, noise=0.0, **kwargs):
         points.append(sorted(zip(n.tolist(), d.tolist(), loss.tolist())))
         return {"law": TRUE, "fit": {"objective": 0.0, "starts_at_best": 1}, "samples": [TRUE, TRUE],
                 "intervals": {}, "degenerate": 0}
@@ -464,6 +465,29 @@ def test_gpu_grid_rungs_are_the_presets_and_its_held_out_rung_is_the_run_files(c
     hours = gpu_hours(sum(r["train_flops_own"] for r in rungs), 0.4, peak)
     assert f"GPU-hours: {hours:,.0f} at MFU 40.0% of one H200's" in capsys.readouterr().out
     assert ladder.main([str(path), "--mfu", "0.4"]) == 2  # --mfu goes with --plan
+
+
+def test_wide_grid_is_laid_out_by_olmos_ladder():
+    # experiments/ladder/wide.yaml (the third grid): budgets at OLMo's multiples 1, 2, 5, 10 of a base, 4 fitted
+    # sizes on the depth dial spanning a decade of non-embedding N, a fifth (L6, in no earlier grid) for the
+    # development rung at about 3x and the held-out rung at >= 10x the largest fitted compute; residual bootstrap.
+    path = EXPERIMENTS / "ladder" / "wide.yaml"
+    grid = ladder.load_grid(path)
+    rungs = ladder.plan_rungs(grid, path)
+    fit = [r for r in rungs if r["role"] == "fit"]
+    assert grid.bootstrap_method == "residuals" and all(m.d_model == 16 * m.n_layers for m in
+                                                        grid.models + grid.development + grid.held_out)
+    for m in grid.models:
+        assert {round(r / min(m.tokens_per_param)) for r in m.tokens_per_param} <= {1, 2, 5, 10}
+    sizes = sorted({r["non_embedding_params"] for r in fit})
+    assert len(sizes) == 4 and sizes[-1] / sizes[0] >= 10
+    largest = max(r["flops"] for r in fit)
+    (dev,), (held,) = ([r for r in rungs if r["role"] == role] for role in ("dev", "held_out"))
+    assert 2.5 < dev["flops"] / largest < 3.5 and held["flops"] / largest >= 10
+    # (layers, width) of every model the first grid (git 4f164d0) and the second (default.yaml) trained
+    seen = {(r["shape"]["n_layers"], r["shape"]["d_model"]) for r in default_rungs()} | {
+        (1, 32), (2, 32), (2, 48), (2, 64), (3, 64), (3, 80)}
+    assert held["name"] == "L6_d96_tpp14" and (held["shape"]["n_layers"], held["shape"]["d_model"]) not in seen
 
 
 def test_a_resampled_law_beyond_float_range_predicts_without_an_error():

@@ -19,6 +19,7 @@ from lit_pretrain.scaling.laws import ParametricLaw
 from lit_pretrain.scaling.lbfgs import FunGrad, minimize_rows
 
 HUBER_DELTA = 1e-3
+LAW_COEFFICIENTS = 5  # E, A, B, alpha, beta
 # Hoffmann et al. appendix D.2: alpha, beta in {0, 0.5, ..., 2}; e in {-1, -0.5, ..., 1}; a, b in {0, 5, ..., 25}.
 CHINCHILLA_GRID = {
     "alpha": np.arange(0.0, 2.01, 0.5), "beta": np.arange(0.0, 2.01, 0.5), "e": np.arange(-1.0, 1.01, 0.5),
@@ -119,27 +120,79 @@ def fit_parametric(n: Sequence[float], d: Sequence[float], loss: Sequence[float]
             "a": law.a, "b": law.b, "G": law.G}
 
 
+BOOTSTRAP_METHODS = ("points", "residuals")
+
+
+def log_law(theta: Sequence[float], log_n: np.ndarray, log_d: np.ndarray) -> np.ndarray:
+    """log L(N, D) of θ = (a, b, e, alpha, beta): LSE(a − alpha·log N, b − beta·log D, e)."""
+    a, b, e, alpha, beta = theta
+    return np.logaddexp(np.logaddexp(a - alpha * log_n, b - beta * log_d), e)
+
+
+def residual_draws(log_fit: np.ndarray, log_l: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """(resamples, runs) log losses of a fixed-design residual bootstrap: the fitted log loss of every run plus a
+    residual drawn with replacement from the fit's log residuals, centred and scaled by sqrt(runs / (runs − 5))."""
+    residuals = log_l - log_fit
+    spread = residuals - residuals.mean()
+    runs = len(log_l)
+    if runs > LAW_COEFFICIENTS:
+        spread = spread * math.sqrt(runs / (runs - LAW_COEFFICIENTS))
+    return log_fit[None, :] + spread[rng.integers(0, runs, (resamples, runs))]
+
+
+def refit_rows(log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, starts: np.ndarray,
+               delta: float = HUBER_DELTA) -> np.ndarray:
+    """θ (rows, 5) fitted to each row of log_l (rows, runs) from every start, the best start's kept. log_n, log_d:
+    (1, runs) shared by every row or (rows, runs); starts (k, 5) shared, or (rows, k, 5) a row's own."""
+    rows, runs = log_l.shape
+    starts = np.broadcast_to(starts, (rows,) + np.shape(starts)[-2:])
+    k = starts.shape[1]
+    sn, sd = (v if v.shape[0] == 1 else np.repeat(v, k, axis=0) for v in (log_n, log_d))
+    x, f = minimize_rows(_rows_objective(sn, sd, np.repeat(log_l, k, axis=0), delta), starts.reshape(-1, 5),
+                         **_GRID)
+    f = np.where(np.isfinite(f), f, np.inf).reshape(rows, k)
+    return x.reshape(rows, k, 5)[np.arange(rows), np.argmin(f, axis=1)]
+
+
 def bootstrap(n, d, loss, best: Dict, resamples: int, seed: int = 0, delta: float = HUBER_DELTA,
-              extra_starts: int = 8, loss_noise: float = 0.0) -> Dict:
-    """Refit on `resamples` resamples of the runs (drawn with replacement); percentile intervals and standard errors.
-    loss_noise: each resampled loss is also multiplied by exp(ε), ε ~ Normal(0, loss_noise) drawn afresh per run and
-    resample: a measured seed-to-seed spread of the loss (relative standard deviation) enters the intervals.
+              extra_starts: int = 8, loss_noise: float = 0.0, method: str = "points",
+              noise_scale: Optional[Sequence[float]] = None) -> Dict:
+    """Refit on `resamples` resampled data sets; percentile intervals and standard errors of the coefficients.
+
+    method "points": each resample draws the runs with replacement (a case bootstrap): with few points a resample
+    often holds one or two model sizes only, and its refit is then unconstrained in N.
+    method "residuals" (a fixed-design residual bootstrap, Efron & Tibshirani 1993 §9.5): every resample keeps every
+    run's (N, D), and its log loss is the full-data fit's log loss there plus a residual drawn with replacement from
+    the fit's log residuals, centred and scaled by sqrt(runs / (runs - 5)) (the 5 fitted coefficients shrink
+    residuals below the noise; Davison & Hinkley 1997 §6.2.3), so no size is ever dropped from a refit.
+    loss_noise: each resampled log loss also gets Normal(0, loss_noise · noise_scale[i]) drawn afresh per run and
+    resample: a measured seed-to-seed spread of the loss (relative standard deviation) enters the intervals;
+    noise_scale (default 1 each) is e.g. 1/sqrt(seeds) for a point that is the mean of several seeds. Under
+    "residuals" this counts the seed noise a second time beside the residuals (which hold it too): the intervals
+    err on the wide side.
 
     Each resample starts from the full-data optimum and from the `extra_starts` grid points with the lowest
     objective on the full data (the whole grid for every resample would cost resamples × 4,500 L-BFGS runs).
     """
+    if method not in BOOTSTRAP_METHODS:
+        raise ValueError(f"bootstrap method {method!r}: expected one of {BOOTSTRAP_METHODS}")
     rng = np.random.default_rng(seed)
     log_n, log_d, log_l = (np.log(np.asarray(v, dtype=float)) for v in (n, d, loss))
+    runs = len(log_n)
     grid = grid_starts()
     initial, _ = _rows_objective(log_n[None], log_d[None], log_l[None], delta)(grid, np.arange(len(grid)))
     starts = np.vstack([best["theta"], grid[np.argsort(initial)[:extra_starts]]])  # (k, 5)
-    idx = rng.integers(0, len(log_n), (resamples, len(log_n)))
-    rows = np.repeat(idx, len(starts), axis=0)  # (resamples * k, runs)
-    jitter = np.repeat(rng.normal(0.0, loss_noise, idx.shape), len(starts), axis=0) if loss_noise > 0 else 0.0
-    x, f = minimize_rows(_rows_objective(log_n[rows], log_d[rows], log_l[rows] + jitter, delta),
-                        np.tile(starts, (resamples, 1)), **_GRID)
-    f = np.where(np.isfinite(f), f, np.inf).reshape(resamples, len(starts))
-    chosen = x.reshape(resamples, len(starts), 5)[np.arange(resamples), np.argmin(f, axis=1)]
+    if method == "points":
+        idx = rng.integers(0, runs, (resamples, runs))
+        sn, sd, sl = log_n[idx], log_d[idx], log_l[idx]
+        scale = np.ones(runs)[idx] if noise_scale is None else np.asarray(noise_scale, dtype=float)[idx]
+    else:
+        sn, sd = log_n[None], log_d[None]
+        sl = residual_draws(log_law(best["theta"], log_n, log_d), log_l, resamples, rng)
+        scale = np.ones((1, runs)) if noise_scale is None else np.asarray(noise_scale, dtype=float)[None]
+    if loss_noise > 0:
+        sl = sl + rng.normal(0.0, loss_noise, (resamples, runs)) * scale
+    chosen = refit_rows(sn, sd, sl, starts, delta)
     samples = []
     for a, b, e, alpha, beta in chosen:
         if max(a, b, e) > 700 or not np.isfinite([a, b, e, alpha, beta]).all():
@@ -155,8 +208,8 @@ def bootstrap(n, d, loss, best: Dict, resamples: int, seed: int = 0, delta: floa
         # a resample that sends A or B to ~1e300 makes the standard error meaningless: null, use the interval
         summary[key] = {"standard_error": spread if math.isfinite(spread) and spread < 1e100 else None,
                         "interval_90": [float(np.percentile(values, 5)), float(np.percentile(values, 95))]}
-    return {"resamples": resamples, "degenerate": resamples - len(samples), "seed": seed, "coefficients": summary,
-            "samples": samples}
+    return {"resamples": resamples, "degenerate": resamples - len(samples), "seed": seed, "method": method,
+            "coefficients": summary, "samples": samples}
 
 
 def isoflop_groups(c: Sequence[float], rel_tol: float = 0.1) -> List[List[int]]:

@@ -111,7 +111,12 @@ class LadderGrid:
     min_steps: int = 10
     """Refuse a rung of fewer optimizer steps than this."""
     bootstrap: int = 200
-    """Bootstrap resamples of the fitted rungs (drawn with replacement, refitted) for the intervals."""
+    """Bootstrap resamples of the fitted rungs (refitted) for the intervals."""
+    bootstrap_method: str = "residuals"
+    """residuals: every resample keeps every fitted (N, D) and draws its losses as the fit's plus resampled log
+    residuals (a fixed-design residual bootstrap: no size is ever dropped); points: the fitted points drawn with
+    replacement (a resample can lose a whole size, and its refit is then unconstrained in N). Both add the seed
+    spread (scaling/fit.py bootstrap)."""
     interval: float = 0.9
     """Coverage of the bootstrap percentile intervals (0.9: the 5th to the 95th percentile)."""
     flops_per_second: float = 2.0e10
@@ -209,6 +214,7 @@ def load_grid(path: str | Path) -> LadderGrid:
                "an integer >= 1"),
               ("min_steps", isinstance(grid.min_steps, int) and grid.min_steps >= 1, "an integer >= 1"),
               ("bootstrap", isinstance(grid.bootstrap, int) and grid.bootstrap >= 2, "an integer >= 2"),
+              ("bootstrap_method", grid.bootstrap_method in ("residuals", "points"), "residuals or points"),
               ("interval", 0 < grid.interval < 1, "in (0, 1)"),
               ("flops_per_second", grid.flops_per_second > 0, "positive"))
     for key, ok, rule in checks:

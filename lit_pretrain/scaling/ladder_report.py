@@ -72,12 +72,17 @@ def n_of(row: dict, convention: str) -> float:
     return row["params"]
 
 
-def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0, noise: float = 0.0) -> Dict:
-    """The law fitted to all points, and its bootstrap: each resample draws the points with replacement, multiplies
-    each loss by exp(Normal(0, noise)) (the seed-to-seed spread) and refits (fit.bootstrap); returns the law, the
-    resampled laws and the coefficients' percentile intervals."""
+def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0, noise: float = 0.0,
+               method: str = "points", seeds: Optional[Sequence[int]] = None) -> Dict:
+    """The law fitted to all points, and its bootstrap (fit.bootstrap): each resample draws the points with
+    replacement (method points) or the fit's losses plus resampled log residuals at every point (residuals),
+    multiplies each loss by exp(Normal(0, noise/sqrt(seeds))) (the seed-to-seed spread; a point averaged over k seeds
+    has 1/sqrt(k) of it) and refits; returns the law, the resampled laws and the coefficients' percentile
+    intervals."""
     best = fit_lib.fit_parametric(n, d, loss)
-    boot = fit_lib.bootstrap(n, d, loss, best, resamples, seed=seed, loss_noise=noise)
+    scale = None if seeds is None else [1.0 / math.sqrt(k) for k in seeds]
+    boot = fit_lib.bootstrap(n, d, loss, best, resamples, seed=seed, loss_noise=noise, method=method,
+                             noise_scale=scale)
     samples = [ParametricLaw.from_dict(s) for s in boot["samples"]]
     intervals = {k: percentile_interval([getattr(s, k) for s in samples], level)
                  for k in ("E", "A", "B", "alpha", "beta")} if len(samples) > 1 else {}
@@ -180,7 +185,9 @@ def fit_rungs(grid, rungs: List[dict]) -> Dict:
         n = np.array([n_of(p, convention) for p in points], dtype=float)
         try:
             by_convention[convention] = fit_ladder(n, d, loss, grid.bootstrap, grid.interval,
-                                                   noise=spread["relative_std"])
+                                                   noise=spread["relative_std"],
+                                                   method=grid.bootstrap_method,
+                                                   seeds=[p["seeds"] for p in points])
         except DataError as err:  # these points do not pin the law down in this convention: reported, not chosen
             failed[convention] = str(err)
     if not by_convention:
@@ -285,8 +292,13 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
                         "chosen_by": fitted.get("chosen_by"), "D": "training tokens", "C": COMPUTE,
                         "loss": "final validation loss, nats per token",
                         "interval": f"bootstrap percentile interval, {grid.interval:.0%} coverage, "
-                                    f"{grid.bootstrap} resamples of the fitted points, each loss jittered by the "
-                                    f"seed spread ({100 * fitted.get('seed_spread', {}).get('relative_std', 0):.2f}%)"},
+                                    f"{grid.bootstrap} resamples "
+                                    + ("of the fitted points' residuals (fixed design: every fitted (N, D) in "
+                                       "every resample)" if grid.bootstrap_method
+                                       == "residuals" else "of the fitted points (drawn with replacement)")
+                                    + ", each loss jittered by the seed spread "
+                                    f"({100 * fitted.get('seed_spread', {}).get('relative_std', 0):.2f}%, over "
+                                    "sqrt(seeds) at a seed-averaged point)"},
         "convention": fitted.get("convention", "total"),
         "by_convention": {c: _convention_result(grid, fitted, rungs, c, measured, largest_held)
                           for c in fitted.get("by_convention", {})},
