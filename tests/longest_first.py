@@ -17,9 +17,9 @@ import pytest
 CACHE_KEY = "lit_pretrain/durations"
 LONG = 5.0  # seconds: tests at least this long are placed; shorter ones keep their file order (their fixtures too)
 
-# Seconds under `make test` (then 2 workers) on 2 idle cores, for a checkout whose cache holds none yet (a clean clone, as
-# CI runs): every test of at least LONG seconds in the clean-clone `.ci/run` of 2e80722 (1,136 tests, pytest 649 s;
-# setup + call + teardown). Node ids as pytest prints them.
+# Seconds under `make test` (then 2 workers) on 2 idle cores, for a checkout whose cache holds none yet (a clean
+# clone, as CI runs): every test of at least LONG seconds in the clean-clone `.ci/run` of 2e80722 (1,136 tests,
+# pytest 649 s; setup + call + teardown). Node ids as pytest prints them.
 KNOWN = {
     "tests/test_resume.py::test_ddp_sigkill_twice_and_world_size_changes": 81.3,
     "tests/test_mixed_precision.py::test_the_policy_trains_as_the_autocast_path_over_200_steps": 68.4,
