@@ -342,7 +342,7 @@ def _convention_result(grid, fitted: Dict, rungs: List[dict], convention: str, m
                     "intervals": f["intervals"], "objective": f["fit"]["objective"],
                     "degenerate_resamples": f["degenerate"]},
             "development": fitted["development"].get(convention, []), "held_out": held,
-            "optimal_tokens_per_param_at_largest_held_out": ratio_at(f, largest_held, grid.interval)}
+            "compute_optimal_tokens_per_param_at_largest_held_out": ratio_at(f, largest_held, grid.interval)}
 
 
 def _value(value, spec: str) -> str:
@@ -367,7 +367,7 @@ def markdown(result: dict) -> str:
             dev = ", ".join(f"{100 * x['relative_error']:+.2f}%" for x in c["development"]) or "-"
             held = ", ".join("-" if x["relative_error"] is None else f"{100 * x['relative_error']:+.2f}%"
                              for x in c["held_out"])
-            ratio_c = c["optimal_tokens_per_param_at_largest_held_out"]
+            ratio_c = c["compute_optimal_tokens_per_param_at_largest_held_out"]
             lines.append(f"| {name}{' (chosen)' if name == result.get('convention') else ''} | {law_c['E']:.4g} | "
                          f"{law_c['A']:.4g} | {law_c['B']:.4g} | {law_c['alpha']:.4f} | {law_c['beta']:.4f} | {dev} "
                          f"| {held} | {_value(ratio_c['tokens_per_param'], '.1f')} "
