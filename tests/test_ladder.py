@@ -148,6 +148,7 @@ def write_grid(tmp_path: Path, data_dir: Path = None, extra=(), **changes) -> Pa
      ["held_out[0].tokens_per_param", "list one ratio"]),
     ({"cooldown_fraction": 0.3}, ["cooldown_fraction=0.3", "expected 1/m"]),
     ({"bootstrap": 1}, ["bootstrap=1"]),
+    ({"held_out_threads": 0}, ["held_out_threads=0", "null or an integer >= 1"]),
     ({"bootstrap_method": "cases"}, ["bootstrap_method='cases'", "residuals or points"]),
     ({"budgets": [1]}, ["unknown keys ['budgets']"]),
     ({"models": [{"n_layers": "2", "d_model": 16, "n_heads": 2, "tokens_per_param": [1]}]},
@@ -341,13 +342,22 @@ def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, mon
     assert again["held_out_measured_before"] == []  # the partial held-out rung is not measured
     assert "written again" in log[0] and any(f"predicted {held[0]['name']} before training it" in x for x in log)
 
+    off = next(r for r in fit if r["name"] == "L4_d64_tpp6")  # 1% above the law: the law's residual there
+    summary(off, off["steps"], TRUE.loss(off["params"], off["tokens"]) * 1.01)
     result = report(grid, path, rungs, log=log)
     assert [r["name"] for r in result["rungs"]] == [r["name"] for r in rungs if r not in (partial_fit, partial_held)]
+    errors = {r["name"]: r["law_relative_error"] for r in result["rungs"]}
+    assert errors.pop(off["name"]) == pytest.approx(1 / 1.01 - 1) and max(map(abs, errors.values())) < 1e-12
+    residuals = result["law"]["fit_residuals"]
+    assert residuals["largest"] == {"rung": off["name"], "relative": pytest.approx(1 / 1.01 - 1)}
+    assert residuals["mean_abs"] == pytest.approx((1 - 1 / 1.01) / (len(fit) - 1))  # the partial rung left out
     assert result["unfinished_rungs"] == [partial_fit["name"], partial_held["name"]]
     last = result["predictions"][-1]
     assert last["name"] == partial_held["name"] and last["measured_loss"] is None and last["relative_error"] is None
     md = (tmp_path / "report.md").read_text()
-    assert "| not complete | - |" in md and f"Not complete (not fitted, not measured): {partial_fit['name']}" in md
+    assert "| not complete | - |" in md
+    assert f"| {TRUE.loss(off['params'], off['tokens']) * 1.01:.4f} | -0.99% |" in md and "by -0.99% at most" in md
+    assert f"Not complete (not fitted, not measured): {partial_fit['name']}" in md
     assert any("not measured: the rung is not complete" in x for x in log)
 
     # too few complete fitted points: refused, naming the rungs, rather than fitted on what is left
@@ -503,3 +513,28 @@ def test_a_resampled_law_beyond_float_range_predicts_without_an_error():
     assert safe_loss(ParametricLaw(E=2.0, A=1e5, B=1e3, alpha=-300.0, beta=0.3), 3e5, 1e7) == math.inf
     p = predict(TRUE, [TRUE, ParametricLaw(E=2.0, A=1e5, B=1e3, alpha=-300.0, beta=0.3), TRUE], 3e5, 1e7, 0.9)
     assert p["resamples_infinite"] == 1 and p["interval"] == pytest.approx([TRUE.loss(3e5, 1e7)] * 2)
+
+
+def test_long_grid_trains_every_fitted_rung_500_steps_and_its_held_out_rung_alone_on_both_cores():
+    # experiments/ladder/long.yaml (the fourth grid): every rung >= 500 optimizer steps (min_steps refuses fewer),
+    # compiled, a held-out size no grid trained (L7) at >= 10x the largest fitted compute and under one epoch of the
+    # corpus, the development rung at about 3x; the held-out rung (which trains alone) runs 2 threads, no other rung.
+    from lit_pretrain import config as config_lib
+    from lit_pretrain.scaling.ladder_rung import rung_overrides
+
+    path = EXPERIMENTS / "ladder" / "long.yaml"
+    grid = ladder.load_grid(path)
+    rungs = ladder.plan_rungs(grid, path)
+    fit = [r for r in rungs if r["role"] == "fit"]
+    assert grid.min_steps == 500 and min(r["steps"] for r in rungs) >= 500
+    assert "trainer.compile=true" in grid.overrides
+    largest = max(r["flops"] for r in fit)
+    (dev,), (held,) = ([r for r in rungs if r["role"] == role] for role in ("dev", "held_out"))
+    assert 2.5 < dev["flops"] / largest < 3.5 and held["flops"] / largest >= 10
+    assert held["tokens"] < 11_832_153  # under one epoch: the training split of data/stdlib-bpe1k (its summary.json)
+    seen = {(r["shape"]["n_layers"], r["shape"]["d_model"]) for r in default_rungs()} | {
+        (1, 32), (2, 32), (2, 48), (2, 64), (3, 64), (3, 80), (6, 96)}
+    assert (held["shape"]["n_layers"], held["shape"]["d_model"]) not in seen
+    threads = {r["name"]: config_lib.to_object(config_lib.load(
+        grid.run_file, [*grid.overrides, *rung_overrides(grid, r)])).trainer.num_threads for r in rungs}
+    assert threads.pop(held["name"]) == 2 and set(threads.values()) == {1}

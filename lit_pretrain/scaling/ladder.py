@@ -105,6 +105,9 @@ class LadderGrid:
     on a multi-GPU grid, so each step splits evenly."""
     workers: int = 1
     """Rungs trained at the same time, each in its own process (1: one after another, in the ladder's process)."""
+    held_out_threads: Optional[int] = None
+    """trainer.num_threads of the held-out rungs (null: the run file's). They train alone, after every other rung
+    and the prediction (ladder_pool.py), so on a CPU grid of one thread a worker they may take every worker's."""
     checkpoints_per_rung: int = 4
     """Checkpoints written over a rung without branches (an interrupted rung continues from the newest); a run with
     branches checkpoints at every branch step instead, and keeps them all."""
@@ -206,6 +209,8 @@ def load_grid(path: str | Path) -> LadderGrid:
               ("seeded_model", isinstance(grid.seeded_model, int) and 0 <= grid.seeded_model < len(grid.models),
                f"an index into models (0..{len(grid.models) - 1})"),
               ("workers", isinstance(grid.workers, int) and grid.workers >= 1, "an integer >= 1"),
+              ("held_out_threads", grid.held_out_threads is None or isinstance(grid.held_out_threads, int)
+               and grid.held_out_threads >= 1, "null or an integer >= 1"),
               ("micro_batch_size", grid.micro_batch_size is None or isinstance(grid.micro_batch_size, int)
                and grid.micro_batch_size >= 1, "null or an integer >= 1"),
               ("sequences_multiple", isinstance(grid.sequences_multiple, int) and grid.sequences_multiple >= 1,

@@ -285,6 +285,13 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     unfinished = [r["name"] for r in rungs if r["name"] not in measured]
     largest_held = max(p["flops"] for p in predictions)
     fitted.setdefault("by_convention", {})
+    convention = fitted.get("convention", "total")
+    # (law - measured) / measured under the chosen convention, for every measured rung: on a fitted rung the law's
+    # residual (how closely it describes its own data), on the others its error; one definition for the column
+    law_error = {r["name"]: (safe_loss(law, n_of(r, convention), r["tokens"]) - r["final_val_loss"])
+                 / r["final_val_loss"] for r in rows}
+    fit_errors = {r["name"]: law_error[r["name"]] for r in fit_rows}
+    worst = max(fit_errors, key=lambda k: abs(fit_errors[k]))
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
         "conventions": {"N": f"{fitted.get('convention', 'total')}: "
@@ -305,10 +312,13 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
         "failed_conventions": fitted.get("failed_conventions", {}), "seed_spread": fitted.get("seed_spread"),
         "law": {**{k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta", "a", "b")},
                 "intervals": fitted["intervals"], "objective": fitted["fit"]["objective"],
-                "starts_at_best": fitted["fit"]["starts_at_best"], "degenerate_resamples": fitted["degenerate"]},
+                "starts_at_best": fitted["fit"]["starts_at_best"], "degenerate_resamples": fitted["degenerate"],
+                "fit_residuals": {"largest": {"rung": worst, "relative": fit_errors[worst]},
+                                  "mean_abs": float(np.mean([abs(v) for v in fit_errors.values()]))}},
         "compute_optimal": {"at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval),
                             "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval)},
-        "predictions": predictions, "prediction_written_at": predicted_at, "goal": GOAL, "rungs": rows,
+        "predictions": predictions, "prediction_written_at": predicted_at, "goal": GOAL,
+        "rungs": [{**r, "law_relative_error": law_error[r["name"]]} for r in rows],
         "unfinished_rungs": unfinished,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -387,6 +397,12 @@ def markdown(result: dict) -> str:
               "| coefficient | value | interval |", "|---|---|---|"]
     for key in ("E", "A", "B", "alpha", "beta"):
         lines.append(f"| {key} | {law[key]:.4g} | {_interval(law['intervals'].get(key), '.4g')} |")
+    residuals = law.get("fit_residuals")
+    if residuals:
+        lines += ["", f"Against its own fitted rungs the law is off by {100 * residuals['mean_abs']:.2f}% on average "
+                      f"(mean |law - measured| / measured) and by {100 * residuals['largest']['relative']:+.2f}% at "
+                      f"most ({residuals['largest']['rung']}; seeds are fitted as their mean, each listed against "
+                      "it)."]
     lines += ["", "| compute-optimal tokens per parameter | at C | value | interval | Chinchilla |",
               "|---|---|---|---|---|"]
     for label, r in result["compute_optimal"].items():
@@ -406,13 +422,14 @@ def markdown(result: dict) -> str:
     lines += ["", f"Goal: {result['goal']}. Measured on {far['name']} ({far['compute_over_largest_fitted']:.1f}x): "
               f"{error}, interval {100 * lo:+.2f}% .. {100 * hi:+.2f}% of the prediction.", "",
               "| rung | role | N | non-embedding N | D | tokens/param | C | lr | tokens a step | cooldown from | "
-              "val loss | train s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "val loss | (law - val loss) / val loss | train s |", "|---" * 13 + "|"]
     for r in result["rungs"]:
         seconds = f"{r['train_seconds']:.0f}" if r.get("train_seconds") is not None else "-"
+        error = f"{100 * r['law_relative_error']:+.2f}%" if r.get("law_relative_error") is not None else "-"
         lines.append(f"| {r['name']} | {r['role']} | {r['params']:,} | {r.get('non_embedding_params') or 0:,} | "
                      f"{r['tokens']:,} | {r['tokens_per_param']:.3g} | {r['flops']:.3g} | {r.get('lr') or 0:.3g} | "
                      f"{r.get('tokens_per_step') or 0:,} | {r.get('branch_of') or '-'} | {r['final_val_loss']:.4f} | "
-                     f"{seconds} |")
+                     f"{error} | {seconds} |")
     if result.get("unfinished_rungs"):
         lines += ["", f"Not complete (not fitted, not measured): {', '.join(result['unfinished_rungs'])}."]
     return "\n".join(lines) + "\n"

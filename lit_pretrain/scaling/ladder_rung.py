@@ -192,6 +192,8 @@ def rung_overrides(grid, rung: dict) -> List[str]:
         f"run.keep_last_checkpoints={rung['keep_checkpoints']}"]
     if rung.get("seed") is not None:
         out.append(f"run.seed={rung['seed']}")
+    if rung["role"] == "held_out" and grid.held_out_threads:
+        out.append(f"trainer.num_threads={grid.held_out_threads}")  # it trains alone: ladder_pool.ready
     if rung.get("branch_of") and checkpointed_step(folder) is None:
         # the cooldown of this budget from the longer run's checkpoint at its branch step: only max_steps differs,
         # and the rate up to that step is the constant one either way (optim/schedule.py)
