@@ -99,7 +99,7 @@ def _check_cli(argv: list, where: str) -> None:
         if command == "ladder":
             args = ladder_parser().parse_args(argv[1:])
             if args.grid:
-                from lit_pretrain.scaling.ladder import load_grid
+                from lit_pretrain.scaling.ladder_grid import load_grid
 
                 load_grid(ROOT / args.grid)
             return
@@ -125,7 +125,7 @@ def _check_yaml(text: str, where: str, tmp_path: Path) -> None:
     assert isinstance(data, dict), f"{where}: a YAML block is a mapping"
     keys = set(data)
     if {"run_file", "models"} <= keys:  # a ladder grid (compute_limit_flops) or a sweep file (budgets_flops)
-        from lit_pretrain.scaling.ladder import load_grid
+        from lit_pretrain.scaling.ladder_grid import load_grid
         from lit_pretrain.scaling.sweep import load_sweep
 
         path = tmp_path / "grid.yaml"

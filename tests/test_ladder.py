@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_pretrain.errors import ConfigError, RunFolderError
 from lit_pretrain.runs import table as run_table
-from lit_pretrain.scaling import ladder
+from lit_pretrain.scaling import ladder, ladder_grid
 from lit_pretrain.scaling import ladder_rules as rules
 from lit_pretrain.scaling.ladder_report import (
     fit_ladder,
@@ -42,7 +42,7 @@ TRUE = ParametricLaw(E=1.9, A=60.0, B=120.0, alpha=0.32, beta=0.36)
 
 def default_rungs():
     path = EXPERIMENTS / "ladder" / "default.yaml"
-    return ladder.plan_rungs(ladder.load_grid(path), path)
+    return ladder_grid.plan_rungs(ladder_grid.load_grid(path), path)
 
 
 def test_optimal_ratio_closed_form():
@@ -202,7 +202,7 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
     # step 8: rungs 1-8 finished, rung 9 interrupted, rung 10 not started.
     fault = ("callbacks.extra=[{class_path: 'tests.resume_helpers:Fault', init_args: {step: 12, signal: KILL}}]",)
     path = write_grid(tmp_path, tiny_data_dir, extra=fault)
-    rungs = ladder.plan_rungs(ladder.load_grid(path), path)
+    rungs = ladder_grid.plan_rungs(ladder_grid.load_grid(path), path)
     names = [r["name"] for r in rungs]
     assert [r["role"] for r in rungs] == ["fit"] * 8 + ["dev", "held_out"]
     root = tmp_path / "runs"
@@ -269,7 +269,7 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
 
     branch = rungs[2]
     assert (branch["branch_of"], branch["branch_step"], branch["steps"]) == (names[0], 4, 5)
-    alone = train_rung(dataclasses.replace(ladder.load_grid(path), root_dir=str(tmp_path / "alone")),
+    alone = train_rung(dataclasses.replace(ladder_grid.load_grid(path), root_dir=str(tmp_path / "alone")),
                        {**branch, "branch_of": None, "branch_step": None}, LadderSignals())
     branched = json.loads((root / branch["name"] / "summary.json").read_text())
     assert (alone["final_val_loss"], alone["final_train_loss"]) == (branched["final_val_loss"],
@@ -300,8 +300,8 @@ def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, mon
 
     monkeypatch.setattr(ladder_report, "fit_ladder", fake_fit)
     path = EXPERIMENTS / "ladder" / "default.yaml"
-    grid = dataclasses.replace(ladder.load_grid(path), root_dir=str(tmp_path))
-    rungs = ladder.plan_rungs(grid, path)
+    grid = dataclasses.replace(ladder_grid.load_grid(path), root_dir=str(tmp_path))
+    rungs = ladder_grid.plan_rungs(grid, path)
     fit, held = [r for r in rungs if r["role"] == "fit"], [r for r in rungs if r["role"] == "held_out"]
 
     def summary(rung, steps, loss):
@@ -387,7 +387,7 @@ def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(t
                           bootstrap=2)
 
     path = grid((5, "INT"))
-    names = [r["name"] for r in ladder.plan_rungs(ladder.load_grid(path), path)]
+    names = [r["name"] for r in ladder_grid.plan_rungs(ladder_grid.load_grid(path), path)]
     root = tmp_path / "runs"
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     assert ladder.main([str(path)]) == 130  # 128 + SIGINT
@@ -433,10 +433,10 @@ def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(t
     reference = tmp_path / "reference"
     reference.mkdir()
     ref_path = write_grid(reference, tiny_data_dir)
-    ref_grid = ladder.load_grid(ref_path)
+    ref_grid = ladder_grid.load_grid(ref_path)
     from lit_pretrain.scaling.ladder_rung import LadderSignals, train_rung
 
-    uninterrupted = train_rung(ref_grid, ladder.plan_rungs(ref_grid, ref_path)[0], LadderSignals())
+    uninterrupted = train_rung(ref_grid, ladder_grid.plan_rungs(ref_grid, ref_path)[0], LadderSignals())
     assert (uninterrupted["final_val_loss"], uninterrupted["final_train_loss"]) == (
         first["final_val_loss"], first["final_train_loss"])
     assert result["rungs"][0]["final_val_loss"] == uninterrupted["final_val_loss"]
@@ -452,8 +452,8 @@ def test_gpu_grid_rungs_are_the_presets_and_its_held_out_rung_is_the_run_files(c
     from lit_pretrain.scaling.ladder_rung import rung_overrides
 
     path = EXPERIMENTS / "ladder" / "gpu.yaml"
-    grid = ladder.load_grid(path)
-    rungs = ladder.plan_rungs(grid, path)
+    grid = ladder_grid.load_grid(path)
+    rungs = ladder_grid.plan_rungs(grid, path)
     keys = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff")
     presets = {name: {k: yaml.safe_load((EXPERIMENTS / "model" / f"{name}.yaml").read_text())[k] for k in keys}
                for name in ("ladder_60m", "ladder_124m", "ladder_350m", "ladder_760m", "ladder_1b", "llama3_2_1b")}
@@ -482,8 +482,8 @@ def test_wide_grid_is_laid_out_by_olmos_ladder():
     # sizes on the depth dial spanning a decade of non-embedding N, a fifth (L6, in no earlier grid) for the
     # development rung at about 3x and the held-out rung at >= 10x the largest fitted compute; residual bootstrap.
     path = EXPERIMENTS / "ladder" / "wide.yaml"
-    grid = ladder.load_grid(path)
-    rungs = ladder.plan_rungs(grid, path)
+    grid = ladder_grid.load_grid(path)
+    rungs = ladder_grid.plan_rungs(grid, path)
     fit = [r for r in rungs if r["role"] == "fit"]
     assert grid.bootstrap_method == "residuals" and all(m.d_model == 16 * m.n_layers for m in
                                                         grid.models + grid.development + grid.held_out)
@@ -523,8 +523,8 @@ def test_long_grid_trains_every_fitted_rung_500_steps_and_its_held_out_rung_alon
     from lit_pretrain.scaling.ladder_rung import rung_overrides
 
     path = EXPERIMENTS / "ladder" / "long.yaml"
-    grid = ladder.load_grid(path)
-    rungs = ladder.plan_rungs(grid, path)
+    grid = ladder_grid.load_grid(path)
+    rungs = ladder_grid.plan_rungs(grid, path)
     fit = [r for r in rungs if r["role"] == "fit"]
     assert grid.min_steps == 500 and min(r["steps"] for r in rungs) >= 500
     assert "trainer.compile=true" in grid.overrides

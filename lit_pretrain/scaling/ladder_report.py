@@ -422,7 +422,7 @@ def markdown(result: dict) -> str:
     lines += ["", f"Goal: {result['goal']}. Measured on {far['name']} ({far['compute_over_largest_fitted']:.1f}x): "
               f"{error}, interval {100 * lo:+.2f}% .. {100 * hi:+.2f}% of the prediction.", "",
               "| rung | role | N | non-embedding N | D | tokens/param | C | lr | tokens a step | cooldown from | "
-              "val loss | (law - val loss) / val loss | train s |", "|---" * 13 + "|"]
+              "val loss | (law - val loss) / val loss | train s from step 0 |", "|---" * 13 + "|"]
     for r in result["rungs"]:
         seconds = f"{r['train_seconds']:.0f}" if r.get("train_seconds") is not None else "-"
         error = f"{100 * r['law_relative_error']:+.2f}%" if r.get("law_relative_error") is not None else "-"

@@ -172,8 +172,9 @@ def train_rung(grid, rung: dict, signals: LadderSignals, output: Optional[RungOu
 
 
 def rung_overrides(grid, rung: dict) -> List[str]:
-    """The rung's keys over the grid's: shape, the rules' recipe (ladder.rung_recipe), a WSD schedule with its 1-sqrt
-    cooldown, checkpoints, seed; a branch not started yet resumes from its run's checkpoint at its branch step."""
+    """The rung's keys over the grid's: shape, the rules' recipe (ladder_grid.rung_recipe), a WSD schedule with its
+    1-sqrt cooldown, checkpoints, seed, the held-out rung's threads; a branch not started yet resumes from its run's
+    checkpoint at its branch step."""
     from lit_pretrain.resume.store import step_file
     from lit_pretrain.scaling.ladder_state import checkpointed_step
 

@@ -1,12 +1,12 @@
 """One rung of the ladder in a worker process: `python -m lit_pretrain.scaling.ladder_worker GRID RUNG`, started by
-ladder_pool.py. It stands above ladder.py (the grid and its rungs) and ladder_rung.py (training one), which import
+ladder_pool.py. It stands above ladder_grid.py (the grid and its rungs) and ladder_rung.py (training one), which import
 neither it nor each other at the top, so the ladder's modules hold no import circle (tests/test_imports.py)."""
 
 import sys
 import traceback
 from pathlib import Path
 
-from lit_pretrain.scaling import ladder
+from lit_pretrain.scaling import ladder_grid
 from lit_pretrain.scaling.ladder_rung import LadderSignals, RungOutput, train_rung
 
 
@@ -14,8 +14,8 @@ def main(argv=None) -> int:
     """`python -m lit_pretrain.scaling.ladder_worker GRID RUNG`: one rung in a worker process of the ladder
     (ladder_pool.py); exit 0 when it finished or a signal stopped it at a checkpoint (its summary says which)."""
     grid_path, name = argv if argv is not None else sys.argv[1:]
-    grid = ladder.load_grid(grid_path)
-    rung = next(r for r in ladder.plan_rungs(grid, Path(grid_path)) if r["name"] == name)
+    grid = ladder_grid.load_grid(grid_path)
+    rung = next(r for r in ladder_grid.plan_rungs(grid, Path(grid_path)) if r["name"] == name)
     signals = LadderSignals().install()
     output = RungOutput(Path(grid.root_dir), Path(grid.root_dir) / name)
     try:
