@@ -538,3 +538,13 @@ def test_long_grid_trains_every_fitted_rung_500_steps_and_its_held_out_rung_alon
     threads = {r["name"]: config_lib.to_object(config_lib.load(
         grid.run_file, [*grid.overrides, *rung_overrides(grid, r)])).trainer.num_threads for r in rungs}
     assert threads.pop(held["name"]) == 2 and set(threads.values()) == {1}
+
+
+def test_time_estimate_shares_the_fitted_rungs_out_and_runs_the_held_out_rungs_alone():
+    # (1e12 + 1e12 + 2e12 FLOPs) over 2 workers at 1e10 FLOP/s = 200 s; then the held-out rungs (3e12, 1e12) one
+    # after another, alone: 400 s on one thread, 200 s on held_out_threads=2 (counted as two one-thread workers).
+    rungs = [{"role": role, "train_flops_own": flops} for role, flops in
+             (("fit", 1e12), ("fit", 1e12), ("dev", 2e12), ("held_out", 3e12), ("held_out", 1e12))]
+    assert ladder_grid.estimate_seconds(rungs, 1e10, workers=2) == pytest.approx(600.0)
+    assert ladder_grid.estimate_seconds(rungs, 1e10, workers=2, held_out_threads=2) == pytest.approx(400.0)
+    assert ladder_grid.estimate_seconds(rungs[:3], 1e10, workers=1) == pytest.approx(400.0)

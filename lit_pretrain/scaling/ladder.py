@@ -58,11 +58,11 @@ def run_ladder(grid_file: str | Path, max_rungs: Optional[int] = None, plan_only
     held = [r for r in rungs if r["role"] == "held_out"]
     largest = max(r["flops"] for r in fitted)
     own = sum(r["train_flops_own"] for r in rungs)
+    estimate = estimate_seconds(rungs, grid.flops_per_second, grid.workers, grid.held_out_threads or 1)
     log(f"ladder {path}: {len(rungs)} rungs ({len(fitted)} fitted at C <= {grid.compute_limit_flops:.3g} FLOPs, "
         f"{sum(r['role'] == 'dev' for r in rungs)} development, {len(held)} held out, the largest at "
         f"{max(r['flops'] for r in held) / largest:.1f}x the largest fitted compute), {own:.3g} training FLOPs "
-        f"(branched cooldowns train only their own steps); estimated "
-        f"{duration(estimate_seconds(rungs, grid.flops_per_second, grid.workers))} at "
+        f"(branched cooldowns train only their own steps); estimated {duration(estimate)} at "
         f"{grid.flops_per_second:.3g} FLOP/s a worker, {grid.workers} worker(s)")
     for r in rungs:
         branch = f"  from {r['branch_of']} at step {r['branch_step']}" if r["branch_of"] else ""
@@ -154,7 +154,8 @@ def _train_rungs(grid: LadderGrid, rungs: List[dict], max_rungs: Optional[int], 
         rate = done_flops / elapsed if done_flops > 0 else grid.flops_per_second
         left = [r for r in rungs[k:] if rung_state(root / r["name"], r) != "finished"]
         log(f"{resumed}val loss {summary['final_val_loss']:.4f} in {duration(time.perf_counter() - rung_started)}; "
-            f"elapsed {duration(elapsed)}, estimated time left {duration(estimate_seconds(left, rate))} "
+            f"elapsed {duration(elapsed)}, estimated time left "
+            f"{duration(estimate_seconds(left, rate, held_out_threads=grid.held_out_threads or 1))} "
             f"({rate:.3g} FLOP/s so far)")
         if signals.signum is not None:  # it reached the rung as its last step was done
             stop(f"after rung {k} of {len(rungs)} {rung['name']}")

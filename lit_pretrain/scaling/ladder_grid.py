@@ -309,9 +309,11 @@ def check_fittable(rungs: List[dict], grid: LadderGrid, path: Path) -> None:
                           "needs at least 2")
 
 
-def estimate_seconds(rungs: List[dict], flops_per_second: float, workers: int = 1) -> float:
+def estimate_seconds(rungs: List[dict], flops_per_second: float, workers: int = 1, held_out_threads: int = 1) -> float:
     """Seconds to train `rungs` with `workers` at flops_per_second each: the rungs before the prediction shared
-    out, then the held-out ones (at least the longest of them)."""
+    out, then the held-out ones one after another, each alone (ladder_pool.py), on `held_out_threads` threads counted
+    at that many one-thread workers' rate (the fourth CPU grid's held-out rung: 1.1e11 FLOP/s on two threads, the
+    workers 5.5e10 on one each)."""
     own = [r["train_flops_own"] for r in rungs if r["role"] != "held_out"]
     held = [r["train_flops_own"] for r in rungs if r["role"] == "held_out"]
-    return (sum(own) / workers + max(sum(held) / workers, max(held, default=0.0))) / flops_per_second
+    return (sum(own) / workers + sum(held) / held_out_threads) / flops_per_second
