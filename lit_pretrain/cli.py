@@ -3,6 +3,8 @@ consolidate`, `launch slurm | torchrun`, `ladder`: parse, load the config, call 
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
 import textwrap
 
@@ -198,6 +200,18 @@ def _run_views(args) -> int:
 
 
 def main(argv=None) -> int:
+    """`lit-pretrain`. A reader that closes the pipe early (`lit-pretrain ladder --plan | head`) ends the command
+    quietly with 141 (128 + SIGPIPE, as a shell reports a process ended by it), not with a traceback: Python turns
+    the signal into BrokenPipeError, and its interpreter would raise it again flushing stdout at exit, so stdout is
+    pointed at /dev/null first."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("fit", "plan", "memory"):  # scaling laws and planning: lit_pretrain/scaling/cli.py
         from lit_pretrain.scaling.cli import main as scaling_main

@@ -66,3 +66,20 @@ def test_fast_commands_import_neither_torch_nor_lightning():
         expected = {2} if argv[-1] == "trainer.max_stepz=3" else {0, 2} if argv[0] == "runs" else {0}
         assert code in expected, f"lit-pretrain {' '.join(argv)} exited {code}: {tail}"
     assert ["plan", "--help"] in ran and ["generate", "--help"] in ran and ["train", "--help"] in ran
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    # `lit-pretrain ladder --plan GRID | head -1`: the reader is gone before the command writes (its read end is
+    # closed at once, so the first write fails whatever the pipe's buffer holds): exit 141 (128 + SIGPIPE) and
+    # nothing on stderr, where Python's BrokenPipeError printed a traceback twice (the write, then the exit's flush).
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "lit_pretrain.cli", "ladder", "--plan",
+                               str(EXPERIMENTS / "ladder" / "default.yaml")], stdout=write, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT, timeout=60)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
