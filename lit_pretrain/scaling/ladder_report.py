@@ -14,6 +14,9 @@ Compute is one number everywhere (limit, ratios, prediction.json, report, pictur
 parameter, the head's matmul included (Porian et al. 2024), attention's 12·L·H·Q·T per token left out (Hoffmann et
 al. §3.3 count). The compute-optimal allocation of a law fitted in convention X is eq. 4 with C = 6·N_X·D (that law
 knows only N_X); its tokens-per-parameter ratio is per N_X.
+
+The law's second variable (grid.law_variables): D, training tokens, or S, each rung's optimizer steps; with both,
+every convention is fitted in each (fit_key: "total", "total, steps", ...) and the development rung chooses.
 """
 
 import io
