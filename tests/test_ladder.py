@@ -21,12 +21,14 @@ from lit_pretrain.runs import table as run_table
 from lit_pretrain.scaling import ladder, ladder_grid
 from lit_pretrain.scaling import ladder_rules as rules
 from lit_pretrain.scaling.ladder_report import (
+    CONVENTIONS,
     fit_ladder,
     fit_points,
     fit_rungs,
     n_of,
     optimal_tokens_per_param,
     predict,
+    predictions_of,
     ratio_at,
     report,
     write_prediction,
@@ -548,3 +550,36 @@ def test_time_estimate_shares_the_fitted_rungs_out_and_runs_the_held_out_rungs_a
     assert ladder_grid.estimate_seconds(rungs, 1e10, workers=2) == pytest.approx(600.0)
     assert ladder_grid.estimate_seconds(rungs, 1e10, workers=2, held_out_threads=2) == pytest.approx(400.0)
     assert ladder_grid.estimate_seconds(rungs[:3], 1e10, workers=1) == pytest.approx(400.0)
+
+
+def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_rung_chooses(tmp_path):
+    # law_variables [tokens, steps]: the default grid's rungs with losses drawn exactly from a law in optimizer
+    # steps S (the batch rule ties tokens a step to N, so no law in D alone reproduces them). Six fits side by side
+    # (3 N conventions x 2 variables); the development rung chooses "total, steps", whose law recovers the truth:
+    # development and held-out rungs within 0.1% (exact losses; L-BFGS tolerance), where the law in tokens misses
+    # the development rung by more than that. Two bootstrap resamples: the intervals are not what is tested here.
+    truth = ParametricLaw(E=1.9, A=60.0, B=30.0, alpha=0.32, beta=0.5)
+    path = EXPERIMENTS / "ladder" / "default.yaml"
+    grid = dataclasses.replace(ladder_grid.load_grid(path), root_dir=str(tmp_path), bootstrap=2,
+                               law_variables=["tokens", "steps"])
+    rungs = ladder_grid.plan_rungs(grid, path)
+    for r in rungs:
+        (tmp_path / r["name"]).mkdir()
+        (tmp_path / r["name"] / "summary.json").write_text(json.dumps(
+            {"params": r["params"], "steps": r["steps"], "final_val_loss": truth.loss(r["params"], r["steps"])}))
+    fitted = fit_rungs(grid, rungs)
+    assert sorted(fitted["by_convention"]) == sorted([*CONVENTIONS, *(f"{c}, steps" for c in CONVENTIONS)])
+    assert fitted["convention"] == "total, steps"
+    (dev,) = fitted["development"]["total, steps"]
+    assert abs(dev["relative_error"]) < 1e-3 < abs(fitted["development"]["total"][0]["relative_error"])
+    (held,) = [r for r in rungs if r["role"] == "held_out"]
+    (p,) = predictions_of(grid, fitted, rungs)
+    assert p["predicted_loss"] == pytest.approx(truth.loss(held["params"], held["steps"]), rel=1e-3)
+    result = report(grid, path, rungs, log=lambda *a, **k: None, fitted=fitted)
+    md = (tmp_path / "report.md").read_text()
+    assert "N: total, steps: every parameter" in md and "D: S, optimizer steps" in md
+    assert result["compute_optimal"]["at_largest_held_out"]["tokens_per_param"] is None
+    assert "not computed for a law in steps" in md
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(ConfigError, match=r"law_variables=\['flops'\]: expected a list of distinct names"):
+        ladder_grid.load_grid(write_grid(tmp_path / "bad", law_variables=["flops"]))

@@ -94,6 +94,11 @@ class LadderGrid:
     residuals (a fixed-design residual bootstrap: no size is ever dropped); points: the fitted points drawn with
     replacement (a resample can lose a whole size, and its refit is then unconstrained in N). Both add the seed
     spread (scaling/fit.py bootstrap)."""
+    law_variables: List[str] = field(default_factory=lambda: ["tokens"])
+    """What the law's second variable counts: tokens (D, the anchors' L(N, D)) and/or steps (optimizer steps S of
+    each rung, L(N, S) = E + A/N^alpha + B/S^beta). With both, each N convention is fitted in each, side by side, and
+    the development rung chooses among them all. Tokens a step grow with N by the batch rule, so a law in steps is
+    a law in tokens whose D term grows with N (docs/performance.md, the fourth grid)."""
     interval: float = 0.9
     """Coverage of the bootstrap percentile intervals (0.9: the 5th to the 95th percentile)."""
     flops_per_second: float = 2.0e10
@@ -104,6 +109,7 @@ class LadderGrid:
 
 
 MODEL_LISTS = ("models", "development", "held_out")
+LAW_VARIABLES = ("tokens", "steps")
 RULE_KEYS = {"lr_rule": ("lr", "params", "exponent"), "batch_rule": ("sequences", "params", "exponent")}
 ROLES = {"models": "fit", "development": "dev", "held_out": "held_out"}
 
@@ -194,6 +200,10 @@ def load_grid(path: str | Path) -> LadderGrid:
               ("min_steps", isinstance(grid.min_steps, int) and grid.min_steps >= 1, "an integer >= 1"),
               ("bootstrap", isinstance(grid.bootstrap, int) and grid.bootstrap >= 2, "an integer >= 2"),
               ("bootstrap_method", grid.bootstrap_method in ("residuals", "points"), "residuals or points"),
+              ("law_variables", isinstance(grid.law_variables, list) and grid.law_variables
+               and all(v in LAW_VARIABLES for v in grid.law_variables)
+               and len(set(grid.law_variables)) == len(grid.law_variables),
+               f"a list of distinct names from {list(LAW_VARIABLES)}"),
               ("interval", 0 < grid.interval < 1, "in (0, 1)"),
               ("flops_per_second", grid.flops_per_second > 0, "positive"))
     for key, ok, rule in checks:

@@ -14,6 +14,9 @@ Compute is one number everywhere (limit, ratios, prediction.json, report, pictur
 parameter, the head's matmul included (Porian et al. 2024), attention's 12·L·H·Q·T per token left out (Hoffmann et
 al. §3.3 count). The compute-optimal allocation of a law fitted in convention X is eq. 4 with C = 6·N_X·D (that law
 knows only N_X); its tokens-per-parameter ratio is per N_X.
+
+The law's second variable (grid.law_variables): D, training tokens, or S, each rung's optimizer steps; with both,
+every convention is fitted in each (fit_key: "total", "total, steps", ...) and the development rung chooses.
 """
 
 import io
@@ -61,10 +64,30 @@ CONVENTION_TEXT = {
                                "nanochat); equal to total where the embedding is tied",
 }
 COMPUTE = "C = 6·N·D, N every parameter (the head's matmul included), D training tokens"
+VARIABLE_TEXT = {"tokens": "D, training tokens (the anchors' L(N, D))",
+                 "steps": "S, optimizer steps (D / tokens a step): L(N, S) = E + A/N^alpha + B/S^beta"}
 
 
-def n_of(row: dict, convention: str) -> float:
-    """A rung's parameter count under a convention (CONVENTIONS); an untied model's head is a second V×d matrix."""
+def fit_key(convention: str, variable: str) -> str:
+    """The name of one fit: the N convention, with ", steps" where the law's second variable is steps."""
+    return convention if variable == "tokens" else f"{convention}, {variable}"
+
+
+def split_key(key: str):
+    """(convention, variable) of a fit's name (fit_key)."""
+    convention, _, variable = key.partition(", ")
+    return convention, variable or "tokens"
+
+
+def x_of(row: dict, key: str) -> float:
+    """A rung's second variable under a fit (fit_key): its training tokens D, or its optimizer steps S."""
+    return row["steps"] if split_key(key)[1] == "steps" else row["tokens"]
+
+
+def n_of(row: dict, key: str) -> float:
+    """A rung's parameter count under a fit's convention (CONVENTIONS; fit_key); an untied model's head is a second
+    V×d matrix."""
+    convention = split_key(key)[0]
     if convention == "non_embedding":
         return row["non_embedding_params"]
     if convention == "non_embedding_plus_head":
@@ -113,9 +136,14 @@ def predict(law: ParametricLaw, samples: List[ParametricLaw], n: float, d: float
             "resamples_infinite": len(values) - len(finite)}
 
 
-def ratio_at(fitted: Dict, flops: float, level: float) -> Dict:
+def ratio_at(fitted: Dict, flops: float, level: float, key: str = "total") -> Dict:
     """The compute-optimal tokens-per-parameter ratio at C and its bootstrap interval; resampled laws without an
-    optimum are counted in `resamples_without_optimum`, not in the interval."""
+    optimum are counted in `resamples_without_optimum`, not in the interval. A law in steps has none here: its
+    optimum depends on the batch rule's tokens a step as well (`why` says so)."""
+    if split_key(key)[1] == "steps":
+        return {"flops": flops, "tokens_per_param": None, "interval": None, "resamples_without_optimum": None,
+                "chinchilla_tokens_per_param": CHINCHILLA_TOKENS_PER_PARAM,
+                "why": "not computed for a law in steps (its optimum depends on the batch rule too)"}
     values = [v for v in (optimal_tokens_per_param(s, flops) for s in fitted["samples"]) if v is not None]
     return {"flops": flops, "tokens_per_param": optimal_tokens_per_param(fitted["law"], flops),
             "interval": percentile_interval(values, level) if len(values) > 1 else None,
@@ -179,10 +207,12 @@ def fit_rungs(grid, rungs: List[dict]) -> Dict:
                              f"least {LAW_PARAMETERS + 1}; not complete: {', '.join(excluded)}: run the ladder again "
                              "to finish them")
     spread = seed_spread(rows)
-    d, loss = (np.array([p[k] for p in points], dtype=float) for k in ("tokens", "final_val_loss"))
+    loss = np.array([p["final_val_loss"] for p in points], dtype=float)
     by_convention, failed = {}, {}
-    for convention in CONVENTIONS:
+    keys = [fit_key(c, v) for v in getattr(grid, "law_variables", ["tokens"]) for c in CONVENTIONS]
+    for convention in keys:
         n = np.array([n_of(p, convention) for p in points], dtype=float)
+        d = np.array([x_of(p, convention) for p in points], dtype=float)
         try:
             by_convention[convention] = fit_ladder(n, d, loss, grid.bootstrap, grid.interval,
                                                    noise=spread["relative_std"],
@@ -194,15 +224,15 @@ def fit_rungs(grid, rungs: List[dict]) -> Dict:
         raise DataError(f"{grid.root_dir}: the law fits under no parameter-count convention: {failed}")
     dev = complete_rows(root, [r for r in rungs if r["role"] == "dev"])
     development = {c: [{"name": r["name"], "measured_loss": r["final_val_loss"],
-                        "predicted_loss": safe_loss(f["law"], n_of(r, c), r["tokens"]),
-                        "relative_error": (safe_loss(f["law"], n_of(r, c), r["tokens"]) - r["final_val_loss"])
+                        "predicted_loss": safe_loss(f["law"], n_of(r, c), x_of(r, c)),
+                        "relative_error": (safe_loss(f["law"], n_of(r, c), x_of(r, c)) - r["final_val_loss"])
                         / r["final_val_loss"]} for r in dev] for c, f in by_convention.items()}
     if dev:
         chosen = min(by_convention, key=lambda c: (np.mean([abs(x["relative_error"]) for x in development[c]]),
-                                                 CONVENTIONS.index(c)))
+                                                 keys.index(c)))
         chosen_by = f"smallest mean |relative error| on the development rungs {', '.join(r['name'] for r in dev)}"
     else:
-        chosen = next(c for c in CONVENTIONS if c in by_convention)
+        chosen = next(c for c in keys if c in by_convention)
         chosen_by = "no development rung measured: the first convention that fits"
     return {**by_convention[chosen], "convention": chosen, "chosen_by": chosen_by, "by_convention": by_convention,
             "development": development, "failed_conventions": failed, "seed_spread": spread, "rows": rows,
@@ -216,7 +246,7 @@ def predictions_of(grid, fitted: Dict, rungs: List[dict], convention: Optional[s
     largest_fit = max(r["flops"] for r in fitted["rows"])
     out = []
     for r in (r for r in rungs if r["role"] == "held_out"):
-        p = predict(f["law"], f["samples"], n_of(r, convention), r["tokens"], grid.interval)
+        p = predict(f["law"], f["samples"], n_of(r, convention), x_of(r, convention), grid.interval)
         lo, hi = p["interval"] or (math.nan, math.nan)
         out.append({"name": r["name"], "params": r["params"], "tokens": r["tokens"], "flops": r["flops"],
                     "compute_over_largest_fitted": r["flops"] / largest_fit, **p,
@@ -288,15 +318,15 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     convention = fitted.get("convention", "total")
     # (law - measured) / measured under the chosen convention, for every measured rung: on a fitted rung the law's
     # residual (how closely it describes its own data), on the others its error; one definition for the column
-    law_error = {r["name"]: (safe_loss(law, n_of(r, convention), r["tokens"]) - r["final_val_loss"])
+    law_error = {r["name"]: (safe_loss(law, n_of(r, convention), x_of(r, convention)) - r["final_val_loss"])
                  / r["final_val_loss"] for r in rows}
     fit_errors = {r["name"]: law_error[r["name"]] for r in fit_rows}
     worst = max(fit_errors, key=lambda k: abs(fit_errors[k]))
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
-        "conventions": {"N": f"{fitted.get('convention', 'total')}: "
-                             f"{CONVENTION_TEXT[fitted.get('convention', 'total')]}",
-                        "chosen_by": fitted.get("chosen_by"), "D": "training tokens", "C": COMPUTE,
+        "conventions": {"N": f"{convention}: {CONVENTION_TEXT[split_key(convention)[0]]}",
+                        "chosen_by": fitted.get("chosen_by"), "D": VARIABLE_TEXT[split_key(convention)[1]],
+                        "C": COMPUTE,
                         "loss": "final validation loss, nats per token",
                         "interval": f"bootstrap percentile interval, {grid.interval:.0%} coverage, "
                                     f"{grid.bootstrap} resamples "
@@ -315,8 +345,8 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
                 "starts_at_best": fitted["fit"]["starts_at_best"], "degenerate_resamples": fitted["degenerate"],
                 "fit_residuals": {"largest": {"rung": worst, "relative": fit_errors[worst]},
                                   "mean_abs": float(np.mean([abs(v) for v in fit_errors.values()]))}},
-        "compute_optimal": {"at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval),
-                            "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval)},
+        "compute_optimal": {"at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval, convention),
+                            "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval, convention)},
         "predictions": predictions, "prediction_written_at": predicted_at, "goal": GOAL,
         "rungs": [{**r, "law_relative_error": law_error[r["name"]]} for r in rows],
         "unfinished_rungs": unfinished,
@@ -327,9 +357,10 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     atomic_write_bytes(root / "report.md", markdown(result).encode())
     atomic_write_bytes(root / "ladder.png", picture(result, law, fitted["samples"], grid.interval))
     ratio = result["compute_optimal"]["at_largest_held_out"]
-    log(f"L(N, D) = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/D^{law.beta:.4f} from "
-        f"{len(fit_rows)} rungs; compute-optimal tokens_per_param {_value(ratio['tokens_per_param'], '.1f')} "
-        f"{_interval(ratio['interval'], '.1f')} at C {largest_held:.3g} (Chinchilla: 20)")
+    x = "S" if split_key(convention)[1] == "steps" else "D"
+    log(f"L(N, {x}) = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/{x}^{law.beta:.4f} ({convention}) "
+        f"from {len(fit_rows)} rungs; compute-optimal tokens_per_param {_ratio(ratio)} at C {largest_held:.3g} "
+        "(Chinchilla: 20)")
     for p in predictions:
         log(f"held-out {p['name']} ({p['compute_over_largest_fitted']:.1f}x the largest fitted compute): predicted "
             f"{p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}, " + (
@@ -347,16 +378,22 @@ def _convention_result(grid, fitted: Dict, rungs: List[dict], convention: str, m
     held = [{**p, "measured_loss": measured.get(p["name"]),
              "relative_error": (p["predicted_loss"] - measured[p["name"]]) / measured[p["name"]]
              if p["name"] in measured else None} for p in predictions_of(grid, fitted, rungs, convention)]
-    return {"N": CONVENTION_TEXT[convention],
+    return {"N": CONVENTION_TEXT[split_key(convention)[0]], "D": VARIABLE_TEXT[split_key(convention)[1]],
             "law": {**{k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta", "a", "b")},
                     "intervals": f["intervals"], "objective": f["fit"]["objective"],
                     "degenerate_resamples": f["degenerate"]},
             "development": fitted["development"].get(convention, []), "held_out": held,
-            "compute_optimal_tokens_per_param_at_largest_held_out": ratio_at(f, largest_held, grid.interval)}
+            "compute_optimal_tokens_per_param_at_largest_held_out": ratio_at(f, largest_held, grid.interval,
+                                                                             convention)}
 
 
 def _value(value, spec: str) -> str:
     return "none (no optimum)" if value is None else f"{value:{spec}}"
+
+
+def _ratio(r: Dict) -> str:
+    """A compute-optimal ratio and its interval, or why a law has none here (ratio_at)."""
+    return r["why"] if r.get("why") else f"{_value(r['tokens_per_param'], '.1f')} {_interval(r['interval'], '.1f')}"
 
 
 def _interval(interval, spec: str) -> str:
@@ -368,7 +405,8 @@ def markdown(result: dict) -> str:
     conv = result["conventions"]
     lines = [f"# Model ladder: {result['grid']}", "",
              f"L(N, D) = E + A/N^alpha + B/D^beta fitted to the rungs at C <= {result['compute_limit_flops']:.3g} "
-             f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; chosen by {conv['chosen_by']}.", ""]
+             f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; D: {conv['D']}; chosen by "
+             f"{conv['chosen_by']}.", ""]
     if result.get("by_convention"):
         lines += ["| N convention | E | A | B | alpha | beta | development error | held-out error | "
                   "tokens/param optimum at the largest held-out C |", "|---|---|---|---|---|---|---|---|---|"]
@@ -380,8 +418,7 @@ def markdown(result: dict) -> str:
             ratio_c = c["compute_optimal_tokens_per_param_at_largest_held_out"]
             lines.append(f"| {name}{' (chosen)' if name == result.get('convention') else ''} | {law_c['E']:.4g} | "
                          f"{law_c['A']:.4g} | {law_c['B']:.4g} | {law_c['alpha']:.4f} | {law_c['beta']:.4f} | {dev} "
-                         f"| {held} | {_value(ratio_c['tokens_per_param'], '.1f')} "
-                         f"{_interval(ratio_c['interval'], '.1f')} |")
+                         f"| {held} | {_ratio(ratio_c)} |")
         for name, why in result.get("failed_conventions", {}).items():
             lines.append(f"| {name} | fit failed: {why} | | | | | | | |")
         lines.append("")
@@ -406,8 +443,10 @@ def markdown(result: dict) -> str:
     lines += ["", "| compute-optimal tokens per parameter | at C | value | interval | Chinchilla |",
               "|---|---|---|---|---|"]
     for label, r in result["compute_optimal"].items():
-        lines.append(f"| {label.replace('_', ' ')} | {r['flops']:.3g} | {_value(r['tokens_per_param'], '.1f')} | "
-                     f"{_interval(r['interval'], '.1f')} | {r['chinchilla_tokens_per_param']:.0f} |")
+        value, interval = (r["why"], "-") if r.get("why") else (_value(r["tokens_per_param"], ".1f"),
+                                                                 _interval(r["interval"], ".1f"))
+        lines.append(f"| {label.replace('_', ' ')} | {r['flops']:.3g} | {value} | {interval} | "
+                     f"{r['chinchilla_tokens_per_param']:.0f} |")
     lines += ["", "| held-out rung | C | C / largest fitted | predicted | interval | measured | relative error |",
               "|---|---|---|---|---|---|---|"]
     for p in result["predictions"]:
@@ -456,8 +495,11 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
             ax.plot([r["flops"] for r in fit_pts], [r["final_val_loss"] for r in fit_pts], "o", color=color,
                     label=f"N = {n:,}")
         span = grid[(grid >= min(r["flops"] for r in mine) / 2) & (grid <= max(r["flops"] for r in mine) * 2)]
-        n_law = n_of(mine[0], result.get("convention", "total")) if "non_embedding_params" in mine[0] else n
-        ax.plot(span, [safe_loss(law, n_law, c / (6 * n)) for c in span], "-", color=color, alpha=0.5, lw=1)
+        key = result.get("convention", "total")
+        n_law = n_of(mine[0], key) if "non_embedding_params" in mine[0] else n
+        # the law's second variable at compute c for this size: D = c / 6N tokens, or those over its tokens a step
+        per = 1.0 / mine[0]["tokens_per_step"] if split_key(key)[1] == "steps" else 1.0
+        ax.plot(span, [safe_loss(law, n_law, c / (6 * n) * per) for c in span], "-", color=color, alpha=0.5, lw=1)
         others = [r for r in mine if r["role"] == "dev"]
         if others:
             ax.plot([r["flops"] for r in others], [r["final_val_loss"] for r in others], "D", color=color, mfc="none",

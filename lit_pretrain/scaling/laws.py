@@ -42,8 +42,12 @@ class ParametricLaw:
 
     @property
     def G(self) -> float:
-        """G = (alpha·A / (beta·B))^(1/(alpha+beta)) (Hoffmann et al. eq. 4)."""
-        return (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
+        """G = (alpha·A / (beta·B))^(1/(alpha+beta)) (Hoffmann et al. eq. 4); nan where it is not a number: a fit's
+        A or B can underflow to 0.0 (e^a with a below -745), or alpha + beta be 0."""
+        try:
+            return (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
+        except (ZeroDivisionError, OverflowError):
+            return math.nan
 
     def compute_optimal(self, flops: float) -> Tuple[float, float]:
         """(N_opt, D_opt) minimizing L(N, D) subject to 6·N·D = flops, in closed form (Hoffmann et al. eq. 4):
