@@ -578,6 +578,7 @@ def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_r
     result = report(grid, path, rungs, log=lambda *a, **k: None, fitted=fitted)
     md = (tmp_path / "report.md").read_text()
     assert "N: total, steps: every parameter" in md and "D: S, optimizer steps" in md
+    assert "L(N, S) = E + A/N^alpha + B/S^beta fitted to the rungs" in md
     assert result["compute_optimal"]["at_largest_held_out"]["tokens_per_param"] is None
     assert "not computed for a law in steps" in md
     (tmp_path / "bad").mkdir()

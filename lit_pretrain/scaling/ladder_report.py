@@ -403,8 +403,9 @@ def _interval(interval, spec: str) -> str:
 def markdown(result: dict) -> str:
     law = result["law"]
     conv = result["conventions"]
+    x = "S" if split_key(result.get("convention", "total"))[1] == "steps" else "D"
     lines = [f"# Model ladder: {result['grid']}", "",
-             f"L(N, D) = E + A/N^alpha + B/D^beta fitted to the rungs at C <= {result['compute_limit_flops']:.3g} "
+             f"L(N, {x}) = E + A/N^alpha + B/{x}^beta fitted to the rungs at C <= {result['compute_limit_flops']:.3g} "
              f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; D: {conv['D']}; chosen by "
              f"{conv['chosen_by']}.", ""]
     if result.get("by_convention"):
