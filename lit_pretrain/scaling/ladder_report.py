@@ -3,7 +3,8 @@
 intervals (points resampled with replacement and refitted, each loss also jittered by the measured seed-to-seed
 spread; percentile intervals), the convention chosen by its error on the development rungs, the compute-optimal
 tokens-per-parameter ratio, and the prediction of every held-out rung against its measured final validation loss.
-Writes <root_dir>/prediction.json (before any held-out rung trains), report.json, report.md and ladder.png.
+Writes <root_dir>/prediction.json (before any held-out rung trains), report.json, report.md and ladder.png (drawn by
+ladder_picture.py; the conventions, variables and fit names are ladder_law.py).
 
 Parameter counts (CONVENTIONS). With the embedding tied to the head (one V×d matrix):
 - total: every parameter, the tied matrix once (Hoffmann et al. 2022; Pearce & Song 2024 recommend it);
@@ -19,7 +20,6 @@ The law's second variable (grid.law_variables): D, training tokens, or S, each r
 every convention is fitted in each (fit_key: "total", "total, steps", ...) and the development rung chooses.
 """
 
-import io
 import json
 import math
 import time
@@ -30,6 +30,18 @@ import numpy as np
 
 from lit_pretrain.errors import DataError, RunFolderError
 from lit_pretrain.scaling import fit as fit_lib
+from lit_pretrain.scaling.ladder_law import (
+    COMPUTE,
+    CONVENTION_TEXT,
+    CONVENTIONS,
+    VARIABLE_TEXT,
+    fit_key,
+    n_of,
+    safe_loss,
+    split_key,
+    x_of,
+)
+from lit_pretrain.scaling.ladder_picture import picture
 from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete
 from lit_pretrain.scaling.laws import ParametricLaw
 
@@ -56,45 +68,6 @@ def optimal_tokens_per_param(law: ParametricLaw, flops: float) -> Optional[float
     return ratio if math.isfinite(ratio) and ratio > 0 else None
 
 
-CONVENTIONS = ("total", "non_embedding", "non_embedding_plus_head")
-CONVENTION_TEXT = {
-    "total": "every parameter, the tied embedding/head matrix once (Hoffmann et al. 2022)",
-    "non_embedding": "parameters without the tied embedding/head matrix (Kaplan et al. 2020, OLMo-core)",
-    "non_embedding_plus_head": "non-embedding plus the head, the tied matrix counted once as the head (OLMo 2024, "
-                               "nanochat); equal to total where the embedding is tied",
-}
-COMPUTE = "C = 6·N·D, N every parameter (the head's matmul included), D training tokens"
-VARIABLE_TEXT = {"tokens": "D, training tokens (the anchors' L(N, D))",
-                 "steps": "S, optimizer steps (D / tokens a step): L(N, S) = E + A/N^alpha + B/S^beta"}
-
-
-def fit_key(convention: str, variable: str) -> str:
-    """The name of one fit: the N convention, with ", steps" where the law's second variable is steps."""
-    return convention if variable == "tokens" else f"{convention}, {variable}"
-
-
-def split_key(key: str):
-    """(convention, variable) of a fit's name (fit_key)."""
-    convention, _, variable = key.partition(", ")
-    return convention, variable or "tokens"
-
-
-def x_of(row: dict, key: str) -> float:
-    """A rung's second variable under a fit (fit_key): its training tokens D, or its optimizer steps S."""
-    return row["steps"] if split_key(key)[1] == "steps" else row["tokens"]
-
-
-def n_of(row: dict, key: str) -> float:
-    """A rung's parameter count under a fit's convention (CONVENTIONS; fit_key); an untied model's head is a second
-    V×d matrix."""
-    convention = split_key(key)[0]
-    if convention == "non_embedding":
-        return row["non_embedding_params"]
-    if convention == "non_embedding_plus_head":
-        return row["non_embedding_params"] + row["head_params"]
-    return row["params"]
-
-
 def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0, noise: float = 0.0,
                method: str = "points", seeds: Optional[Sequence[int]] = None) -> Dict:
     """The law fitted to all points, and its bootstrap (fit.bootstrap): each resample draws the points with
@@ -111,19 +84,6 @@ def fit_ladder(n, d, loss, resamples: int, level: float, seed: int = 0, noise: f
                  for k in ("E", "A", "B", "alpha", "beta")} if len(samples) > 1 else {}
     return {"law": ParametricLaw.from_dict(best), "fit": best, "samples": samples, "intervals": intervals,
             "degenerate": boot["degenerate"]}
-
-
-def safe_loss(law: ParametricLaw, n: float, d: float) -> float:
-    """law.loss(n, d) in logs: a resampled law's exponent can be large enough that n**alpha overflows a float, and
-    its A or B (e^a, e^b) small enough to be 0.0 (its term is then 0 or inf, never an error). Where law.loss is
-    defined it is the value, to the bit (the sweep's prediction is this one: tests/test_scaling_cli.py)."""
-    try:
-        return law.loss(n, d)
-    except (OverflowError, ZeroDivisionError):
-        pass
-    terms = [(math.log(c) if c > 0 else -math.inf) - power * math.log(x)
-             for c, power, x in ((law.A, law.alpha, n), (law.B, law.beta, d))]
-    return law.E + sum(math.exp(t) if t < 700 else math.inf for t in terms)
 
 
 def predict(law: ParametricLaw, samples: List[ParametricLaw], n: float, d: float, level: float) -> Dict:
@@ -473,68 +433,3 @@ def markdown(result: dict) -> str:
     if result.get("unfinished_rungs"):
         lines += ["", f"Not complete (not fitted, not measured): {', '.join(result['unfinished_rungs'])}."]
     return "\n".join(lines) + "\n"
-
-
-def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], level: float) -> bytes:
-    """Loss against compute per model size (dots: rungs; lines: the law at that N), the law's compute-optimal
-    frontier, and each held-out rung's prediction with its interval beside the measured point. PNG bytes."""
-    import matplotlib
-    from matplotlib.figure import Figure  # no pyplot: no display and no global state on training machines
-
-    rows = result["rungs"]
-    sizes = sorted({r["params"] for r in rows})
-    c_all = np.array([r["flops"] for r in rows])
-    grid = np.logspace(np.log10(c_all.min()) - 0.2, np.log10(c_all.max()) + 0.2, 120)
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.add_subplot(1, 1, 1)
-    cmap = matplotlib.colormaps["viridis"]
-    for i, n in enumerate(sizes):
-        color = cmap(0.9 * i / max(1, len(sizes) - 1))
-        mine = sorted((r for r in rows if r["params"] == n), key=lambda r: r["flops"])
-        fit_pts = [r for r in mine if r["role"] == "fit"]
-        if fit_pts:
-            ax.plot([r["flops"] for r in fit_pts], [r["final_val_loss"] for r in fit_pts], "o", color=color,
-                    label=f"N = {n:,}")
-        span = grid[(grid >= min(r["flops"] for r in mine) / 2) & (grid <= max(r["flops"] for r in mine) * 2)]
-        key = result.get("convention", "total")
-        n_law = n_of(mine[0], key) if "non_embedding_params" in mine[0] else n
-        # the law's second variable at compute c for this size: D = c / 6N tokens, or those over its tokens a step
-        per = 1.0 / mine[0]["tokens_per_step"] if split_key(key)[1] == "steps" else 1.0
-        ax.plot(span, [safe_loss(law, n_law, c / (6 * n) * per) for c in span], "-", color=color, alpha=0.5, lw=1)
-        others = [r for r in mine if r["role"] == "dev"]
-        if others:
-            ax.plot([r["flops"] for r in others], [r["final_val_loss"] for r in others], "D", color=color, mfc="none",
-                    label=f"development rung, N = {n:,}")
-    if law.alpha > 0 and law.beta > 0 and (result.get("convention", "total") == "total" or all(
-            r.get("tied") for r in rows) and result.get("convention") == "non_embedding_plus_head"):
-        # eq. 4's closed form counts C = 6·N_X·D: the x axis's compute only where N_X is every parameter
-        frontier = [safe_loss(law, *law.compute_optimal(c)) for c in grid]
-        ax.plot(grid, frontier, "k--", lw=1.2, label="fitted law, compute-optimal frontier")
-    for j, p in enumerate(result["predictions"]):
-        lo, hi = p["interval"] or (p["predicted_loss"], p["predicted_loss"])
-        # the interval as a bar of its own: a percentile interval need not hold the full-data fit's prediction
-        ax.plot([p["flops"]] * 2, [lo, hi], "_-", color="tab:red", ms=10, lw=1.2,
-                label=f"{level:.0%} bootstrap interval" if j == 0 else None)
-        ax.plot([p["flops"]], [p["predicted_loss"]], "s", color="tab:red", mfc="none",
-                label="prediction (written before it trained)" if j == 0 else None)
-        if p["measured_loss"] is not None:
-            ax.plot([p["flops"]], [p["measured_loss"]], "*", color="tab:red", ms=12,
-                    label="held-out rung, measured" if j == 0 else None)
-    # the axis spans the measured and predicted losses: an interval reaching far beyond them (a bootstrap whose
-    # resamples lost a size) is cut at the edge, and its end written there
-    shown = [r["final_val_loss"] for r in rows] + [p["predicted_loss"] for p in result["predictions"]
-                                                   if math.isfinite(p["predicted_loss"])]
-    top, bottom = 1.1 * max(shown), 0.9 * min(shown)
-    ax.set_ylim(bottom, top)
-    for p in result["predictions"]:
-        if p["interval"] and not bottom <= p["interval"][1] <= top:
-            ax.annotate(f"interval to {p['interval'][1]:.4g}", (p["flops"], top), textcoords="offset points",
-                        xytext=(-10, -12), ha="right", fontsize=7, color="tab:red")
-    ax.axvline(result["compute_limit_flops"], color="grey", lw=0.8, ls=":", label="compute limit of the fit")
-    ax.set(xscale="log", xlabel="training compute C = 6ND (FLOPs)", ylabel="final validation loss (nats / token)",
-           title="model ladder: fitted below the limit, predicted above")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    return buffer.getvalue()
