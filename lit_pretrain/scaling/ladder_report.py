@@ -169,7 +169,7 @@ def fit_rungs(grid, rungs: List[dict]) -> Dict:
     spread = seed_spread(rows)
     loss = np.array([p["final_val_loss"] for p in points], dtype=float)
     by_convention, failed = {}, {}
-    keys = [fit_key(c, v) for v in getattr(grid, "law_variables", ["tokens"]) for c in CONVENTIONS]
+    keys = [fit_key(c, v) for v in grid.law_variables for c in CONVENTIONS]
     for convention in keys:
         n = np.array([n_of(p, convention) for p in points], dtype=float)
         d = np.array([x_of(p, convention) for p in points], dtype=float)
