@@ -577,7 +577,12 @@ def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_r
     assert p["predicted_loss"] == pytest.approx(truth.loss(held["params"], held["steps"]), rel=1e-3)
     result = report(grid, path, rungs, log=lambda *a, **k: None, fitted=fitted)
     md = (tmp_path / "report.md").read_text()
-    assert "N: total, steps: every parameter" in md and "D: S, optimizer steps" in md
+    assert "N: total, steps: every parameter" in md and "S: S, optimizer steps" in md
+    # the second variable's key is its own letter, in the report and in each fit's entry: a law in steps never
+    # reads as one in tokens (report.json used "D" for both)
+    assert "D" not in result["conventions"] and result["conventions"]["S"].startswith("S, optimizer steps")
+    assert result["by_convention"]["total, steps"]["S"].startswith("S, optimizer steps")
+    assert result["by_convention"]["total"]["D"].startswith("D, training tokens")
     assert "L(N, S) = E + A/N^alpha + B/S^beta fitted to the rungs" in md
     assert result["compute_optimal"]["at_largest_held_out"]["tokens_per_param"] is None
     assert "not computed for a law in steps" in md

@@ -39,6 +39,7 @@ from lit_pretrain.scaling.ladder_law import (
     n_of,
     safe_loss,
     split_key,
+    symbol,
     x_of,
 )
 from lit_pretrain.scaling.ladder_picture import picture
@@ -285,7 +286,7 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
         "conventions": {"N": f"{convention}: {CONVENTION_TEXT[split_key(convention)[0]]}",
-                        "chosen_by": fitted.get("chosen_by"), "D": VARIABLE_TEXT[split_key(convention)[1]],
+                        "chosen_by": fitted.get("chosen_by"), symbol(convention): VARIABLE_TEXT[split_key(convention)[1]],
                         "C": COMPUTE,
                         "loss": "final validation loss, nats per token",
                         "interval": f"bootstrap percentile interval, {grid.interval:.0%} coverage, "
@@ -317,7 +318,7 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     atomic_write_bytes(root / "report.md", markdown(result).encode())
     atomic_write_bytes(root / "ladder.png", picture(result, law, fitted["samples"], grid.interval))
     ratio = result["compute_optimal"]["at_largest_held_out"]
-    x = "S" if split_key(convention)[1] == "steps" else "D"
+    x = symbol(convention)
     log(f"L(N, {x}) = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/{x}^{law.beta:.4f} ({convention}) "
         f"from {len(fit_rows)} rungs; compute-optimal tokens_per_param {_ratio(ratio)} at C {largest_held:.3g} "
         "(Chinchilla: 20)")
@@ -338,7 +339,7 @@ def _convention_result(grid, fitted: Dict, rungs: List[dict], convention: str, m
     held = [{**p, "measured_loss": measured.get(p["name"]),
              "relative_error": (p["predicted_loss"] - measured[p["name"]]) / measured[p["name"]]
              if p["name"] in measured else None} for p in predictions_of(grid, fitted, rungs, convention)]
-    return {"N": CONVENTION_TEXT[split_key(convention)[0]], "D": VARIABLE_TEXT[split_key(convention)[1]],
+    return {"N": CONVENTION_TEXT[split_key(convention)[0]], symbol(convention): VARIABLE_TEXT[split_key(convention)[1]],
             "law": {**{k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta", "a", "b")},
                     "intervals": f["intervals"], "objective": f["fit"]["objective"],
                     "degenerate_resamples": f["degenerate"]},
@@ -363,10 +364,10 @@ def _interval(interval, spec: str) -> str:
 def markdown(result: dict) -> str:
     law = result["law"]
     conv = result["conventions"]
-    x = "S" if split_key(result.get("convention", "total"))[1] == "steps" else "D"
+    x = symbol(result.get("convention", "total"))
     lines = [f"# Model ladder: {result['grid']}", "",
              f"L(N, {x}) = E + A/N^alpha + B/{x}^beta fitted to the rungs at C <= {result['compute_limit_flops']:.3g} "
-             f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; D: {conv['D']}; chosen by "
+             f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; {x}: {conv[x]}; chosen by "
              f"{conv['chosen_by']}.", ""]
     if result.get("by_convention"):
         lines += ["| N convention | E | A | B | alpha | beta | development error | held-out error | "
