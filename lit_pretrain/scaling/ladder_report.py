@@ -286,7 +286,8 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
         "conventions": {"N": f"{convention}: {CONVENTION_TEXT[split_key(convention)[0]]}",
-                        "chosen_by": fitted.get("chosen_by"), symbol(convention): VARIABLE_TEXT[split_key(convention)[1]],
+                        "chosen_by": fitted.get("chosen_by"),
+                        symbol(convention): VARIABLE_TEXT[split_key(convention)[1]],
                         "C": COMPUTE,
                         "loss": "final validation loss, nats per token",
                         "interval": f"bootstrap percentile interval, {grid.interval:.0%} coverage, "
