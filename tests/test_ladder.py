@@ -34,6 +34,7 @@ from lit_pretrain.scaling.ladder_report import (
     write_prediction,
 )
 from lit_pretrain.scaling.laws import ParametricLaw
+from lit_pretrain.scaling.steps_optimum import batch_rule_tokens, grid_sizes, optimal_tokens_per_param_in_steps
 from tests.conftest import EXPERIMENTS, run_module, tiny_data_overrides
 
 TINY = yaml.safe_load((EXPERIMENTS / "ladder" / "tiny.yaml").read_text())
@@ -584,8 +585,15 @@ def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_r
     assert result["by_convention"]["total, steps"]["S"].startswith("S, optimizer steps")
     assert result["by_convention"]["total"]["D"].startswith("D, training tokens")
     assert "L(N, S) = E + A/N^alpha + B/S^beta fitted to the rungs" in md
-    assert result["compute_optimal"]["at_largest_held_out"]["tokens_per_param"] is None
-    assert "not computed for a law in steps" in md
+    # the optimum of a law in steps is the recipe's: under the grid's batch rule, along its sizes; the fitted law's
+    # is the true law's (steps_optimum.py, its closed-form tests) to the fit's tolerance
+    ratio = result["compute_optimal"]["at_largest_held_out"]
+    rule = grid.batch_rule
+    expected = optimal_tokens_per_param_in_steps(
+        truth, ratio["flops"], grid_sizes(rungs, lambda r: r["params"]),
+        batch_rule_tokens(rule["sequences"], rule["params"], rule["exponent"], 128))
+    assert ratio["tokens_per_param"] == pytest.approx(expected, rel=1e-3)  # as the prediction: rel 1e-3 above
+    assert "The law is in steps: its optimum is the recipe's, under the grid's batch rule (8·(N_non_embedding/" in md
     (tmp_path / "bad").mkdir()
     with pytest.raises(ConfigError, match=r"law_variables=\['flops'\]: expected a list of distinct names"):
         ladder_grid.load_grid(write_grid(tmp_path / "bad", law_variables=["flops"]))
