@@ -34,6 +34,7 @@ from lit_pretrain.scaling.ladder_report import (
     write_prediction,
 )
 from lit_pretrain.scaling.laws import ParametricLaw
+from lit_pretrain.scaling.steps_optimum import batch_rule_tokens, grid_sizes, optimal_tokens_per_param_in_steps
 from tests.conftest import EXPERIMENTS, run_module, tiny_data_overrides
 
 TINY = yaml.safe_load((EXPERIMENTS / "ladder" / "tiny.yaml").read_text())
@@ -577,10 +578,22 @@ def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_r
     assert p["predicted_loss"] == pytest.approx(truth.loss(held["params"], held["steps"]), rel=1e-3)
     result = report(grid, path, rungs, log=lambda *a, **k: None, fitted=fitted)
     md = (tmp_path / "report.md").read_text()
-    assert "N: total, steps: every parameter" in md and "D: S, optimizer steps" in md
+    assert "N: total, steps: every parameter" in md and "S: S, optimizer steps" in md
+    # the second variable's key is its own letter, in the report and in each fit's entry: a law in steps never
+    # reads as one in tokens (report.json used "D" for both)
+    assert "D" not in result["conventions"] and result["conventions"]["S"].startswith("S, optimizer steps")
+    assert result["by_convention"]["total, steps"]["S"].startswith("S, optimizer steps")
+    assert result["by_convention"]["total"]["D"].startswith("D, training tokens")
     assert "L(N, S) = E + A/N^alpha + B/S^beta fitted to the rungs" in md
-    assert result["compute_optimal"]["at_largest_held_out"]["tokens_per_param"] is None
-    assert "not computed for a law in steps" in md
+    # the optimum of a law in steps is the recipe's: under the grid's batch rule, along its sizes; the fitted law's
+    # is the true law's (steps_optimum.py, its closed-form tests) to the fit's tolerance
+    ratio = result["compute_optimal"]["at_largest_held_out"]
+    rule = grid.batch_rule
+    expected = optimal_tokens_per_param_in_steps(
+        truth, ratio["flops"], grid_sizes(rungs, lambda r: r["params"]),
+        batch_rule_tokens(rule["sequences"], rule["params"], rule["exponent"], 128))
+    assert ratio["tokens_per_param"] == pytest.approx(expected, rel=1e-3)  # as the prediction: rel 1e-3 above
+    assert "The law is in steps: its optimum is the recipe's, under the grid's batch rule (8·(N_non_embedding/" in md
     (tmp_path / "bad").mkdir()
     with pytest.raises(ConfigError, match=r"law_variables=\['flops'\]: expected a list of distinct names"):
         ladder_grid.load_grid(write_grid(tmp_path / "bad", law_variables=["flops"]))

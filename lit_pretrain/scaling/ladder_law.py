@@ -30,6 +30,12 @@ def split_key(key: str):
     return convention, variable or "tokens"
 
 
+def symbol(key: str) -> str:
+    """The law's second variable's letter under a fit (fit_key): S for optimizer steps, D for tokens; also its key in
+    report.json's conventions, so a law in steps never reads as one in tokens."""
+    return "S" if split_key(key)[1] == "steps" else "D"
+
+
 def x_of(row: dict, key: str) -> float:
     """A rung's second variable under a fit (fit_key): its training tokens D, or its optimizer steps S."""
     return row["steps"] if split_key(key)[1] == "steps" else row["tokens"]

@@ -39,11 +39,13 @@ from lit_pretrain.scaling.ladder_law import (
     n_of,
     safe_loss,
     split_key,
+    symbol,
     x_of,
 )
 from lit_pretrain.scaling.ladder_picture import picture
 from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS, read_summary, rung_complete
 from lit_pretrain.scaling.laws import ParametricLaw
+from lit_pretrain.scaling.steps_optimum import batch_rule_tokens, grid_sizes, optimal_tokens_per_param_in_steps
 
 # Hoffmann et al. 2022, Table 3: their compute-optimal models train on about 20 tokens per parameter (1B parameters,
 # 20.2B tokens; 67B, 1.5T), the ratio usually quoted as "Chinchilla's 20".
@@ -96,19 +98,37 @@ def predict(law: ParametricLaw, samples: List[ParametricLaw], n: float, d: float
             "resamples_infinite": len(values) - len(finite)}
 
 
-def ratio_at(fitted: Dict, flops: float, level: float, key: str = "total") -> Dict:
+def ratio_at(fitted: Dict, flops: float, level: float, key: str = "total", grid=None,
+             rungs: Optional[List[dict]] = None) -> Dict:
     """The compute-optimal tokens-per-parameter ratio at C and its bootstrap interval; resampled laws without an
-    optimum are counted in `resamples_without_optimum`, not in the interval. A law in steps has none here: its
-    optimum depends on the batch rule's tokens a step as well (`why` says so)."""
-    if split_key(key)[1] == "steps":
+    optimum are counted in `resamples_without_optimum`, not in the interval. A law in steps has its optimum under the
+    grid's batch rule, along the grid's sizes (steps_optimum.py; `under` says so); without the grid, none."""
+    steps = split_key(key)[1] == "steps"
+    if steps and (grid is None or not rungs):
         return {"flops": flops, "tokens_per_param": None, "interval": None, "resamples_without_optimum": None,
                 "chinchilla_tokens_per_param": CHINCHILLA_TOKENS_PER_PARAM,
-                "why": "not computed for a law in steps (its optimum depends on the batch rule too)"}
-    values = [v for v in (optimal_tokens_per_param(s, flops) for s in fitted["samples"]) if v is not None]
-    return {"flops": flops, "tokens_per_param": optimal_tokens_per_param(fitted["law"], flops),
-            "interval": percentile_interval(values, level) if len(values) > 1 else None,
-            "resamples_without_optimum": len(fitted["samples"]) - len(values),
-            "chinchilla_tokens_per_param": CHINCHILLA_TOKENS_PER_PARAM}
+                "why": "not computed for a law in steps without its grid (its optimum depends on the batch rule)"}
+    if steps:
+        sizes = grid_sizes(rungs, lambda r: n_of(r, key))
+        rule = grid.batch_rule
+        tokens = batch_rule_tokens(rule["sequences"], rule["params"], rule["exponent"],
+                                   rungs[0]["tokens_per_step"] // rungs[0]["sequences"])
+
+        def optimum(law):
+            return optimal_tokens_per_param_in_steps(law, flops, sizes, tokens)
+    else:
+        def optimum(law):
+            return optimal_tokens_per_param(law, flops)
+    values = [v for v in (optimum(s) for s in fitted["samples"]) if v is not None]
+    result = {"flops": flops, "tokens_per_param": optimum(fitted["law"]),
+              "interval": percentile_interval(values, level) if len(values) > 1 else None,
+              "resamples_without_optimum": len(fitted["samples"]) - len(values),
+              "chinchilla_tokens_per_param": CHINCHILLA_TOKENS_PER_PARAM}
+    if steps:
+        result["under"] = (f"the grid's batch rule ({rule['sequences']:g}·(N_non_embedding/{rule['params']:g})^"
+                           f"{rule['exponent']:g} sequences a step, before rounding) along its sizes "
+                           "(steps_optimum.py)")
+    return result
 
 
 def complete_rows(root: Path, rungs: List[dict]) -> List[dict]:
@@ -285,7 +305,8 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
         "conventions": {"N": f"{convention}: {CONVENTION_TEXT[split_key(convention)[0]]}",
-                        "chosen_by": fitted.get("chosen_by"), "D": VARIABLE_TEXT[split_key(convention)[1]],
+                        "chosen_by": fitted.get("chosen_by"),
+                        symbol(convention): VARIABLE_TEXT[split_key(convention)[1]],
                         "C": COMPUTE,
                         "loss": "final validation loss, nats per token",
                         "interval": f"bootstrap percentile interval, {grid.interval:.0%} coverage, "
@@ -305,8 +326,10 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
                 "starts_at_best": fitted["fit"]["starts_at_best"], "degenerate_resamples": fitted["degenerate"],
                 "fit_residuals": {"largest": {"rung": worst, "relative": fit_errors[worst]},
                                   "mean_abs": float(np.mean([abs(v) for v in fit_errors.values()]))}},
-        "compute_optimal": {"at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval, convention),
-                            "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval, convention)},
+        "compute_optimal": {"at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval, convention,
+                                                         grid, rungs),
+                            "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval, convention, grid,
+                                                            rungs)},
         "predictions": predictions, "prediction_written_at": predicted_at, "goal": GOAL,
         "rungs": [{**r, "law_relative_error": law_error[r["name"]]} for r in rows],
         "unfinished_rungs": unfinished,
@@ -317,7 +340,7 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     atomic_write_bytes(root / "report.md", markdown(result).encode())
     atomic_write_bytes(root / "ladder.png", picture(result, law, fitted["samples"], grid.interval))
     ratio = result["compute_optimal"]["at_largest_held_out"]
-    x = "S" if split_key(convention)[1] == "steps" else "D"
+    x = symbol(convention)
     log(f"L(N, {x}) = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/{x}^{law.beta:.4f} ({convention}) "
         f"from {len(fit_rows)} rungs; compute-optimal tokens_per_param {_ratio(ratio)} at C {largest_held:.3g} "
         "(Chinchilla: 20)")
@@ -338,13 +361,13 @@ def _convention_result(grid, fitted: Dict, rungs: List[dict], convention: str, m
     held = [{**p, "measured_loss": measured.get(p["name"]),
              "relative_error": (p["predicted_loss"] - measured[p["name"]]) / measured[p["name"]]
              if p["name"] in measured else None} for p in predictions_of(grid, fitted, rungs, convention)]
-    return {"N": CONVENTION_TEXT[split_key(convention)[0]], "D": VARIABLE_TEXT[split_key(convention)[1]],
+    return {"N": CONVENTION_TEXT[split_key(convention)[0]], symbol(convention): VARIABLE_TEXT[split_key(convention)[1]],
             "law": {**{k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta", "a", "b")},
                     "intervals": f["intervals"], "objective": f["fit"]["objective"],
                     "degenerate_resamples": f["degenerate"]},
             "development": fitted["development"].get(convention, []), "held_out": held,
             "compute_optimal_tokens_per_param_at_largest_held_out": ratio_at(f, largest_held, grid.interval,
-                                                                             convention)}
+                                                                             convention, grid, rungs)}
 
 
 def _value(value, spec: str) -> str:
@@ -363,10 +386,10 @@ def _interval(interval, spec: str) -> str:
 def markdown(result: dict) -> str:
     law = result["law"]
     conv = result["conventions"]
-    x = "S" if split_key(result.get("convention", "total"))[1] == "steps" else "D"
+    x = symbol(result.get("convention", "total"))
     lines = [f"# Model ladder: {result['grid']}", "",
              f"L(N, {x}) = E + A/N^alpha + B/{x}^beta fitted to the rungs at C <= {result['compute_limit_flops']:.3g} "
-             f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; D: {conv['D']}; chosen by "
+             f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; {x}: {conv[x]}; chosen by "
              f"{conv['chosen_by']}.", ""]
     if result.get("by_convention"):
         lines += ["| N convention | E | A | B | alpha | beta | development error | held-out error | "
@@ -408,6 +431,9 @@ def markdown(result: dict) -> str:
                                                                  _interval(r["interval"], ".1f"))
         lines.append(f"| {label.replace('_', ' ')} | {r['flops']:.3g} | {value} | {interval} | "
                      f"{r['chinchilla_tokens_per_param']:.0f} |")
+    under = next((r["under"] for r in result["compute_optimal"].values() if r.get("under")), None)
+    if under:
+        lines += ["", f"The law is in steps: its optimum is the recipe's, under {under}."]
     lines += ["", "| held-out rung | C | C / largest fitted | predicted | interval | measured | relative error |",
               "|---|---|---|---|---|---|---|"]
     for p in result["predictions"]:
