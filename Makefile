@@ -7,7 +7,7 @@ RUN ?= experiments/runs/default.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 SWEEP ?= experiments/sweep/cpu/sweep.yaml
-LADDER ?= experiments/ladder/default.yaml
+LADDER ?= experiments/ladder/long_steps.yaml
 
 .DEFAULT_GOAL := help
 .PHONY: help install prepare train test test-fast lint docs bench clean sweep launch ablate ladder
@@ -65,7 +65,7 @@ bench-gpu: $(STAMP) ## the step on one CUDA GPU (~125M, ~1B; PRESET=llama3_1_8b:
 sweep: $(STAMP) ## isoFLOP scaling sweep on this CPU, fit, predict a held-out run (runs/sweep-cpu/report.json)
 	$(BIN)/python -m lit_pretrain.scaling.sweep $(SWEEP)
 
-ladder: $(STAMP) ## model ladder on this CPU (LADDER=<grid yaml>): rungs, fit below the compute limit, predict above (runs/ladder/report.md)
+ladder: $(STAMP) ## model ladder on this CPU (LADDER=<grid yaml>): rungs, fit below the compute limit, predict above (report.md in the grid's root_dir)
 	$(BIN)/lit-pretrain ladder $(LADDER)
 
 ABLATIONS ?=

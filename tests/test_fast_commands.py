@@ -78,7 +78,7 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     os.close(read)
     try:
         done = subprocess.run([sys.executable, "-m", "lit_pretrain.cli", "ladder", "--plan",
-                               str(EXPERIMENTS / "ladder" / "default.yaml")], stdout=write, stderr=subprocess.PIPE,
+                               str(EXPERIMENTS / "ladder" / "short.yaml")], stdout=write, stderr=subprocess.PIPE,
                               text=True, cwd=ROOT, timeout=60)
     finally:
         os.close(write)

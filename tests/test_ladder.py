@@ -44,7 +44,7 @@ TRUE = ParametricLaw(E=1.9, A=60.0, B=120.0, alpha=0.32, beta=0.36)
 
 
 def default_rungs():
-    path = EXPERIMENTS / "ladder" / "default.yaml"
+    path = EXPERIMENTS / "ladder" / "short.yaml"
     return ladder_grid.plan_rungs(ladder_grid.load_grid(path), path)
 
 
@@ -58,15 +58,15 @@ def test_optimal_ratio_closed_form():
 
 @pytest.mark.parametrize("convention", ["total", "non_embedding"])
 def test_fit_recovers_a_known_law_and_predicts_the_held_out_rungs(convention):
-    # The default grid's 9 fitted (N, D) points: 3 sizes, each with budgets of one run and its branched cooldowns
-    # (3-40 tokens per parameter), their losses drawn from TRUE in the convention's N with 0.1% multiplicative noise
-    # (seeded; a stand-in for the run-to-run spread of a validation loss), one fit and 30 bootstrap resamples, each
-    # jittered by that spread. Under tying, non_embedding_plus_head counts what total counts (asserted, not refitted).
-    # Tolerances cover noise seeds 0-4 of either convention here (worst seen, then a margin): E 15%, alpha 14%,
-    # beta 8%, B 26%, A 32% (A and B trade off against the exponents, Besiroglu et al. 2024); the development rung
-    # (3.4x) within 0.38% and the held-out rung (10.3x the largest fitted compute) within 0.70%; their 90% intervals
-    # up to 16% wide (9 points resampled with replacement often lose a size); the compute-optimal ratio within 22%
-    # (it goes as G^-2, Hoffmann et al. eq. 4). Seed 0 (total): E -1%, A -6%, alpha -2%, held out +0.08%.
+    # The second grid's (short.yaml) 9 fitted (N, D) points: 3 sizes, each with budgets of one run and its branched
+    # cooldowns (3-40 tokens per parameter), their losses drawn from TRUE in the convention's N with 0.1% multiplicative
+    # noise (seeded; a stand-in for the run-to-run spread of a validation loss), one fit and 30 bootstrap resamples,
+    # each jittered by that spread. Under tying, non_embedding_plus_head counts what total counts (asserted, not
+    # refitted). Tolerances cover noise seeds 0-4 of either convention here (worst seen, then a margin): E 15%, alpha
+    # 14%, beta 8%, B 26%, A 32% (A and B trade off against the exponents, Besiroglu et al. 2024); the development rung
+    # (3.4x) within 0.38% and the held-out rung (10.3x the largest fitted compute) within 0.70%; their 90% intervals up
+    # to 16% wide (9 points resampled with replacement often lose a size); the compute-optimal ratio within 22% (it goes
+    # as G^-2, Hoffmann et al. eq. 4). Seed 0 (total): E -1%, A -6%, alpha -2%, held out +0.08%.
     rungs = default_rungs()
     points = fit_points([{**r, "final_val_loss": 0.0} for r in rungs if r["role"] == "fit"])  # (N, D) once
     assert len(points) == 9 and all(n_of(r, "non_embedding_plus_head") == n_of(r, "total") for r in rungs)
@@ -288,8 +288,9 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
 
 
 def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, monkeypatch):
-    # The default grid's rungs with summaries of losses drawn from TRUE; then a fitted and the held-out rung stopped
-    # by a signal partway (summary.json of fewer steps, as a preempted session writes, and a loss far off the law).
+    # The second grid's (short.yaml) rungs with summaries of losses drawn from TRUE; then a fitted and the held-out
+    # rung stopped by a signal partway (summary.json of fewer steps, as a preempted session writes, and a loss far
+    # off the law).
     # The fit itself is replaced by one that records its points and returns TRUE (the fit is tested above; here,
     # what enters it): seconds instead of a minute.
     from lit_pretrain.scaling import ladder_report
@@ -302,7 +303,7 @@ def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, mon
                 "intervals": {}, "degenerate": 0}
 
     monkeypatch.setattr(ladder_report, "fit_ladder", fake_fit)
-    path = EXPERIMENTS / "ladder" / "default.yaml"
+    path = EXPERIMENTS / "ladder" / "short.yaml"
     grid = dataclasses.replace(ladder_grid.load_grid(path), root_dir=str(tmp_path))
     rungs = ladder_grid.plan_rungs(grid, path)
     fit, held = [r for r in rungs if r["role"] == "fit"], [r for r in rungs if r["role"] == "held_out"]
@@ -326,6 +327,22 @@ def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, mon
     write_prediction(grid, rungs, log)
     assert (tmp_path / "prediction.json").read_text() == written  # the same fitted losses: kept as written
     assert len(points) == 6 and points[-1] == unique(fit)  # two calls, a fit a convention each, of the 9 points
+
+    # a held-out rung added to the grid after its prediction.json (the held-out rung above measured): written again,
+    # so the new rung is predicted before it trains, naming the rung measured already; then kept again
+    extra = {**held[0], "name": "L5_d80_tpp36", "tokens": 2 * held[0]["tokens"], "steps": 2 * held[0]["steps"],
+             "flops": 2 * held[0]["flops"]}
+    log.clear()
+    write_prediction(grid, [*rungs, extra], log)
+    added = json.loads((tmp_path / "prediction.json").read_text())
+    assert [p["name"] for p in added["predictions"]] == [held[0]["name"], "L5_d80_tpp36"]
+    assert added["held_out_measured_before"] == [held[0]["name"]]
+    assert "the held-out rungs differ" in log[0]
+    assert any(x.startswith("predicted L5_d80_tpp36 before training it") for x in log)
+    kept = (tmp_path / "prediction.json").read_text()
+    write_prediction(grid, [*rungs, extra], log)
+    assert (tmp_path / "prediction.json").read_text() == kept
+    assert len(points) == 12  # each call fits (a fit a convention): the record is kept, not the work
 
     partial_fit = next(r for r in fit if r["name"] == "L3_d48_tpp10")
     partial_held = held[0]
@@ -497,7 +514,7 @@ def test_wide_grid_is_laid_out_by_olmos_ladder():
     largest = max(r["flops"] for r in fit)
     (dev,), (held,) = ([r for r in rungs if r["role"] == role] for role in ("dev", "held_out"))
     assert 2.5 < dev["flops"] / largest < 3.5 and held["flops"] / largest >= 10
-    # (layers, width) of every model the first grid (git 4f164d0) and the second (default.yaml) trained
+    # (layers, width) of every model the first grid (git 4f164d0) and the second (short.yaml) trained
     seen = {(r["shape"]["n_layers"], r["shape"]["d_model"]) for r in default_rungs()} | {
         (1, 32), (2, 32), (2, 48), (2, 64), (3, 64), (3, 80)}
     assert held["name"] == "L6_d96_tpp14" and (held["shape"]["n_layers"], held["shape"]["d_model"]) not in seen
@@ -554,13 +571,13 @@ def test_time_estimate_shares_the_fitted_rungs_out_and_runs_the_held_out_rungs_a
 
 
 def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_rung_chooses(tmp_path):
-    # law_variables [tokens, steps]: the default grid's rungs with losses drawn exactly from a law in optimizer
-    # steps S (the batch rule ties tokens a step to N, so no law in D alone reproduces them). Six fits side by side
-    # (3 N conventions x 2 variables); the development rung chooses "total, steps", whose law recovers the truth:
-    # development and held-out rungs within 0.1% (exact losses; L-BFGS tolerance), where the law in tokens misses
-    # the development rung by more than that. Two bootstrap resamples: the intervals are not what is tested here.
+    # law_variables [tokens, steps]: the second grid's rungs (short.yaml) with losses drawn exactly from a law in
+    # optimizer steps S (the batch rule ties tokens a step to N, so no law in D alone reproduces them). Six fits side by
+    # side (3 N conventions x 2 variables); the development rung chooses "total, steps", whose law recovers the truth:
+    # development and held-out rungs within 0.1% (exact losses; L-BFGS tolerance), where the law in tokens misses the
+    # development rung by more than that. Two bootstrap resamples: the intervals are not what is tested here.
     truth = ParametricLaw(E=1.9, A=60.0, B=30.0, alpha=0.32, beta=0.5)
-    path = EXPERIMENTS / "ladder" / "default.yaml"
+    path = EXPERIMENTS / "ladder" / "short.yaml"
     grid = dataclasses.replace(ladder_grid.load_grid(path), root_dir=str(tmp_path), bootstrap=2,
                                law_variables=["tokens", "steps"])
     rungs = ladder_grid.plan_rungs(grid, path)

@@ -100,7 +100,7 @@ def test_bootstrap_spread_matches_epochs_standard_errors(chinchilla_fit):
 
 
 def test_residual_bootstrap_covers_a_known_law_and_is_narrower_than_resampling_points():
-    # A synthetic ladder shaped like experiments/ladder/default.yaml's 9 fitted points (3 sizes with 4, 3 and 2
+    # A synthetic ladder shaped like experiments/ladder/short.yaml's 9 fitted points (3 sizes with 4, 3 and 2
     # budgets, 3-40 tokens per parameter) under a known law, each log loss with Normal(0, 1%) noise (about the seed
     # spread measured at these sizes, 1.27%), in 40 trials; each trial is fitted, then bootstrapped 30 times by each
     # method, each resample also jittered by the 1% "measured seed noise", and the 90% interval of the loss at a

@@ -16,7 +16,7 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.scaling import ladder_rules as rules
 from lit_pretrain.scaling.ladder_state import LAW_PARAMETERS
 
-DEFAULT_GRID = Path("experiments") / "ladder" / "default.yaml"
+DEFAULT_GRID = Path("experiments") / "ladder" / "long_steps.yaml"
 SMALL_GRID = Path("experiments") / "ladder" / "tiny.yaml"
 
 

@@ -237,9 +237,10 @@ def predictions_of(grid, fitted: Dict, rungs: List[dict], convention: Optional[s
 
 def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Optional[Dict] = None) -> Dict:
     """<root_dir>/prediction.json: the held-out rungs' predicted losses from the complete fitted rungs, written
-    before the first held-out rung trains, with the fitted losses it came from. Kept while those are the same (the
-    record that the prediction came first); written again where they changed (a rung fitted earlier was partial, or
-    was trained again), naming the held-out rungs already measured then. Returns the fit (`fitted`, or made here),
+    before the first held-out rung trains, with the fitted losses it came from. Kept while those and the held-out
+    rungs are the same (the record that the prediction came first); written again where they changed (a rung fitted
+    earlier was partial, or was trained again; a held-out rung was added to the grid, which so gets its prediction
+    before it trains), naming the held-out rungs already measured then. Returns the fit (`fitted`, or made here),
     which `report` reuses: the fit is seeded."""
     from lit_pretrain.resume.atomic import atomic_write_bytes
 
@@ -247,7 +248,9 @@ def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Opt
     inputs = {r["name"]: r["final_val_loss"] for r in fitted["rows"]}
     path = Path(grid.root_dir) / "prediction.json"
     old = json.loads(path.read_text()) if path.is_file() else None
-    if old is not None and _same_inputs(old, inputs, predictions_of(grid, fitted, rungs)):
+    held_out = [r["name"] for r in rungs if r["role"] == "held_out"]
+    if old is not None and _same_inputs(old, inputs, predictions_of(grid, fitted, rungs)) \
+            and sorted(p["name"] for p in old.get("predictions", [])) == sorted(held_out):
         return fitted
     measured = [r["name"] for r in complete_rows(Path(grid.root_dir), rungs) if r["role"] == "held_out"]
     record = {"predictions": predictions_of(grid, fitted, rungs), "convention": fitted.get("convention"),
@@ -258,7 +261,8 @@ def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Opt
               "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
     if old is not None:
-        log(f"{path} written again: the fitted rungs' losses differ from those it was predicted from"
+        log(f"{path} written again: the fitted rungs' losses or the held-out rungs differ from those it was "
+            "written for"
             + (f" (measured already: {', '.join(measured)})" if measured else ""))
     for p in record["predictions"]:
         when = "after measuring it" if p["name"] in measured else "before training it"
