@@ -32,8 +32,8 @@ def closed_form(law: ParametricLaw, flops: float, t0: float, gamma: float) -> fl
 
 
 def test_a_step_of_one_token_is_hoffmanns_closed_form():
-    # S = D: the law in steps is a law in tokens, and its optimum is eq. 4's, for Chinchilla's own law at 1e21 FLOPs
-    # (N* 3.4e10 there, far outside the sizes: the family extends along the end segment, here the identity)
+    # S = D: the law in steps is a law in tokens, and its optimum is eq. 4's, for Chinchilla's own law at 1e19 and
+    # 1e21 FLOPs (two sizes whose three counts agree: the family is the identity there and past its ends)
     for flops in (1e19, 1e21):
         n, d = CHINCHILLA_APPROACH3.compute_optimal(flops)
         got = optimal_tokens_per_param_in_steps(CHINCHILLA_APPROACH3, flops, [(1e9, 1e9, 1e9), (7e10, 7e10, 7e10)],

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 SEARCH_DECADES = 3.0  # search N_total from the smallest size / 10^3 to the largest × 10^3
-SEARCH_POINTS = 3001  # 1,000 a decade on the log grid before the bounded refinement
+SEARCH_POINTS = 3001  # points of the log grid (~400 a decade for a grid of 1.5 decades) before the refinement
 
 
 def _interp_log(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
