@@ -126,8 +126,8 @@ def ratio_at(fitted: Dict, flops: float, level: float, key: str = "total", grid=
               "chinchilla_tokens_per_param": CHINCHILLA_TOKENS_PER_PARAM}
     if steps:
         result["under"] = (f"the grid's batch rule ({rule['sequences']:g}·(N_non_embedding/{rule['params']:g})^"
-                           f"{rule['exponent']:g} sequences a step, before rounding) along its sizes "
-                           "(steps_optimum.py)")
+                           f"{rule['exponent']:g} sequences a step, before rounding) along its sizes, in tokens "
+                           "per parameter of every parameter under every convention (steps_optimum.py)")
     return result
 
 
@@ -248,9 +248,7 @@ def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Opt
     inputs = {r["name"]: r["final_val_loss"] for r in fitted["rows"]}
     path = Path(grid.root_dir) / "prediction.json"
     old = json.loads(path.read_text()) if path.is_file() else None
-    held_out = [r["name"] for r in rungs if r["role"] == "held_out"]
-    if old is not None and _same_inputs(old, inputs, predictions_of(grid, fitted, rungs)) \
-            and sorted(p["name"] for p in old.get("predictions", [])) == sorted(held_out):
+    if old is not None and _same_inputs(old, inputs, predictions_of(grid, fitted, rungs)):
         return fitted
     measured = [r["name"] for r in complete_rows(Path(grid.root_dir), rungs) if r["role"] == "held_out"]
     record = {"predictions": predictions_of(grid, fitted, rungs), "convention": fitted.get("convention"),
@@ -271,13 +269,14 @@ def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Opt
 
 
 def _same_inputs(old: Dict, inputs: Dict[str, float], predictions: List[dict]) -> bool:
-    """Whether a prediction.json came from these fitted losses; one written before it recorded them, from its
-    predicted losses (the fit is seeded: the same losses give the same predictions)."""
+    """Whether a prediction.json predicted these held-out rungs from these fitted losses; one written before it
+    recorded the losses, from its predicted losses (the fit is seeded: the same losses give the same predictions)."""
+    before = {p["name"]: p["predicted_loss"] for p in old.get("predictions", [])}
+    if set(before) != {p["name"] for p in predictions}:
+        return False  # a held-out rung added to (or left out of) the grid since
     if "fitted_val_losses" in old:
         return old["fitted_val_losses"] == inputs
-    before = {p["name"]: p["predicted_loss"] for p in old.get("predictions", [])}
-    return set(before) == {p["name"] for p in predictions} and all(
-        math.isclose(before[p["name"]], p["predicted_loss"], rel_tol=1e-9) for p in predictions)
+    return all(math.isclose(before[p["name"]], p["predicted_loss"], rel_tol=1e-9) for p in predictions)
 
 
 def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitted: Optional[Dict] = None) -> dict:
