@@ -3,7 +3,8 @@
 A resume continues one experiment. Keys that only say how it is run (devices, strategy, threads, logging and
 checkpoint intervals, workers) may change freely, as long as the global batch (tokens per optimizer step) is the
 same. Keys that change the experiment (optimizer, schedule, seed, data, max_steps which shapes the schedule) are
-refused unless listed in `run.resume_allow_changes`; keys that change the model's shape are refused always, since
+refused unless listed in `run.resume_allow_changes` (the schedule then continues from the rate reached, or
+schedule.stage declares a stage's own: optim/stages.py); keys that change the model's shape are refused always, since
 the checkpoint's weights fit only their own shape; model.seq_len and model.rope_scaling hold no weight and may change
 when listed (a context-extension stage). The tokenizer and the shard manifest are compared by hash.
 """
@@ -109,7 +110,9 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               "the model's shape cannot change on resume; set it back, or start a new run")
         if not _listed(key, allow):
+            # schedule.stage: a section made whole by a stage; name it, not one of its keys.
+            name = "schedule.stage" if key.startswith("schedule.stage.") else key
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
-                              f"set it back, or allow the change with run.resume_allow_changes=[{key}]")
+                              f"set it back, or allow the change with run.resume_allow_changes=[{name}]")
         changed.append(key)
     return changed
