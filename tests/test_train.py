@@ -36,8 +36,8 @@ def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir, capsy
     # One line, before the first step, with the plan and the batch it applied.
     plan = [line for line in out.splitlines() if line.startswith("plan: ")]
     assert plan == ["plan: data parallel 1 replicate x 1 shard, context parallel 1, tensor parallel 1, pipeline "
-                    "parallel 1, expert parallel 1; micro-batch 8 x seq_len 64 x data-parallel degree 1 x accumulation 2 = 1,024 "
-                    "tokens per step"]
+                    "parallel 1, expert parallel 1; micro-batch 8 x seq_len 64 x data-parallel degree 1 x "
+                    "accumulation 2 = 1,024 tokens per step"]
     run_dir = tmp_path / "runs" / "tiny"
     on_disk = json.loads((run_dir / "summary.json").read_text())
     for key in ("params", "non_embedding_params", "tokens_seen", "tokens_per_param", "steps", "final_train_loss",
