@@ -34,6 +34,12 @@ FREE_KEYS = {
 # Model keys that hold no weight: a context-extension stage (docs/resume.md) changes them on purpose, when
 # run.resume_allow_changes lists them (model.rope_scaling: the section, or one of its keys).
 STAGE_KEYS = ("model.seq_len", "model.rope_scaling")
+# Model keys of the loss, not the weights: they may change when listed.
+LOSS_KEYS = ("model.moe.aux_loss_scope",)
+# Defaults that changed: key -> (the old default a checkpoint written before holds, the new one). Such a checkpoint
+# resumes under the new default without listing it, and the console says so (session.continue_metrics); set the key
+# to the old value to train on as it did. model.moe.aux_loss_scope: sequence is the same under every layout.
+CHANGED_DEFAULTS = {"model.moe.aux_loss_scope": ("micro_batch", "sequence")}
 
 
 def _listed(key: str, allow: Iterable[str]) -> bool:
@@ -106,7 +112,10 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
             continue  # a checkpoint written before the rename: the new key takes over from here
         if key not in before and now.get(key) == schema_defaults().get(key, object()):
             continue  # a key the checkpoint predates (e.g. model.moe), at its default: what that run computed
-        if key.startswith("model.") and not (_listed(key, STAGE_KEYS) and _listed(key, allow)):
+        if key in CHANGED_DEFAULTS and (before.get(key), now.get(key)) == CHANGED_DEFAULTS[key]:
+            changed.append(key)  # written under the old default, resumed under the new one
+            continue
+        if key.startswith("model.") and not (_listed(key, STAGE_KEYS + LOSS_KEYS) and _listed(key, allow)):
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               "the model's shape cannot change on resume; set it back, or start a new run")
         if not _listed(key, allow):

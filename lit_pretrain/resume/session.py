@@ -148,8 +148,14 @@ def continue_metrics(plan: Plan) -> None:
         return
     saved = store.meta_of(plan.checkpoint)
     keep_first_rows(plan.run_dir / "metrics.csv", saved["metrics_rows"])
+    defaults = [k for k in plan.changed if k in compat.CHANGED_DEFAULTS]  # said apart: not chosen here
+    purposed = [k for k in plan.changed if k not in defaults]
     print(f"resuming from {store.describe(plan.checkpoint)}"
-          + (f", changed on purpose: {', '.join(plan.changed)}" if plan.changed else ""), flush=True)
+          + (f", changed on purpose: {', '.join(purposed)}" if purposed else ""), flush=True)
+    for key in defaults:
+        old, new = compat.CHANGED_DEFAULTS[key]
+        print(f"{key}: the checkpoint trained under the old default {old}, this run goes on under the new one, {new} "
+              f"(set {key}={old} to train on as it did)", flush=True)
 
 
 def callbacks(plan: Plan, every_n_steps: int, keep_last: int, run_meta: Dict, lr_peak: float,
