@@ -115,7 +115,8 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
         if key in CHANGED_DEFAULTS and (before.get(key), now.get(key)) == CHANGED_DEFAULTS[key]:
             changed.append(key)  # written under the old default, resumed under the new one
             continue
-        if key.startswith("model.") and not (_listed(key, STAGE_KEYS + LOSS_KEYS) and _listed(key, allow)):
+        if key.startswith("model.") and not _listed(key, LOSS_KEYS) and not (_listed(key, STAGE_KEYS)
+                                                                              and _listed(key, allow)):
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               "the model's shape cannot change on resume; set it back, or start a new run")
         if not _listed(key, allow):
