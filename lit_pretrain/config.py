@@ -420,6 +420,10 @@ def check_ranges(cfg: DictConfig) -> None:
         )
     if cfg.schedule.lr_min > cfg.optim.lr_peak:
         raise ConfigError(f"schedule.lr_min={cfg.schedule.lr_min} exceeds optim.lr_peak={cfg.optim.lr_peak}")
+    if cfg.schedule.stage is not None and cfg.run.resume is None:
+        raise ConfigError("schedule.stage declares a stage's schedule, from the rate of the checkpoint it resumes, but "
+                          "run.resume is null: set run.resume to the previous stage's checkpoint, or drop "
+                          "schedule.stage (docs/resume.md, \"Stages\")")
     from lit_pretrain.data.locate import check_corpus_reads_paths
 
     check_corpus_reads_paths(config.data)

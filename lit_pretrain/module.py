@@ -15,8 +15,8 @@ from lit_pretrain.model import losses
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT, document_ids
 from lit_pretrain.model.moe import end_step, moe_loss
+from lit_pretrain.optim import stages
 from lit_pretrain.optim.optimizers import build_optimizer
-from lit_pretrain.optim.schedule import lr_lambda
 from lit_pretrain.optim.step_guard import StepGuard
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.context import context_losses
@@ -39,7 +39,8 @@ class PretrainModule(L.LightningModule):
     def __init__(self, model_cfg: GPTConfig | dict, optim: OptimConfig | dict, schedule: ScheduleConfig | dict,
                  max_steps: int, tokens_per_step: int, seed: Optional[int] = None,
                  strategy: Optional[StrategyConfig | dict] = None, compile: bool = False,
-                 plan: Optional[ParallelPlan] = None, eod_id: Optional[int] = None):
+                 plan: Optional[ParallelPlan] = None, eod_id: Optional[int] = None,
+                 schedule_pieces: Optional[list] = None):
         super().__init__()
         model_cfg, optim = from_plain(GPTConfig, model_cfg), from_plain(OptimConfig, optim)
         schedule, strategy = from_plain(ScheduleConfig, schedule), from_plain(StrategyConfig, strategy or {})
@@ -47,13 +48,16 @@ class PretrainModule(L.LightningModule):
         self.save_hyperparameters({
             "model_cfg": asdict(model_cfg), "optim": asdict(optim), "schedule": asdict(schedule),
             "max_steps": max_steps, "tokens_per_step": tokens_per_step, "seed": seed, "strategy": asdict(strategy),
-            "compile": compile, "eod_id": eod_id}, logger=False)
+            "compile": compile, "eod_id": eod_id, "schedule_pieces": schedule_pieces}, logger=False)
         self.model_cfg, self.optim_cfg, self.schedule_cfg = model_cfg, optim, schedule
         self.strategy_cfg = strategy
         self.max_steps, self.tokens_per_step, self.compile_blocks = max_steps, tokens_per_step, compile
         # data.document_masking: the end-of-document id the documents of a window are told apart by; None keeps
         # attention across the whole window (the default, and what checkpoints written before it meant).
         self.eod_id = eod_id
+        # The schedule across stages (optim/stages.py: train.py builds it from the config and the checkpoint resumed);
+        # None: `schedule` over max_steps from step 0.
+        self.schedule_pieces = schedule_pieces or stages.start(schedule, optim.lr_peak, max_steps)
         if seed is not None:
             torch.manual_seed(seed)  # the initial weights depend on the run seed alone, not on what ran before
         self.model = GPT(model_cfg)
@@ -334,7 +338,11 @@ class PretrainModule(L.LightningModule):
     def configure_optimizers(self):
         o = self.optim_cfg
         optimizer = build_optimizer(self.model, o, self.plan.zero_stage, layout=self.parallel)
-        schedule = lr_lambda(self.schedule_cfg, o.lr_peak, self.max_steps)
+        pieces = self.schedule_pieces
+
+        def schedule(step: int) -> float:  # a closure, not an object: LambdaLR's state_dict would save its fields
+            return stages.factor_at(pieces, step)
+
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 

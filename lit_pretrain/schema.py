@@ -327,6 +327,26 @@ class OptimConfig:
 
 
 @dataclass
+class StageScheduleConfig:
+    """A stage's own learning-rate schedule (schedule.stage): from the rate the previous stage reached, at the step
+    of the checkpoint run.resume continues, to lr_min at the stage's last step (trainer.max_steps), as Llama 3
+    anneals to 0 (Dubey et al. 2024, §3.4.3) and OLMo 2 its mid-training stage (Team OLMo 2024); docs/
+    resume.md, "Stages". Recorded in each checkpoint, so a resume inside the stage continues it exactly."""
+
+    kind: str = field(default="linear", metadata={"choices": ["linear", "cosine", "1-sqrt", "constant"]})
+    """The decay's shape: linear, cosine (half a cosine), 1-sqrt (Hägele et al. 2024) or constant (the rate reached,
+    held; lr_min unused)."""
+    lr_min: float = field(default=0.0, metadata={"ge": 0.0})
+    """Learning rate at the stage's last step: 0 (an anneal to zero) or a floor."""
+
+    def __post_init__(self):
+        # schedule.stage is optional, and config.py's range check does not descend into an optional section.
+        if self.kind not in ("linear", "cosine", "1-sqrt", "constant") or not self.lr_min >= 0:
+            raise ConfigError(f"schedule.stage={{kind: {self.kind}, lr_min: {self.lr_min}}}: expected kind one of "
+                              "linear, cosine, 1-sqrt, constant and lr_min >= 0")
+
+
+@dataclass
 class ScheduleConfig:
     kind: str = field(default="cosine", metadata={"choices": ["cosine", "linear", "wsd", "constant"]})
     """Decay after warmup: cosine, linear, wsd (warmup-stable-decay) or constant."""
@@ -339,6 +359,12 @@ class ScheduleConfig:
     decay_shape: str = field(default="linear", metadata={"choices": ["linear", "1-sqrt"]})
     """wsd only: the decay's shape, linear or 1-sqrt (lr_min + (lr_peak - lr_min)·(1 - sqrt(progress)), Hägele et
     al. 2024, the cooldown they find best; lit_pretrain/optim/schedule.py)."""
+    stage: Optional[StageScheduleConfig] = None
+    """A stage's own schedule, from the rate the checkpoint it resumes had reached (a cooldown or anneal stage; needs
+    run.resume and schedule.stage in run.resume_allow_changes). null: the schedule continues across a resume: a
+    changed trainer.max_steps (or schedule.*) recomputes it where that leaves the rate where it was (in warmup, in
+    wsd's stable phase), else the decay still ahead is spread from the rate reached over the new steps
+    (lit_pretrain/optim/stages.py; docs/resume.md, "Stages")."""
 
     def __post_init__(self):
         if self.decay_shape != "linear" and self.kind != "wsd":

@@ -25,8 +25,9 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.faults.watchdog import WatchdogCallback
 from lit_pretrain.model import shapes
 from lit_pretrain.module import PretrainModule, perplexity
+from lit_pretrain.optim.stages import describe as describe_schedule
 from lit_pretrain.parallel.batch import global_batch, plan_line
-from lit_pretrain.parallel.memory_log import MemoryAccounting
+from lit_pretrain.parallel.memory_log import MemoryAccounting, layout_record
 from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, check_vocab, compile_decision, sized_model
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.world import check_launcher_world
@@ -137,11 +138,14 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     cfg.model.vocab_size = c.model.vocab_size
     run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
     resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)
+    # Recorded in every checkpoint (run_meta), so a resume inside a stage continues its schedule exactly.
+    run_meta["schedule"] = resume_session.schedule_pieces(plan, c.schedule, c.optim.lr_peak, c.trainer.max_steps)
 
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
                             compile=parallel_plan.compile, plan=parallel_plan,
-                            eod_id=datamodule.eod_id if c.data.document_masking else None)
+                            eod_id=datamodule.eod_id if c.data.document_masking else None,
+                            schedule_pieces=run_meta["schedule"])
     if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
         from lit_pretrain.interop.hf import load_init  # needs safetensors (the hf extra): only when asked for
 
@@ -157,7 +161,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
                                   c.optim.lr_peak, sharded_layout=checkpoint_layout(c, parallel_plan),
                                   async_save=c.checkpoint.async_save),
         # Bytes each rank holds (parameters, gradients, optimizer state, saved activations) → memory.json.
-        MemoryAccounting(run_dir, {"strategy": c.strategy.name, "zero_stage": parallel_plan.zero_stage,
+        MemoryAccounting(run_dir, {**layout_record(parallel_plan, c.strategy.name),
                                    "activation_checkpointing": c.model.activation_checkpointing,
                                    "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
         *build_callbacks(c),
@@ -192,6 +196,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
             start = run_state.start_record(c.run.name, first, c.trainer.max_steps)
             write_summary(run_dir, start)
             print(plan_line(parallel_plan, batch), flush=True)  # after every check: what the steps will run
+            print(describe_schedule(run_meta["schedule"], c.optim.lr_peak, first or None), flush=True)
         with warnings.catch_warnings():
             # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
             # already refused to reuse a folder from another run.
@@ -242,6 +247,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         "steps": trainer.global_step,  # optimizer steps completed (a preempted run: its checkpoint's step)
         "max_steps": c.trainer.max_steps,
         "resume_step": run_state.resume_step(run_dir) if status != run_state.FINISHED else None,
+        # optim/stages.py: which schedule the last steps followed (schedule, continued, stage) and from which step
+        "schedule": {"how": run_meta["schedule"][-1]["how"], "from_step": run_meta["schedule"][-1]["start"],
+                     "pieces": run_meta["schedule"]},
         **({"stop_signal": stepper.stop_signal} if status == run_state.PREEMPTED else {}),
         **({"error": stop_reason(callbacks, trainer.global_step, c.trainer.max_steps)}
            if status == run_state.FAILED else {}),

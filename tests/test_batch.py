@@ -11,6 +11,7 @@ import pytest
 from lit_pretrain import cli, config
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.parallel.batch import GlobalBatch, global_batch, plan_line
+from lit_pretrain.parallel.memory_log import layout_record
 from lit_pretrain.parallel.plan import ParallelPlan, build_plan
 from lit_pretrain.runs.folder import read_metrics, series
 from tests.conftest import run_module, train_args
@@ -90,16 +91,25 @@ def test_plan_line_names_every_dimension_in_the_glossary_s_words():
                         sequence_parallel=True, pipeline_parallel=2, schedule="gpipe", micro_batches=4,
                         expert_parallel=2)
     assert plan_line(plan, GlobalBatch(4, 64, 4, 3, 3072)) == (
-        "plan: data parallel 2 replicate x 2 shard (ZeRO stage 3), tensor parallel 2 with sequence parallelism, "
-        "pipeline parallel 2 (gpipe, 4 pipeline micro-batches), expert parallel 2; micro-batch 4 x seq_len 64 x "
-        "data-parallel degree 4 x accumulation 3 = 3,072 tokens per step")
+        "plan: data parallel 2 replicate x 2 shard (ZeRO stage 3), context parallel 1, tensor parallel 2 with "
+        "sequence parallelism, pipeline parallel 2 (gpipe, 4 pipeline micro-batches), expert parallel 2; "
+        "micro-batch 4 x seq_len 64 x data-parallel degree 4 x accumulation 3 = 3,072 tokens per step")
     # FSDP2's mixed-precision policy (strategy.mixed_precision_policy) is said beside the ZeRO stage
     policy = ParallelPlan(data_parallel_shard=2, zero_stage=2, mixed_precision_policy=True)
     assert plan_line(policy, GlobalBatch(4, 64, 2, 1, 512)).startswith(
         "plan: data parallel 1 replicate x 2 shard (ZeRO stage 2, bf16 parameters gathered, fp32 gradients reduced), ")
     assert plan_line(ParallelPlan(), GlobalBatch(8, 64, 1, 1, 512)) == (
-        "plan: data parallel 1 replicate x 1 shard, tensor parallel 1, pipeline parallel 1, expert parallel 1; "
-        "micro-batch 8 x seq_len 64 x data-parallel degree 1 x accumulation 1 = 512 tokens per step")
+        "plan: data parallel 1 replicate x 1 shard, context parallel 1, tensor parallel 1, pipeline parallel 1, "
+        "expert parallel 1; micro-batch 8 x seq_len 64 x data-parallel degree 1 x accumulation 1 = 512 tokens per step")
+    # Context parallelism is a degree of the layout too: its ranks share a micro-batch, so the data-parallel degree
+    # alone (1 here) hid a 2-process run; memory.json says the same layout, not the preset's name (ddp).
+    cp = ParallelPlan(context_parallel=2)
+    assert plan_line(cp, GlobalBatch(8, 64, 1, 1, 512)).startswith(
+        "plan: data parallel 1 replicate x 1 shard, context parallel 2, tensor parallel 1, ")
+    record = layout_record(cp, "ddp")
+    assert (record["strategy"], record["strategy_preset"], record["context_parallel"]) == (
+        "data parallel 1 replicate x 1 shard, context parallel 2, tensor parallel 1, pipeline parallel 1, "
+        "expert parallel 1", "ddp", 2)
 
 
 # One config, six layouts, each one key set (and the processes it needs): tiny.yaml's own 512-token batch (micro-batch

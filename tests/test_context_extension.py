@@ -99,6 +99,12 @@ def test_stage_continues_weights_and_the_next_unseen_token_across_a_sigkill(tmp_
     assert [r["ready"] for r in rows] == [3, 4, 5, 5]
     # One step count across the stages and the kill: steps 3, 4, 5 each logged once in stage 2's run folder.
     assert [s for s, _ in series(read_metrics(tmp_path / "stage2" / "metrics.csv"), "train/loss")] == [3, 4, 5]
+    # The schedule continues (optim/stages.py): stage 1's cosine (warmup 1, 2 steps) ended at its lr_min 1e-4, and
+    # stage 2 holds it, its resumption after the kill too (a cosine recomputed over 5 steps re-warmed to 5.5e-4 at
+    # step 3). 1e-6 relative: self.log stores the rate as float32.
+    lr = dict(series(read_metrics(tmp_path / "stage2" / "metrics.csv"), "train/lr"))
+    assert [lr[s] for s in (3, 4, 5)] == pytest.approx([1e-4] * 3, rel=1e-6)
+    assert json.loads((tmp_path / "stage2" / "summary.json").read_text())["schedule"]["how"] == "continued"
 
 
 def test_remap_by_token_offset():

@@ -315,7 +315,16 @@ def test_context_parallel_zero3_resume_from_single_process_and_sigkill(train, si
     # below lands mid-accumulation.
     layout = ["strategy=zero", "strategy.context_parallel=2", "trainer.devices=2", "trainer.micro_batch_size=8"]
     step2 = single_ref / "checkpoints" / store.step_file(2)
-    ref, _ = train("cp2-zero3-ref", *layout, f"run.resume={step2}", record=True)
+    ref, out = train("cp2-zero3-ref", *layout, f"run.resume={step2}", record=True)
+    # The plan line and memory.json name the layout that ran, context parallelism included (on main: no CP degree
+    # in the line, and memory.json said only the preset's name)
+    assert [line for line in out.stdout.splitlines() if line.startswith("plan: ")] == [
+        "plan: data parallel 1 replicate x 1 shard (ZeRO stage 3), context parallel 2, tensor parallel 1, pipeline "
+        "parallel 1, expert parallel 1; micro-batch 8 x seq_len 64 x data-parallel degree 1 x accumulation 2 = 1,024 "
+        "tokens per step"]
+    memory = json.loads((ref / "memory.json").read_text())
+    assert (memory["context_parallel"], memory["strategy_preset"]) == (2, "zero")
+    assert "context parallel 2" in memory["strategy"]
     expected = global_indices(single_ref.parent / f"{single_ref.name}.indices")
     prefix = ref.parent / "cp2-zero3-ref.indices"
     for rank in ("0", "1"):  # context-parallel peers read the same windows, one process's

@@ -12,6 +12,7 @@ from lit_pretrain.callbacks.loss_spike import LossSpike
 from lit_pretrain.callbacks.nan_guard import NanGuard
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.module import PretrainModule
+from lit_pretrain.runs.folder import read_metrics, series
 from lit_pretrain.train import resolve_vocab, train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
 from tests.stability_helpers import LrJump, NonFinite, PoisonBatch, Recorder
@@ -150,3 +151,6 @@ def test_default_experiment_callbacks_end_to_end(tmp_path, tiny_data_dir, capsys
     for key in ("grad_norm/mean", "grad_norm/clip_rate", "grad_norm/layer/blocks.0", "throughput/tokens_per_s",
                 "throughput/mfu", "update_ratio"):
         assert key in header, key
+    # The example callback's rows are numbered like every other: steps completed, 5, 10, 15, 20 (on main 0, 5, 10,
+    # 15: the step each update started from, one behind the loss logged with it).
+    assert [s for s, _ in series(read_metrics(run / "metrics.csv"), "update_ratio")] == [5, 10, 15, 20]

@@ -35,9 +35,9 @@ def test_tiny_fit_learns_and_fills_the_run_folder(tmp_path, tiny_data_dir, capsy
     assert re.search(r"torch\.compile: off — this run's [0-9.e+]+ training FLOPs a process are under the", out)
     # One line, before the first step, with the plan and the batch it applied.
     plan = [line for line in out.splitlines() if line.startswith("plan: ")]
-    assert plan == ["plan: data parallel 1 replicate x 1 shard, tensor parallel 1, pipeline parallel 1, expert "
-                    "parallel 1; micro-batch 8 x seq_len 64 x data-parallel degree 1 x accumulation 2 = 1,024 "
-                    "tokens per step"]
+    assert plan == ["plan: data parallel 1 replicate x 1 shard, context parallel 1, tensor parallel 1, pipeline "
+                    "parallel 1, expert parallel 1; micro-batch 8 x seq_len 64 x data-parallel degree 1 x "
+                    "accumulation 2 = 1,024 tokens per step"]
     run_dir = tmp_path / "runs" / "tiny"
     on_disk = json.loads((run_dir / "summary.json").read_text())
     for key in ("params", "non_embedding_params", "tokens_seen", "tokens_per_param", "steps", "final_train_loss",
@@ -113,6 +113,40 @@ def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_da
     assert run_table.status(run_table.read_run(run_dir)) == "failed, resumes from step 5"
     # The resumed attempt's rows continue the numbering: step 6 once, after the first attempt's 1..5.
     assert [s for s, _ in series(read_metrics(run_dir / "metrics.csv"), "train/loss")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_stages_continue_the_schedule_or_follow_the_one_they_declare(tmp_path, tiny_data_dir, capsys):
+    """docs/resume.md, "Stages": a 6-step cosine run (warmup 1, lr_peak 3e-3, lr_min 1e-4, checkpoints at 3 and 6),
+    then two stages in new run folders: extended to 9 steps from its end (the rate stays at lr_min, where a cosine
+    recomputed over 9 steps re-warmed to 8.3e-4), and an anneal stage from step 3 to 0 at step 7 (linear from the
+    rate step 3 had). Rates compared to 1e-6 relative: self.log stores them as float32 (7 digits)."""
+    from lit_pretrain.resume.store import step_file
+
+    def lrs(name):
+        return dict(series(read_metrics(tmp_path / "runs" / name / "metrics.csv"), "train/lr"))
+
+    common = ["schedule.warmup_steps=1", "trainer.log_every_n_steps=1", "trainer.val_windows=8"]
+    train(tiny_cfg(tmp_path, tiny_data_dir, *common, "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3"))
+    first = lrs("tiny")
+    assert first[6] == pytest.approx(1e-4, rel=1e-6) and first[3] > first[4] > first[6]
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    capsys.readouterr()
+
+    extended = train(tiny_cfg(tmp_path, tiny_data_dir, *common, "run.name=extended", "trainer.max_steps=9",
+                              f"run.resume={checkpoints / step_file(6)}",
+                              "run.resume_allow_changes=[trainer.max_steps]"))
+    assert [lrs("extended")[s] for s in (7, 8, 9)] == pytest.approx([first[6]] * 3, rel=1e-6)
+    assert (extended["schedule"]["how"], extended["schedule"]["from_step"]) == ("continued", 6)
+    assert "schedule: continued from step 6: held from lr 0.0001 (the rate of step 6)" in capsys.readouterr().out
+
+    anneal = train(tiny_cfg(tmp_path, tiny_data_dir, *common, "run.name=anneal", "trainer.max_steps=7",
+                            f"run.resume={checkpoints / step_file(3)}", "schedule.stage={kind: linear, lr_min: 0}",
+                            "run.resume_allow_changes=[trainer.max_steps, schedule.stage]"))
+    rates = lrs("anneal")
+    assert [rates[s] for s in (4, 5, 6, 7)] == pytest.approx([first[3] * (1 - i / 4) for i in (1, 2, 3, 4)],
+                                                             rel=1e-6, abs=1e-15)
+    assert (anneal["schedule"]["how"], anneal["schedule"]["from_step"]) == ("stage", 3)
+    assert "schedule: a new stage from step 3: linear from lr" in capsys.readouterr().out
 
 
 def test_cli_reports_usage_errors_without_a_traceback(tmp_path, tiny_data_dir, capsys):

@@ -26,11 +26,14 @@ class UpdateRatio(L.Callback):
         self._before = None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step % self.every_n_steps == 0:
-            self._before = (trainer.global_step, [p.detach().clone() for p in pl_module.parameters()])
+        # Steps are optimizer steps completed, as on every other metrics row (lit_pretrain/runs/step_axis.py): the
+        # update about to run completes step global_step + 1, so steps n, 2n, ... are measured, as the loss is logged.
+        step = trainer.global_step + 1
+        if step % self.every_n_steps == 0:
+            self._before = (step, [p.detach().clone() for p in pl_module.parameters()])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self._before is None or trainer.global_step != self._before[0] + 1:
+        if self._before is None or trainer.global_step != self._before[0]:
             return  # not measured, or mid-accumulation: the update has not happened yet
         step, before = self._before
         self._before = None

@@ -41,13 +41,17 @@ class MoEConfig:
     """Coefficient of the Switch/GShard load-balancing loss E * sum_i f_i * P_i (Fedus et al. 2021 eq. 4: f_i the
     fraction of assignments to expert i, P_i its mean router probability; 1 when balanced), averaged over the MoE
     layers as transformers' OLMoE does. 0: off."""
-    aux_loss_scope: str = field(default="micro_batch", metadata={"choices": ["micro_batch", "global"]})
-    """Which assignments f_i counts. micro_batch: each rank's own micro-batch (Megatron-LM's default), so the
-    data-parallel mean of the ranks' losses is not one process's loss over their tokens. global: those of the
-    micro-batches all data-parallel ranks run together, summed by one all-reduce of E counts per MoE layer and
-    forward (global-batch balancing, Qiu et al. 2025, "Demons in the Detail"), so that mean is one process's over
-    the same tokens; P_i (which carries the gradient) stays each rank's own. Gradient accumulation and pipeline
-    micro-batches keep their own f either way."""
+    aux_loss_scope: str = field(default="sequence", metadata={"choices": ["sequence", "micro_batch", "global"]})
+    """Which tokens f_i and P_i count. sequence (default): each window's own, the loss the mean over windows
+    (DeepSeek-V3's sequence-wise balance loss, §2.1.2): a window's term depends on that window alone, so every
+    layout (processes, micro-batch size, gradient accumulation, expert parallelism) trains the same experiment
+    (tests/test_moe_parallel.py), and with micro_batch_size 1 it is micro_batch's loss. micro_batch: each rank's
+    micro-batch (Megatron-LM's default), which depends on the layout: the windows a micro-batch holds change with
+    it. global: the micro-batches all data-parallel ranks run together, counts summed by one all-reduce of E per
+    MoE layer and forward (global-batch balancing, Qiu et al. 2025, "Demons in the Detail"), P_i each rank's own:
+    one process's loss over the same tokens only while no layout accumulates (gradient accumulation and pipeline
+    micro-batches keep their own f), so it too depends on the layout. A checkpoint trained under micro_batch (the
+    default before) resumes under the new default, said on the console (lit_pretrain/resume/compat.py)."""
     bias_update_rate: float = field(default=0.0, metadata={"ge": 0})
     """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2; Wang et al. 2024): a per-expert bias, added to the
     scores for the top-k choice only, moves by this rate times sign(mean load - load) after every optimizer step.

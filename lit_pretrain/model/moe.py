@@ -146,11 +146,17 @@ class MoE(nn.Module):
         # P_i the mean over tokens of its probability (sigmoid scores normalized per token, as DeepSeek-V3's
         # sequence-wise loss does). Router z-loss (ST-MoE eq. 5): mean over tokens of logsumexp(logits)^2.
         probs = scores if moe.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-        assigned = counts.float()  # (E,), no gradient (argmax-like)
+        if moe.aux_loss_scope == "sequence":  # each window's f and P, the mean over windows (B of them)
+            windows = shape[0] if len(shape) == 3 else 1
+            assigned = torch.zeros(windows, E, device=x.device).scatter_add_(
+                1, top.view(windows, -1), torch.ones(windows, top.numel() // windows, device=x.device))  # (B, E)
+            mean_probs = probs.view(windows, -1, E).mean(1)  # (B, E)
+        else:
+            assigned, mean_probs = counts.float(), probs.mean(0)  # (E,) each; counts carry no gradient
         if moe.aux_loss > 0 and self.count_reduce is not None:
             assigned = self.count_reduce(assigned)  # the tokens of every rank the loss's scope covers
-        f = assigned / assigned.sum().clamp(min=1)  # = counts / (N k) on one process: top-k picks k experts
-        aux = E * (f * probs.mean(0)).sum()
+        f = assigned / assigned.sum(-1, keepdim=True).clamp(min=1)  # = counts / (N k) on one process
+        aux = E * (f * mean_probs).sum(-1).mean()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         self.last_losses = torch.stack([aux, z])
         # Counted once per forward: activation checkpointing's recomputation stops as soon as the saved tensors are

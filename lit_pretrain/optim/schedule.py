@@ -56,3 +56,23 @@ def lr_lambda(cfg_schedule, lr_peak: float, max_steps: int):
                      decay_fraction=cfg_schedule.decay_fraction, decay_shape=cfg_schedule.decay_shape) / lr_peak
 
     return factor
+
+
+STAGE_KINDS = ("linear", "cosine", "1-sqrt", "constant")
+
+
+def decay_at(step: int, *, kind: str, from_step: int, rate_from: float, rate_to: float, last_step: int) -> float:
+    """A decay from `rate_from`, the rate of step `from_step` (already trained), to `rate_to` at `last_step`, by the
+    shapes above: linear, cosine (half a cosine, SGDR), 1-sqrt (Hägele et al. 2024), or constant (rate_from
+    throughout). The step after `from_step` is the decay's first, as the decay of `lr_at` starts on the step after
+    its peak. A stage's schedule (optim/stages.py)."""
+    if kind not in STAGE_KINDS:
+        raise ValueError(f"schedule.stage.kind={kind!r}: expected one of {STAGE_KINDS}")
+    if kind == "constant" or step <= from_step:
+        return rate_from
+    progress = 1.0 if last_step <= from_step else min(1.0, (step - from_step) / (last_step - from_step))
+    if kind == "cosine":
+        return rate_to + 0.5 * (rate_from - rate_to) * (1.0 + math.cos(math.pi * progress))
+    if kind == "1-sqrt":
+        return rate_to + (rate_from - rate_to) * (1.0 - math.sqrt(progress))
+    return rate_from + (rate_to - rate_from) * progress

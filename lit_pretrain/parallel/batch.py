@@ -72,8 +72,9 @@ def fixes(trainer, seq_len: int, plan, tokens: int) -> List[str]:
     return out
 
 
-def plan_line(plan, batch: GlobalBatch) -> str:
-    """The layout and batch a run applies, in one line (train prints it before the first step)."""
+def layout_line(plan) -> str:
+    """Every degree of the layout a run applies, in the glossary's words (the plan line's first half; memory.json's
+    strategy)."""
     data = f"data parallel {plan.data_parallel_replicate} replicate x {plan.data_parallel_shard} shard"
     if plan.zero_stage:
         policy = ", bf16 parameters gathered, fp32 gradients reduced" if plan.mixed_precision_policy else ""
@@ -83,7 +84,12 @@ def plan_line(plan, batch: GlobalBatch) -> str:
     pipeline = f"pipeline parallel {plan.pipeline_parallel}"
     if plan.pipeline_parallel > 1:
         pipeline += f" ({plan.schedule}, {plan.micro_batches} pipeline micro-batches)"
+    return (f"{data}, context parallel {plan.context_parallel}, {tensor}, {pipeline}, expert parallel "
+            f"{plan.expert_parallel}")
+
+
+def plan_line(plan, batch: GlobalBatch) -> str:
+    """The layout and batch a run applies, in one line (train prints it before the first step)."""
     b = batch
-    return (f"plan: {data}, {tensor}, {pipeline}, expert parallel {plan.expert_parallel}; micro-batch "
-            f"{b.micro_batch_size} x seq_len {b.seq_len} x data-parallel degree {b.data_parallel} x accumulation "
-            f"{b.accumulation} = {b.tokens_per_step:,} tokens per step")
+    return (f"plan: {layout_line(plan)}; micro-batch {b.micro_batch_size} x seq_len {b.seq_len} x data-parallel "
+            f"degree {b.data_parallel} x accumulation {b.accumulation} = {b.tokens_per_step:,} tokens per step")

@@ -10,7 +10,17 @@ from pathlib import Path
 import lightning as L
 import torch.distributed as dist
 
+from lit_pretrain.parallel.batch import layout_line
 from lit_pretrain.parallel.memory import SavedActivations, gathered_param_bytes, rank_state_bytes
+from lit_pretrain.parallel.plan import DEGREE_KEYS
+
+
+def layout_record(plan, preset: str) -> dict:
+    """memory.json's account of what ran: the layout the plan applied, every degree (a preset's name alone, e.g. ddp
+    for a context-parallel run started from strategy=ddp, hides the split), and the preset the config started from."""
+    return {"strategy": layout_line(plan), "strategy_preset": preset, "zero_stage": plan.zero_stage,
+            **{k: getattr(plan, k) for k in (*DEGREE_KEYS, "expert_parallel")}}
+
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "gathered_param_bytes", "saved_activation_bytes")
 

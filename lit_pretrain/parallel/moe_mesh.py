@@ -114,9 +114,9 @@ def install_global_counts(model: nn.Module, plan) -> int:
     covers, on a process group of its own (made here: a collective, every rank calls it), so the sum inside the
     forward, and again in an activation-checkpointing recomputation inside the backward, never interleaves with the
     gradients' collectives: model.moe.aux_loss_scope=global, the data-parallel x context-parallel ranks of this
-    rank's (pipeline stage, tensor-parallel rank); micro_batch under context parallelism, the context-parallel
-    group (its ranks hold parts of the same micro-batch). Returns the layers given it; none where one rank holds
-    those tokens.
+    rank's (pipeline stage, tensor-parallel rank); sequence or micro_batch under context parallelism, the
+    context-parallel group (its ranks hold parts of the same windows). Returns the layers given it; none where one
+    rank holds those tokens.
 
     With f_i from the summed counts (a constant of backward), each rank's E Σ_i f_i P_i over its own tokens' mean
     probabilities P_i is linear in them, so the mean over the context-parallel group of the ranks' losses is the

@@ -3,7 +3,8 @@
 A resume continues one experiment. Keys that only say how it is run (devices, strategy, threads, logging and
 checkpoint intervals, workers) may change freely, as long as the global batch (tokens per optimizer step) is the
 same. Keys that change the experiment (optimizer, schedule, seed, data, max_steps which shapes the schedule) are
-refused unless listed in `run.resume_allow_changes`; keys that change the model's shape are refused always, since
+refused unless listed in `run.resume_allow_changes` (the schedule then continues from the rate reached, or
+schedule.stage declares a stage's own: optim/stages.py); keys that change the model's shape are refused always, since
 the checkpoint's weights fit only their own shape; model.seq_len and model.rope_scaling hold no weight and may change
 when listed (a context-extension stage). The tokenizer and the shard manifest are compared by hash.
 """
@@ -33,6 +34,12 @@ FREE_KEYS = {
 # Model keys that hold no weight: a context-extension stage (docs/resume.md) changes them on purpose, when
 # run.resume_allow_changes lists them (model.rope_scaling: the section, or one of its keys).
 STAGE_KEYS = ("model.seq_len", "model.rope_scaling")
+# Model keys of the loss, not the weights: they may change when listed.
+LOSS_KEYS = ("model.moe.aux_loss_scope",)
+# Defaults that changed: key -> (the old default a checkpoint written before holds, the new one). Such a checkpoint
+# resumes under the new default without listing it, and the console says so (session.continue_metrics); set the key
+# to the old value to train on as it did. model.moe.aux_loss_scope: sequence is the same under every layout.
+CHANGED_DEFAULTS = {"model.moe.aux_loss_scope": ("micro_batch", "sequence")}
 
 
 def _listed(key: str, allow: Iterable[str]) -> bool:
@@ -105,11 +112,17 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
             continue  # a checkpoint written before the rename: the new key takes over from here
         if key not in before and now.get(key) == schema_defaults().get(key, object()):
             continue  # a key the checkpoint predates (e.g. model.moe), at its default: what that run computed
-        if key.startswith("model.") and not (_listed(key, STAGE_KEYS) and _listed(key, allow)):
+        if key in CHANGED_DEFAULTS and (before.get(key), now.get(key)) == CHANGED_DEFAULTS[key]:
+            changed.append(key)  # written under the old default, resumed under the new one
+            continue
+        if key.startswith("model.") and not _listed(key, LOSS_KEYS) and not (_listed(key, STAGE_KEYS)
+                                                                              and _listed(key, allow)):
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
                               "the model's shape cannot change on resume; set it back, or start a new run")
         if not _listed(key, allow):
+            # schedule.stage: a section made whole by a stage; name it, not one of its keys.
+            name = "schedule.stage" if key.startswith("schedule.stage.") else key
             raise ConfigError(f"{key} is {now.get(key)!r} here but {before.get(key)!r} in checkpoint {checkpoint}: "
-                              f"set it back, or allow the change with run.resume_allow_changes=[{key}]")
+                              f"set it back, or allow the change with run.resume_allow_changes=[{name}]")
         changed.append(key)
     return changed

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from lit_pretrain.errors import DataError, RunFolderError
+from lit_pretrain.errors import ConfigError, DataError, RunFolderError
+from lit_pretrain.optim import stages
 from lit_pretrain.resume import compat, store
 from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
 from lit_pretrain.resume.checkpointing import StepCheckpoint
@@ -126,14 +127,35 @@ def check(plan: Plan, run_meta: Dict, allow: List[str], tokenizer_file: Path) ->
     plan.changed = compat.check_resume(saved, run_meta, allow, str(plan.checkpoint), str(tokenizer_file))
 
 
+def schedule_pieces(plan: Plan, schedule, lr_peak: float, max_steps: int) -> List[Dict]:
+    """The learning-rate schedule the run follows (optim/stages.py): its own from step 0, or what the checkpoint
+    recorded, continued or with the stage that schedule.stage declares from the checkpoint's step on."""
+    if plan.checkpoint is None:
+        if schedule.stage is not None:
+            raise ConfigError("schedule.stage declares a stage's schedule, which starts from the rate of the "
+                              "checkpoint it resumes, but this run starts at step 0 (no checkpoint to resume): set "
+                              "run.resume to the previous stage's checkpoint, or drop schedule.stage")
+        return stages.start(schedule, lr_peak, max_steps)
+    saved = store.meta_of(plan.checkpoint)
+    # A checkpoint written before the pieces were recorded: its schedule, from the config it trained with.
+    previous = saved.get("schedule") or stages.from_config(saved["config"])
+    return stages.resume(previous, saved["step"], schedule, lr_peak, max_steps)
+
+
 def continue_metrics(plan: Plan) -> None:
     """On rank 0 of a resume, once the run folder is there: cut metrics logged after the checkpoint."""
     if plan.checkpoint is None or not is_primary_process():
         return
     saved = store.meta_of(plan.checkpoint)
     keep_first_rows(plan.run_dir / "metrics.csv", saved["metrics_rows"])
+    defaults = [k for k in plan.changed if k in compat.CHANGED_DEFAULTS]  # said apart: not chosen here
+    purposed = [k for k in plan.changed if k not in defaults]
     print(f"resuming from {store.describe(plan.checkpoint)}"
-          + (f", changed on purpose: {', '.join(plan.changed)}" if plan.changed else ""), flush=True)
+          + (f", changed on purpose: {', '.join(purposed)}" if purposed else ""), flush=True)
+    for key in defaults:
+        old, new = compat.CHANGED_DEFAULTS[key]
+        print(f"{key}: the checkpoint trained under the old default {old}, this run goes on under the new one, {new} "
+              f"(set {key}={old} to train on as it did)", flush=True)
 
 
 def callbacks(plan: Plan, every_n_steps: int, keep_last: int, run_meta: Dict, lr_peak: float,
