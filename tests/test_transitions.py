@@ -3,7 +3,8 @@ folder, each link a layout of its own, stopped by Ctrl-C and continued with `run
 equal the uninterrupted one-process run.
 
 Every layout is a source and a target at least once (chain A: one process → DDP 2 → ZeRO-3 2 → PP 2 → TP 2 + SP →
-ZeRO-1 2; chain B: ZeRO-2 2 → HSDP 2 x 2 → CP 2 → one process), and the accumulation of a step changes down (2 → 1,
+ZeRO-1 2; chain B: ZeRO-2 2 → HSDP 2 x 2 → CP 2 → one process; the default MoE model, chain C: one process → EP 2
+→ EP 2 x ZeRO-3 → one process), and the accumulation of a step changes down (2 → 1,
 4 → 2) and up (1 → 4, 2 → 4) across links. The links end on odd and even steps, Ctrl-C lands mid-accumulation and
 at step boundaries, checkpoints alternate between one file and a sharded folder, and the corpus (10 documents) is
 short enough that an epoch (7 steps of 16 windows) ends inside a link and a link resumes inside the second epoch.
@@ -43,13 +44,21 @@ LAYOUTS = {
            4),
     "pp": (["strategy=pipeline", "trainer.devices=2", "trainer.micro_batch_size=8"], 2),
     "cp": (["strategy=ddp", "strategy.context_parallel=2", "trainer.devices=2", "trainer.micro_batch_size=4"], 4),
+    "ep2": (["strategy=ddp", "strategy.expert_parallel=2", "trainer.devices=2", "trainer.micro_batch_size=8"], 1),
+    "ep2_zero3": (["strategy=zero", "strategy.expert_parallel=2", "trainer.devices=2", "trainer.micro_batch_size=2"],
+                  4),
 }
+# The default model.moe (8 experts, top 2, its load-balancing loss per window): chain c's model.
+MOE = ["model.moe={}"]
 # (layout, checkpoint format of its link, the link's Ctrl-C: (global_step, micro-batch) → checkpoint at step + 1)
 CHAINS = {
     "a": [("one", "single", (2, 1)), ("ddp", "sharded", (4, 0)), ("zero3", "single", (7, 2)),
           ("pp", "sharded", (8, 1)), ("tp", "single", (9, 3)), ("zero1", "sharded", None)],
     "b": [("zero2", "single", (2, 0)), ("hsdp", "sharded", (5, 1)), ("cp", "single", (7, 3)), ("one", "single", None)],
+    "c": [("one", "sharded", (2, 1)), ("ep2", "single", (5, 0)), ("ep2_zero3", "single", (8, 1)),
+          ("one", "single", None)],
 }
+MODEL = {"c": MOE}  # the chains' model beside tiny.yaml's dense one
 
 
 @pytest.fixture(scope="session")
@@ -74,10 +83,18 @@ def train(root: Path, name: str, corpus: list, *overrides, fault=None, rc=0):
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory, short_corpus) -> Path:
-    root = tmp_path_factory.mktemp("transitions")
-    train(root, "ref", short_corpus, *LAYOUTS["one"][0])
-    return root / "ref"
+def references(tmp_path_factory, short_corpus):
+    """The uninterrupted one-process run of a model (overrides), trained once per session."""
+    root, done = tmp_path_factory.mktemp("transitions"), {}
+
+    def get(model: tuple) -> Path:
+        if model not in done:
+            name = f"ref{len(done)}"
+            train(root, name, short_corpus, *LAYOUTS["one"][0], *model)
+            done[model] = root / name
+        return done[model]
+
+    return get
 
 
 def rows(run_dir: Path) -> list:
@@ -94,8 +111,9 @@ def by_step(run_dir: Path, key: str) -> dict:
 
 
 @pytest.mark.parametrize("chain", sorted(CHAINS))
-def test_layout_chain_equals_the_uninterrupted_run(chain, reference, short_corpus, tmp_path):
-    links = CHAINS[chain]
+def test_layout_chain_equals_the_uninterrupted_run(chain, references, short_corpus, tmp_path):
+    links, model = CHAINS[chain], MODEL.get(chain, [])
+    reference = references(tuple(model))
     run = tmp_path / chain
     # The chain changes accumulation both ways somewhere (the issue's bug: Lightning counted the accumulation's phase
     # and the validation interval in the micro-batches of the layout that wrote the checkpoint).
@@ -105,7 +123,7 @@ def test_layout_chain_equals_the_uninterrupted_run(chain, reference, short_corpu
     stops = []
     for i, (layout, fmt, fault) in enumerate(links):
         resume = ["run.resume=auto"] if i else []
-        out = train(tmp_path, chain, short_corpus, *LAYOUTS[layout][0], f"checkpoint.format={fmt}", *resume,
+        out = train(tmp_path, chain, short_corpus, *LAYOUTS[layout][0], *model, f"checkpoint.format={fmt}", *resume,
                     fault=fault, rc=130 if fault is not None else 0)
         if fault is not None:  # Ctrl-C: the checkpoint of the next step boundary, then the way back
             stop = fault[0] + 1
