@@ -16,7 +16,6 @@ under context parallelism runs on our mesh: its gradient all-reduce, then ZeroRe
 """
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.plugins.precision import Precision
@@ -25,8 +24,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.parallel.plan import ParallelPlan, plan_from
 from lit_pretrain.parallel.startup import BoundedStartup
+from lit_pretrain.resume.gathered import GatheredOneFile
 from lit_pretrain.resume.sharded.load import ShardedLoad
-from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
@@ -34,17 +33,10 @@ class ShardedDDPStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, DDPStrategy
     """Lightning's DDPStrategy (ZeRO-1 included) that also resumes from a sharded folder."""
 
 
-class VerifiedModelParallelStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy loads a one-file checkpoint with its own torch.load, not through
-    checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only. A
-    sharded folder: ShardedLoad (resume/sharded/load.py)."""
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None):
-        path = self.broadcast(checkpoint_path)
-        if Path(path).is_dir():
-            return super().load_checkpoint(path)
-        verify(path)
-        return super().load_checkpoint(path, weights_only=True)
+class VerifiedModelParallelStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, GatheredOneFile, ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (plain ZeRO-2/3) with our mesh strategy's one-file checkpoint
+    (resume/gathered.py: the file checked against its sha256 sidecar on every rank and loaded weights-only, the
+    optimizer state by parameter name) and sharded folders (ShardedLoad, resume/sharded/load.py)."""
 
 
 class PolicyPrecision(Precision):
