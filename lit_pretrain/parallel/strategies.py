@@ -7,7 +7,7 @@ The same config runs on CPU (gloo) and on GPUs (nccl): the backend is chosen fro
 |---|---|---|
 | one process | "auto" (one device) | |
 | data_parallel_replicate only, zero_stage 0 or 1 | DDPStrategy | ZeRO-1: ZeroRedundancyOptimizer (optim) |
-| data_parallel_shard only, zero_stage 2 or 3 | ModelParallelStrategy (verified loads) | FSDP2 in apply_plan |
+| data_parallel_shard only, zero_stage 2 or 3 | ModelParallelStrategy (resume/gathered.py) | FSDP2 in apply_plan |
 | tensor, pipeline, expert, context parallel > 1, or HSDP | MeshStrategy (parallel/mesh_strategy.py) | apply_plan |
 
 Lightning's own FSDPStrategy refuses CPUs and refuses norm-based gradient clipping; ModelParallelStrategy runs
@@ -70,9 +70,9 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
             mesh_strategy.precision_plugin = PolicyPrecision()
         return watched(mesh_strategy, config)
     if plan.uses_fsdp:
-        # Every rank in one data-parallel group (no tensor parallelism). A consolidated checkpoint (one file,
-        # written by rank 0) reads back like any other strategy's: the full state dict is gathered without the
-        # FSDP1 full-state-dict path that crashes on CPU (shared/CPU-DISTRIBUTED.md).
+        # Every rank in one data-parallel group (no tensor parallelism). A one-file checkpoint (written by rank 0)
+        # is gathered and read back by parameter name, as under our mesh (resume/gathered.py), so it loads into
+        # any layout and any layout's file loads here.
         strategy = VerifiedModelParallelStrategy(
             data_parallel_size=plan.world_size, tensor_parallel_size=1, save_distributed_checkpoint=False,
             process_group_backend=backend, timeout=timeout)
