@@ -467,7 +467,7 @@ def test_gpu_grid_rungs_are_the_presets_and_its_held_out_rung_is_the_run_files(c
     # with the recipe of experiments/runs/llama3_2_1b_h200x8.yaml (lr 9e-4, 2^20 tokens a step, beta2 0.95), 10x
     # beyond the fitted compute, the development rung about 3x; `--plan --mfu` prints the grid's GPU-hours.
     from lit_pretrain import config as config_lib
-    from lit_pretrain.callbacks.throughput import GPU_PEAK_FLOPS
+    from lit_pretrain.gpu_peaks import GPU_PEAK_FLOPS
     from lit_pretrain.scaling.gpu_hours import gpu_hours
     from lit_pretrain.scaling.ladder_rung import rung_overrides
 

@@ -204,11 +204,9 @@ def _gpu_hours(args, run_config, result):
         source = f"measured: {case} in {args.bench}"
     else:
         return None
-    from lit_pretrain.callbacks.throughput import GPU_PEAK_FLOPS
+    from lit_pretrain.gpu_peaks import bf16_peak_flops
 
-    peak = next((peaks["half"] for name, peaks in GPU_PEAK_FLOPS if name.lower() in gpu.lower()), None)
-    if peak is None:
-        raise ConfigError(f"--gpu {gpu}: no datasheet peak for it; one of {', '.join(n for n, _ in GPU_PEAK_FLOPS)}")
+    peak = bf16_peak_flops(gpu, f"--gpu {gpu}")
     hours = gpu_hours(result["flops"], mfu, peak)
     return {"hours": hours, "mfu": mfu, "gpu": gpu, "peak_flops": peak, "source": source,
             "line": format_gpu_hours(hours, mfu, gpu, peak, source)}
