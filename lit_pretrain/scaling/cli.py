@@ -137,7 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--precision", default="zero-mixed-adam", choices=list(PRECISIONS),
                      help="zero-mixed-adam: the ZeRO paper's 2 + 2 + 12 bytes/param; 32-true, bf16-mixed, "
                           "16-mixed, bf16-true: what our runs hold under that Lightning precision; "
-                          "bf16-mixed-policy: bf16-mixed under ZeRO-2/3 with FSDP2's mixed-precision policy")
+                          "bf16-mixed-policy: bf16-mixed under ZeRO-2/3 with FSDP2's mixed-precision policy, what "
+                          "such a run holds by default without tensor, pipeline or expert parallelism "
+                          "(strategy.mixed_precision_policy)")
     mem.add_argument("--exact", action="store_true", help="sum FSDP2's padded per-tensor shards (data parallel only)")
     mem.add_argument("--device-memory", default=None, help="device memory, e.g. 80GB or 141GiB: adds `fits`")
     mem.add_argument("--json", action="store_true", help="print JSON instead of a table")
