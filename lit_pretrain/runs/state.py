@@ -56,8 +56,8 @@ def status_of(summary: Optional[Dict]) -> Optional[str]:
 
 
 def is_finished(summary: Optional[Dict]) -> bool:
-    """Whether the summary is a finished run's (every planned step trained): the only kind a fit, a sweep or an
-    ablation may use as a result."""
+    """Whether the summary is a finished run's (every planned step trained, or a callback declared it done): the only
+    kind a fit, a sweep or an ablation may use as a result."""
     return status_of(summary) == FINISHED
 
 
