@@ -16,12 +16,14 @@ from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT, document_ids
 from lit_pretrain.model.moe import end_step, moe_loss
 from lit_pretrain.optim import stages
+from lit_pretrain.optim.named_state import is_named, read_named, single_process_names, to_named, to_positions
 from lit_pretrain.optim.optimizers import build_optimizer
 from lit_pretrain.optim.step_guard import StepGuard
 from lit_pretrain.parallel.apply import apply_plan
 from lit_pretrain.parallel.context import context_losses
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.vocab import split_cross_entropy
+from lit_pretrain.resume.sharded.save import SHARDED_KEY
 from lit_pretrain.resume.verified import sidecar_path, verify
 from lit_pretrain.resume.weights import from_plain
 from lit_pretrain.runs.step_axis import log_at_steps_completed
@@ -336,6 +338,29 @@ class PretrainModule(L.LightningModule):
         self.log("train/grad_norm", norm)
         if self.optim_cfg.grad_clip_norm > 0:
             self.log("train/clipped", (norm > self.optim_cfg.grad_clip_norm).float())
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        # Lightning's own strategies (one device, DDP, ZeRO-1's consolidation) save the optimizer state numbered by
+        # position in its groups; every one-file checkpoint keys it by parameter name (optim/named_state.py). ZeRO-2/3
+        # and the mesh save by name already (resume/gathered.py); a sharded save's state is in its shards.
+        states = checkpoint.get("optimizer_states") or []
+        if any(s and not is_named(s) for s in states):
+            groups = single_process_names(self.model_cfg, self.optim_cfg).groups
+            checkpoint["optimizer_states"] = [to_named(s, groups) if s else s for s in states]
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        # Lightning's own strategies load the optimizer state next, by position (Optimizer.load_state_dict): the
+        # file's state, by name or by either older numbering, numbered for this run's groups. ZeRO-2/3 and the mesh
+        # have loaded it by name already (lightning_restore_optimizer is False there), a sharded folder from its
+        # shards (resume/sharded/load.py).
+        trainer = self._trainer
+        states = checkpoint.get("optimizer_states") or []
+        if (trainer is None or trainer.state.fn != "fit" or not trainer.strategy.lightning_restore_optimizer
+                or SHARDED_KEY in checkpoint or not states):
+            return
+        names, source = single_process_names(self.model_cfg, self.optim_cfg), trainer.ckpt_path
+        checkpoint["optimizer_states"] = [to_positions(read_named(s, names, source), names.groups, source)
+                                          for s in states]
 
     def configure_optimizers(self):
         o = self.optim_cfg

@@ -23,12 +23,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.optim.named_state import single_process_names, to_positions
 from lit_pretrain.resume import store
 from lit_pretrain.resume.preemption import resume_command
-from lit_pretrain.resume.weights import load_optimizer_state, read_checkpoint
+from lit_pretrain.resume.sharded.tools import consolidate
+from lit_pretrain.resume.verified import load_verified, save_atomic
+from lit_pretrain.resume.weights import HPARAMS_KEY, from_plain, load_gpt, load_optimizer_state, read_checkpoint
 from lit_pretrain.runs import table as run_table
 from lit_pretrain.runs.compare import compare, panels
 from lit_pretrain.runs.folder import read_metrics, series
+from lit_pretrain.schema import OptimConfig
 from tests.conftest import ROOT, launcher_env, run_module, train_args
 from tests.global_sizes import assert_global_sizes
 
@@ -268,20 +273,57 @@ def test_ddp_sigkill_twice_and_world_size_changes(train, single_ref, ddp_ref):
     assert_close_losses(single_ref, back, (4, 5))
 
 
+ZERO3 = ["strategy=zero", "trainer.devices=2", "trainer.micro_batch_size=4"]
+ZERO2 = [*ZERO3, "strategy.zero_stage=2"]
+
+
 def test_zero3_resumes_the_ddp_sharded_folder_and_sigkill(train, single_ref, ddp_ref):
     """ZeRO-3 on 2 processes resumes the DDP run's sharded step-4 folder (resharded into FSDP shards), is killed
-    mid-accumulation, and resumes bitwise its own uninterrupted run. Apart from the DDP test (it needs only the DDP
-    reference's step-4 folder) so that xdist runs the two side by side."""
+    mid-accumulation, and resumes bitwise its own uninterrupted run from its own one-file checkpoint (the state
+    gathered by name onto rank 0, then sliced into each rank's shards). Apart from the DDP test (it needs only the
+    DDP reference's step-4 folder) so that xdist runs the two side by side."""
     ref = ddp_ref
-    zero3 = ["strategy=zero", "trainer.devices=2", "trainer.micro_batch_size=4"]
     ddp_step4 = ref / "checkpoints" / store.step_dir(4)
-    zero_ref, _ = train("zero3-ref", *zero3, f"run.resume={ddp_step4}")
+    zero_ref, _ = train("zero3-ref", *ZERO3, f"run.resume={ddp_step4}")
     assert_close_losses(single_ref, zero_ref, (4, 5))
-    zero_run, _ = train("zero3", *zero3, f"run.resume={ddp_step4}", "trainer.checkpoint_every_n_steps=1",
-                        faults=[{"step": 5, "micro_batch": 1}], rc=-signal.SIGKILL)
-    assert latest(zero_run) == "step0000005"
-    train("zero3", *zero3, "run.resume=auto")
+    zero_run, _ = train("zero3", *ZERO3, f"run.resume={ddp_step4}", "trainer.checkpoint_every_n_steps=1",
+                        "checkpoint.format=single", faults=[{"step": 5, "micro_batch": 1}], rc=-signal.SIGKILL)
+    assert latest(zero_run) == store.step_file(5)
+    named = [list(read_checkpoint(r)["optimizer_states"][0]["state"]) for r in (zero_run, single_ref)]
+    assert named[0] == named[1]  # ZeRO-3's own file keys the state by parameter name, as one process's does
+    train("zero3", *ZERO3, "run.resume=auto", "checkpoint.format=single")
     assert_same_run(zero_ref, zero_run, first_step=4)
+
+
+def numbered_as_before(path: Path, out: Path) -> Path:
+    """A copy of one-file checkpoint `path` with its optimizer state numbered by position in the groups, as every
+    one-process, DDP and ZeRO-1 file was before the state was keyed by name."""
+    checkpoint = load_verified(path)
+    hparams = checkpoint[HPARAMS_KEY]
+    names = single_process_names(from_plain(GPTConfig, hparams["model_cfg"]), from_plain(OptimConfig, hparams["optim"]))
+    checkpoint["optimizer_states"] = [to_positions(checkpoint["optimizer_states"][0], names.groups, path)]
+    save_atomic(checkpoint, out)
+    return out
+
+
+def test_one_file_checkpoints_resume_under_zero2_and_zero3(train, single_ref, ddp_ref, tmp_path):
+    """One-file checkpoints of other layouts resume under plain ZeRO-2 and ZeRO-3 on 2 processes, each continuing
+    with one process's losses: the single-process step-2 file (its AdamW state keyed by parameter name) under
+    ZeRO-3; its step-4 file renumbered by position in the groups, as files were written before, under ZeRO-2;
+    `checkpoint consolidate` of the DDP run's sharded step-4 folder under ZeRO-2. (Before, Lightning's loading read
+    every such file as if numbered by `model.parameters()`: every rank died on a shape mismatch.)"""
+    step2 = single_ref / "checkpoints" / store.step_file(2)
+    saved = read_checkpoint(step2)["optimizer_states"][0]  # by name: every parameter of the GPT once
+    assert list(saved["state"]) == [n for g in saved["param_groups"] for n in g["params"]]
+    assert set(saved["state"]) == {n for n, _ in load_gpt(step2).named_parameters()}
+    zero3, _ = train("zero3-from-single", *ZERO3, f"run.resume={step2}")
+    assert_close_losses(single_ref, zero3, range(2, STEPS))
+    old = numbered_as_before(single_ref / "checkpoints" / store.step_file(4), tmp_path / "step0000004.ckpt")
+    zero2, _ = train("zero2-from-old-file", *ZERO2, f"run.resume={old}")
+    assert_close_losses(single_ref, zero2, (4, 5))
+    one_file = consolidate(ddp_ref / "checkpoints" / store.step_dir(4), tmp_path / "consolidated.ckpt")
+    zero2, _ = train("zero2-from-consolidated", *ZERO2, f"run.resume={one_file}")
+    assert_close_losses(single_ref, zero2, (4, 5))
 
 
 def test_zero3_tensor_parallel_resume_from_single_process_and_sigkill(train, single_ref):

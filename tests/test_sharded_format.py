@@ -275,6 +275,12 @@ def test_consolidated_file_equals_the_source_and_loads(folders, source, tmp_path
         verify(out)
         state = load_verified(out)
         assert state["global_step"] == STEP and "param_names" not in state
+        _, _, groups = source  # the optimizer state by parameter name, as every one-file checkpoint (named_state.py)
+        named = state["optimizer_states"][0]
+        assert [g["params"] for g in named["param_groups"]] == groups
+        assert list(named["state"]) == [n for names in groups for n in names]
+        assert all(torch.equal(named["state"][n]["exp_avg"], optimizer.state[p]["exp_avg"])
+                   for n, p in model.named_parameters())
         weights = state["state_dict"]
         assert set(weights) == {f"model.{k}" for k in model.state_dict()}
         assert weights["model.lm_head.weight"].data_ptr() == weights["model.tok_embeddings.weight"].data_ptr()

@@ -131,7 +131,7 @@ def adamw_kernel(params: Iterable[torch.Tensor], zero_stage: Optional[int] = Non
 
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon on the groups marked MUON_FLAG, AdamW on the rest, as one optimizer: one list of param groups (in
-    param_groups' order, which the schedule, the checkpoints and MeshStrategy._param_order read) and one state,
+    param_groups' order, which the schedule and optim/named_state.py read) and one state,
     shared with the two torch optimizers that do the work. Its state dict is the base Optimizer's over all groups,
     so it saves, loads and resumes like AdamW's (Muon's state is a momentum_buffer per matrix, laid out like it).
 
@@ -249,12 +249,12 @@ build_adamw = build_optimizer  # the name callers used before optim.name; it bui
 
 
 def adamw_with_state(model: nn.Module, optim: OptimConfig, state: dict) -> torch.optim.Optimizer:
-    """A one-process optimizer (optim.name's) over `model` holding a saved state dict (a checkpoint's
-    `optimizer_states[0]`).
+    """A one-process optimizer (optim.name's) over `model` holding a saved state dict numbered by position in the
+    groups, as torch's `Optimizer.load_state_dict` reads it (a checkpoint's by-name state numbered so:
+    optim/named_state.py to_positions).
 
-    The groups are rebuilt as training builds them; torch maps the saved state to parameters by their position in
-    the groups, which every strategy's consolidated state keeps. The saved group settings (lr, kernel flags) replace
-    the built ones, as `Optimizer.load_state_dict` always does.
+    The groups are rebuilt as training builds them. The saved group settings (lr, kernel flags) replace the built
+    ones, as `Optimizer.load_state_dict` always does.
     """
     optimizer = build_optimizer(model, optim)
     optimizer.load_state_dict(state)

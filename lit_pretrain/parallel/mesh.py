@@ -202,7 +202,16 @@ class ParallelModel:
     def _gather_named(self, named: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
         """Full tensors by single-process name on global rank 0 (None elsewhere). Every rank must call it."""
         # Keys are parameter names, or "name\0key" for optimizer state; scalars (AdamW's step) are never sliced.
-        whole = {k: self._whole_named(k, v) for k, v in named.items()}
+        # Each whole tensor is gathered on every rank (a collective) but kept, on the CPU, only where it is read:
+        # rank 0, and under pipeline parallelism every rank (its stage's part travels by object gather). Without
+        # pipeline stages the other ranks then hold one whole tensor at a time on the device, as torch's
+        # get_*_state_dict with full_state_dict and cpu_offload does, not the whole state.
+        keep = self.p > 1 or dist.get_rank() == 0
+        whole = {}
+        for k, v in named.items():
+            w = self._whole_named(k, v)
+            if keep:
+                whole[k] = w.cpu()
         parts = [whole]
         if self.p > 1:
             parts = [None] * self.p

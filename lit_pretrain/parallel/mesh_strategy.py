@@ -12,14 +12,14 @@ What it changes in Lightning's step, and why:
 - `distributed_sampler_kwargs`: the data-parallel rank and size (replica x shard); tensor- and pipeline-parallel
   ranks of one replica read the same batch; `data_parallel_sum` sums over those ranks only (model.moe's counts).
 - checkpoints: with checkpoint.format=single, rank 0 writes one file through `self.checkpoint_io` holding the
-  single-process state dict and a single-process AdamW state, so it loads into one process or into any other
-  layout; with the sharded format (the default on several processes) each rank writes its own share instead
-  (resume/sharded/save.py) and `load_checkpoint` reads a folder into this layout (resume/sharded/load.py).
+  single-process state dict and the optimizer state by parameter name (resume/gathered.py, as plain ZeRO-2/3), so
+  it loads into one process or into any other layout; with the sharded format (the default on several processes)
+  each rank writes its own share instead (resume/sharded/save.py) and `load_checkpoint` reads a folder into this
+  layout (resume/sharded/load.py).
 """
 
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -28,9 +28,8 @@ from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.startup import BoundedStartup
+from lit_pretrain.resume.gathered import GatheredOneFile
 from lit_pretrain.resume.sharded.load import ShardedLoad
-
-MODULE_PREFIX = "model."
 
 
 def full_gpt_on_meta(model_cfg):
@@ -41,7 +40,7 @@ def full_gpt_on_meta(model_cfg):
         return GPT(model_cfg)
 
 
-class MeshStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStrategy):
+class MeshStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, GatheredOneFile, ModelParallelStrategy):
     def __init__(self, plan: ParallelPlan, process_group_backend: Optional[str], timeout: timedelta):
         super().__init__(data_parallel_size=plan.data_parallel, tensor_parallel_size=plan.tensor_parallel,
                          save_distributed_checkpoint=False, process_group_backend=process_group_backend,
@@ -117,58 +116,3 @@ class MeshStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStra
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-
-    # Checkpoints: one file, single-process names, written by rank 0 through checkpoint_io.
-
-    def _param_order(self):
-        """Single-process parameter names in AdamW's order (optim.param_groups), and the group of each."""
-        from lit_pretrain.optim.optimizers import param_groups
-
-        module = self.lightning_module
-        ref = full_gpt_on_meta(module.model_cfg)
-        names = {id(p): n for n, p in ref.named_parameters()}
-        return [[names[id(p)] for p in g["params"]] for g in param_groups(ref, module.optim_cfg)]
-
-    def lightning_module_state_dict(self) -> Dict[str, Any]:
-        full = self.parallel.full_state()
-        if full is None:
-            return {}
-        rest = {k: v for k, v in self.lightning_module.state_dict().items() if not k.startswith(MODULE_PREFIX)}
-        return {**{MODULE_PREFIX + k: v for k, v in full.items()}, **rest}
-
-    def optimizer_state(self, optimizer) -> Dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        by_name = self.parallel.full_optimizer_state(optimizer)
-        if by_name is None:
-            return {}
-        order = self._param_order()
-        state, groups, index = {}, [], 0
-        for names, group in zip(order, optimizer.param_groups):
-            ids = []
-            for name in names:
-                if name in by_name:
-                    state[index] = by_name[name]
-                ids.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        assert len(state) == len(by_name), f"optimizer state of {set(by_name) - set(sum(order, []))} not placed"
-        return {"state": state, "param_groups": groups}
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        path = self.broadcast(checkpoint_path)
-        if Path(path).is_dir():  # a sharded folder: each rank reads its share (resume/sharded/load.py)
-            return super().load_checkpoint(path)
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True)
-        weights = {k[len(MODULE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()
-                   if k.startswith(MODULE_PREFIX)}
-        self.parallel.load_full_state(weights)
-        states = checkpoint.get("optimizer_states") or []
-        if states and self.optimizers:
-            optimizer = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
-            saved = states[0]
-            flat = [name for names in self._param_order() for name in names]
-            by_name = {flat[i]: s for i, s in saved["state"].items()}
-            self.parallel.load_full_optimizer_state(optimizer, by_name)
-            for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-                group.update({k: v for k, v in saved_group.items() if k != "params"})
-        return checkpoint

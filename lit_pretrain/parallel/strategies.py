@@ -7,7 +7,7 @@ The same config runs on CPU (gloo) and on GPUs (nccl): the backend is chosen fro
 |---|---|---|
 | one process | "auto" (one device) | |
 | data_parallel_replicate only, zero_stage 0 or 1 | DDPStrategy | ZeRO-1: ZeroRedundancyOptimizer (optim) |
-| data_parallel_shard only, zero_stage 2 or 3 | ModelParallelStrategy (verified loads) | FSDP2 in apply_plan |
+| data_parallel_shard only, zero_stage 2 or 3 | ModelParallelStrategy (resume/gathered.py) | FSDP2 in apply_plan |
 | tensor, pipeline, expert, context parallel > 1, or HSDP | MeshStrategy (parallel/mesh_strategy.py) | apply_plan |
 
 Lightning's own FSDPStrategy refuses CPUs and refuses norm-based gradient clipping; ModelParallelStrategy runs
@@ -16,7 +16,6 @@ under context parallelism runs on our mesh: its gradient all-reduce, then ZeroRe
 """
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.plugins.precision import Precision
@@ -25,8 +24,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from lit_pretrain.faults.launcher import WatchedLaunch
 from lit_pretrain.parallel.plan import ParallelPlan, plan_from
 from lit_pretrain.parallel.startup import BoundedStartup
+from lit_pretrain.resume.gathered import GatheredOneFile
 from lit_pretrain.resume.sharded.load import ShardedLoad
-from lit_pretrain.resume.verified import verify
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
@@ -34,17 +33,10 @@ class ShardedDDPStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, DDPStrategy
     """Lightning's DDPStrategy (ZeRO-1 included) that also resumes from a sharded folder."""
 
 
-class VerifiedModelParallelStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy loads a one-file checkpoint with its own torch.load, not through
-    checkpoint_io: check the file against its sha256 sidecar first on every rank, and load it weights-only. A
-    sharded folder: ShardedLoad (resume/sharded/load.py)."""
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None):
-        path = self.broadcast(checkpoint_path)
-        if Path(path).is_dir():
-            return super().load_checkpoint(path)
-        verify(path)
-        return super().load_checkpoint(path, weights_only=True)
+class VerifiedModelParallelStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, GatheredOneFile, ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (plain ZeRO-2/3) with our mesh strategy's one-file checkpoint
+    (resume/gathered.py: checked against its sha256 sidecar on every rank, loaded weights-only, the optimizer state
+    by parameter name) and sharded folders (ShardedLoad, resume/sharded/load.py)."""
 
 
 class PolicyPrecision(Precision):
@@ -78,9 +70,9 @@ def build_strategy(strategy: StrategyConfig, trainer: TrainerConfig,
             mesh_strategy.precision_plugin = PolicyPrecision()
         return watched(mesh_strategy, config)
     if plan.uses_fsdp:
-        # Every rank in one data-parallel group (no tensor parallelism). A consolidated checkpoint (one file,
-        # written by rank 0) reads back like any other strategy's: the full state dict is gathered without the
-        # FSDP1 full-state-dict path that crashes on CPU (shared/CPU-DISTRIBUTED.md).
+        # Every rank in one data-parallel group (no tensor parallelism). A one-file checkpoint (written by rank 0)
+        # is gathered and read back by parameter name, as under our mesh (resume/gathered.py), so it loads into
+        # any layout and any layout's file loads here.
         strategy = VerifiedModelParallelStrategy(
             data_parallel_size=plan.world_size, tensor_parallel_size=1, save_distributed_checkpoint=False,
             process_group_backend=backend, timeout=timeout)

@@ -4,7 +4,8 @@ A checkpoint is one of two formats (checkpoint.format). One file, the same under
 as Lightning always does; ZeRO stage 1 consolidates ZeroRedundancyOptimizer's shards on rank 0 first; ZeRO stages
 2 and 3 and our mesh strategy gather the full model and optimizer state to rank 0. Or a sharded folder
 (resume/sharded/save.py), each rank's share under single-process names, read here whole into one process. Either way a
-checkpoint written under any strategy reads into one process for evaluation, or to continue under another.
+checkpoint written under any strategy reads into one process for evaluation, or to continue under another. The
+optimizer state of a one-file checkpoint is keyed by parameter name under every strategy (optim/named_state.py).
 
 Checkpoints are opened by `resume.checkpoint_io.load_verified`: checked against their sha256 sidecar, then
 `torch.load(weights_only=True)`: a checkpoint is data, and unpickling arbitrary objects would run code from the file.
@@ -23,6 +24,7 @@ from lit_pretrain import config as config_lib
 from lit_pretrain.errors import DataError
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
+from lit_pretrain.optim.named_state import names_of, read_named, to_positions
 from lit_pretrain.optim.optimizers import adamw_with_state
 from lit_pretrain.resume.verified import META_KEY, load_verified
 from lit_pretrain.schema import OptimConfig
@@ -127,10 +129,11 @@ def load_gpt(source: str | Path, checkpoint: str = "last.ckpt") -> GPT:
 
 def load_optimizer_state(source: str | Path, checkpoint: str = "last.ckpt",
                          model: GPT | None = None) -> torch.optim.Optimizer:
-    """A single-process AdamW over `model` (default: the checkpoint's GPT) holding the checkpoint's optimizer state.
+    """A single-process optimizer (the checkpoint's optim.name) over `model` (default: the checkpoint's GPT) holding
+    the checkpoint's optimizer state.
 
-    The groups are rebuilt as training builds them (optim.adamw_with_state); torch maps saved state to parameters
-    by their position in the groups, which every strategy's consolidated state keeps.
+    The groups are rebuilt as training builds them (optim.adamw_with_state), and the state, keyed by parameter name
+    (or by either numbering of files written before: optim/named_state.py read_named), placed by name.
     """
     path = checkpoint_path(source, checkpoint)
     state: Dict = _read(path)
@@ -139,4 +142,6 @@ def load_optimizer_state(source: str | Path, checkpoint: str = "last.ckpt",
     if len(states) != 1:
         raise DataError(f"checkpoint {path} holds {len(states)} optimizer states, expected 1: it was saved without "
                         "optimizer state (save_weights_only) or by another program")
-    return adamw_with_state(model, _section(state, path, "optim", OptimConfig), states[0])
+    optim = _section(state, path, "optim", OptimConfig)
+    names = names_of(model, optim)
+    return adamw_with_state(model, optim, to_positions(read_named(states[0], names, path), names.groups, path))

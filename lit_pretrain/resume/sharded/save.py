@@ -198,14 +198,10 @@ def optimizer_targets(gpt, optimizer, par, saved: Dict[str, torch.Size]) -> Dict
 # Lightning's checkpoint dict without the model and optimizer tensors.
 
 def param_names(module) -> List[List[str]]:
-    """Per AdamW group, the single-process parameter names in the optimizer's order (optim.param_groups)."""
-    from lit_pretrain.model.gpt import GPT
-    from lit_pretrain.optim.optimizers import param_groups
+    """Per optimizer group, the single-process parameter names in the optimizer's order (optim/named_state.py)."""
+    from lit_pretrain.optim.named_state import single_process_names
 
-    with torch.device("meta"):  # the single-process structure without memory (as MeshStrategy._param_order)
-        ref = GPT(module.model_cfg)
-    names = {id(p): n for n, p in ref.named_parameters()}
-    return [[names[id(p)] for p in g["params"]] for g in param_groups(ref, module.optim_cfg.weight_decay)]
+    return single_process_names(module.model_cfg, module.optim_cfg).groups
 
 
 def trainer_state(trainer) -> Dict[str, Any]:
@@ -507,22 +503,34 @@ def read_trainer_state(folder: Path) -> Dict[str, Any]:
 
 
 def as_single_checkpoint(folder: Path) -> Dict[str, Any]:
-    """The folder as the one-file checkpoint of one process would hold it (single-process state dict under
-    `model.`, AdamW state by position in the groups), in one process without a process group: what
-    load_gpt / load_optimizer_state and a one-process resume read. The whole state passes through memory."""
+    """The folder as a one-file checkpoint holds it (single-process state dict under `model.`, the optimizer state
+    by parameter name: optim/named_state.py), in one process without a process group: what load_gpt /
+    load_optimizer_state and a one-process resume read. The whole state passes through memory."""
     from lit_pretrain.resume.sharded.format import load_sharded_full
 
     weights = load_sharded_full(folder, MODEL)  # verifies the whole folder first (trainer_state.pt included)
     checkpoint = read_trainer_state(folder)
     checkpoint["state_dict"] = {**checkpoint.get("state_dict", {}), **{MODEL + k: v for k, v in weights.items()}}
-    flat = load_sharded_full(folder, OPTIM)
-    names = [n for group in checkpoint.get("param_names", []) for n in group]
-    state = {}
-    for index, name in enumerate(names):
-        entry = {key[len(name) + 1:]: v for key, v in flat.items()
-                 if key.startswith(name + ".") and "." not in key[len(name) + 1:]}
-        if entry:
-            state[index] = entry
-    saved = (checkpoint.get("optimizer_states") or [{}])[0]
-    checkpoint["optimizer_states"] = [{"state": state, "param_groups": saved.get("param_groups", [])}]
+    checkpoint["optimizer_states"] = [named_optimizer_state(checkpoint, load_sharded_full(folder, OPTIM), folder)]
+    checkpoint.pop("param_names", None)
     return checkpoint
+
+
+def named_optimizer_state(trainer: Dict[str, Any], flat: Dict[str, Any], folder: Path) -> Dict[str, Any]:
+    """The by-name optimizer state of a folder (optim/named_state.py) from its trainer_state.pt's groups and
+    `param_names` (per group, the names in its order) and `flat`, its `optim.<name>.<key>` entries without `optim.`
+    (tensors, or stand-ins for them: resume/sharded/tools.py streams them); state keys (step, exp_avg, ...) have no
+    dot."""
+    groups = trainer.get("param_names") or []
+    state: Dict[str, Dict[str, Any]] = {}
+    for key, value in flat.items():
+        name, state_key = key.rsplit(".", 1)
+        state.setdefault(name, {})[state_key] = value
+    unknown = set(state) - {n for names in groups for n in names}
+    if unknown:
+        raise DataError(f"checkpoint file {folder / TRAINER_STATE}: its param_names lack {sorted(unknown)[:3]}, which "
+                        "have optimizer state in the shards: it was not written by this project")
+    saved = (trainer.get("optimizer_states") or [{}])[0].get("param_groups", [])
+    return {"state": {n: state[n] for names in groups for n in names if n in state},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+                             for g, names in zip(saved, groups)]}

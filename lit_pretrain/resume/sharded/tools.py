@@ -115,19 +115,14 @@ def _trainer_state(folder: Path) -> Dict[str, Any]:
         raise DataError(f"checkpoint file {path} cannot be read as weights-only data ({err})") from None
 
 
-def _optimizer_state(folder: Path, reader, saved: Dict, trainer: Dict) -> Dict[int, Dict[str, Any]]:
-    """{index in param_names order: {state key: tensor or pending}}, as a one-process AdamW state dict has it."""
-    by_name: Dict[str, Dict[str, Any]] = {}
-    for key, md in saved.items():
-        if key.startswith(OPTIM):
-            name, state_key = key[len(OPTIM):].rsplit(".", 1)  # state keys (step, exp_avg, ...) have no dot
-            by_name.setdefault(name, {})[state_key] = _Pending(key, md) if isinstance(
-                md, dcp_meta.TensorStorageMetadata) else _read(reader, key, md)
-    names = [n for group in trainer.get(PARAM_NAMES) or [] for n in group]
-    if set(by_name) - set(names):
-        raise DataError(f"checkpoint file {folder / sf.TRAINER_STATE}: its {PARAM_NAMES} lack "
-                        f"{sorted(set(by_name) - set(names))[:3]}, which have optimizer state in the shards")
-    return {i: by_name[n] for i, n in enumerate(names) if n in by_name}
+def _optimizer_state(folder: Path, reader, saved: Dict, trainer: Dict) -> Dict[str, Any]:
+    """The optimizer state by parameter name, as every one-file checkpoint holds it (optim/named_state.py), its
+    tensors pending (read as the file is written)."""
+    from lit_pretrain.resume.sharded.save import named_optimizer_state
+
+    flat = {key[len(OPTIM):]: _Pending(key, md) if isinstance(md, dcp_meta.TensorStorageMetadata)
+            else _read(reader, key, md) for key, md in saved.items() if key.startswith(OPTIM)}
+    return named_optimizer_state(trainer, flat, folder)
 
 
 def _write_checkpoint(folder: Path, reader, saved: Dict, trainer: Dict, out: Path) -> None:
@@ -143,7 +138,7 @@ def _write_checkpoint(folder: Path, reader, saved: Dict, trainer: Dict, out: Pat
         states = trainer.get("optimizer_states")
         if not (isinstance(states, list) and len(states) == 1 and isinstance(states[0], dict)):
             raise DataError(f"checkpoint file {folder / sf.TRAINER_STATE} holds no single optimizer state's groups")
-        ckpt["optimizer_states"] = [{**states[0], "state": _optimizer_state(folder, reader, saved, trainer)}]
+        ckpt["optimizer_states"] = [{**states[0], **_optimizer_state(folder, reader, saved, trainer)}]
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump(ckpt)
