@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 
 from lit_pretrain.errors import ConfigError, DataError, DiskFullError, RunFolderError, StartupError
 from lit_pretrain.resume.preemption import EXIT_INTERRUPTED, Interrupted
@@ -146,7 +147,7 @@ def _hf_commands(sub) -> None:
                                                     "(a new .safetensors) for run.init_from=FILE")
 
 
-def _run_hf(args) -> None:
+def _run_hf(args, started: float) -> None:
     from lit_pretrain.interop import hf
 
     if args.command == "export":
@@ -165,7 +166,7 @@ def _run_hf(args) -> None:
         cfg = config.load(args.run_file, [*hf.import_overrides(args.hf_folder), *args.overrides])
         from lit_pretrain.train import train  # Lightning: only once the folder and config are known to be good
 
-        train(cfg)
+        train(cfg, started=started)
 
 
 def _add_run_views(sub) -> None:
@@ -211,7 +212,20 @@ def main(argv=None) -> int:
         return 128 + signal.SIGPIPE
 
 
+_COMMANDS = []  # the commands this process has begun (a test calls main several times)
+
+
+def _command_started() -> float:
+    """When this command began (time.perf_counter): the process's first when the process imported the package, its
+    imports included (lit_pretrain.STARTED); a later one in the same process when it was called."""
+    from lit_pretrain import STARTED
+
+    _COMMANDS.append(time.perf_counter())
+    return STARTED if len(_COMMANDS) == 1 else _COMMANDS[-1]
+
+
 def _main(argv=None) -> int:
+    started = _command_started()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("fit", "plan", "memory"):  # scaling laws and planning: lit_pretrain/scaling/cli.py
         from lit_pretrain.scaling.cli import main as scaling_main
@@ -237,7 +251,7 @@ def _main(argv=None) -> int:
             generate_main(args)
             return 0
         if args.command in ("export", "import"):
-            _run_hf(args)
+            _run_hf(args, started)
             return 0
         if args.command == "export-data":
             from lit_pretrain.data.export import export_data
@@ -269,7 +283,7 @@ def _main(argv=None) -> int:
         else:
             from lit_pretrain.train import train
 
-            train(cfg)
+            train(cfg, started=started)  # wall_seconds from the command's start: its imports and config load too
     except StartupError as err:  # a rank that never arrived: as the watchdog's failed peer, exit 3 (restartable)
         print(f"lit-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 3

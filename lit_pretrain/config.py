@@ -35,6 +35,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import math
 import os
 import re
 import sys
@@ -98,15 +99,39 @@ def _find(roots: Sequence[Path], relative: str) -> Optional[Path]:
     return next((root / relative for root in roots if (root / relative).is_file()), None)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last one silently, so a second
+    `trainer:` block would drop every setting of the first (the YAML 1.2 spec requires keys to be unique)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise _DuplicateKey(key, seen[key], key_node.start_mark.line + 1)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first_line: int, line: int):
+        super().__init__(key, first_line, line)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     with open(path) as f:
         try:
-            # safe_load: a config is data; no YAML tag may construct Python objects.
-            data = yaml.safe_load(f)
+            # A SafeLoader: a config is data; no YAML tag may construct Python objects.
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"{path} is not valid YAML: {err}") from None
+        except _DuplicateKey as dup:
+            raise ConfigError(f"{path}: key '{dup.key}' is given twice in one mapping (lines {dup.first_line} and "
+                              f"{dup.line}), and only one would count: merge the two into one") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -395,8 +420,23 @@ def _defaults_free(path: Path) -> dict:
     return data
 
 
+def check_finite(data: Any, key: str = "") -> None:
+    """Every float in the config, in sections, lists and mappings alike, is a finite number: YAML reads `.inf`,
+    `inf` and `nan` as floats, and a range check lets inf through (inf > 0), so optim.lr_peak=inf would load and
+    make every weight NaN at the first update."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ConfigError(f"config key '{key}' = {data}: expected a finite number (inf and nan are refused)")
+    if isinstance(data, dict):
+        for name, value in data.items():
+            check_finite(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            check_finite(value, f"{key}[{i}]")
+
+
 def check_ranges(cfg: DictConfig) -> None:
     """Enforce the `ge/gt/le/lt/choices` metadata of every schema field, and cross-field rules."""
+    check_finite(OmegaConf.to_container(cfg, resolve=True))
     _check_section(cfg, Config, "")
     config = to_object(cfg)
     try:

@@ -232,7 +232,9 @@ class PretrainModule(L.LightningModule):
         self._micro_batches = 0
 
     def logs_at(self, step: int) -> bool:
-        """Whether optimizer step `step` (1-based) is logged: every trainer.log_every_n_steps, and the last one.
+        """Whether optimizer step `step` (1-based) is logged: every trainer.log_every_n_steps, and the last one (of
+        max_steps, or where a callback stopped the run: Lightning writes a row there, which would otherwise repeat
+        the values last logged under this step's number).
 
         Logging only then keeps the hot path free of host synchronization: a logged tensor is reduced across ranks
         (sync_dist) and read on the host (progress bar, loggers) on every step it is logged, not only when written.
@@ -241,7 +243,7 @@ class PretrainModule(L.LightningModule):
         if trainer is None:
             return True
         last = trainer.max_steps if trainer.max_steps > 0 else self.max_steps  # Lightning's -1: no limit set
-        return step % trainer.log_every_n_steps == 0 or step >= last
+        return step % trainer.log_every_n_steps == 0 or step >= last or trainer.should_stop
 
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)

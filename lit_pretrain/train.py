@@ -36,12 +36,14 @@ from lit_pretrain.resume import store as checkpoint_store
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.compat import run_meta as resume_meta
 from lit_pretrain.resume.preemption import Interrupted, resume_command
+from lit_pretrain.resume.stop import StopRequest
 from lit_pretrain.runs import state as run_state
 from lit_pretrain.runs.folder import (
     is_primary_process,
     plot_loss_curve,
     read_metrics,
     remove_failed_start,
+    series,
     write_summary,
 )
 from lit_pretrain.schema import Config, TrainerConfig
@@ -101,10 +103,12 @@ def loggers(run_dir: Path, c: Config) -> list:
     return out
 
 
-def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
+def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), started: Optional[float] = None) -> dict:
     """Run one experiment; return its summary (also written to runs/<name>/summary.json). `extra_callbacks`: a
-    caller's own (the ladder's, scaling/ladder_rung.py), run before the checkpointing ones."""
-    started = time.perf_counter()
+    caller's own (the ladder's, scaling/ladder_rung.py), run before the checkpointing ones. `started`: the
+    time.perf_counter() the invocation began, which wall_seconds counts from (the CLI: the command's start,
+    lit_pretrain.STARTED); None: now."""
+    started = time.perf_counter() if started is None else started
     console.quiet()
     c = config_lib.to_object(cfg)
     # Before anything is prepared or made: a launcher that started another world than the config asks for.
@@ -219,7 +223,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
     # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     stepper = next(cb for cb in callbacks if isinstance(cb, StepCheckpoint))
-    status = run_state.end_status(trainer.global_step, c.trainer.max_steps, stepper.preempted)
+    stop = stop_request(stepper, trainer, c.trainer.max_steps)
+    status = run_state.end_status(trainer.global_step, c.trainer.max_steps, stepper.preempted,
+                                  stop.outcome if stop is not None else None)
     if status == run_state.FINISHED and c.trainer.max_steps % c.trainer.val_every_n_steps:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the final validation loss is always measured
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
@@ -246,19 +252,21 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         "status": status,  # runs/state.py: running / preempted / failed / finished
         "steps": trainer.global_step,  # optimizer steps completed (a preempted run: its checkpoint's step)
         "max_steps": c.trainer.max_steps,
-        "resume_step": run_state.resume_step(run_dir) if status != run_state.FINISHED else None,
+        "resume_step": (run_state.resume_step(run_dir)
+                        if status != run_state.FINISHED or trainer.global_step < c.trainer.max_steps else None),
         # optim/stages.py: which schedule the last steps followed (schedule, continued, stage) and from which step
         "schedule": {"how": run_meta["schedule"][-1]["how"], "from_step": run_meta["schedule"][-1]["start"],
                      "pieces": run_meta["schedule"]},
         **({"stop_signal": stepper.stop_signal} if status == run_state.PREEMPTED else {}),
-        **({"error": stop_reason(callbacks, trainer.global_step, c.trainer.max_steps)}
-           if status == run_state.FAILED else {}),
+        **({"stop_reason": stop.summary_reason()} if stop is not None and not stepper.preempted else {}),
+        **({"error": f"training ended at step {trainer.global_step} of trainer.max_steps={c.trainer.max_steps} "
+                     "with no stop asked for"} if status == run_state.FAILED else {}),
         "final_train_loss": metrics.get("train/loss"),
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
         "val_bits_per_byte": metrics.get("val/bits_per_byte"),
         "unigram_entropy_nats": entropy,
-        "wall_seconds": time.perf_counter() - started,  # this invocation, start to end
+        "wall_seconds": time.perf_counter() - started,  # this invocation, start (imports included) to end
         "train_seconds": train_seconds,  # all sessions of the run; tokens_per_second divides tokens_seen by it
         "session_train_seconds": session_train_seconds,  # this invocation's training alone
         "tokens_per_second": tokens_seen / train_seconds if train_seconds > 0 else None,
@@ -271,6 +279,11 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> dict:
         # Validation and downstream evaluation, summed over the whole run (resumed sessions included): the
         # in-training evaluation's cost, which the throughput figures leave out.
         summary["evaluation_seconds"] = sum(r.get("val/seconds", 0.0) + r.get("eval/seconds", 0.0) for r in rows)
+        # train/loss is logged every trainer.log_every_n_steps and at max_steps: a run stopped between those (a
+        # signal, a callback) holds a checkpoint of a later step than its last loss, so the summary says whose it is.
+        logged = series(rows, "train/loss")
+        if logged:
+            summary["final_train_loss_step"], summary["final_train_loss"] = logged[-1]
         write_summary(run_dir, summary)
         plot_loss_curve(rows, run_dir / "loss_curve.png", entropy)
         report(summary, run_dir)
@@ -298,10 +311,14 @@ def _leave_agent_process_group() -> None:
         dist.destroy_process_group()
 
 
-def stop_reason(callbacks: list, steps: int, max_steps: int) -> str:
-    """Why a run that no signal stopped ended short of its planned steps: a stability callback's reason."""
-    reasons = [cb.stop_reason for cb in callbacks if getattr(cb, "stop_reason", None)]
-    return reasons[0] if reasons else f"training stopped at step {steps} of trainer.max_steps={max_steps}"
+def stop_request(stepper: StepCheckpoint, trainer: L.Trainer, max_steps: int) -> Optional[StopRequest]:
+    """The stop a callback asked for (resume/stop.py), or, where one set trainer.should_stop without asking, a
+    `stopped` one saying so; None for a run no callback stopped."""
+    if stepper.stop is not None or stepper.preempted or not trainer.should_stop or trainer.global_step >= max_steps:
+        return stepper.stop
+    return StopRequest(run_state.STOPPED, f"a callback set trainer.should_stop at step {trainer.global_step} of "
+                                          f"trainer.max_steps={max_steps} without giving a reason (a callback "
+                                          "gives one with lit_pretrain.resume.stop.stop_run)")
 
 
 def mixture_summary(c: Config, datamodule: TokenShardDataModule, metrics: dict) -> dict:

@@ -45,6 +45,8 @@ KNOWN = {
     "tests/test_mesh_strategy.py::test_checkpoint_resumes_in_another_layout": 22.8,
     "tests/test_moe_mesh.py::test_four_process_moe_layouts_match_one_process": 22.4,
     "tests/test_resume.py::test_zero3_resumes_the_ddp_sharded_folder_and_sigkill": 20.3,
+    # Measured alone (pytest -k) on a loaded 2-core machine, not by `make test`: 34-39 s.
+    "tests/test_resume.py::test_one_file_checkpoints_resume_under_zero2_and_zero3": 36.0,
     "tests/test_moe_parallel.py::test_moe_under_data_parallelism_and_expert_parallelism_matches_one_process[ddp]": 19.5,
     "tests/test_expert_parallel.py::test_two_process_expert_parallelism_matches_one_process": 18.9,
     "tests/test_ray_engine.py::test_ray_engine_writes_the_local_engines_folder[2-False]": 18.9,

@@ -103,3 +103,21 @@ class RankDigest(L.Callback):
         out = {"params_sha256": h.hexdigest(), "indices": {str(k): v for k, v in self.indices.items()}}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"digest-rank{trainer.global_rank}.json").write_text(json.dumps(out))
+
+
+class StopAt(L.Callback):
+    """End the run after optimizer step `step`: through lit_pretrain.resume.stop.stop_run (`done`: the run is
+    finished), or, `bare`, by setting trainer.should_stop alone. One process: no decision to agree across ranks."""
+
+    def __init__(self, step: int, done: bool = False, bare: bool = False):
+        self.step, self.done, self.bare = step, done, bare
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step or trainer.should_stop:
+            return
+        if self.bare:
+            trainer.should_stop = True
+        else:
+            from lit_pretrain.resume.stop import stop_run
+
+            stop_run(trainer, f"stop_at: step {self.step} reached", done=self.done)

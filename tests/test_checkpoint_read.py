@@ -143,8 +143,8 @@ def test_resume_auto_sets_a_corrupted_newest_checkpoint_aside(run_dir, tiny_data
 
 
 def test_zero_stage_2_and_3_resume_checks_the_checkpoint_first(tmp_path):
-    """Lightning's ModelParallelStrategy (ZeRO stages 2 and 3) loads a one-file checkpoint with its own torch.load,
-    not through checkpoint_io: the strategy checks the sidecar itself, on every rank, before that load."""
+    """ZeRO stages 2 and 3 (resume/gathered.py) check a one-file checkpoint against its sidecar themselves, on every
+    rank, before loading it, whatever their checkpoint_io (here Lightning's own, which checks nothing)."""
     path = tmp_path / "step0000002.ckpt"
     save_atomic({"state_dict": {"model.w": torch.zeros(64)}}, path)
     flip_byte(path, path.stat().st_size // 2)

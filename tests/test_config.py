@@ -1,5 +1,6 @@
 """Config: every shipped YAML composes and passes its checks; bad keys, types and ranges are clear errors."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,32 @@ def test_yaml_is_data_not_code(tmp_path):
     bad.write_text("run: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         config.load(bad)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("optim.lr_peak=inf", "optim.lr_peak"),  # a range check (> 0) lets inf through: its first update made NaN weights
+    ("optim.lr_peak=nan", "optim.lr_peak"),
+    ("callbacks.loss_spike.threshold_ratio=.inf", "callbacks.loss_spike.threshold_ratio"),  # no range of its own
+    ("optim.weight_decay=-.inf", "optim.weight_decay"),
+    ("optim.lr_multipliers={embedding: .nan}", "optim.lr_multipliers.embedding"),  # inside a mapping
+])
+def test_non_finite_floats_are_refused_for_every_key(override, key):
+    with pytest.raises(ConfigError, match=rf"config key '{key}' = -?(inf|nan): expected a finite number"):
+        config.load(ROOT / "runs" / "tiny.yaml", [override])
+
+
+def test_a_key_given_twice_in_a_file_is_refused_naming_file_key_and_lines(tmp_path):
+    """YAML loaders keep the last of two equal keys: a second `trainer:` block would drop the first's settings."""
+    run = tmp_path / "twice.yaml"
+    run.write_text("defaults: [base, {model: tiny}, {data: stdlib}, {strategy: single}]\n"
+                   "trainer:\n  max_steps: 7\n  micro_batch_size: 2\nrun:\n  name: twice\n"
+                   "trainer:\n  log_every_n_steps: 1\n")
+    twice = rf"{re.escape(str(run))}: key 'trainer' is given twice in one mapping \(lines 2 and 7\)"
+    with pytest.raises(ConfigError, match=twice):
+        config.load(run, check_inputs=False)
+    run.write_text("optim:\n  lr_peak: 1.0e-3\n  lr_peak: 2.0e-3\n")  # within a section too
+    with pytest.raises(ConfigError, match=r"key 'lr_peak' is given twice in one mapping \(lines 2 and 3\)"):
+        config.load(run, check_inputs=False)
 
 
 def test_save_round_trips(tmp_path):

@@ -3,7 +3,9 @@
 - shell blocks (and the lines of unlabelled blocks that start with a command): each `lit-pretrain ...`,
   `.venv/bin/lit-pretrain ...` or `python -m lit_pretrain.cli ...` (also after srun/torchrun) parses with the CLI's
   own parser (the scaling, ladder and launch commands with theirs); train/prepare/show with a run file that exists
-  load it with their overrides through config.load, as `lit-pretrain show` does; each `make X` names a target;
+  load it with their overrides through config.load, as `lit-pretrain show` does; a `memory` example counts what a
+  run of its layout holds (bf16-mixed-policy where FSDP2's mixed-precision policy is the default); each `make X`
+  names a target;
 - YAML blocks load into the schema (run files), or as the ladder grid / sweep / ablation file their keys say;
 - every config key in backticks (`trainer.max_steps`, `data.sources[i].weight`) exists in the schema;
 - every `lit_pretrain/...` path and relative link names a file that exists;
@@ -95,6 +97,8 @@ def _check_cli(argv: list, where: str) -> None:
             args = scaling_cli._parser().parse_args(argv)
             if getattr(args, "run", None):
                 assert (ROOT / args.run).exists(), f"{where}: {args.run} does not exist"
+            elif command == "memory":
+                _check_precision(args, where)
             return
         if command == "ladder":
             args = ladder_parser().parse_args(argv[1:])
@@ -118,6 +122,22 @@ def _check_cli(argv: list, where: str) -> None:
             config.load(path, args.overrides, check_inputs=not user)
         except Exception as err:  # the loader's ConfigError names the key; say which doc line it came from
             pytest.fail(f"{where}: `lit-pretrain {' '.join(argv)}` does not load: {err}")
+
+
+def _check_precision(args, where: str) -> None:
+    """A `memory` example of a layout whose bf16-mixed runs get FSDP2's mixed-precision policy by default
+    (parallel/plan.py) must count what those runs hold: --precision bf16-mixed would add autocast's weight copies,
+    which such a run never makes."""
+    from types import SimpleNamespace
+
+    from lit_pretrain.parallel.plan import mixed_precision_policy_for
+
+    strategy = SimpleNamespace(mixed_precision_policy=None, expert_parallel=args.expert_parallel)
+    degrees = {"tensor_parallel": args.tensor_parallel, "pipeline_parallel": args.pipeline_parallel}
+    assert not mixed_precision_policy_for(strategy, SimpleNamespace(precision=args.precision), args.zero_stage,
+                                          degrees), (
+        f"{where}: a bf16-mixed run with this layout runs FSDP2's mixed-precision policy (strategy."
+        "mixed_precision_policy null): write --precision bf16-mixed-policy, which counts what it holds")
 
 
 def _check_yaml(text: str, where: str, tmp_path: Path) -> None:

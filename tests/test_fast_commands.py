@@ -48,9 +48,12 @@ COMMANDS = [
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "trainer.max_stepz=3"],  # the error path too (exit 2)
     ["memory", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x8.yaml")],  # issue 30: a run file's fit
     ["plan", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x32.yaml")],
+    # GPU-hours read the GPUs' datasheet peaks (lit_pretrain/gpu_peaks.py), not the throughput callback's module
+    ["plan", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x8.yaml"), "--mfu", "0.4", "--gpu", "H200"],
     ["show", str(EXPERIMENTS / "runs" / "llama3_2_1b_h200x8.yaml")],
     ["runs", str(EXPERIMENTS)],  # `lit-pretrain runs [ROOT]` (issue 20, item 5), where the parser has it
     ["ladder", "--plan", "--small"],  # the ladder's grid and time estimate (issue 30): trains nothing
+    ["ladder", "--plan", "--small", "--mfu", "0.4"],  # and its GPU-hours
 ]
 
 

@@ -238,26 +238,20 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
     # resumed, not restarted: 15 steps in all, of which this session trained only the part after step 8
     assert second["steps"] == 15 and second["session_train_seconds"] < second["train_seconds"]
     assert all((root / n / "summary.json").is_file() for n in names)
-    held = [p for p in result["predictions"]]
-    assert [p["name"] for p in held] == [names[-1]]
-    assert held[0]["measured_loss"] == json.loads((root / names[-1] / "summary.json").read_text())["final_val_loss"]
-    assert math.isfinite(held[0]["relative_error"])
-    # the prediction was written down before the held-out rung trained, after the development rung was measured (its
-    # errors chose the convention), and the report's is the same (seeded fit)
+    # Rungs of 5 to 15 steps on 400 documents pin down no scaling law: every convention's fit falls outside
+    # ladder_law's bounds (the non-embedding one ran off to a negative alpha). The decision is written down before
+    # the held-out rung trains, after the development rung was measured: no prediction, and why; the held-out rung is
+    # still trained and reported as measured.
+    assert result["predictions"] == [] and result["law"] is None
+    assert result["fit_failed"].startswith("the law failed under every convention: ")
+    held_loss = json.loads((root / names[-1] / "summary.json").read_text())["final_val_loss"]
+    assert [r["final_val_loss"] for r in result["rungs"] if r["name"] == names[-1]] == [held_loss]
     written = json.loads((root / "prediction.json").read_text())
-    prediction = written["predictions"][0]
-    assert prediction["predicted_loss"] == pytest.approx(held[0]["predicted_loss"], rel=1e-12)
-    assert written["held_out_measured_before"] == []
-    dev_loss = json.loads((root / names[8] / "summary.json").read_text())["final_val_loss"]
-    assert written["convention"] in written["development"] and set(written["by_convention"]) <= {
-        "total", "non_embedding", "non_embedding_plus_head"}
-    assert all(x["measured_loss"] == dev_loss for c in written["development"].values() for x in c)
-    assert written["convention"] == min(written["development"], key=lambda c: (
-        abs(written["development"][c][0]["relative_error"]), ["total", "non_embedding",
-                                                              "non_embedding_plus_head"].index(c)))
-    assert any(line.startswith(f"predicted {names[-1]} before training it") for line in lines)
-    assert lines.index(next(x for x in lines if x.startswith("predicted "))) < lines.index(
+    assert written["predictions"] == [] and written["held_out_measured_before"] == []
+    assert sorted(written["failed_conventions"]) == sorted(CONVENTIONS)
+    assert lines.index(next(x for x in lines if x.startswith("no prediction: the law failed"))) < lines.index(
         next(x for x in lines if x.startswith(f"rung 10 of 10 {names[-1]}")))
+    assert "No law, no prediction: the law failed under every convention" in (root / "report.md").read_text()
     assert all((root / f).is_file() for f in ("report.json", "report.md", "ladder.png"))
     # the seed spread, measured at both budgets of the seeded size, is in the report and jitters the bootstrap
     spread = result["seed_spread"]
@@ -284,7 +278,7 @@ def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
     again = ladder.run_ladder(path, log=lines)
     assert sum("finished earlier" in line for line in lines) == 10
     assert stamps == {n: (root / n / "summary.json").stat().st_mtime_ns for n in names}
-    assert again["predictions"][0]["predicted_loss"] == pytest.approx(held[0]["predicted_loss"])
+    assert again["fit_failed"] == result["fit_failed"]  # the fit is seeded
 
 
 def test_a_partial_rung_is_never_fitted_predicted_from_or_reported(tmp_path, monkeypatch):
@@ -467,7 +461,7 @@ def test_gpu_grid_rungs_are_the_presets_and_its_held_out_rung_is_the_run_files(c
     # with the recipe of experiments/runs/llama3_2_1b_h200x8.yaml (lr 9e-4, 2^20 tokens a step, beta2 0.95), 10x
     # beyond the fitted compute, the development rung about 3x; `--plan --mfu` prints the grid's GPU-hours.
     from lit_pretrain import config as config_lib
-    from lit_pretrain.callbacks.throughput import GPU_PEAK_FLOPS
+    from lit_pretrain.gpu_peaks import GPU_PEAK_FLOPS
     from lit_pretrain.scaling.gpu_hours import gpu_hours
     from lit_pretrain.scaling.ladder_rung import rung_overrides
 
@@ -573,9 +567,10 @@ def test_time_estimate_shares_the_fitted_rungs_out_and_runs_the_held_out_rungs_a
 def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_rung_chooses(tmp_path):
     # law_variables [tokens, steps]: the second grid's rungs (short.yaml) with losses drawn exactly from a law in
     # optimizer steps S (the batch rule ties tokens a step to N, so no law in D alone reproduces them). Six fits side by
-    # side (3 N conventions x 2 variables); the development rung chooses "total, steps", whose law recovers the truth:
-    # development and held-out rungs within 0.1% (exact losses; L-BFGS tolerance), where the law in tokens misses the
-    # development rung by more than that. Two bootstrap resamples: the intervals are not what is tested here.
+    # side (3 N conventions x 2 variables): the laws in tokens run off to a negative alpha and are reported as failed
+    # (ladder_law.law_failure), and of the laws in steps the development rung chooses "total, steps", whose law
+    # recovers the truth: development and held-out rungs within 0.1% (exact losses; L-BFGS tolerance). Two bootstrap
+    # resamples: the intervals are not what is tested here.
     truth = ParametricLaw(E=1.9, A=60.0, B=30.0, alpha=0.32, beta=0.5)
     path = EXPERIMENTS / "ladder" / "short.yaml"
     grid = dataclasses.replace(ladder_grid.load_grid(path), root_dir=str(tmp_path), bootstrap=2,
@@ -586,10 +581,12 @@ def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_r
         (tmp_path / r["name"] / "summary.json").write_text(json.dumps(
             {"params": r["params"], "steps": r["steps"], "final_val_loss": truth.loss(r["params"], r["steps"])}))
     fitted = fit_rungs(grid, rungs)
-    assert sorted(fitted["by_convention"]) == sorted([*CONVENTIONS, *(f"{c}, steps" for c in CONVENTIONS)])
+    assert sorted(fitted["by_convention"]) == sorted(f"{c}, steps" for c in CONVENTIONS)
+    assert sorted(fitted["failed_conventions"]) == sorted(CONVENTIONS)
+    assert all(re.match(r"alpha = -[\d.]+ is outside \(0, 2\]", why) for why in fitted["failed_conventions"].values())
     assert fitted["convention"] == "total, steps"
     (dev,) = fitted["development"]["total, steps"]
-    assert abs(dev["relative_error"]) < 1e-3 < abs(fitted["development"]["total"][0]["relative_error"])
+    assert abs(dev["relative_error"]) < 1e-3
     (held,) = [r for r in rungs if r["role"] == "held_out"]
     (p,) = predictions_of(grid, fitted, rungs)
     assert p["predicted_loss"] == pytest.approx(truth.loss(held["params"], held["steps"]), rel=1e-3)
@@ -600,7 +597,6 @@ def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_r
     # reads as one in tokens (report.json used "D" for both)
     assert "D" not in result["conventions"] and result["conventions"]["S"].startswith("S, optimizer steps")
     assert result["by_convention"]["total, steps"]["S"].startswith("S, optimizer steps")
-    assert result["by_convention"]["total"]["D"].startswith("D, training tokens")
     assert "L(N, S) = E + A/N^alpha + B/S^beta fitted to the rungs" in md
     # the optimum of a law in steps is the recipe's: under the grid's batch rule, along its sizes; the fitted law's
     # is the true law's (steps_optimum.py, its closed-form tests) to the fit's tolerance
@@ -614,3 +610,72 @@ def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_r
     (tmp_path / "bad").mkdir()
     with pytest.raises(ConfigError, match=r"law_variables=\['flops'\]: expected a list of distinct names"):
         ladder_grid.load_grid(write_grid(tmp_path / "bad", law_variables=["flops"]))
+
+
+# The law `ladder --small` chose before fits were bounded (its non-embedding fit of 5- and 10-step rungs)
+RUNAWAY = ParametricLaw(E=5.901, A=2.39e-156, B=3.443e123, alpha=-34.2032, beta=36.4260)
+
+
+@pytest.mark.parametrize("law, why", [
+    (TRUE, None),
+    (RUNAWAY, "alpha = -34.2 is outside (0, 2]: loss would not fall as a power of N"),
+    (dataclasses.replace(TRUE, alpha=0.0), "alpha = 0 is outside (0, 2]"),
+    (dataclasses.replace(TRUE, beta=2.5), "beta = 2.5 is outside (0, 2]: loss would not fall as a power of D"),
+    (dataclasses.replace(TRUE, alpha=math.nan), "alpha = nan is outside (0, 2]"),
+    # every exponent sane, but the loss at the smaller rung above a uniform prediction's ln(32000) = 10.3735
+    (dataclasses.replace(TRUE, E=7.0), "its loss at rung small is 11.96, outside (0, ln(32000) = 10.3735)"),
+])
+def test_law_failure_bounds_the_exponents_and_the_predicted_losses(law, why):
+    from lit_pretrain.scaling.ladder_law import law_failure
+
+    rungs = [{"name": "small", "params": 20_000, "non_embedding_params": 12_000, "head_params": 8_000,
+              "steps": 10, "tokens": 50_000},
+             {"name": "large", "params": 2e6, "non_embedding_params": 1.9e6, "head_params": 1e5, "steps": 100,
+              "tokens": 5e7}]
+    got = law_failure(law, rungs, "total", 32000)
+    assert got == why if why is None else got.startswith(why), got
+
+
+def test_a_fit_outside_the_bounds_is_reported_as_failed_and_never_chosen(tmp_path, monkeypatch):
+    # short.yaml's rungs with losses from TRUE; the fit replaced by one that returns RUNAWAY where N counts every
+    # parameter (total; non_embedding_plus_head, the same where tied) and TRUE under non_embedding. RUNAWAY fails its
+    # bounds: the sane convention is chosen. Then RUNAWAY under every convention: nothing is chosen or predicted,
+    # and prediction.json, the log and report.md say that the fit failed and why.
+    from lit_pretrain.scaling import ladder_report
+
+    path = EXPERIMENTS / "ladder" / "short.yaml"
+    grid = dataclasses.replace(ladder_grid.load_grid(path), root_dir=str(tmp_path))
+    rungs = ladder_grid.plan_rungs(grid, path)
+    params = {r["params"] for r in rungs}
+    for r in rungs:
+        (tmp_path / r["name"]).mkdir()
+        (tmp_path / r["name"] / "summary.json").write_text(json.dumps(
+            {"params": r["params"], "steps": r["steps"], "final_val_loss": TRUE.loss(r["params"], r["tokens"])}))
+    everywhere = False
+
+    def fake_fit(n, d, loss, resamples, level, **kwargs):
+        law = RUNAWAY if everywhere or set(n.tolist()) <= params else TRUE
+        return {"law": law, "fit": {"objective": 0.0, "starts_at_best": 1}, "samples": [law, law], "intervals": {},
+                "degenerate": 0}
+
+    monkeypatch.setattr(ladder_report, "fit_ladder", fake_fit)
+    fitted = fit_rungs(grid, rungs)
+    assert fitted["convention"] == "non_embedding" and list(fitted["by_convention"]) == ["non_embedding"]
+    assert sorted(fitted["failed_conventions"]) == ["non_embedding_plus_head", "total"]
+    assert fitted["failed_conventions"]["total"].startswith("alpha = -34.2 is outside (0, 2]")
+
+    everywhere = True
+    log = Console()
+    fitted = write_prediction(grid, rungs, log)
+    assert fitted["law"] is None and fitted["convention"] is None and predictions_of(grid, fitted, rungs) == []
+    written = json.loads((tmp_path / "prediction.json").read_text())
+    assert written["predictions"] == [] and sorted(written["failed_conventions"]) == sorted(CONVENTIONS)
+    assert log[-1].startswith("no prediction: the law failed under every convention: total: alpha = -34.2 is "
+                              "outside (0, 2]")
+    result = report(grid, path, rungs, log=log, fitted=fitted)
+    assert result["law"] is None and result["predictions"] == [] and result["compute_optimal"] == {}
+    assert result["fit_failed"].startswith("the law failed under every convention")
+    md = (tmp_path / "report.md").read_text()
+    assert "No law, no prediction: the law failed under every convention: total: alpha = -34.2" in md
+    assert md.count("| fit failed: alpha = -34.2 is outside (0, 2]") == 3 and "(chosen)" not in md
+    assert any(line.startswith("no law from ") for line in log) and (tmp_path / "ladder.png").is_file()

@@ -350,8 +350,13 @@ def test_a_fresh_start_into_a_resumable_run_leads_with_resume_auto_and_auto_rest
     killed = create_run_dir(str(root), "k", overwrite=False)
     (killed / "metrics.csv").write_text("step,train/loss\n1,6.2\n")  # a metrics row, no checkpoint
     (killed / "config.yaml").write_text("run:\n  name: k\n")
-    with pytest.raises(RunFolderError, match=r"already exists: choose another run\.name, or set run\.overwrite=true"):
+    with pytest.raises(RunFolderError) as err:
         session.open_run(RunConfig(name="k", root_dir=str(root)))
+    # Led by what run.resume=auto does there (the loop below does it), like the refusal beside a checkpoint.
+    assert str(err.value) == (f"run.resume=auto starts run folder {killed} again (it holds no checkpoint: its run was "
+                              "killed or failed before the first one), keeping its files in k/attempts/<n>/; it "
+                              "already exists: choose another run.name, or set run.overwrite=true to delete it and "
+                              "start again")
     for n in (1, 2):
         run = RunConfig(name="k", root_dir=str(root), resume="auto")
         plan = session.open_run(run)

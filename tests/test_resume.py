@@ -26,6 +26,7 @@ import torch
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.optim.named_state import single_process_names, to_positions
 from lit_pretrain.resume import store
+from lit_pretrain.resume.preemption import resume_command
 from lit_pretrain.resume.sharded.tools import consolidate
 from lit_pretrain.resume.verified import load_verified, save_atomic
 from lit_pretrain.resume.weights import HPARAMS_KEY, from_plain, load_gpt, load_optimizer_state, read_checkpoint
@@ -33,7 +34,7 @@ from lit_pretrain.runs import table as run_table
 from lit_pretrain.runs.compare import compare, panels
 from lit_pretrain.runs.folder import read_metrics, series
 from lit_pretrain.schema import OptimConfig
-from tests.conftest import run_module, train_args
+from tests.conftest import ROOT, launcher_env, run_module, train_args
 from tests.global_sizes import assert_global_sizes
 
 pytestmark = pytest.mark.slow
@@ -188,8 +189,11 @@ def test_single_process_sigkill_twice_sigterm_and_ctrl_c(train, single_ref, tiny
     assert "Ctrl-C: a checkpoint at the next optimizer step" in out.stderr
     command = [*train_args(tiny_data_dir, run.parent, "single")[1:], *COMMON, *mixture(tiny_data_dir),
                "trainer.checkpoint_every_n_steps=0", extra(("Fault", fault)), "run.resume=auto"]
-    assert out.stdout.splitlines()[-1] == ("interrupted: checkpoint at step 5 written; resume with: python -m "
-                                           f"lit_pretrain.cli {shlex.join(command)}")
+    # the program as it ran: this interpreter (run_module's), typed from the folder the run started in
+    program = resume_command(["cli.py"], cwd=str(ROOT), search_path=launcher_env().get("PATH")).removesuffix(
+        " run.resume=auto")
+    assert out.stdout.splitlines()[-1] == ("interrupted: checkpoint at step 5 written; resume with: "
+                                           f"{program} {shlex.join(command)}")
     _, out = train("single", "run.resume=auto", record=True)
     assert "(step 5)" in out.stdout
     assert_same_run(single_ref, run)

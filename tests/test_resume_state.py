@@ -128,14 +128,33 @@ def test_first_ctrl_c_sets_the_flag_and_the_second_is_sigints_default(monkeypatc
         signal.signal(signal.SIGINT, before)
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["/venv/bin/lit-pretrain", "train", "run.yaml", "run.name=a b"], "lit-pretrain train run.yaml 'run.name=a b' "
-     "run.resume=auto"),
-    (["/x/lit_pretrain/cli.py", "train", "r.yaml", "run.resume=/p/step0000002.ckpt", "run.overwrite=true", "k=1"],
-     "python -m lit_pretrain.cli train r.yaml k=1 run.resume=auto"),
+@pytest.mark.parametrize("argv0, on_path, expected_program", [
+    # the README's set-up: `make install` into .venv, not activated; the program as the user typed it
+    (".venv/bin/lit-pretrain", False, ".venv/bin/lit-pretrain"),
+    ("{repo}/.venv/bin/lit-pretrain", False, ".venv/bin/lit-pretrain"),  # a shell passes it on absolute
+    ("{repo}/.venv/bin/lit-pretrain", True, "lit-pretrain"),  # an activated .venv: the bare name finds this file
+    ("{elsewhere}/bin/lit-pretrain", False, "{elsewhere}/bin/lit-pretrain"),  # outside the shell's folder
+    ("{repo}/lit_pretrain/cli.py", False, ".venv/bin/python -m lit_pretrain.cli"),  # the interpreter that ran it
 ])
-def test_resume_command_is_the_command_with_resume_auto(argv, expected):
-    assert resume_command(argv) == expected
+def test_resume_command_is_one_the_user_can_paste(tmp_path, argv0, on_path, expected_program):
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    for program in (repo / ".venv" / "bin" / "lit-pretrain", repo / ".venv" / "bin" / "python",
+                    elsewhere / "bin" / "lit-pretrain"):
+        program.parent.mkdir(parents=True, exist_ok=True)
+        program.write_text("")
+        program.chmod(0o755)
+    other = tmp_path / "usr" / "bin"  # another lit-pretrain and python on PATH: not the ones that ran
+    other.mkdir(parents=True)
+    for name in ("lit-pretrain", "python"):
+        (other / name).write_text("")
+        (other / name).chmod(0o755)
+    search_path = os.pathsep.join([str(repo / ".venv" / "bin")] if on_path else [str(other)])
+    argv = [argv0.format(repo=repo, elsewhere=elsewhere), "train", "run.yaml", "run.name=a b",
+            "run.resume=/p/step0000002.ckpt", "run.overwrite=true", "k=1"]
+    command = resume_command(argv, executable=str(repo / ".venv" / "bin" / "python"), cwd=str(repo),
+                             search_path=search_path)
+    assert command == f"{expected_program.format(elsewhere=elsewhere)} train run.yaml 'run.name=a b' k=1 " \
+                      "run.resume=auto"
 
 
 def test_allowed_lr_peak_change_takes_effect_on_the_restored_schedule():

@@ -12,6 +12,8 @@ from lit_pretrain.callbacks.loss_spike import LossSpike
 from lit_pretrain.callbacks.nan_guard import NanGuard
 from lit_pretrain.data.datamodule import TokenShardDataModule
 from lit_pretrain.module import PretrainModule
+from lit_pretrain.resume.weights import load_gpt
+from lit_pretrain.runs import table as run_table
 from lit_pretrain.runs.folder import read_metrics, series
 from lit_pretrain.train import resolve_vocab, train
 from tests.conftest import EXPERIMENTS, tiny_data_overrides
@@ -91,20 +93,68 @@ def test_rewind_restores_the_rewind_point_and_skips_exactly_the_configured_batch
     assert event["outcome"] == "recovered"
 
 
-def test_learning_rate_jump_is_detected_the_step_after_labelled_by_the_definition_and_stops(tmp_path, tiny_data_dir):
+def train_run(tmp_path, data_dir, name, *overrides, extra_callbacks=()):
+    """`lit-pretrain train` of the tiny experiment in this process, as fit() above sets it up (lr 3e-3, warmup 5),
+    with every step's loss logged; returns the summary and the run folder."""
+    cfg = config.load(EXPERIMENTS / "runs" / "tiny.yaml", [
+        *tiny_data_overrides(data_dir), f"run.root_dir={tmp_path}", f"run.name={name}", "trainer.progress_bar=false",
+        "schedule.warmup_steps=5", "optim.lr_peak=3e-3", "trainer.log_every_n_steps=1", *overrides])
+    return train(cfg, extra_callbacks=extra_callbacks), tmp_path / name
+
+
+def test_learning_rate_jump_diverges_and_leaves_its_last_healthy_checkpoint_as_latest(tmp_path, tiny_data_dir, capsys):
     """One update at 1000× the learning rate: the loss of the next step jumps (measured here: 5.2 → 47) and stays
-    up, so the event is a divergence, and on_divergence=stop ends the run."""
-    rec = Recorder()
-    cb = spike(action="log", recovery_steps=6, on_divergence="stop")
-    trainer, _ = fit(tmp_path, tiny_data_dir, [cb, LrJump([20], factor=1000.0), rec], max_steps=40)
-    (event,) = cb.events
+    up, so the event is a divergence, and on_divergence=stop ends the run `diverged`. Its weights from the bad update
+    on are never `latest`: the checkpoints after the last healthy state are set aside, none is written at the stop."""
+    summary, run = train_run(tmp_path, tiny_data_dir, "jump", "trainer.max_steps=40", "trainer.val_every_n_steps=40",
+                             "trainer.checkpoint_every_n_steps=5", "callbacks.loss_spike.action=log",
+                             "callbacks.loss_spike.window=10", "callbacks.loss_spike.watch_steps=10",
+                             "callbacks.loss_spike.recovery_steps=6", "callbacks.loss_spike.on_divergence=stop",
+                             extra_callbacks=[LrJump([20], factor=1000.0)])
+    (event,) = json.loads((run / "spikes.json").read_text())
     assert event["step"] == 22  # the update of step 21 (after 20 done) is the bad one; the loss of step 22 shows it
-    # The label follows its definition, checked here from the recorded losses: recovered iff a later step within
+    # The label follows its definition, checked here from the logged losses: recovered iff a later step within
     # recovery_steps has a loss <= baseline × (1 + tolerance) (one process: its baseline is the event's).
-    later = [rec.losses[s] for s in range(22, 22 + 6)]  # Recorder's keys: steps completed before each loss
+    loss = dict(series(read_metrics(run / "metrics.csv"), "train/loss"))
+    later = [loss[s] for s in range(23, 23 + 6)]
     expected = "recovered" if any(v <= event["baseline"] * 1.05 for v in later) else "divergence"
     assert event["outcome"] == expected == "divergence" and event["resolved_step"] == 28
-    assert trainer.global_step == 28 and "divergence of the event at step 22" in cb.stop_reason
+    # The state after step 20 is the newest whose own loss (step 21's) was normal: step 20's checkpoint is `latest`
+    # (and last.ckpt, which load_gpt reads); step 25's, written after the bad update, is set aside; none at step 28.
+    assert (summary["status"], summary["steps"], summary["resume_step"]) == ("diverged", 28, 20)
+    assert "divergence of the event at step 22" in summary["stop_reason"]
+    assert summary["stop_reason"].endswith("the last healthy checkpoint is checkpoints/step0000020.ckpt (step 20), "
+                                           "which `latest` names and run.resume=auto continues from")
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step0000020.ckpt"
+    assert (ckpts / "last.ckpt").samefile(ckpts / "step0000020.ckpt")
+    assert sorted(p.name for p in ckpts.glob("step*")) == [
+        *(f"step{s:07d}.ckpt{sidecar}" for s in (5, 10, 15, 20) for sidecar in ("", ".json")),
+        "step0000025.ckpt.diverged", "step0000025.ckpt.diverged.json"]
+    assert run_table.status(run_table.read_run(run)) == "diverged, resumes from step 20"
+    assert f"diverged: {summary['stop_reason']}" in capsys.readouterr().out
+
+
+def test_an_update_that_makes_the_weights_nan_is_never_checkpointed_and_the_guard_says_so(tmp_path, tiny_data_dir,
+                                                                                           capsys):
+    """An infinite learning rate for one update (what optim.lr_peak=inf did before the config refused it) makes the
+    weights NaN while its own loss and gradient were finite: the guard drops the NaN steps after it and stops the run
+    `diverged`, saying the parameters are not finite; no checkpoint of them is written, `latest` stays finite."""
+    summary, run = train_run(tmp_path, tiny_data_dir, "nan", "trainer.max_steps=12", "trainer.val_every_n_steps=12",
+                             "trainer.checkpoint_every_n_steps=3", "callbacks.nan_guard.max_consecutive=2",
+                             extra_callbacks=[LrJump([5], factor=float("inf"))])
+    out = capsys.readouterr().out
+    # The update of step 6 made the weights NaN: step 6's periodic checkpoint is refused; steps 7 and 8 are dropped.
+    assert "checkpoint of step 6 not written: a parameter is NaN or infinite; `latest` stays at step 3" in out
+    assert (summary["status"], summary["steps"], summary["resume_step"]) == ("diverged", 8, 3)
+    reason = summary["stop_reason"]
+    assert "(steps 7..8)" in reason and "the parameters are not finite: an update applied before step 7" in reason
+    assert "so the parameters are finite" not in reason
+    assert reason.endswith("the last healthy checkpoint is checkpoints/step0000003.ckpt (step 3), which `latest` "
+                           "names and run.resume=auto continues from")
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step*.ckpt")) == ["step0000003.ckpt"]
+    assert all(torch.isfinite(p).all() for p in load_gpt(run).parameters())  # what last.ckpt holds
 
 
 def test_clean_run_has_no_events(tmp_path, tiny_data_dir):

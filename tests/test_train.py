@@ -84,7 +84,8 @@ def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_da
     stale = run_dir / "notes-from-the-old-run.txt"
     stale.write_text("left by the previous run")
     (run_dir / "config.yaml").write_text("run:\n  name: tiny\n")  # a run of ours (overwrite deletes only those)
-    with pytest.raises(RunFolderError, match=r"run folder .*tiny already exists.*run\.overwrite=true"):
+    with pytest.raises(RunFolderError, match=r"run\.resume=auto starts run folder .*tiny again.* already exists.*"
+                                             r"run\.overwrite=true"):
         train(tiny_cfg(tmp_path, tiny_data_dir))
     assert precious.read_bytes() == b"weeks of training"
     # 5 steps, validation every 4: the final validation runs after fit, and must not wipe the train loss.

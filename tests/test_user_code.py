@@ -1,6 +1,9 @@
 """A researcher's own code meets no traps: own callbacks, run files outside experiments/, a plain lightning.Trainer."""
 
+import json
+import subprocess
 import sys
+import time
 
 import lightning as L
 import pytest
@@ -12,8 +15,9 @@ from lit_pretrain.callbacks.user import user_callbacks
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.module import PretrainModule
+from lit_pretrain.runs.folder import read_metrics, series
 from lit_pretrain.schema import CallbacksConfig, CallbackSpec, OptimConfig, ScheduleConfig
-from tests.conftest import EXPERIMENTS, tiny_data_overrides
+from tests.conftest import EXPERIMENTS, ROOT, launcher_env, run_module, tiny_data_overrides, train_args
 
 
 class ChecksItsArguments(L.Callback):
@@ -165,3 +169,45 @@ def test_trainer_gradient_clip_val_is_refused_naming_optim_grad_clip_norm(tmp_pa
                                           r"set optim\.grad_clip_norm=0\.5"):
         trainer.fit(module, loader)
     assert trainer.global_step == 0  # refused before any step ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("init_args, status, reason", [
+    ("{step: 7, done: true}", "finished", "stop_at: step 7 reached"),
+    ("{step: 7, bare: true}", "stopped", "a callback set trainer.should_stop at step 7 of trainer.max_steps=20 without "
+                                         "giving a reason (a callback gives one with "
+                                         "lit_pretrain.resume.stop.stop_run)"),
+])
+def test_a_callback_that_stops_the_run_is_recorded_as_the_stop_it_is(tmp_path, tiny_data_dir, init_args, status,
+                                                                     reason):
+    """`lit-pretrain train` whose own callback ends the run after step 7 of 20: exit 0, the checkpoint of step 7, and
+    summary.json says finished (the callback declared the run done) or stopped (a bare trainer.should_stop), with the
+    reason, never failed."""
+    spec = f"{{class_path: 'tests.stability_helpers:StopAt', init_args: {init_args}}}"
+    args = [*train_args(tiny_data_dir, tmp_path, "stops"), "trainer.progress_bar=false", "trainer.max_steps=20",
+            "trainer.val_every_n_steps=20", f"callbacks.extra=[{spec}]"]
+    fresh = status == "stopped"  # this one in a fresh interpreter, as a user starts it, to time its start-up
+    before = time.time()
+    if fresh:
+        out = subprocess.run([sys.executable, "-m", *args], env=launcher_env(), cwd=ROOT, capture_output=True,
+                             text=True, timeout=480)
+        assert out.returncode == 0, out.stderr[-3000:]
+    else:
+        run_module(*args)
+    run = tmp_path / "stops"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["max_steps"], summary["stop_reason"]) == \
+        (status, 7, 20, reason)
+    assert "error" not in summary and summary["resume_step"] == 7
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step0000007.ckpt"
+    # The loss of step 7 is logged (train/loss every 5 steps), and the summary's is it: Lightning writes a row where
+    # a run stops, which repeated step 5's values under step 7 (tokens_seen 2560) when step 7 was not logged.
+    rows = read_metrics(run / "metrics.csv")
+    assert [r["train/tokens_seen"] for r in rows if r["step"] == 7 and "train/tokens_seen" in r] == [7 * 512]
+    assert (summary["final_train_loss_step"], summary["final_train_loss"]) == series(rows, "train/loss")[-1]
+    assert summary["final_train_loss_step"] == 7
+    if fresh:
+        # wall_seconds counts from the command's start (importing torch, Lightning and our code, loading the config:
+        # several seconds that train()'s own start left out), less the interpreter's start before it imports
+        # lit_pretrain and the moments after wall_seconds is taken (0.5 s allows for them on a loaded machine).
+        assert summary["wall_seconds"] >= (run / "summary.json").stat().st_mtime - before - 0.5

@@ -10,6 +10,13 @@ data goes on from where it is and skips `skip_batches` more global batches, and 
 follows the step count, is not rewound (so the run still ends at trainer.max_steps, at the schedule's final rate,
 and no checkpoint name is ever reused).
 
+A stop says what it is (resume/stop.py): one after a divergence (on_divergence=stop, or max_rewinds reached while
+rewinding from one) is `diverged`, and the last healthy state is that of two steps before the event's (the loss of
+step k is measured on the weights after k - 1 updates, so the state after k - 2 is the newest whose own loss was
+normal): checkpoints after it are set aside and `latest` names the newest one at or before it. A stop on a spike
+(action=stop, or max_rewinds on a spike) is `stopped`: the spike's own update is dropped, and the checkpoint of the
+stop is written.
+
 Steps in events and messages are numbered as metrics.csv numbers them (runs/step_axis.py): the optimizer step
 whose loss spiked is step k when its row says k, i.e. trainer.global_step + 1 while it runs. `rewound_to` is the
 steps completed at the rewind point (the state after that step).
@@ -26,6 +33,7 @@ from lit_pretrain.callbacks.records import gather_rows, json_safe, write_json
 from lit_pretrain.callbacks.rewind import RewindPoints
 from lit_pretrain.callbacks.spike_stats import SpikeDetector, Verdict
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.resume.stop import stop_diverged, stop_run
 
 ACTIONS = ("log", "skip_step", "rewind", "stop")
 DIVERGENCE_ACTIONS = ("log", "rewind", "stop")
@@ -178,7 +186,8 @@ class LossSpike(Callback):
         cause = f"divergence of the event at step {event['step']}"
         if self.on_divergence == "stop":
             self._stop(trainer, pl_module, optimizer, f"{cause}: the loss stayed above {event['baseline']:.4g} × "
-                       f"(1 + {self.recovery_tolerance}) for {self.recovery_steps} steps")
+                       f"(1 + {self.recovery_tolerance}) for {self.recovery_steps} steps",
+                       healthy_step=event["step"] - 2)
         elif self.on_divergence == "rewind":
             self._open(trainer, pl_module, optimizer, step, loss,
                        Verdict(True, "loss", loss, event["baseline"], math.inf, self.baseline_local), "rewind",
@@ -197,8 +206,10 @@ class LossSpike(Callback):
     def _rewind(self, trainer, pl_module, optimizer, step, event, origin) -> None:
         if self.rewinds >= self.max_rewinds:
             event["action"] = "stop"
+            # origin: the steps done before the spike that opened the event (a divergence's: its first spike's).
             self._stop(trainer, pl_module, optimizer, f"a loss spike at step {step + 1} after {self.rewinds} rewinds "
-                       f"({KEY}.max_rewinds={self.max_rewinds})")
+                       f"({KEY}.max_rewinds={self.max_rewinds})",
+                       healthy_step=origin - 1 if "cause" in event else None)
             return
         pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "loss_spike")
         event["steps_skipped"] = 1
@@ -220,11 +231,15 @@ class LossSpike(Callback):
         if self.lr_scale < 1.0:
             self.lr_scale_until = step + 1 + self.lr_scale_steps
 
-    def _stop(self, trainer, pl_module, optimizer, reason: str) -> None:
+    def _stop(self, trainer, pl_module, optimizer, reason: str, healthy_step: Optional[int] = None) -> None:
+        """Stop: `diverged` with the last healthy step when `healthy_step` is given, else `stopped`."""
         pl_module.step_guard.drop_update(pl_module.parameters(), optimizer, "loss_spike")
-        self.stop_reason = f"loss_spike: the run stops after {reason}"
-        trainer.should_stop = True
-        rank_zero_warn(self.stop_reason + f"; events in {self.filename} of the run folder")
+        self.stop_reason = f"loss_spike: the run stops after {reason}; events in {self.filename} of the run folder"
+        if healthy_step is None:
+            stop_run(trainer, self.stop_reason)
+        else:
+            stop_diverged(trainer, self.stop_reason, max(healthy_step, 0))
+        rank_zero_warn(self.stop_reason)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
 

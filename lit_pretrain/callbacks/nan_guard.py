@@ -2,9 +2,14 @@
 
 Each optimizer step, before the update: if any micro-batch loss or the global gradient norm is NaN or ±Inf on any
 rank, the update is dropped (`pl_module.step_guard`: lit_pretrain/optim/step_guard.py), counted, and listed. After
-`max_consecutive` such steps in a row the run stops with a message saying which steps and what to do; parameters
-and optimizer state stay finite throughout. A finite gradient whose norm overflows to Inf is treated the same:
-clipping it would turn it into zeros or NaN.
+`max_consecutive` such steps in a row the run stops, `diverged` (resume/stop.py), with a message saying which
+steps, what the parameters and the checkpoint hold, and what to do. A dropped update leaves parameters and optimizer
+state as they were; but an update that was applied can itself make them non-finite (a finite gradient times an
+overflowing learning rate), and only the losses after it show that. So at the stop the guard looks: finite
+parameters are checkpointed at the stop (every update since they last were finite was dropped); others never are,
+and `latest` stays at the newest checkpoint written (each one is checked finite as it is written).
+A finite gradient whose norm overflows to Inf is treated the same as a non-finite one: clipping it would turn it
+into zeros or NaN.
 """
 
 import math
@@ -15,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.resume.stop import parameters_finite, stop_diverged
 
 
 class NanGuard(Callback):
@@ -53,16 +59,27 @@ class NanGuard(Callback):
         step = trainer.global_step + 1  # numbered as metrics.csv numbers it: the steps completed with this one
         self.skipped_steps.append(step)
         if self.consecutive >= self.max_consecutive:
-            first = step - self.consecutive + 1
-            self.stop_reason = (
-                f"nan_guard: {self.consecutive} optimizer steps in a row (steps {first}..{step}) had a "
-                f"non-finite loss or gradient (callbacks.nan_guard.max_consecutive={self.max_consecutive}); every "
-                "one of their updates was dropped, so the parameters are still finite. The run stops: lower "
-                "optim.lr_peak or raise schedule.warmup_steps, check the data of these steps, or use bf16/fp32 "
-                "precision if this ran in fp16"
-            )
-            trainer.should_stop = True
-            rank_zero_warn(self.stop_reason)
+            self._stop(trainer, pl_module, step)
+
+    def _stop(self, trainer, pl_module, step: int) -> None:
+        first = step - self.consecutive + 1
+        # Looked at once, at the stop: whether an applied update made the parameters non-finite before these steps.
+        finite = parameters_finite(trainer, pl_module.parameters())
+        if finite:
+            holds = ("every one of their updates was dropped, so the parameters are finite, and the checkpoint "
+                     f"written at this stop (step {step}) holds them")
+            fix = "check the data of these steps, lower optim.lr_peak or raise schedule.warmup_steps"
+        else:
+            holds = (f"the parameters are not finite: an update applied before step {first} made them so (their "
+                     "updates were dropped, that one was not), so no checkpoint is written at this stop")
+            fix = "lower optim.lr_peak or raise schedule.warmup_steps"
+        self.stop_reason = (
+            f"nan_guard: {self.consecutive} optimizer steps in a row (steps {first}..{step}) had a non-finite loss "
+            f"or gradient (callbacks.nan_guard.max_consecutive={self.max_consecutive}); {holds}. The run stops: "
+            f"{fix}, or use bf16/fp32 precision if this ran in fp16"
+        )
+        stop_diverged(trainer, self.stop_reason, healthy_step=step if finite else None)
+        rank_zero_warn(self.stop_reason)
 
     def summary(self) -> Dict:
         return {"steps_skipped": len(self.skipped_steps), "skipped_steps": list(self.skipped_steps),

@@ -3,10 +3,10 @@
 Model FLOPs utilization (PaLM, Chowdhery et al. 2022, appendix B) is the whole model's training FLOPs per token
 (`model.shapes.flops_per_token`: 6·N + 12·L·H·Q·T, from the architecture table, never one rank's part of the model)
 times the global tokens per second, over the peak FLOP/s of all devices. The peak
-comes from `trainer`'s config when set, else from a table of dense (no sparsity) datasheet figures of common GPUs,
-else, on a CPU, from a matmul measured once at start-up in the training dtype. Tokens are counted from batch shapes
-(host data) and time is read at interval ends only; on a GPU the interval end waits for the device once, so the
-figure covers the work actually done.
+comes from `trainer`'s config when set, else from a table of dense (no sparsity) datasheet figures of common GPUs
+(lit_pretrain/gpu_peaks.py), else, on a CPU, from a matmul measured once at start-up in the training dtype. Tokens
+are counted from batch shapes (host data) and time is read at interval ends only; on a GPU the interval end waits
+for the device once, so the figure covers the work actually done.
 """
 
 import time
@@ -16,21 +16,7 @@ from typing import Dict, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-# Dense peak FLOP/s per device by matmul precision, from NVIDIA's datasheets (A100: "NVIDIA A100 Tensor Core GPU"
-# datasheet; H100/H200: "NVIDIA H100 Tensor Core GPU" and "NVIDIA H200" datasheets, SXM; L40S, L4, A10, V100, T4:
-# their product datasheets). "half" is bf16 (fp16 where a GPU has no bf16), "tf32" TensorFloat-32, "fp32" plain FP32.
-# Order matters: the first name contained in the device name wins ("H100 PCIe" before "H100", "A100" before "A10").
-GPU_PEAK_FLOPS = (
-    ("H200", {"half": 989e12, "tf32": 494.5e12, "fp32": 67e12}),
-    ("H100 PCIe", {"half": 756e12, "tf32": 378e12, "fp32": 51e12}),
-    ("H100", {"half": 989e12, "tf32": 494.5e12, "fp32": 67e12}),
-    ("A100", {"half": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    ("L40S", {"half": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
-    ("L4", {"half": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
-    ("A10", {"half": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
-    ("V100", {"half": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),
-    ("T4", {"half": 65e12, "tf32": 8.1e12, "fp32": 8.1e12}),
-)
+from lit_pretrain.gpu_peaks import gpu_peaks
 
 
 def precision_class(precision: str) -> str:
@@ -41,10 +27,8 @@ def precision_class(precision: str) -> str:
 
 
 def gpu_peak_flops(device_name: str, precision: str) -> Optional[float]:
-    for name, peaks in GPU_PEAK_FLOPS:
-        if name.lower() in device_name.lower():
-            return peaks[precision_class(precision)]
-    return None
+    peaks = gpu_peaks(device_name)
+    return None if peaks is None else peaks[precision_class(precision)]
 
 
 @lru_cache(maxsize=4)

@@ -43,7 +43,6 @@ def names_of(model: nn.Module, optim: OptimConfig) -> Names:
 def single_process_names(model_cfg, optim: OptimConfig) -> Names:
     """names_of the single-process GPT of `model_cfg`, built on the meta device (no memory): the same names and
     groups on every rank of every layout, whatever part of the model a rank holds."""
-
     with torch.device("meta"):
         return names_of(GPT(model_cfg), optim)
 

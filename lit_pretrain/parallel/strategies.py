@@ -35,8 +35,8 @@ class ShardedDDPStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, DDPStrategy
 
 class VerifiedModelParallelStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, GatheredOneFile, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy (plain ZeRO-2/3) with our mesh strategy's one-file checkpoint
-    (resume/gathered.py: the file checked against its sha256 sidecar on every rank and loaded weights-only, the
-    optimizer state by parameter name) and sharded folders (ShardedLoad, resume/sharded/load.py)."""
+    (resume/gathered.py: checked against its sha256 sidecar on every rank, loaded weights-only, the optimizer state
+    by parameter name) and sharded folders (ShardedLoad, resume/sharded/load.py)."""
 
 
 class PolicyPrecision(Precision):

@@ -11,23 +11,29 @@ With the sharded format (`sharded_layout` given: checkpoint.format) every rank w
 `step0000012/` (resume/sharded/save.py ShardedSaver: through a hidden staging folder renamed once complete); rank 0
 publishes after the manifest, from the writer's thread when `async_save`, and the next save, the end of training
 and a preemption wait for that write.
+
+No checkpoint holds weights that are not finite: every save checks the parameters first (on every rank, agreed)
+and writes nothing when one is NaN or infinite, so `latest` keeps naming the newest finite one. A stop asked for
+by a callback (resume/stop.py) is recorded here (`stop`); a diverged run's (a stability callback's) sets aside
+the checkpoints written after its last healthy step and writes none of the weights it stopped with, unless they
+are that step's, so `latest` and `last.ckpt` name the last healthy checkpoint, or nothing.
 """
 
 import shutil
 import signal
 from pathlib import Path
-from typing import Dict, Optional
-
-from lightning.pytorch.callbacks import Callback
+from typing import Dict, List, Optional
 
 from lit_pretrain.errors import DiskFullError
 from lit_pretrain.resume import store
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, data_rows
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
+from lit_pretrain.resume.stop import StopRecorder, StopRequest, parameters_finite
 from lit_pretrain.resume.verified import DISK_FULL, META_KEY
+from lit_pretrain.runs.state import DIVERGED
 
 
-class StepCheckpoint(Callback):
+class StepCheckpoint(StopRecorder):
     def __init__(self, folder: Path, every_n_steps: int, keep_last: int, run_meta: Dict,
                  handle_signals: bool = True, sharded_layout: Optional[Dict] = None, async_save: bool = False):
         self.folder, self.every_n_steps, self.keep_last = Path(folder), every_n_steps, keep_last
@@ -42,6 +48,11 @@ class StepCheckpoint(Callback):
         """The stop was a Ctrl-C (SIGINT) on any rank: train() then ends with the command that resumes, exit 130."""
         self.stop_signal: Optional[str] = None
         """The signal's name as this rank received it; None when another rank's signal stopped this one."""
+        self.stop: Optional[StopRequest] = None
+        """The stop a callback asked for (resume/stop.py; the first one counts), or the one this callback records
+        when the weights at the end of training are not finite."""
+        self.not_finite_steps: List[int] = []
+        """Steps whose checkpoint was not written because a parameter was NaN or infinite."""
         self._metrics_rows = 0
         self._due = False  # a periodic checkpoint postponed from an epoch's first batch
         self._in_flight = 0
@@ -87,17 +98,41 @@ class StepCheckpoint(Callback):
                                 if self.flag is not None and self.flag.signum is not None else None)
             trainer.should_stop = True
             if trainer.is_global_zero and not self.interrupted:  # after Ctrl-C, train() prints the way back
-                print(f"preemption: checkpoint at step {step} written, stopping", flush=True)
+                written = "not written (not finite)" if step in self.not_finite_steps else "written"
+                print(f"preemption: checkpoint at step {step} {written}, stopping", flush=True)
                 requeue_slurm_job()
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.flag is not None:
             self.flag.uninstall()
+        diverged = self.stop is not None and self.stop.outcome == DIVERGED
+        if diverged:
+            self.wait()  # a write under way is published before anything is set aside
+            if self.stop.healthy_step is not None and trainer.is_global_zero:
+                store.withdraw_after(self.folder, self.stop.healthy_step)
+            trainer.strategy.barrier("withdraw_diverged")
         # The run's last step (max_steps, or a stop): saved unless the run stopped mid-accumulation, where the
-        # partial step would not be resumable; the previous checkpoint stands then.
-        if self._at_boundary and trainer.global_step != self._saved_step and not self.preempted:
+        # partial step would not be resumable (the previous checkpoint stands then), or its weights diverged.
+        healthy = not diverged or self.stop.healthy_step == trainer.global_step
+        if self._at_boundary and trainer.global_step != self._saved_step and not self.preempted and healthy:
             self.save(trainer, trainer.global_step, in_flight=0)
+            if trainer.global_step in self.not_finite_steps and self.stop is None:
+                self.stop = StopRequest(DIVERGED, f"the parameters at step {trainer.global_step} are not finite "
+                                                  "(callbacks.nan_guard would have stopped the run sooner)")
         self.wait()
+        if self.stop is not None and self.stop.outcome == DIVERGED:
+            self.stop.checkpoint_note = self.healthy_note()
+            if trainer.is_global_zero:
+                print(f"diverged: {self.stop.summary_reason()}", flush=True)
+
+    def healthy_note(self) -> str:
+        """Which checkpoint a diverged run continues from: the one `latest` names now (the last healthy one)."""
+        latest = store.latest_path(self.folder)
+        if latest is None or not latest.exists():
+            return ("no checkpoint holds healthy weights: fix the cause, then start the run again with "
+                    "run.overwrite=true")
+        return (f"the last healthy checkpoint is {self.folder.name}/{latest.name} (step {store.step_of(latest)}), "
+                "which `latest` names and run.resume=auto continues from")
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.wait()  # a write under way completes (its manifest last), so the run stops at a consistent point
@@ -139,6 +174,13 @@ class StepCheckpoint(Callback):
                               steps * trainer.accumulate_grad_batches)
 
     def save(self, trainer, step: int, in_flight: int) -> None:
+        if not parameters_finite(trainer, trainer.lightning_module.parameters()):
+            self.not_finite_steps.append(step)
+            if trainer.is_global_zero:
+                latest = store.latest_path(self.folder)
+                print(f"checkpoint of step {step} not written: a parameter is NaN or infinite; `latest` stays at "
+                      f"{f'step {store.step_of(latest)}' if latest is not None else 'none'}", flush=True)
+            return
         path = self.folder / (store.step_dir(step) if self.saver is not None else store.step_file(step))
         try:
             self._save(trainer, step, path, in_flight)

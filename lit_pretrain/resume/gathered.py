@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from lit_pretrain.optim.named_state import load_group_settings, read_named, single_process_names
-from lit_pretrain.resume.verified import load_verified
+from lit_pretrain.resume.verified import load_verified, sidecar_path
 
 MODULE_PREFIX = "model."  # PretrainModule holds the GPT as `self.model`
 
@@ -49,7 +49,11 @@ class GatheredOneFile:
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        checkpoint = load_verified(path)  # its sha256 sidecar checked on every rank, then a weights-only load
+        # Checked against its sha256 sidecar on every rank, then loaded weights-only, whatever the checkpoint_io; a
+        # file without one (a plain Lightning Trainer writes none) as checkpoint_io reads it: a run's
+        # AtomicCheckpointIO refuses it, Lightning's own loads it weights-only (as load_from_checkpoint does).
+        checkpoint = load_verified(path) if sidecar_path(path).exists() else \
+            self.checkpoint_io.load_checkpoint(path, weights_only=True)
         module = self.lightning_module
         module.parallel.load_full_state({k[len(MODULE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()
                                          if k.startswith(MODULE_PREFIX)})

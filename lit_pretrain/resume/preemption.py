@@ -64,13 +64,39 @@ def _is_rank_zero() -> bool:
     return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
-def resume_command(argv: Optional[List[str]] = None) -> str:
-    """The command that started this process, as a user types it, with run.resume=auto in place of any run.resume
-    and run.overwrite given (overwrite would contradict the resume)."""
+def resume_command(argv: Optional[List[str]] = None, executable: Optional[str] = None, cwd: Optional[str] = None,
+                   search_path: Optional[str] = None) -> str:
+    """The command that started this process, as the user can paste it in the same shell, with run.resume=auto in
+    place of any run.resume and run.overwrite given (overwrite would contradict the resume).
+
+    The program is the one that runs now, never a bare name that may not be on PATH: the README's set-up installs
+    into .venv without activating it, so `lit-pretrain` alone fails there while `.venv/bin/lit-pretrain` works. A
+    program is written by its bare name only where `search_path` (default $PATH) finds that very file, else as a path
+    from `cwd` (the shell's folder) when it lies below it, else absolute. Symbolic links are not followed: a
+    virtualenv's python links to the system's, which lacks the project."""
     argv = list(sys.argv if argv is None else argv)
-    program = "lit-pretrain" if os.path.basename(argv[0]) == "lit-pretrain" else "python -m lit_pretrain.cli"
+    if os.path.basename(argv[0]) == "lit-pretrain":
+        program = _typed(argv[0], cwd, search_path)
+    else:  # `python -m lit_pretrain.cli`: the interpreter that runs it, which has the project installed
+        program = f"{_typed(executable or sys.executable, cwd, search_path)} -m lit_pretrain.cli"
     kept = [a for a in argv[1:] if not a.startswith(("run.resume=", "run.overwrite=", "+run.resume="))]
     return f"{program} {shlex.join([*kept, 'run.resume=auto'])}"
+
+
+def _typed(program: str, cwd: Optional[str], search_path: Optional[str]) -> str:
+    """How to type `program` (a path, absolute or from cwd) in a shell in `cwd` so that it runs this very file."""
+    import shutil
+
+    cwd = os.path.abspath(cwd or os.getcwd())
+    where = os.path.normpath(os.path.join(cwd, program))
+    name = os.path.basename(where)
+    found = shutil.which(name, path=search_path)
+    if found and os.path.normpath(os.path.join(cwd, found)) == where:
+        return name
+    relative = os.path.relpath(where, cwd)
+    if relative.startswith(os.pardir):
+        return shlex.quote(where)
+    return shlex.quote(relative if os.sep in relative else os.path.join(os.curdir, relative))
 
 
 def requeue_slurm_job() -> Optional[str]:

@@ -17,6 +17,7 @@ from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, keep_first_rows
 from lit_pretrain.resume.rank_state import RankState
 from lit_pretrain.runs.folder import (
+    ATTEMPTS,
     Claim,
     check_run_dir,
     claim_run_dir,
@@ -68,7 +69,7 @@ def open_run(run) -> Plan:
             # attempt's files kept in attempts/<n>/ (make_run_dir moves them, once every check has passed).
             return Plan(run_dir, None, [], restart=True)
         if run.resume is None and not run.overwrite and run_dir.is_dir():
-            refuse_existing_with_checkpoint(run_dir)
+            refuse_existing(run_dir)
         check_run_dir(run.root_dir, run.name, run.overwrite)  # refused now, before any data is prepared
         return Plan(run_dir, None, [])
     if run.overwrite:
@@ -85,14 +86,20 @@ def open_run(run) -> Plan:
     return Plan(run_dir, checkpoint, [])
 
 
-def refuse_existing_with_checkpoint(run_dir: Path) -> None:
-    """A fresh start into a run folder that can be resumed: the refusal leads with run.resume=auto and its step."""
+def refuse_existing(run_dir: Path) -> None:
+    """A fresh start into a run folder that run.resume=auto can go on with: the refusal leads with run.resume=auto and
+    what it does there (continue from a checkpoint's step, or start a killed run again: open_run)."""
     folder = run_dir / "checkpoints"
     step = store.resumable_step(folder) if folder.is_dir() else None
     if step is not None:
         raise RunFolderError(f"run.resume=auto continues run folder {run_dir} from its checkpoint at step {step}; "
                              "it already exists: choose another run.name, or set run.overwrite=true to delete it "
                              "and start again")
+    if not is_empty(run_dir) and not is_reusable(run_dir) and made_by_this_project(run_dir):
+        raise RunFolderError(f"run.resume=auto starts run folder {run_dir} again (it holds no checkpoint: its run was "
+                             f"killed or failed before the first one), keeping its files in {run_dir.name}/"
+                             f"{ATTEMPTS}/<n>/; it already exists: choose another run.name, or set run.overwrite=true "
+                             "to delete it and start again")
 
 
 def make_run_dir(plan: Plan, run) -> None:

@@ -30,6 +30,7 @@ STEP_FILE = re.compile(r"^step(\d{7,})\.ckpt$")
 STEP_DIR = re.compile(r"^step(\d{7,})$")
 STEP_SIDECAR = re.compile(r"^step\d{7,}\.ckpt\.json$")
 CORRUPT = ".corrupt"  # suffix of a checkpoint set aside after failing its checksum (never read, never retained)
+DIVERGED = ".diverged"  # suffix of a checkpoint set aside because it holds a diverged run's weights (withdraw_after)
 
 
 def step_file(step: int) -> str:
@@ -182,12 +183,13 @@ def newest_valid(folder: Path) -> Optional[Path]:
     return scan(folder)[0]
 
 
-def set_aside(path: Path) -> Path:
+def set_aside(path: Path, suffix: str = CORRUPT) -> Path:
     """Rename a checkpoint that failed verification (and its sidecar) to `<name>.corrupt`, or `<name>.<n>.corrupt`
     when that is taken, in its own folder, so that a later save of the same step cannot overwrite it and it stays
-    for inspection. A hard link then an unlink: the new name is never an existing file."""
+    for inspection (`suffix`: DIVERGED for a diverged run's). A hard link then an unlink: the new name is never an
+    existing file."""
     for n in itertools.count():
-        aside = path.with_name(f"{path.name}{'' if n == 0 else f'.{n}'}{CORRUPT}")
+        aside = path.with_name(f"{path.name}{'' if n == 0 else f'.{n}'}{suffix}")
         if aside.exists() or aside.is_symlink() or sidecar_path(aside).exists():
             continue
         if path.is_dir():
@@ -206,6 +208,21 @@ def set_aside(path: Path) -> Path:
         safe_unlink(path, path.parent, STEP_FILE)  # a step file of this folder: scan() found it by that pattern
         fsync_dir(path.parent)
         return aside
+
+
+def withdraw_after(folder: Path, step: int) -> Tuple[Optional[Path], List[Path]]:
+    """After a run diverged: set aside (`<name>.diverged`) every step checkpoint newer than `step`, the newest step
+    whose weights are healthy, and point `latest` and `last.ckpt` at the newest valid checkpoint left, or remove
+    them when none is left, so that neither run.resume=auto nor load_gpt reads the diverged weights. Returns that
+    checkpoint (None: none) and the paths set aside (their new names). Rank 0 only, once every write has ended."""
+    aside = [set_aside(path, DIVERGED) for path in step_files(folder) if step_of(path) > step]
+    kept = next((p for p in reversed(step_files(folder)) if is_valid(p, check_sha256=False)), None)
+    if kept is not None:
+        publish(folder, kept)
+    else:
+        for name in (LATEST, LAST, LAST + ".json"):
+            safe_unlink(folder / name, folder, re.compile(re.escape(name)))
+    return kept, aside
 
 
 def resolve(resume: Optional[str], run_dir: Path) -> Optional[Path]:

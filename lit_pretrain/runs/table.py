@@ -116,8 +116,8 @@ def held(path: Path) -> Optional[bool]:
 
 def status(run: RunRecord, now: Optional[float] = None, active_minutes: float = ACTIVE_MINUTES) -> str:
     """What summary.json's `status` says (run_state.describe): finished; running while a live process holds the
-    folder, killed once none does (SIGKILL, out of memory: nothing wrote an end); preempted or failed; each but
-    finished and running with ", resumes from step k" when a checkpoint is there to continue from.
+    folder, killed once none does (SIGKILL, out of memory: nothing wrote an end); preempted, stopped, diverged or
+    failed; each but finished and running with ", resumes from step k" when a checkpoint is there to continue from.
 
     A run folder from before summary.json had a status (no summary during training; a summary without `status`
     at its end) is judged as it was then: finished if its summary's `steps` is at least the last step in
@@ -136,12 +136,12 @@ def status(run: RunRecord, now: Optional[float] = None, active_minutes: float = 
 
 
 def row(run: RunRecord, now: Optional[float] = None, active_minutes: float = ACTIVE_MINUTES) -> Dict[str, object]:
-    """One table row. A finished or preempted run's numbers come from its summary (written at its end: a preempted
-    run's steps are its checkpoint's); any other run's from its last metrics rows (tokens/s is then the last logged
-    throughput/tokens_per_s: the rate of the latest interval, not the mean). Bits per byte is the summary's
-    val_bits_per_byte (written by the held-out evaluation when it ran), else '-'."""
+    """One table row. A finished, preempted, stopped or diverged run's numbers come from its summary (written at its
+    end: a preempted run's steps are its checkpoint's); any other run's from its last metrics rows (tokens/s is
+    then the last logged throughput/tokens_per_s: the rate of the latest interval, not the mean). Bits per byte is
+    the summary's val_bits_per_byte (written by the held-out evaluation when it ran), else '-'."""
     state = status(run, now, active_minutes)
-    if state == run_state.FINISHED or state.startswith(run_state.PREEMPTED):
+    if state == run_state.FINISHED or state.startswith(run_state.ENDED):
         s = run.summary
         values = [s.get("steps"), s.get("tokens_seen"), s.get("final_train_loss"), s.get("final_val_loss"),
                   s.get("val_bits_per_byte"), s.get("tokens_per_second")]

@@ -137,7 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--precision", default="zero-mixed-adam", choices=list(PRECISIONS),
                      help="zero-mixed-adam: the ZeRO paper's 2 + 2 + 12 bytes/param; 32-true, bf16-mixed, "
                           "16-mixed, bf16-true: what our runs hold under that Lightning precision; "
-                          "bf16-mixed-policy: bf16-mixed under ZeRO-2/3 with FSDP2's mixed-precision policy")
+                          "bf16-mixed-policy: bf16-mixed under ZeRO-2/3 with FSDP2's mixed-precision policy, what "
+                          "such a run holds by default without tensor, pipeline or expert parallelism "
+                          "(strategy.mixed_precision_policy)")
     mem.add_argument("--exact", action="store_true", help="sum FSDP2's padded per-tensor shards (data parallel only)")
     mem.add_argument("--device-memory", default=None, help="device memory, e.g. 80GB or 141GiB: adds `fits`")
     mem.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -204,11 +206,9 @@ def _gpu_hours(args, run_config, result):
         source = f"measured: {case} in {args.bench}"
     else:
         return None
-    from lit_pretrain.callbacks.throughput import GPU_PEAK_FLOPS
+    from lit_pretrain.gpu_peaks import bf16_peak_flops
 
-    peak = next((peaks["half"] for name, peaks in GPU_PEAK_FLOPS if name.lower() in gpu.lower()), None)
-    if peak is None:
-        raise ConfigError(f"--gpu {gpu}: no datasheet peak for it; one of {', '.join(n for n, _ in GPU_PEAK_FLOPS)}")
+    peak = bf16_peak_flops(gpu, f"--gpu {gpu}")
     hours = gpu_hours(result["flops"], mfu, peak)
     return {"hours": hours, "mfu": mfu, "gpu": gpu, "peak_flops": peak, "source": source,
             "line": format_gpu_hours(hours, mfu, gpu, peak, source)}

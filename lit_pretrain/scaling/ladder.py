@@ -164,13 +164,11 @@ def _train_rungs(grid: LadderGrid, rungs: List[dict], max_rungs: Optional[int], 
 
 def gpu_hours_line(train_flops: float, mfu: float, gpu: str) -> str:
     """The grid's GPU-hours at `mfu` of the GPU's dense bf16 peak (scaling/gpu_hours.py)."""
-    from lit_pretrain.callbacks.throughput import GPU_PEAK_FLOPS
+    from lit_pretrain.gpu_peaks import bf16_peak_flops
     from lit_pretrain.scaling.gpu_hours import format_gpu_hours, gpu_hours
 
     gpu = gpu or "H100"
-    peak = next((peaks["half"] for name, peaks in GPU_PEAK_FLOPS if name.lower() in gpu.lower()), None)
-    if peak is None:
-        raise ConfigError(f"gpu={gpu}: no datasheet peak for it; one of {', '.join(n for n, _ in GPU_PEAK_FLOPS)}")
+    peak = bf16_peak_flops(gpu, f"gpu={gpu}")
     return (f"{train_flops:.3g} training FLOPs (6N + attention, PaLM appendix B; branched cooldowns once):"
             + format_gpu_hours(gpu_hours(train_flops, mfu, peak), mfu, gpu, peak, "--mfu").removeprefix(" "))
 

@@ -277,6 +277,7 @@ def plan_rungs(grid: LadderGrid, path: Path) -> List[dict]:
                         "name": name, "shape": {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                                                 **{k: getattr(m, k) for k in ("n_kv_heads", "d_ff") if getattr(m, k)}},
                         "params": n, "non_embedding_params": non_embedding, "head_params": base.vocab_size * m.d_model,
+                        "vocab_size": base.vocab_size,
                         "tied": bool(base.tie_embeddings), "steps": steps, "tokens": d, "tokens_per_param": d / n,
                         "flops": 6.0 * n * d, "flops_per_token": fpt, "train_flops": float(fpt * d),
                         **recipe, "checkpoint_every": every, "keep_checkpoints": 0 if is_stem and len(budgets) > 1

@@ -4,6 +4,7 @@ without overflow. Shared by ladder_report.py (fit, predictions, report) and ladd
 """
 
 import math
+from typing import List, Optional
 
 from lit_pretrain.scaling.laws import ParametricLaw
 
@@ -63,3 +64,31 @@ def safe_loss(law: ParametricLaw, n: float, d: float) -> float:
     terms = [(math.log(c) if c > 0 else -math.inf) - power * math.log(x)
              for c, power, x in ((law.A, law.alpha, n), (law.B, law.beta, d))]
     return law.E + sum(math.exp(t) if t < 700 else math.inf for t in terms)
+
+
+# A fitted law is a law of the ladder only within these bounds; outside them the fit found a curve through the
+# rungs' noise, not a scaling law (the smoke grid's 5-step rungs gave alpha -34 and a predicted loss of 4.75e12),
+# and it is reported as failed: never chosen, never predicting.
+# - alpha and beta in (0, MAX_EXPONENT]: loss falls as N and D grow (with an exponent <= 0 more parameters or data
+#   never help, and the law has no compute-optimal split: Hoffmann et al. 2022, eq. 4). 2 is the top of Hoffmann et
+#   al.'s grid of starting exponents (appendix D.2) and over 5x every published fit (Hoffmann et al. eq. 10: 0.34,
+#   0.28; Besiroglu et al. 2024: 0.35, 0.37; Kaplan et al. 2020 Table 2: 0.076, 0.103).
+# - its loss at every rung of the grid (fitted, development, held out) finite, positive and below ln(V), V the
+#   vocabulary size: a uniform prediction over V tokens scores ln(V) nats untrained, so a law that predicts more
+#   for a trained rung says training made it worse than no model.
+MAX_EXPONENT = 2.0
+
+
+def law_failure(law: ParametricLaw, rungs: List[dict], key: str, vocab_size: int) -> Optional[str]:
+    """Why `law` (fitted under fit_key `key`) is not a law of these rungs, or None when it is within the bounds."""
+    for name, value, of in (("alpha", law.alpha, "N"), ("beta", law.beta, symbol(key))):
+        if not 0 < value <= MAX_EXPONENT:  # nan too
+            return (f"{name} = {value:.4g} is outside (0, {MAX_EXPONENT:g}]: loss would not fall as a power of {of} "
+                    "as published laws do")
+    uniform = math.log(vocab_size)
+    for r in rungs:
+        loss = safe_loss(law, n_of(r, key), x_of(r, key))
+        if not 0 < loss < uniform:  # nan and inf too
+            return (f"its loss at rung {r['name']} is {loss:.4g}, outside (0, ln({vocab_size}) = {uniform:.4f}), "
+                    "the loss of a uniform prediction")
+    return None

@@ -5,7 +5,7 @@ measured loss. matplotlib's Figure without pyplot: no display and no global stat
 
 import io
 import math
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -13,9 +13,10 @@ from lit_pretrain.scaling.ladder_law import n_of, safe_loss, split_key
 from lit_pretrain.scaling.laws import ParametricLaw
 
 
-def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], level: float) -> bytes:
+def picture(result: dict, law: Optional[ParametricLaw], samples: List[ParametricLaw], level: float) -> bytes:
     """Loss against compute per model size (dots: rungs; lines: the law at that N), the law's compute-optimal
-    frontier, and each held-out rung's prediction with its interval beside the measured point. PNG bytes."""
+    frontier, and each held-out rung's prediction with its interval beside the measured point; the rungs alone where
+    the fit failed (law None). PNG bytes."""
     import matplotlib
     from matplotlib.figure import Figure  # no pyplot: no display and no global state on training machines
 
@@ -34,16 +35,18 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
             ax.plot([r["flops"] for r in fit_pts], [r["final_val_loss"] for r in fit_pts], "o", color=color,
                     label=f"N = {n:,}")
         span = grid[(grid >= min(r["flops"] for r in mine) / 2) & (grid <= max(r["flops"] for r in mine) * 2)]
-        key = result.get("convention", "total")
+        key = result.get("convention") or "total"
         n_law = n_of(mine[0], key) if "non_embedding_params" in mine[0] else n
         # the law's second variable at compute c for this size: D = c / 6N tokens, or those over its tokens a step
         per = 1.0 / mine[0]["tokens_per_step"] if split_key(key)[1] == "steps" else 1.0
-        ax.plot(span, [safe_loss(law, n_law, c / (6 * n) * per) for c in span], "-", color=color, alpha=0.5, lw=1)
+        if law is not None:
+            ax.plot(span, [safe_loss(law, n_law, c / (6 * n) * per) for c in span], "-", color=color, alpha=0.5,
+                    lw=1)
         others = [r for r in mine if r["role"] == "dev"]
         if others:
             ax.plot([r["flops"] for r in others], [r["final_val_loss"] for r in others], "D", color=color, mfc="none",
                     label=f"development rung, N = {n:,}")
-    if law.alpha > 0 and law.beta > 0 and (result.get("convention", "total") == "total" or all(
+    if law is not None and law.alpha > 0 and law.beta > 0 and (result.get("convention", "total") == "total" or all(
             r.get("tied") for r in rows) and result.get("convention") == "non_embedding_plus_head"):
         # eq. 4's closed form counts C = 6·N_X·D: the x axis's compute only where N_X is every parameter
         frontier = [safe_loss(law, *law.compute_optimal(c)) for c in grid]
@@ -70,7 +73,8 @@ def picture(result: dict, law: ParametricLaw, samples: List[ParametricLaw], leve
                         xytext=(-10, -12), ha="right", fontsize=7, color="tab:red")
     ax.axvline(result["compute_limit_flops"], color="grey", lw=0.8, ls=":", label="compute limit of the fit")
     ax.set(xscale="log", xlabel="training compute C = 6ND (FLOPs)", ylabel="final validation loss (nats / token)",
-           title="model ladder: fitted below the limit, predicted above")
+           title="model ladder: fitted below the limit, predicted above" if law is not None else
+           "model ladder: no law (the fit failed: report.md says why)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     buffer = io.BytesIO()

@@ -36,6 +36,7 @@ from lit_pretrain.scaling.ladder_law import (
     CONVENTIONS,
     VARIABLE_TEXT,
     fit_key,
+    law_failure,
     n_of,
     safe_loss,
     split_key,
@@ -200,8 +201,15 @@ def fit_rungs(grid, rungs: List[dict]) -> Dict:
                                                    seeds=[p["seeds"] for p in points])
         except DataError as err:  # these points do not pin the law down in this convention: reported, not chosen
             failed[convention] = str(err)
-    if not by_convention:
-        raise DataError(f"{grid.root_dir}: the law fits under no parameter-count convention: {failed}")
+            continue
+        why = law_failure(by_convention[convention]["law"], rungs, convention, rungs[0]["vocab_size"])
+        if why is not None:  # outside ladder_law's bounds: a curve through noise, reported, not chosen
+            failed[convention] = f"{why} ({_law_text(by_convention.pop(convention)['law'], convention)})"
+    if not by_convention:  # reported as such: the rungs are still measured, nothing is predicted
+        return {"law": None, "fit": None, "samples": [], "intervals": {}, "degenerate": None, "convention": None,
+                "chosen_by": "none: the law failed under every convention", "by_convention": {}, "development": {},
+                "failed_conventions": failed, "seed_spread": spread, "rows": rows, "points": points,
+                "excluded": excluded}
     dev = complete_rows(root, [r for r in rungs if r["role"] == "dev"])
     development = {c: [{"name": r["name"], "measured_loss": r["final_val_loss"],
                         "predicted_loss": safe_loss(f["law"], n_of(r, c), x_of(r, c)),
@@ -221,6 +229,8 @@ def fit_rungs(grid, rungs: List[dict]) -> Dict:
 
 def predictions_of(grid, fitted: Dict, rungs: List[dict], convention: Optional[str] = None) -> List[dict]:
     """The held-out rungs' predicted losses and intervals under `convention` (default: the chosen one)."""
+    if convention is None and fitted.get("law") is None:
+        return []  # the law failed under every convention: nothing to predict with
     convention = convention or fitted.get("convention", "total")
     f = fitted["by_convention"][convention] if "by_convention" in fitted else fitted
     largest_fit = max(r["flops"] for r in fitted["rows"])
@@ -255,7 +265,8 @@ def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Opt
               "chosen_by": fitted.get("chosen_by"), "compute": COMPUTE,
               "by_convention": {c: predictions_of(grid, fitted, rungs, c) for c in fitted.get("by_convention", {})},
               "development": fitted.get("development"), "seed_spread": fitted.get("seed_spread"),
-              "fitted_val_losses": inputs, "held_out_measured_before": measured,
+              "failed_conventions": fitted.get("failed_conventions", {}), "fitted_val_losses": inputs,
+              "held_out_measured_before": measured,
               "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
     if old is not None:
@@ -265,7 +276,20 @@ def write_prediction(grid, rungs: List[dict], log: Callable = print, fitted: Opt
     for p in record["predictions"]:
         when = "after measuring it" if p["name"] in measured else "before training it"
         log(f"predicted {p['name']} {when}: {p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}")
+    if fitted["law"] is None:
+        log(f"no prediction: {_failed_text(fitted)}")
     return fitted
+
+
+def _law_text(law: ParametricLaw, key: str) -> str:
+    x = symbol(key)
+    return f"L(N, {x}) = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/{x}^{law.beta:.4f}"
+
+
+def _failed_text(fitted: Dict) -> str:
+    """Why the fit failed under every convention (fit_rungs' failed_conventions), one clause each."""
+    return "the law failed under every convention: " + "; ".join(
+        f"{c}: {why}" for c, why in fitted["failed_conventions"].items())
 
 
 def _same_inputs(old: Dict, inputs: Dict[str, float], predictions: List[dict]) -> bool:
@@ -296,18 +320,19 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     written = root / "prediction.json"
     predicted_at = json.loads(written.read_text()).get("written_at") if written.is_file() else None
     unfinished = [r["name"] for r in rungs if r["name"] not in measured]
-    largest_held = max(p["flops"] for p in predictions)
+    largest_held = max(r["flops"] for r in rungs if r["role"] == "held_out")
     fitted.setdefault("by_convention", {})
-    convention = fitted.get("convention", "total")
+    convention = fitted.get("convention") or "total"  # where no law was chosen: the letters of the text only
     # (law - measured) / measured under the chosen convention, for every measured rung: on a fitted rung the law's
     # residual (how closely it describes its own data), on the others its error; one definition for the column
-    law_error = {r["name"]: (safe_loss(law, n_of(r, convention), x_of(r, convention)) - r["final_val_loss"])
-                 / r["final_val_loss"] for r in rows}
+    law_error = {r["name"]: None if law is None else (safe_loss(law, n_of(r, convention), x_of(r, convention))
+                                                      - r["final_val_loss"]) / r["final_val_loss"] for r in rows}
     fit_errors = {r["name"]: law_error[r["name"]] for r in fit_rows}
-    worst = max(fit_errors, key=lambda k: abs(fit_errors[k]))
+    worst = None if law is None else max(fit_errors, key=lambda k: abs(fit_errors[k]))
     result = {
         "grid": str(grid_path), "compute_limit_flops": grid.compute_limit_flops, "precision": grid.precision,
-        "conventions": {"N": f"{convention}: {CONVENTION_TEXT[split_key(convention)[0]]}",
+        "conventions": {"N": f"{convention}: {CONVENTION_TEXT[split_key(convention)[0]]}" if law is not None
+                        else "none chosen: the law failed under every convention",
                         "chosen_by": fitted.get("chosen_by"),
                         symbol(convention): VARIABLE_TEXT[split_key(convention)[1]],
                         "C": COMPUTE,
@@ -324,15 +349,16 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
         "by_convention": {c: _convention_result(grid, fitted, rungs, c, measured, largest_held)
                           for c in fitted.get("by_convention", {})},
         "failed_conventions": fitted.get("failed_conventions", {}), "seed_spread": fitted.get("seed_spread"),
-        "law": {**{k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta", "a", "b")},
-                "intervals": fitted["intervals"], "objective": fitted["fit"]["objective"],
-                "starts_at_best": fitted["fit"]["starts_at_best"], "degenerate_resamples": fitted["degenerate"],
-                "fit_residuals": {"largest": {"rung": worst, "relative": fit_errors[worst]},
-                                  "mean_abs": float(np.mean([abs(v) for v in fit_errors.values()]))}},
-        "compute_optimal": {"at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval, convention,
-                                                         grid, rungs),
-                            "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval, convention, grid,
-                                                            rungs)},
+        "law": None if law is None else {
+            **{k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta", "a", "b")},
+            "intervals": fitted["intervals"], "objective": fitted["fit"]["objective"],
+            "starts_at_best": fitted["fit"]["starts_at_best"], "degenerate_resamples": fitted["degenerate"],
+            "fit_residuals": {"largest": {"rung": worst, "relative": fit_errors[worst]},
+                              "mean_abs": float(np.mean([abs(v) for v in fit_errors.values()]))}},
+        "fit_failed": _failed_text(fitted) if law is None else None,
+        "compute_optimal": {} if law is None else {
+            "at_compute_limit": ratio_at(fitted, grid.compute_limit_flops, grid.interval, convention, grid, rungs),
+            "at_largest_held_out": ratio_at(fitted, largest_held, grid.interval, convention, grid, rungs)},
         "predictions": predictions, "prediction_written_at": predicted_at, "goal": GOAL,
         "rungs": [{**r, "law_relative_error": law_error[r["name"]]} for r in rows],
         "unfinished_rungs": unfinished,
@@ -342,11 +368,11 @@ def report(grid, grid_path: Path, rungs: List[dict], log: Callable = print, fitt
     atomic_write_bytes(root / "report.json", (json.dumps(result, indent=2) + "\n").encode())
     atomic_write_bytes(root / "report.md", markdown(result).encode())
     atomic_write_bytes(root / "ladder.png", picture(result, law, fitted["samples"], grid.interval))
-    ratio = result["compute_optimal"]["at_largest_held_out"]
-    x = symbol(convention)
-    log(f"L(N, {x}) = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/{x}^{law.beta:.4f} ({convention}) "
-        f"from {len(fit_rows)} rungs; compute-optimal tokens_per_param {_ratio(ratio)} at C {largest_held:.3g} "
-        "(Chinchilla: 20)")
+    if law is None:
+        log(f"no law from {len(fit_rows)} rungs: {result['fit_failed']}")
+    else:
+        log(f"{_law_text(law, convention)} ({convention}) from {len(fit_rows)} rungs; compute-optimal tokens_per_param "
+            f"{_ratio(result['compute_optimal']['at_largest_held_out'])} at C {largest_held:.3g} (Chinchilla: 20)")
     for p in predictions:
         log(f"held-out {p['name']} ({p['compute_over_largest_fitted']:.1f}x the largest fitted compute): predicted "
             f"{p['predicted_loss']:.4f} {_interval(p['interval'], '.4f')}, " + (
@@ -389,12 +415,12 @@ def _interval(interval, spec: str) -> str:
 def markdown(result: dict) -> str:
     law = result["law"]
     conv = result["conventions"]
-    x = symbol(result.get("convention", "total"))
+    x = symbol(result.get("convention") or "total")
     lines = [f"# Model ladder: {result['grid']}", "",
              f"L(N, {x}) = E + A/N^alpha + B/{x}^beta fitted to the rungs at C <= {result['compute_limit_flops']:.3g} "
              f"FLOPs ({conv['interval']}). Compute: {conv['C']}. N: {conv['N']}; {x}: {conv[x]}; chosen by "
              f"{conv['chosen_by']}.", ""]
-    if result.get("by_convention"):
+    if result.get("by_convention") or result.get("failed_conventions"):
         lines += ["| N convention | E | A | B | alpha | beta | development error | held-out error | "
                   "tokens/param optimum at the largest held-out C |", "|---|---|---|---|---|---|---|---|---|"]
         for name, c in result["by_convention"].items():
@@ -417,6 +443,10 @@ def markdown(result: dict) -> str:
     if spread.get("groups"):
         lines += [f"Pooled seed-to-seed relative standard deviation {100 * spread['relative_std']:.2f}% (in the "
                   "bootstrap).", ""]
+    if law is None:  # fit_rungs found no law within ladder_law's bounds: the rungs' table only
+        lines += [f"No law, no prediction: {result['fit_failed']}.", "",
+                  f"Goal: {result['goal']}. Not assessed: nothing was predicted."]
+        return "\n".join(lines + ["", *_rung_table(result)]) + "\n"
     lines += [f"The chosen law ({result.get('convention', 'total')}):", "",
               "| coefficient | value | interval |", "|---|---|---|"]
     for key in ("E", "A", "B", "alpha", "beta"):
@@ -449,8 +479,13 @@ def markdown(result: dict) -> str:
     error = f"relative error {100 * far['relative_error']:+.2f}%" if far["relative_error"] is not None else \
         "not measured (the rung is not complete)"
     lines += ["", f"Goal: {result['goal']}. Measured on {far['name']} ({far['compute_over_largest_fitted']:.1f}x): "
-              f"{error}, interval {100 * lo:+.2f}% .. {100 * hi:+.2f}% of the prediction.", "",
-              "| rung | role | N | non-embedding N | D | tokens/param | C | lr | tokens a step | cooldown from | "
+              f"{error}, interval {100 * lo:+.2f}% .. {100 * hi:+.2f}% of the prediction.", "", *_rung_table(result)]
+    return "\n".join(lines) + "\n"
+
+
+def _rung_table(result: dict) -> List[str]:
+    """The report's table of every measured rung, and the rungs not complete."""
+    lines = ["| rung | role | N | non-embedding N | D | tokens/param | C | lr | tokens a step | cooldown from | "
               "val loss | (law - val loss) / val loss | train s from step 0 |", "|---" * 13 + "|"]
     for r in result["rungs"]:
         seconds = f"{r['train_seconds']:.0f}" if r.get("train_seconds") is not None else "-"
@@ -461,4 +496,4 @@ def markdown(result: dict) -> str:
                      f"{error} | {seconds} |")
     if result.get("unfinished_rungs"):
         lines += ["", f"Not complete (not fitted, not measured): {', '.join(result['unfinished_rungs'])}."]
-    return "\n".join(lines) + "\n"
+    return lines
