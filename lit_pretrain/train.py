@@ -128,7 +128,8 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), started: Op
     run_dir = plan.run_dir
 
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
-                                      seed=c.run.seed, val_windows=c.trainer.val_windows)
+                                      seed=c.run.seed, val_windows=c.trainer.val_windows,
+                                      accumulate_grad_batches=accumulate)
     # Prepared here, before the Trainer, because the model's vocabulary size comes from the tokenizer. Under the
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()

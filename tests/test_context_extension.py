@@ -115,11 +115,14 @@ def test_remap_by_token_offset():
     assert remap_to_window(state, 64) is state  # the same length: unchanged
     with pytest.raises(ConfigError, match=r"model\.seq_len=384: .*trained_samples=16 windows of 64 tokens = 1024"):
         remap_to_window(state, 384)
-    # Lightning's counts of the epoch's micro-batches, in the in-flight form (ready = completed + 1), moved to 2.
-    fit_loop = {"epoch_loop.batch_progress": {"current": {"ready": 4, "started": 4, "processed": 4, "completed": 3}}}
-    as_micro_batches_done(fit_loop, 2)
-    assert fit_loop["epoch_loop.batch_progress"]["current"] == {"ready": 2, "started": 2, "processed": 2,
-                                                                "completed": 1}
+    # Lightning's counts of the epoch's and the run's micro-batches, in the in-flight form (ready = completed + 1),
+    # moved to 2 and 6: the form is kept.
+    counts = {"ready": 4, "started": 4, "processed": 4, "completed": 3}
+    fit_loop = {"epoch_loop.batch_progress": {"current": dict(counts), "total": dict(counts)}}
+    as_micro_batches_done(fit_loop, 2, 6)
+    assert fit_loop["epoch_loop.batch_progress"] == {
+        "current": {"ready": 2, "started": 2, "processed": 2, "completed": 1},
+        "total": {"ready": 6, "started": 6, "processed": 6, "completed": 5}}
 
 
 @pytest.mark.parametrize("overrides,match", [

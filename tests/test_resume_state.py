@@ -70,6 +70,26 @@ def test_data_position_is_global_across_world_sizes():
         ranks[0].load_state_dict(odd)
 
 
+def test_a_resume_in_a_later_epoch_reads_that_epoch_from_its_position():
+    """Lightning creates a resumed run's iterator before it sets the sampler's epoch (FitLoop.setup_data, then
+    on_advance_start): the loader reads the checkpoint's epoch, not the fresh sampler's epoch 0. On main the loader
+    looked its position up by the sampler's epoch, found none for epoch 0 and read epoch 1 from its start again."""
+    one = loader(0, 1, 8)
+    epoch1 = one.sampler.global_order(1).tolist()
+    resumed = loader(0, 1, 8)
+    resumed.load_state_dict({"epoch": 1, "trained_samples": 16, "pending_drop_samples": 0, "dropped": []})
+    it = iter(resumed)  # the sampler still says epoch 0, as Lightning leaves it here
+    resumed.sampler.set_epoch(1)  # Lightning's on_advance_start, before the first batch is fetched
+    assert next(it).flatten().tolist() == epoch1[16:24]
+    assert resumed.position() == (1, 16)  # the batch handed out is not trained on yet: the checkpoint's 16
+    # An epoch trained to its end (a run that finished on the epoch's last step, then extended): the next epoch.
+    done = loader(0, 1, 8)
+    done.load_state_dict({"epoch": 0, "trained_samples": 64, "pending_drop_samples": 0, "dropped": []})
+    it = iter(done)
+    done.sampler.set_epoch(1)
+    assert next(it).flatten().tolist() == epoch1[:8]
+
+
 def test_sigterm_and_sigusr1_set_the_flag_and_slurm_requeue(monkeypatch, capsys):
     flag = PreemptionFlag()
     before = signal.getsignal(signal.SIGUSR1)

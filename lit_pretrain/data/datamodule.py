@@ -87,7 +87,7 @@ class GlobalOrderSampler(Sampler[int]):
     """Rank `rank`'s share of the global training order (see the module docstring)."""
 
     def __init__(self, num_windows: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 blocks: Optional[torch.Tensor] = None):
+                 blocks: Optional[torch.Tensor] = None, samples_per_step: Optional[int] = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         # data.shuffle_block_tokens: the permutation is of blocks (rows of window indices), each read in a row.
@@ -95,8 +95,15 @@ class GlobalOrderSampler(Sampler[int]):
         num_windows = num_windows if blocks is None else blocks.numel()
         self.num_windows, self.rank, self.world_size, self.seed = num_windows, rank, world_size, seed
         self.global_batch_size = micro_batch_size * world_size
-        # Every rank gets the same number of full micro-batches; the remainder of the permutation is skipped.
-        self.samples_per_epoch = num_windows // self.global_batch_size * self.global_batch_size
+        # An epoch is a whole number of optimizer steps (samples_per_step: the global windows of one step, the same
+        # under every layout), and the remainder of the permutation is skipped. Rounded to the global micro-batch
+        # instead, the epoch's length would depend on how the layout splits a step, and its last step would train on
+        # part of an accumulation (Lightning steps the optimizer at an epoch's last batch).
+        per_step = samples_per_step or self.global_batch_size
+        if per_step % self.global_batch_size:
+            raise ValueError(f"{per_step} windows per step is not a multiple of the global micro-batch "
+                             f"{self.global_batch_size}")
+        self.samples_per_epoch = num_windows // per_step * per_step
         self.epoch = 0
         self.start = 0  # global position this epoch's iteration starts from (a resumed epoch starts mid-way)
 
@@ -238,19 +245,20 @@ class TokenShardDataModule(L.LightningDataModule):
             return self._mixture_windows(world_size)
         train = ShardWindows(self.prepared_dir, manifest["splits"]["train"]["shards"], manifest["dtype"], self.seq_len)
         val = ShardWindows(self.prepared_dir, manifest["splits"]["val"]["shards"], manifest["dtype"], self.seq_len)
-        if len(train) < world_size * self.micro_batch_size:
+        # An epoch is a whole number of optimizer steps (GlobalOrderSampler): the split must hold one step's windows.
+        per_step = world_size * self.micro_batch_size * self._accumulate
+        step = (f"one optimizer step ({per_step} windows: {world_size} ranks x trainer.micro_batch_size="
+                f"{self.micro_batch_size} x {self._accumulate} accumulated, trainer.tokens_per_step / model.seq_len)")
+        if len(train) < per_step:
             raise DataError(
                 f"the train split has {len(train)} windows of model.seq_len+1={self.seq_len + 1} tokens, fewer than "
-                f"one global batch ({world_size} ranks x trainer.micro_batch_size={self.micro_batch_size}): lower "
-                "model.seq_len or trainer.micro_batch_size, or use a larger corpus"
+                f"{step}: lower model.seq_len or trainer.tokens_per_step, or use a larger corpus"
             )
         block = self.data.shuffle_block_tokens
-        if block not in (None, self.seq_len) and len(train.block_windows(block)) * (block // self.seq_len) < \
-                world_size * self.micro_batch_size:
+        if block not in (None, self.seq_len) and len(train.block_windows(block)) * (block // self.seq_len) < per_step:
             raise DataError(
                 f"the train split's whole blocks of data.shuffle_block_tokens={block} tokens hold fewer windows than "
-                f"one global batch ({world_size} ranks x trainer.micro_batch_size={self.micro_batch_size}): lower "
-                "data.shuffle_block_tokens, or use a larger corpus")
+                f"{step}: lower data.shuffle_block_tokens, or use a larger corpus")
         if len(val) < 1:  # any number of ranks validates one (validation.py pads the ranks without a window)
             raise DataError(
                 f"the validation split has no window of model.seq_len+1={self.seq_len + 1} tokens: lower "
@@ -306,15 +314,16 @@ class TokenShardDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self.rank_and_world_size()
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else self._accumulate
+        samples_per_step = self.micro_batch_size * world_size * accumulate  # global windows per optimizer step
         if self.data.sources:
-            accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else self._accumulate
-            order = self.mixture_order(self.micro_batch_size * world_size * accumulate)
-            self.train_sampler = MixtureSampler(order, self.micro_batch_size, rank, world_size)
+            self.train_sampler = MixtureSampler(self.mixture_order(samples_per_step), self.micro_batch_size, rank,
+                                                world_size)
         else:
             block = self.data.shuffle_block_tokens
             blocks = self.train_dataset.block_windows(block) if block not in (None, self.seq_len) else None
             self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank, world_size,
-                                                    self.seed, blocks)
+                                                    self.seed, blocks, samples_per_step)
         kwargs = self._loader_kwargs()
         self.train_loader = TrainLoader(self.train_dataset, self.train_sampler, kwargs.pop("batch_size"), **kwargs)
         return self.train_loader

@@ -38,9 +38,15 @@ class TrainLoader(DataLoader):
 
     def __iter__(self):
         # A resumed epoch starts where the checkpoint's trained samples end (set before the base iterator asks the
-        # sampler for its order).
-        start = self._resume_samples.pop(self.sampler.epoch, 0)
+        # sampler for its order). Lightning creates a resumed run's iterator before it sets the sampler's epoch
+        # (FitLoop.setup_data, then on_advance_start), so the epoch is the checkpoint's, set here: keyed by the
+        # sampler's epoch, a run resumed in its second epoch read that epoch from its start again. A checkpoint
+        # whose epoch was trained to its end continues with the next epoch, as Lightning's own counts do.
+        epoch, start = next(iter(self._resume_samples.items()), (self.sampler.epoch, 0))
         self._resume_samples.clear()
+        if start >= len(self.sampler) * self.sampler.world_size:
+            epoch, start = epoch + 1, 0
+        self.sampler.set_epoch(epoch)
         self.sampler.start = start
         self._base = super().__iter__()
         self._epoch, self._position = self.sampler.epoch, start // (self.batch_size * self.sampler.world_size)

@@ -155,16 +155,23 @@ class StepCheckpoint(StopRecorder):
                                 "metrics_rows": self._metrics_rows, **self.run_meta}
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict) -> None:
-        # Before Lightning restores its loops: a context-extension stage's position in micro-batches of this run.
+        # Before Lightning restores its loops. Lightning counts micro-batches (the accumulation's phase, the
+        # validation interval, the epoch's end), and a checkpoint holds them in the micro-batches of the layout that
+        # wrote it; this run may split a step otherwise (other devices or micro_batch_size: another accumulation) or
+        # cut other windows (a context-extension stage: model.seq_len). Counted again from what every layout shares,
+        # the optimizer steps and the loader's global position, they are this run's.
         datamodule = trainer.datamodule
-        states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader") or []
-        if datamodule is None or len(states) != 1 or states[0].get("window_tokens") in (None, datamodule.seq_len):
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+        states = (fit_loop or {}).get("state_dict", {}).get("combined_loader") or []
+        if datamodule is None or len(states) != 1 or "trained_samples" not in states[0]:
             return
         from lit_pretrain.data.train_loader import remap_to_window
 
         _, world_size = datamodule.rank_and_world_size()
         samples = remap_to_window(states[0], datamodule.seq_len)["trained_samples"]
-        as_micro_batches_done(checkpoint["loops"]["fit_loop"], samples // (datamodule.micro_batch_size * world_size))
+        steps = checkpoint.get(META_KEY, {}).get("step", checkpoint.get("global_step", 0))
+        as_micro_batches_done(fit_loop, samples // (datamodule.micro_batch_size * world_size),
+                              steps * trainer.accumulate_grad_batches)
 
     def save(self, trainer, step: int, in_flight: int) -> None:
         if not parameters_finite(trainer, trainer.lightning_module.parameters()):
@@ -254,12 +261,17 @@ def as_mid_epoch(checkpoint: Dict) -> None:
     checkpoint["epoch"] = progress["current"]["completed"]
 
 
-def as_micro_batches_done(fit_loop: Dict, micro_batches: int) -> None:
-    """Shift Lightning's counts of this epoch's micro-batches (ready, started, processed, completed, in the form the
-    checkpoint has them) so that `ready` is `micro_batches`: the position of a loader remapped to another window
-    length. Lightning ends an epoch when `ready` reaches the loader's length, so counts in the old micro-batches
-    would end it early (or late) when a micro-batch's tokens change with model.seq_len."""
-    counts = fit_loop["epoch_loop.batch_progress"]["current"]
-    shift = micro_batches - counts["ready"]
-    for key in ("ready", "started", "processed", "completed"):
-        counts[key] += shift
+def as_micro_batches_done(fit_loop: Dict, micro_batches: int, total_micro_batches: int) -> None:
+    """Shift Lightning's counts of micro-batches (ready, started, processed, completed, in the form the checkpoint
+    has them) so that `ready` is `micro_batches` in this epoch and `total_micro_batches` in the run: the position of
+    the checkpoint in this run's micro-batches. Lightning steps the optimizer when this epoch's `ready` is a multiple
+    of the accumulation, validates when the run's `ready` is a multiple of the validation interval (counted in
+    micro-batches, train.py) and ends an epoch when this epoch's `ready` reaches the loader's length; counts carried
+    over in the micro-batches of another layout would step mid-accumulation, validate at other steps, or end the
+    epoch early or late."""
+    progress = fit_loop["epoch_loop.batch_progress"]
+    for part, target in (("current", micro_batches), ("total", total_micro_batches)):
+        counts = progress[part]
+        shift = target - counts["ready"]
+        for key in ("ready", "started", "processed", "completed"):
+            counts[key] += shift
