@@ -17,6 +17,7 @@ from lit_pretrain.resume import rank_state
 from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
 from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job, resume_command
+from lit_pretrain.resume.verified import load_verified, save_atomic
 from lit_pretrain.schema import OptimConfig
 
 
@@ -145,6 +146,14 @@ def test_a_checkpoint_at_the_start_of_an_epochs_last_batch_resumes_that_batch(tm
     assert [epoch for epoch, _ in ref] == [0] * 8 + [1] * 2
     resumed = _fit(tmp_path / "resumed", max_steps=10, ckpt_path=tmp_path / "ref" / "step0000007.ckpt")
     assert resumed == ref[7:]
+    # A checkpoint written before the flag was cleared (it says the batch before was the epoch's last) is read right
+    # too: StepCheckpoint.on_load_checkpoint clears it for its own checkpoints taken at a batch's start.
+    old = tmp_path / "old" / "step0000007.ckpt"
+    old.parent.mkdir()
+    checkpoint = load_verified(tmp_path / "ref" / "step0000007.ckpt")
+    checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = True
+    save_atomic(checkpoint, old)
+    assert _fit(tmp_path / "old", max_steps=10, ckpt_path=old) == ref[7:]
 
 
 def test_sigterm_and_sigusr1_set_the_flag_and_slurm_requeue(monkeypatch, capsys):

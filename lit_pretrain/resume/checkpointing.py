@@ -172,6 +172,12 @@ class StepCheckpoint(StopRecorder):
         steps = checkpoint.get(META_KEY, {}).get("step", checkpoint.get("global_step", 0))
         as_micro_batches_done(fit_loop, samples // (datamodule.micro_batch_size * world_size),
                               steps * trainer.accumulate_grad_batches)
+        progress = fit_loop["epoch_loop.batch_progress"]
+        if META_KEY in checkpoint and progress["current"]["ready"] == progress["current"]["completed"] + 1:
+            # One of ours taken at the start of a batch (as_saved_at_previous_batch_end's form): that batch follows,
+            # so the batch before it was not the epoch's last. Checkpoints written before that function cleared the
+            # flag hold it true at an epoch's last batch; cleared here, they resume that batch from its own epoch.
+            progress["is_last_batch"] = False
 
     def save(self, trainer, step: int, in_flight: int) -> None:
         if not parameters_finite(trainer, trainer.lightning_module.parameters()):
