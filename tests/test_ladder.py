@@ -86,7 +86,10 @@ def test_fit_recovers_a_known_law_and_predicts_the_held_out_rungs(convention):
     ratio, truth = ratio_at(fitted, rungs[-1]["flops"], 0.9), optimal_tokens_per_param(TRUE, rungs[-1]["flops"])
     assert ratio["tokens_per_param"] == pytest.approx(truth, rel=0.4)
     assert ratio["interval"][0] < ratio["tokens_per_param"] < ratio["interval"][1]
-    assert ratio["resamples_without_optimum"] == 0
+    # A resample of 9 points with replacement can lose a size and leave a law with no interior optimum: the counts
+    # seen were 0 (the CI machine) and 1 (another 2-core machine, the same packages: the fit's float order differs),
+    # of 30. More than 2 would mean the fitted law itself sits near the edge of having one.
+    assert ratio["resamples_without_optimum"] <= 2
 
 
 def test_rules_table():

@@ -4,6 +4,7 @@ import os
 import random
 import signal
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,10 @@ from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.optim.optimizers import build_adamw
 from lit_pretrain.resume import rank_state
+from lit_pretrain.resume.checkpoint_io import AtomicCheckpointIO
+from lit_pretrain.resume.checkpointing import StepCheckpoint
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job, resume_command
+from lit_pretrain.resume.verified import load_verified, save_atomic
 from lit_pretrain.schema import OptimConfig
 
 
@@ -88,6 +92,68 @@ def test_a_resume_in_a_later_epoch_reads_that_epoch_from_its_position():
     it = iter(done)
     done.sampler.set_epoch(1)
     assert next(it).flatten().tolist() == epoch1[:8]
+
+
+class _Loader(L.LightningDataModule):
+    """The datamodule's interface StepCheckpoint reads, over `Windows`: 64 windows, 8 steps of 8 an epoch."""
+
+    micro_batch_size, seq_len = 8, None
+
+    def __init__(self):
+        super().__init__()
+        self.train_loader = None
+
+    def rank_and_world_size(self):
+        return 0, 1
+
+    def train_dataloader(self):
+        self.train_loader = loader(0, 1, self.micro_batch_size)
+        return self.train_loader
+
+
+class _Record(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+        self.seen = []  # (epoch, window indices) of every step
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.trainer.current_epoch, batch.flatten().tolist()))
+        return (self.w * batch.float().mean()).square()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit(folder, max_steps, every_n_steps=0, ckpt_path=None):
+    module = _Record()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, use_distributed_sampler=False,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, plugins=[AtomicCheckpointIO(folder)],
+                        callbacks=[StepCheckpoint(folder, every_n_steps, keep_last=0, run_meta={},
+                                                  handle_signals=False)])
+    trainer.fit(module, datamodule=_Loader(), ckpt_path=ckpt_path)
+    return module.seen
+
+
+def test_a_checkpoint_at_the_start_of_an_epochs_last_batch_resumes_that_batch(tmp_path):
+    """A step checkpoint is taken at the start of a batch, where Lightning has already marked the epoch's last
+    batch as the last; written as "the end of the batch before" it must not say so, or the restart counts the epoch
+    as finished: it trained that batch from the next epoch's order and then skipped an epoch (found under expert
+    parallelism, whose micro-batch of 8 put step 7 at the end of a 7-step epoch, but any layout whose checkpoint
+    falls there did it)."""
+    ref = _fit(tmp_path / "ref", max_steps=10, every_n_steps=7)  # checkpoint at the start of step 8, the last
+    assert [epoch for epoch, _ in ref] == [0] * 8 + [1] * 2
+    resumed = _fit(tmp_path / "resumed", max_steps=10, ckpt_path=tmp_path / "ref" / "step0000007.ckpt")
+    assert resumed == ref[7:]
+    # A checkpoint written before the flag was cleared (it says the batch before was the epoch's last) is read right
+    # too: StepCheckpoint.on_load_checkpoint clears it for its own checkpoints taken at a batch's start.
+    old = tmp_path / "old" / "step0000007.ckpt"
+    old.parent.mkdir()
+    checkpoint = load_verified(tmp_path / "ref" / "step0000007.ckpt")
+    checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = True
+    save_atomic(checkpoint, old)
+    assert _fit(tmp_path / "old", max_steps=10, ckpt_path=old) == ref[7:]
 
 
 def test_sigterm_and_sigusr1_set_the_flag_and_slurm_requeue(monkeypatch, capsys):

@@ -110,13 +110,7 @@ def by_step(run_dir: Path, key: str) -> dict:
     return out
 
 
-# Chain c finds a bug of expert parallelism that a resume at step 6 exposes (step 7's loss 6.011 against 6.050;
-# a resume at step 4 continues exactly): marked until it is fixed, strict so that the fix must remove the mark.
-KNOWN_BUGS = {"c": "an expert-parallel run resumed at step 6 leaves the uninterrupted run at step 7"}
-
-
-@pytest.mark.parametrize("chain", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[c]))
-                                   if c in KNOWN_BUGS else c for c in sorted(CHAINS)])
+@pytest.mark.parametrize("chain", sorted(CHAINS))
 def test_layout_chain_equals_the_uninterrupted_run(chain, references, short_corpus, tmp_path):
     links, model = CHAINS[chain], MODEL.get(chain, [])
     reference = references(tuple(model))

@@ -41,7 +41,10 @@ class TrainLoader(DataLoader):
         # sampler for its order). Lightning creates a resumed run's iterator before it sets the sampler's epoch
         # (FitLoop.setup_data, then on_advance_start), so the epoch is the checkpoint's, set here: keyed by the
         # sampler's epoch, a run resumed in its second epoch read that epoch from its start again. A checkpoint
-        # whose epoch was trained to its end continues with the next epoch, as Lightning's own counts do.
+        # whose epoch was trained to its end continues with the next epoch, as Lightning's own counts do. The
+        # sampler draws its order at the first fetch, after Lightning's set_epoch (its count of finished epochs):
+        # the two agree only while the checkpoint's loop counters do (resume/checkpointing.py keeps them so), and
+        # `window_indices` reports this loader's epoch either way.
         epoch, start = next(iter(self._resume_samples.items()), (self.sampler.epoch, 0))
         self._resume_samples.clear()
         if start >= len(self.sampler) * self.sampler.world_size:

@@ -172,6 +172,12 @@ class StepCheckpoint(StopRecorder):
         steps = checkpoint.get(META_KEY, {}).get("step", checkpoint.get("global_step", 0))
         as_micro_batches_done(fit_loop, samples // (datamodule.micro_batch_size * world_size),
                               steps * trainer.accumulate_grad_batches)
+        progress = fit_loop["epoch_loop.batch_progress"]
+        if META_KEY in checkpoint and progress["current"]["ready"] == progress["current"]["completed"] + 1:
+            # One of ours taken at the start of a batch (as_saved_at_previous_batch_end's form): that batch follows,
+            # so the batch before it was not the epoch's last. Checkpoints written before that function cleared the
+            # flag hold it true at an epoch's last batch; cleared here, they resume that batch from its own epoch.
+            progress["is_last_batch"] = False
 
     def save(self, trainer, step: int, in_flight: int) -> None:
         if not parameters_finite(trainer, trainer.lightning_module.parameters()):
@@ -240,12 +246,17 @@ def as_saved_at_previous_batch_end(fit_loop: Dict) -> None:
     checkpoint taken at the end of batch j - 1 (ready = started = processed = j, completed = j - 1, one fewer
     batch that stepped), the point Lightning's restart logic is written for (ModelCheckpoint saves there): it then
     completes batch j - 1, counts the step once, and does not run again a validation that already ran.
-    Needs j >= 1 within the epoch, hence no checkpoint at an epoch's first batch."""
+    Needs j >= 1 within the epoch, hence no checkpoint at an epoch's first batch.
+
+    `is_last_batch` too: Lightning set it when it fetched batch j, so it is true at the start of an epoch's last batch,
+    but batch j - 1 was not the last; left true, the restart would count epoch e as finished after batch j - 1
+    (FitLoop.reset), give the sampler epoch e + 1 and train batch j from that epoch's order, then start epoch e + 2."""
     progress = fit_loop["epoch_loop.batch_progress"]
     for part in ("total", "current"):
         counts = progress[part]
         done = counts["completed"]
         counts.update(ready=done, started=done, processed=done, completed=done - 1)
+    progress["is_last_batch"] = False  # batch j follows
     fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
 
 
