@@ -7,14 +7,33 @@ verified: lightning 2.6.6, torch 2.13.0. Nothing here is imported at module load
 each function imports what it reaches.
 """
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 VERIFIED = "lightning 2.6.6, torch 2.13.0"
 
 
+# Private classes and functions used as they are, imported when first asked for: name -> (module, its name there).
+# SubprocessScriptLauncher: Lightning's local launcher (faults/launcher.py subclasses it); Lightning exports no
+# public one. checkpoint_wrapper, CheckpointWrapper, CheckpointImpl: the activation-checkpointing wrapper whose
+# state-dict hooks keep plain parameter names (torchtitan and Lightning's FSDP policy use it too); torch has it only
+# under torch.distributed.algorithms._checkpoint. tree_leaves: torch's pytree flattening (what torch.compile and
+# DTensor use), no public path.
+LAZY = {
+    "SubprocessScriptLauncher": ("lightning.pytorch.strategies.launchers.subprocess_script",
+                                 "_SubprocessScriptLauncher"),
+    "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
+    "CheckpointWrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper"),
+    "CheckpointImpl": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl"),
+    "tree_leaves": ("torch.utils._pytree", "tree_leaves"),
+}
+
+
 def __getattr__(name: str):
-    if name == "SubprocessScriptLauncher":
-        return _subprocess_script_launcher()
+    if name in LAZY:
+        import importlib
+
+        module, attr = LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -60,13 +79,14 @@ def attached_trainer(module) -> Any:
     return module._trainer
 
 
+def csv_writer_made(logger) -> Any:
+    """The CSVLogger's metrics writer if it has made one, else None (`_experiment`): its `experiment` property makes
+    one, deleting an existing metrics.csv, so a subclass that keeps the file must know before asking
+    (resume/metrics_csv.py)."""
+    return logger._experiment
+
+
 # Lightning's strategies and launchers
-
-
-def _subprocess_script_launcher():
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
-    return _SubprocessScriptLauncher
 
 
 def launch_local_ranks(launcher, function: Callable, args, kwargs, observe: Callable[[List[Any]], None]) -> Any:
@@ -90,7 +110,7 @@ class LocalLauncherSwap:
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _subprocess_script_launcher():
+        if type(self._launcher) is __getattr__("SubprocessScriptLauncher"):
             self._launcher = self.local_launcher()
 
 
@@ -152,3 +172,76 @@ def muon_parts():
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
     return _adjust_lr, _zeropower_via_newtonschulz
+
+
+def fsdp_mixed_precision_policy(module) -> Any:
+    """The MixedPrecisionPolicy an FSDP2 module (`fully_shard`'s) was given (`_get_fsdp_state()._mp_policy`); FSDP2
+    does not expose it. The GPU bench reports the dtype a run really computed in from it."""
+    return module._get_fsdp_state()._mp_policy
+
+
+# torch.save's format, written without torch.save (resume/verified.py, resume/sharded/tools.py)
+
+
+def zip_file_writer(f) -> Any:
+    """torch.save's zip writer over the binary file `f`, without each entry's CRC-32 (`torch._C.PyTorchFileWriter(f,
+    compute_crc32=False, alignment)`), as torch.save builds it; torch.save has no option to skip the CRC."""
+    import torch
+
+    return torch._C.PyTorchFileWriter(f, False, storage_alignment())
+
+
+def write_records(obj: Any, zip_file) -> None:
+    """torch.save's records of `obj` (data.pkl, the storages, version, alignment, byte order) into `zip_file`, with
+    torch's default pickle module and protocol: `torch.serialization._save`, torch.save's body after it opened its
+    writer."""
+    import pickle
+
+    import torch
+
+    torch.serialization._save(obj, zip_file, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+
+
+def storage_alignment() -> int:
+    """The alignment of storages in a torch.save file (`torch.serialization._get_storage_alignment`, 64)."""
+    import torch
+
+    return torch.serialization._get_storage_alignment()
+
+
+def untyped_storage_dtypes() -> Any:
+    """The dtypes torch.save writes as untyped storages (`torch.storage._new_dtypes`: uint16 and the newer ones),
+    rebuilt with `rebuild_tensor(untyped=True)`; the others are typed storages."""
+    import torch
+
+    return torch.storage._new_dtypes()
+
+
+def typed_storage_class(dtype) -> Any:
+    """The typed storage class torch.save names for `dtype` (FloatStorage for float32:
+    `torch.storage._dtype_to_storage_type_map`)."""
+    import torch
+
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+def rebuild_tensor(untyped: bool) -> Callable:
+    """The function torch.save's pickle calls to rebuild a tensor (`torch._utils._rebuild_tensor_v3` for untyped
+    storages, which takes the dtype, else `_rebuild_tensor_v2`)."""
+    import torch
+
+    return torch._utils._rebuild_tensor_v3 if untyped else torch._utils._rebuild_tensor_v2
+
+
+def typed_storage_record(storage) -> Tuple[Any, Any, Any, int]:
+    """(untyped storage, its identity, storage class, size in elements) of a TypedStorage, what torch.save's
+    persistent id of it holds (`_untyped_storage`, `_cdata`, `_pickle_storage_type`, `_size`)."""
+    import torch
+
+    untyped = storage._untyped_storage
+    return untyped, untyped._cdata, getattr(torch, storage._pickle_storage_type()), storage._size()
+
+
+def untyped_storage_identity(storage) -> int:
+    """An untyped storage's identity (`_cdata`, its C++ address), what torch.save keys its records by."""
+    return storage._cdata

@@ -217,3 +217,116 @@ def test_muon_parts_compose_to_torch_muon_step():
     ours = before.add(ortho, alpha=-adjust_lr(0.1, g["adjust_lr_fn"], p.shape))  # as Muon adds its bf16 update
     opt.step()
     assert torch.equal(p.detach(), ours), changed("muon_parts", "one Muon step is p - adjust_lr * zeropower(grad)")
+
+
+def test_every_lazy_name_resolves():
+    for name, (module, attr) in internals.LAZY.items():
+        try:
+            getattr(internals, name)
+        except (ImportError, AttributeError) as err:
+            pytest.fail(changed(name, f"{module}.{attr} is gone ({err})"))
+
+
+def test_checkpoint_wrapper_keeps_plain_names_and_gradients():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    wrapped = internals.checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.GELU()),
+                                           checkpoint_impl=internals.CheckpointImpl.NO_REENTRANT)
+    wrapped.load_state_dict(plain.state_dict())
+    assert isinstance(wrapped, internals.CheckpointWrapper) and list(wrapped.state_dict()) == ["0.weight", "0.bias"], \
+        changed("checkpoint_wrapper", f"plain state-dict names, got {list(wrapped.state_dict())}")
+    x = torch.randn(3, 4)
+    plain(x).sum().backward()
+    wrapped(x).sum().backward()
+    grads = [p.grad for p in wrapped.parameters()]
+    assert all(torch.equal(a.grad, b) for a, b in zip(plain.parameters(), grads)), \
+        changed("checkpoint_wrapper", "recomputed gradients equal the plain module's")
+
+
+def test_tree_leaves_flattens_nested_containers():
+    a, b = torch.zeros(1), torch.ones(1)
+    leaves = internals.tree_leaves({"x": [a, (b,)], "y": 3})
+    assert len(leaves) == 3 and leaves[0] is a and leaves[1] is b and leaves[2] == 3, \
+        changed("tree_leaves", "[a, b, 3] in order")
+
+
+def test_csv_writer_made_is_none_until_the_writer_is_made(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path)
+    assert internals.csv_writer_made(logger) is None, changed("csv_writer_made", "None before `experiment`")
+    writer = logger.experiment
+    assert internals.csv_writer_made(logger) is writer, changed("csv_writer_made", "the writer `experiment` made")
+
+
+def test_fsdp_mixed_precision_policy(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    module = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)), mp_policy=policy)
+    got = internals.fsdp_mixed_precision_policy(module)
+    assert got == policy, changed("fsdp_mixed_precision_policy", f"the policy given, got {got}")
+
+
+def torch_save_records(obj) -> dict:
+    """The entries of torch.save's zip file of `obj`, by name without the archive folder."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with zipfile.ZipFile(buf) as zf:
+        return {n.split("/", 1)[1]: zf.read(n) for n in zf.namelist()}
+
+
+def test_torch_save_format_pieces():
+    import io
+    import pickle
+
+    obj = {"f": torch.arange(3, dtype=torch.float32), "u": torch.tensor([0, 1, 2]).to(torch.uint16)}
+    records = torch_save_records(obj)
+    assert records[".storage_alignment"] == str(internals.storage_alignment()).encode(), \
+        changed("storage_alignment", f"torch.save's .storage_alignment, got {records['.storage_alignment']}")
+    found, pids = [], []
+
+    class Probe(pickle.Unpickler):
+        def find_class(self, module, name):
+            found.append((module, name))
+            return (lambda *a: None) if module == "torch._utils" else super().find_class(module, name)
+
+        def persistent_load(self, pid):
+            pids.append(pid)
+
+    Probe(io.BytesIO(records["data.pkl"])).load()
+    rebuilders = {("torch._utils", internals.rebuild_tensor(untyped=u).__name__) for u in (False, True)}
+    assert rebuilders <= set(found), changed("rebuild_tensor", f"torch.save calls {rebuilders}, found {found}")
+    storages = [pid[1] for pid in pids]
+    assert storages == [internals.typed_storage_class(torch.float32), torch.UntypedStorage], \
+        changed("typed_storage_class", f"FloatStorage then UntypedStorage, got {storages}")
+    dtypes = internals.untyped_storage_dtypes()
+    assert torch.uint16 in dtypes and torch.float32 not in dtypes, changed("untyped_storage_dtypes", dtypes)
+
+
+def test_zip_file_writer_and_write_records_make_a_file_torch_load_reads():
+    import io
+
+    obj = {"f": torch.arange(3, dtype=torch.float32), "u": torch.tensor([0, 1, 2]).to(torch.uint16), "n": 7}
+    buf = io.BytesIO()
+    zip_file = internals.zip_file_writer(buf)
+    internals.write_records(obj, zip_file)
+    zip_file.write_end_of_file()
+    back = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    same = [back[k].dtype == obj[k].dtype and torch.equal(back[k].int(), obj[k].int()) for k in "fu"]
+    assert back["n"] == 7 and all(same), \
+        changed("zip_file_writer/write_records", "torch.load reads back what was written")
+
+
+def test_typed_storage_record():
+    t = torch.arange(3, dtype=torch.float32)
+    untyped = t.untyped_storage()
+    typed = torch.storage.TypedStorage(wrap_storage=untyped, dtype=torch.float32, _internal=True)
+    got_untyped, identity, storage_class, size = internals.typed_storage_record(typed)
+    got = (identity, storage_class, size)
+    assert got == (internals.untyped_storage_identity(untyped), torch.FloatStorage, 3) \
+        and got_untyped.data_ptr() == untyped.data_ptr(), changed("typed_storage_record", got)

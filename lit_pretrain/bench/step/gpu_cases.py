@@ -86,7 +86,9 @@ def gathered_dtype_probe():
 
             sharded = next((m for m in pl_module.model.modules() if isinstance(m, FSDPModule)), None)
             if sharded is not None:
-                policy = getattr(sharded._get_fsdp_state(), "_mp_policy", None)  # FSDP2's own record of it
+                from lit_pretrain.internals import fsdp_mixed_precision_policy
+
+                policy = fsdp_mixed_precision_policy(sharded)
                 dtype = getattr(policy, "param_dtype", None) or next(pl_module.model.parameters()).dtype
                 self.dtype = str(dtype).removeprefix("torch.")
 
