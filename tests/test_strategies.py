@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.faults.launcher import WatchedLauncher
+from lit_pretrain.internals import process_group_timeout
 from lit_pretrain.parallel.plan import plan_from
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.zero import zero_partition
@@ -71,7 +72,7 @@ def test_zero_2_and_3_are_fsdp2_over_one_data_parallel_group(stage):
     # All 8 ranks shard the model (no tensor parallelism), and checkpoints are one consolidated file.
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (8, 1)
     assert strategy._save_distributed_checkpoint is False
-    assert strategy._timeout == timedelta(seconds=42)
+    assert process_group_timeout(strategy) == timedelta(seconds=42)
 
 
 @pytest.mark.slow
