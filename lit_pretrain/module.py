@@ -398,9 +398,11 @@ def bits_per_byte(nats: float, n_bytes: int) -> float:
 def token_bytes_table(module: L.LightningModule) -> Optional[torch.Tensor]:
     """The datamodule's UTF-8 bytes per token id (data/tokenizer.py token_byte_lengths) on the module's device,
     copied there once; None without a datamodule that has it (then no bits per byte are logged)."""
+    from lit_pretrain.internals import attached_trainer
+
     table = getattr(module, "_token_bytes", None)
     if table is None:
-        trainer = module._trainer
+        trainer = attached_trainer(module)
         host = getattr(getattr(trainer, "datamodule", None), "token_bytes", None) if trainer is not None else None
         if host is None:
             return None

@@ -50,7 +50,7 @@ from lit_pretrain.schema import Config, TrainerConfig
 
 
 def setup_process(trainer: TrainerConfig) -> None:
-    # Denormal floats made CPU steps 5x slower in measurements here (shared/CPU-DISTRIBUTED.md, pitfall 1).
+    # Denormal floats made CPU steps 5x slower in measurements here (docs/cpu.md, pitfall 1).
     torch.set_flush_denormal(True)
     threads = trainer.num_threads or max(1, (os.cpu_count() or 1) // trainer.devices)
     torch.set_num_threads(threads)

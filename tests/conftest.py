@@ -16,7 +16,7 @@ from lit_pretrain import config
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 
-# Denormals slowed CPU steps 5x in measurements here (shared/CPU-DISTRIBUTED.md, pitfall 1).
+# Denormals slowed CPU steps 5x in measurements here (docs/cpu.md, pitfall 1).
 torch.set_flush_denormal(True)
 
 # The multi-process parity tests start their ranks with start_method="forkserver": multiprocessing's fork server,
@@ -94,7 +94,7 @@ def _prewarmed():
 
 def run_module(*args, rc: int = 0, timeout: int = 480, **kwargs) -> subprocess.CompletedProcess:
     """`python -m ARGS` in a subprocess (Lightning's launcher re-runs the command for the other ranks, which inside
-    pytest would re-launch pytest: shared/CPU-DISTRIBUTED.md, pitfall 2); asserts its exit code, showing the output's
+    pytest would re-launch pytest: docs/cpu.md, pitfall 2); asserts its exit code, showing the output's
     tail when it differs."""
     if args[:2] in PREWARMED or args[:1] == ("tests.mesh_resume",):  # forked from a process that imported Lightning
         out = _prewarmed().run(args, launcher_env(), ROOT, timeout, **kwargs)

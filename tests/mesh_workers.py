@@ -139,7 +139,7 @@ def dist_broadcast(obj):
 
 
 def case(plan: ParallelPlan, out: dict, name: str, variant: dict, train=None):
-    """`variant`: model keys over CFG (issue 21's variants: n_kv_heads, qk_norm, logit_softcap, norm, mlp; `moe`
+    """`variant`: model keys over CFG (the architecture variants: n_kv_heads, qk_norm, logit_softcap, norm, mlp; `moe`
     as a dict of MoEConfig fields). `train`: the (reference, run_layout) loops to use instead of this module's
     (tests/moe_mesh_workers.py adds model.moe's losses and bias update)."""
     train_reference, train_layout = train or (reference, run_layout)

@@ -152,7 +152,7 @@ def test_gpu_bench_dry_run_of_a_preset_fits_it_to_the_device(tmp_path):
     assert rows["bf16_policy"][3] in ("float32", "bfloat16")  # the dtype FSDP2 gathered the weights in
     for name in ("fp8_rowwise", "fp8_tensorwise", "bf16_policy"):
         assert f"gpu_llama3_1_8b_{name}_tokens_per_s" in out.stdout
-    # model.activation_checkpointing=selective (issue 40 item 2) runs where this checkout has it.
+    # model.activation_checkpointing=selective runs where this checkout has it.
     assert ("selective" in rows) == ("selective" in MODES)
     assert ("selective: not run" in out.stdout) == ("selective" not in MODES)
 

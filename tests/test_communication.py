@@ -63,7 +63,7 @@ def test_formulas_match_the_measured_bytes(formula, measured):
 
 
 def test_context_parallel_bytes_by_hand():
-    """Issue 39, Llama 3's all-gather (parallel/context.py): per block the window's stacked K and V gathered and
+    """Llama 3's all-gather (parallel/context.py): per block the window's stacked K and V gathered and
     their gradient scattered, 2 x B x T x g·Q fp32 elements each; the loss's (sum, count) pair per micro-batch.
     L 4, B 1, T 4096, 4 heads of 64: 4 x 2 x 4096 x 256 x 4 = 33,554,432 bytes (`make bench` measured exactly
     this for CP 2 on the default model)."""

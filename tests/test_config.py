@@ -82,7 +82,7 @@ def test_unknown_key_on_command_line_names_key_source_and_closest():
 
 
 def test_a_replaced_key_names_its_replacement():
-    """trainer.val_batches (batches per device) became trainer.val_windows (windows in all, issue 31)."""
+    """trainer.val_batches (batches per device) became trainer.val_windows (windows in all)."""
     with pytest.raises(ConfigError, match=r"config key 'trainer\.val_batches' in the command line was replaced: set "
                                           r"trainer\.val_windows, the validation windows in all"):
         config.load(ROOT / "runs" / "tiny.yaml", ["trainer.val_batches=4"])
@@ -188,7 +188,7 @@ def test_each_subcommand_help_names_the_sections_its_keys_come_from(command, nam
         assert section not in sections, section
 
 
-# --- what a config names outside itself (issue 37, item 10) ------------------------------------------------------
+# --- what a config names outside itself -----------------------------------------------------------------------------
 
 def test_one_string_is_a_one_element_list_on_the_command_line_and_in_a_file(tmp_path):
     corpus = tmp_path / "corpus"

@@ -74,7 +74,7 @@ def test_a_few_bad_files_among_good_ones_are_the_ones_named(tmp_path):
     with pytest.raises(DataError, match=r"latin1\.txt \(20\.0% of 2,000 characters\), .*nul\.txt \(20\.0% of 1,500 "
                                         r"characters\)\. Remove or convert"):
         check_quality(stats.sources, 0.01, "here")
-    assert check_quality(stats.sources, total.fraction, "here") is not None  # at the limit: accepted
+    assert check_quality(stats.sources, total.fraction, "here") == total  # at the limit: accepted, the totals returned
 
 
 def test_control_characters_inside_jsonl_text_count(tmp_path):

@@ -4,7 +4,7 @@ The parity of the losses, validation and tokens counted on 2 DDP ranks against o
 tests/test_strategies_parity.py (test_strategy_matches_one_process[ddp]), on the runs it makes anyway.
 
 Run as `python -m lit_pretrain.cli train` in a subprocess: Lightning's `ddp` launcher re-runs the command for
-rank 1, which inside pytest would re-launch pytest itself (shared/CPU-DISTRIBUTED.md, pitfall 2).
+rank 1, which inside pytest would re-launch pytest itself (docs/cpu.md, pitfall 2).
 """
 
 import pytest
@@ -27,9 +27,9 @@ def test_validation_is_one_set_of_windows_for_any_world_size_and_the_console_hol
     """The same weights (one checkpoint) validated by 1 process and by 2 DDP processes, with the same
     micro_batch_size: the same val/loss. trainer.val_windows=13 counts windows in all, so 2 ranks take 7 and 6
     (their last batches filled up with windows that predict nothing); trainer.val_batches counted batches per
-    device, and 2 processes validated twice the windows of 1 (issue 31: the loss moved by 0.014 after resharding
+    device, and 2 processes validated twice the windows of 1 (the loss moved by 0.014 after resharding
     2 -> 1). Both runs keep trainer.progress_bar=true with their output captured (not a terminal): the console
-    holds our lines and none of the noise issue 31 found."""
+    holds our lines and none of the noise found before."""
     import json
     import re
 

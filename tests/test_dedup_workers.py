@@ -1,4 +1,4 @@
-"""Deduplication's worker processes (issue 23): a worker that cannot start, raises, or dies twice on one chunk stops
+"""Deduplication's worker processes: a worker that cannot start, raises, or dies twice on one chunk stops
 the stage within seconds with one line; a worker killed once has its chunk retried; a script piped to Python runs.
 
 Every test here has a deadline well under a minute (a signal alarm, or a subprocess timeout), so a pool that hangs

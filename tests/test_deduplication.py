@@ -217,7 +217,7 @@ def test_chunks_end_at_the_first_text_that_reaches_the_size(lengths, max_chars, 
 
 def test_a_signature_worker_imports_neither_datasketch_nor_scipy():
     """What a worker loads (lit_pretrain/data/workers.py imports the target's module): importing datasketch and scipy
-    took ~2.5 s per worker (issue 22)."""
+    took ~2.5 s per worker."""
     code = ("import sys, lit_pretrain.data.minhash, lit_pretrain.data.ray_engine; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'datasketch', 'scipy', 'torch', 'lightning'}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -74,7 +74,7 @@ def test_four_process_expert_parallelism_in_every_plan_matches_one_process(tmp_p
     cases = {
         # two expert groups: the experts' gradients all-reduced over their own data-parallel group (2 ranks)
         "ep2_dp4": Plan(data_parallel_replicate=4, expert_parallel=2),
-        # HSDP for the dense part, the experts FSDP-sharded over their own data-parallel group (issue 32)
+        # HSDP for the dense part, the experts FSDP-sharded over their own data-parallel group
         "ep2_hsdp2x2": Plan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3, expert_parallel=2),
         "ep4_zero2": Plan(data_parallel_shard=4, zero_stage=2, expert_parallel=4),
         # tensor parallelism for the dense parts and each expert's width: E/2 experts x 1/2 of their width a rank

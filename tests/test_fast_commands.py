@@ -1,4 +1,4 @@
-"""`plan`, `memory`, `show`, `runs` and every `--help` import neither torch nor lightning (issue 20, item 6).
+"""`plan`, `memory`, `show`, `runs` and every `--help` import neither torch nor lightning.
 
 Importing torch alone takes seconds; these commands answer in well under one when they don't. The test asserts on
 the imports, not on time (timings vary with the machine's load): one fresh interpreter runs every command in turn
@@ -42,17 +42,17 @@ COMMANDS = [
     ["plan", "--tokens", "1.4T", "--law", "kaplan"],
     ["memory", "--params", "7B", "--data-parallel", "8", "--zero-stage", "3"],
     ["memory", "--layers", "4", "--hidden", "256", "--heads", "4", "--exact", "--data-parallel", "2"],
-    ["memory", "--params", "1B", "--model", "n_kv_heads=2", "--model", "mlp=gelu"],  # issue 21's variant keys
+    ["memory", "--params", "1B", "--model", "n_kv_heads=2", "--model", "mlp=gelu"],  # the architecture variants' keys
     ["show", str(EXPERIMENTS / "runs" / "default.yaml")],
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "strategy=tensor", "trainer.devices=2"],
     ["show", str(EXPERIMENTS / "runs" / "tiny.yaml"), "trainer.max_stepz=3"],  # the error path too (exit 2)
-    ["memory", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x8.yaml")],  # issue 30: a run file's fit
+    ["memory", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x8.yaml")],  # a run file's fit
     ["plan", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x32.yaml")],
     # GPU-hours read the GPUs' datasheet peaks (lit_pretrain/gpu_peaks.py), not the throughput callback's module
     ["plan", "--run", str(EXPERIMENTS / "runs" / "llama3_1_8b_h200x8.yaml"), "--mfu", "0.4", "--gpu", "H200"],
     ["show", str(EXPERIMENTS / "runs" / "llama3_2_1b_h200x8.yaml")],
-    ["runs", str(EXPERIMENTS)],  # `lit-pretrain runs [ROOT]` (issue 20, item 5), where the parser has it
-    ["ladder", "--plan", "--small"],  # the ladder's grid and time estimate (issue 30): trains nothing
+    ["runs", str(EXPERIMENTS)],  # `lit-pretrain runs [ROOT]`, where the parser has it
+    ["ladder", "--plan", "--small"],  # the ladder's grid and time estimate: trains nothing
     ["ladder", "--plan", "--small", "--mfu", "0.4"],  # and its GPU-hours
 ]
 

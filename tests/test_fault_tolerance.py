@@ -1,5 +1,5 @@
 """A rank that dies, stops or hangs ends the job in bounded time with one line of ours; run.max_restarts restarts it
-bitwise (issue 31). Real `lit-pretrain train` runs of 2 processes (Lightning's launcher, gloo), faults injected by
+bitwise. Real `lit-pretrain train` runs of 2 processes (Lightning's launcher, gloo), faults injected by
 tests/failure_helpers.py; each run in a session of its own, so the test can count what is left of it. The runs
 fork from the prewarmed server (tests/prewarmed.py), their rank 1 from its zygote: what the launcher, the
 watchdog and the supervisor do is theirs, only Lightning's import is shared.
@@ -203,7 +203,7 @@ def test_sigterm_to_the_supervisor_checkpoints_and_is_not_restarted(job):
 
 
 def test_a_rank_that_never_starts_ends_the_start_within_the_startup_timeout(tmp_path, tiny_data_dir):
-    """Issue 37, item 8: rank 0 of a 2-rank world (torchrun's variables) whose rank 1 never starts: the job ends
+    """Rank 0 of a 2-rank world (torchrun's variables) whose rank 1 never starts: the job ends
     after strategy.startup_timeout_seconds, not strategy.timeout_seconds (1800), with one line naming rank 1 and
     the key to raise; exit code 3, as for a peer the watchdog finds failed."""
     from tests.conftest import free_port

@@ -2,7 +2,7 @@
 
 Each impossible layout is refused when the config loads (config.load runs parallel/plan.py's build_plan), before
 any process group exists, so the error comes at once instead of a rank hanging in a collective
-(shared/CPU-DISTRIBUTED.md, pitfall 9); `show` and `train` print the same line.
+(docs/cpu.md, pitfall 9); `show` and `train` print the same line.
 """
 
 from pathlib import Path
@@ -56,8 +56,8 @@ def test_plan_carries_schedule_checkpointing_and_compile():
                           "strategy.pipeline.micro_batches=2", "model.activation_checkpointing=full"))
     assert (plan.schedule, plan.micro_batches, plan.stages_per_rank) == ("gpipe", 2, 1)
     assert plan.activation_checkpointing == "full" and not plan.compile
-    # selective with model.moe under expert parallelism and tensor parallelism loads (refused before issue 40's
-    # MoE policy: tests/test_activation_checkpointing.py, tests/test_expert_parallel.py check it)
+    # selective with model.moe under expert parallelism and tensor parallelism loads (refused before the
+    # MoE policy existed: tests/test_activation_checkpointing.py, tests/test_expert_parallel.py check it)
     plan = build_plan(cfg("strategy=ddp", "strategy.expert_parallel=2", "strategy.tensor_parallel=2",
                           "trainer.devices=4", "model.moe={num_experts: 4}",
                           "model.activation_checkpointing=selective"))
@@ -93,7 +93,7 @@ BAD = [
     (["strategy=zero", "trainer.precision=16-mixed", "trainer.devices=2"], "trainer.precision"),
     (["strategy=tensor", "trainer.compile=true", "trainer.devices=2"], "trainer.compile"),
     (["strategy=pipeline", "data.document_masking=true", "trainer.devices=2"], "data.document_masking"),
-    # context parallelism (issue 39): 2c chunks of the window (x t under sequence parallelism), what is not built
+    # context parallelism: 2c chunks of the window (x t under sequence parallelism), what is not built
     (["strategy=ddp", "strategy.context_parallel=2", "model.seq_len=66", "trainer.devices=2"],
      "model.seq_len=66 is not divisible by 2 x strategy.context_parallel=2"),
     (["strategy=tensor", "strategy.sequence_parallel=true", "strategy.context_parallel=2", "model.seq_len=68",

@@ -20,7 +20,7 @@ from tests.mesh_workers import BATCH, CFG, worker
 
 pytestmark = pytest.mark.slow
 
-# Issue 21's variants (model keys over CFG), all at once: key/value heads sharded (4:2), QK-norm's partial
+# The architecture variants (model keys over CFG), all at once: key/value heads sharded (4:2), QK-norm's partial
 # gradients summed over the tensor-parallel group (not the sequence), LayerNorm and the GELU MLP under sequence
 # parallelism, the soft-cap on the pipeline's last stage (a cap of 0.3 against logits of ~0.1 at init keeps tanh
 # visibly non-linear). Multi-query attention (one key/value head) runs under the pipeline: TP 2 cannot split it.
@@ -34,7 +34,7 @@ CASES_2 = [
     ("tp2_sp", Plan(tensor_parallel=2, sequence_parallel=True, activation_checkpointing="selective")),
     ("tp2_sp_variants", Plan(tensor_parallel=2, sequence_parallel=True), VARIANTS),
     ("pp2_variants", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4), {**VARIANTS, "n_kv_heads": 1}),
-    # Context parallelism (issue 39): chunks r and 2c-1-r, K/V all-gathered; grouped-query attention (4:2) read
+    # Context parallelism: chunks r and 2c-1-r, K/V all-gathered; grouped-query attention (4:2) read
     # over the gathered keys; ZeRO-3 over data_parallel_shard x context_parallel (here the 2 context ranks); and
     # document masking with documents across the chunk edges (mesh_workers.with_documents).
     ("cp2", Plan(context_parallel=2), {"n_kv_heads": 2}),
@@ -67,15 +67,15 @@ CASES_4 = [
     ("dp2_tp2", Plan(data_parallel_replicate=2, tensor_parallel=2)),
     ("dp2_pp2", Plan(data_parallel_replicate=2, pipeline_parallel=2, micro_batches=2)),
     ("tp2_pp2", Plan(tensor_parallel=2, pipeline_parallel=2, schedule="gpipe", micro_batches=4)),
-    # ZeRO compositions (issue 11): FSDP2 over the data-parallel shard dimension of the same mesh.
+    # ZeRO compositions: FSDP2 over the data-parallel shard dimension of the same mesh.
     ("zero3_tp2", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2, activation_checkpointing="selective")),
     ("zero2_pp2", Plan(data_parallel_shard=2, zero_stage=2, pipeline_parallel=2, micro_batches=2)),
     ("hsdp2x2", Plan(data_parallel_replicate=2, data_parallel_shard=2, zero_stage=3)),
-    # Issue 21: every variant at once under ZeRO-3 x tensor parallelism 2 (4 processes cost ~10 s a case here).
+    # Every architecture variant at once under ZeRO-3 x tensor parallelism 2 (4 processes cost ~10 s a case here).
     ("zero3_tp2_variants", Plan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2), VARIANTS),
     ("tp2_sp_pp2", Plan(tensor_parallel=2, pipeline_parallel=2, sequence_parallel=True, schedule="gpipe",
                         micro_batches=4)),
-    # Context parallelism with every other dimension (issue 39): 4 ranks of one window (chunks of 2 positions),
+    # Context parallelism with every other dimension: 4 ranks of one window (chunks of 2 positions),
     # HSDP at ZeRO-2 (FSDP2 over data_parallel_replicate x (data_parallel_shard x context_parallel)), tensor
     # parallelism with sequence parallelism (seq_len 16 = 2c x t x 4), pipeline parallelism (the stages read the
     # window's length off their input). Measured 6-9 s a case on 2 loaded cores.
@@ -229,7 +229,7 @@ def check_activations(measured):
         planned = memory_plan(cfg, BATCH, tensor_parallel=2, sequence_parallel=sp, precision="32-true",
                               activation_checkpointing="selective")["activation_bytes_per_layer"]
         assert measured[key] == pytest.approx(planned, rel=0.01), (key, measured, planned)
-    # Context parallelism (issue 39): rank 0 of CP 2 against the planner's block, its RoPE tables at its positions
+    # Context parallelism: rank 0 of CP 2 against the planner's block, its RoPE tables at its positions
     # and the CPU's additive causal mask (scaling/memory.py), byte for byte as above; about 0.56 of one process's
     # block at this shape (the gathered keys and values are the whole window's).
     c = measured["c"]

@@ -41,7 +41,7 @@ CASES_2 = [
     # recomputation (the scaler saves no tensor).
     ("pp2_1f1b_aux_moe", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4, activation_checkpointing="full"),
      {"moe": {**MOE, "aux_loss": 1e-2}, "micro_reference": 4}),
-    # Context parallelism (issue 39): each rank routes its T/c positions; the counts behind the auxiliary loss's
+    # Context parallelism: each rank routes its T/c positions; the counts behind the auxiliary loss's
     # f_i and the bias summed over the group (parallel/moe_mesh.py install_global_counts); with expert
     # parallelism the experts split over the 2 context-parallel ranks, which route different tokens.
     ("cp2_moe", Plan(context_parallel=2), {"moe": {**MOE, "aux_loss": 1e-2}}),
@@ -61,7 +61,7 @@ CASES_4 = [
     ("tp2_pp2_moe", Plan(tensor_parallel=2, pipeline_parallel=2, schedule="gpipe", micro_batches=4,
                          activation_checkpointing="selective"),
      {"moe": {**TP_MOE["moe"], "aux_loss": 0.0}}),
-    # CP 2 x EP 2 under ZeRO-3 (issue 39): expert groups of data-parallel x context-parallel ranks, FSDP2 over the
+    # CP 2 x EP 2 under ZeRO-3: expert groups of data-parallel x context-parallel ranks, FSDP2 over the
     # experts' own pair with the gradients divided by D·C = 4; aux_loss_scope=global sums the counts over all 4
     # ranks (the one process's batch), so the auxiliary loss is exact too.
     ("zero3_cp2_ep2_moe", Plan(data_parallel_shard=2, zero_stage=3, context_parallel=2, expert_parallel=2),

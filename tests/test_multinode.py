@@ -1,6 +1,6 @@
 """Two "nodes" on one machine: two torchrun agents (`--nnodes=2 --nproc-per-node=1`, one c10d rendezvous), started
 with the command `lit-pretrain launch` prints, train bitwise what one node of 2 processes trains, under DDP and under
-ZeRO-3 (FSDP2); without trainer.num_nodes=2 both refuse to start (issue 31)."""
+ZeRO-3 (FSDP2); without trainer.num_nodes=2 both refuse to start."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Issue 21's optimizer-side knobs by their meaning: z-loss's gradient, Muon's step against a Newton–Schulz step
+"""The optimizer-side knobs by their meaning: z-loss's gradient, Muon's step against a Newton–Schulz step
 written from the paper, μP's coordinate check, weight-decay exclusions and learning-rate factors by parameter kind,
 the combined Muon/AdamW state's round trip, Muon's whole-matrix step against torch.optim.Muon, and the refusals at
 config load (the parallel layouts' Muon parity is in tests/test_mesh_parallel.py)."""

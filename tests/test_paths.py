@@ -1,5 +1,5 @@
 """Paths: a run name is never a path; the project deletes or replaces only inside folders it made; a failed start
-leaves nothing that blocks its retry (issue 15, defects 1, 2 and 4)."""
+leaves nothing that blocks its retry."""
 
 import json
 import warnings
@@ -242,7 +242,7 @@ def test_a_refused_resume_under_a_new_name_leaves_no_folder(tmp_path, tiny_data_
     assert (fork / ".lit-pretrain-run").is_file()
 
 
-# Starts at the same moment (issue 31): both passed the "already exists" check and wrote into one folder.
+# Starts at the same moment: both passed the "already exists" check and wrote into one folder.
 
 # One start's claim in its own process: ready, then wait for `go`, claim, report, and hold the folder until `end`.
 CLAIMER = """
@@ -330,7 +330,7 @@ def test_a_run_folder_in_use_is_refused_to_resume_overwrite_and_the_cli(tmp_path
 
 
 def test_a_fresh_start_into_a_resumable_run_leads_with_resume_auto_and_auto_restarts_one_without(tmp_path):
-    """Issue 37, item 5: the refusal of a fresh start into a run folder with a checkpoint leads with run.resume=auto
+    """The refusal of a fresh start into a run folder with a checkpoint leads with run.resume=auto
     and its step; run.resume=auto in one killed before its first checkpoint starts it again, the earlier files kept
     in attempts/1/ (nothing deleted), and again in attempts/2/ after a second such kill."""
     import torch

@@ -352,7 +352,7 @@ def test_zero3_tensor_parallel_resume_from_single_process_and_sigkill(train, sin
 
 
 def test_context_parallel_zero3_resume_from_single_process_and_sigkill(train, single_ref):
-    """Issue 39: a single-process checkpoint resumed under CP 2 x ZeRO-3 (2 processes: FSDP2 shards over the two
+    """A single-process checkpoint resumed under CP 2 x ZeRO-3 (2 processes: FSDP2 shards over the two
     context-parallel ranks, which share every micro-batch), SIGKILL of every rank mid-accumulation, resumed again:
     bitwise the uninterrupted run of the same layout from the same checkpoint; both ranks read one process's windows,
     and the losses are one process's up to float order. Then ZeRO-1 x CP 2 from its sharded step-4 folder, resumed

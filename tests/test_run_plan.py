@@ -70,7 +70,7 @@ def test_budget_of_the_8b_run_and_its_refusals():
 
 
 def test_the_128k_run_fits_with_the_context_parallel_degree_the_planner_names():
-    """Issue 39: 131,072-token windows of the 8B on 8 H200 fit with at least 10% free only from context parallelism
+    """131,072-token windows of the 8B on 8 H200 fit with at least 10% free only from context parallelism
     4 (with full activation checkpointing); the planner names that degree, and the file uses it. Without it the
     config is refused when it loads, the error naming strategy.context_parallel=4."""
     run = RUNS / "llama3_1_8b_h200x8_128k.yaml"

@@ -77,7 +77,7 @@ def test_chinchilla_data_recovers_epoch_coefficients_within_their_uncertainty(ch
     # A 124.58, B 1293.23, E 0.03, alpha 0.02, beta 0.02 (laws.EPOCH_STANDARD_ERRORS).
     for key, se in laws.EPOCH_STANDARD_ERRORS.items():
         assert abs(got[key] - getattr(laws.EPOCH, key)) <= se, key
-    # Chinchilla's own procedure on the same 240 points (shared/data/README.md): A 477.84, B 2143.86, E 1.8172,
+    # Chinchilla's own procedure on the same 240 points (tests/data/README.md): A 477.84, B 2143.86, E 1.8172,
     # alpha 0.3473, beta 0.3672. E, alpha, beta agree to the figures quoted (abs 6e-5 covers their rounding); A and
     # B lie along the objective's flattest direction (B's standard error is 60% of B), where two L-BFGS runs with
     # other stopping rules part by ~2e-4 relative: 1e-3 there.

@@ -44,7 +44,7 @@ def test_two_process_reshard_matrix(tmp_path):
     zero3, tp2 = Plan(data_parallel_shard=2, zero_stage=3), Plan(tensor_parallel=2)
     cases = {"zero3_to_tp2": (zero3, tp2), "tp2_to_zero3": (tp2, zero3),
              "pp2_to_zero2": (Plan(pipeline_parallel=2, micro_batches=2), Plan(data_parallel_shard=2, zero_stage=2)),
-             # issue 39: a context-parallel checkpoint (ZeRO-3 over the 2 context ranks) into a layout without
+             # a context-parallel checkpoint (ZeRO-3 over the 2 context ranks) into a layout without
              # context parallelism and back; loaded bitwise both ways. ZeRO-1 x CP 2 both ways too: each rank
              # writes the whole state of the tensors its ZeroRedundancyOptimizer updates, and reads only those
              "cp2_zero3_to_zero3": (Plan(context_parallel=2, zero_stage=3), zero3),

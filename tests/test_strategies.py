@@ -1,18 +1,22 @@
 """Strategy config → Lightning strategy."""
 
+import json
 import tempfile
 from datetime import timedelta
 
+import lightning
 import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.faults.launcher import WatchedLaunch
+from lit_pretrain.faults.launcher import WatchedLauncher
+from lit_pretrain.internals import process_group_timeout
 from lit_pretrain.parallel.plan import plan_from
-from lit_pretrain.parallel.startup import BoundedStartup
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.zero import zero_partition
-from lit_pretrain.resume.sharded.load import ShardedLoad
 from lit_pretrain.schema import StrategyConfig, TrainerConfig
 
 
@@ -25,14 +29,33 @@ def test_single_refuses_several_devices_and_says_what_to_choose():
         build_strategy(StrategyConfig(name="single"), TrainerConfig(devices=2))
 
 
-def test_ddp_carries_backend_and_timeout():
+def test_ddp_forms_its_process_group_with_the_backend_and_timeout(tmp_path, monkeypatch):
+    """The configured backend and timeout reach the process group a run forms (through the bounded start-up), and
+    Lightning's launcher is the one that waits for the watchdog: one rank, in this process."""
+    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)  # Lightning sets them; monkeypatch restores them after
     strategy = build_strategy(StrategyConfig(name="ddp", process_group_backend="gloo", timeout_seconds=42),
                               TrainerConfig(devices=2))
-    assert isinstance(strategy, DDPStrategy)
-    # the launcher that waits for the watchdog, the bounded start-up and the sharded-folder resume, in that order
-    assert type(strategy).__mro__[1:5] == (WatchedLaunch, BoundedStartup, ShardedLoad, DDPStrategy)
-    assert strategy.process_group_backend == "gloo"
-    assert strategy._timeout == timedelta(seconds=42)
+    assert isinstance(strategy, DDPStrategy) and strategy.startup_timeout_seconds is not None
+    seen = {}
+
+    class Group(lightning.Callback):
+        def on_train_start(self, trainer, pl_module):
+            group = dist.group.WORLD
+            # torch has no public getter for a group's timeout: its backend's options hold it.
+            seen.update(backend=dist.get_backend(group), world=dist.get_world_size(group),
+                        timeout=group._get_backend(torch.device("cpu")).options._timeout)
+
+    trainer = lightning.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                callbacks=[Group()], default_root_dir=tmp_path)
+    try:
+        trainer.fit(BoringModel())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert type(strategy.launcher) is WatchedLauncher
+    assert seen == {"backend": "gloo", "world": 1, "timeout": timedelta(seconds=42)}
 
 
 def test_world_size_counts_nodes():
@@ -49,12 +72,28 @@ def test_zero_2_and_3_are_fsdp2_over_one_data_parallel_group(stage):
     # All 8 ranks shard the model (no tensor parallelism), and checkpoints are one consolidated file.
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (8, 1)
     assert strategy._save_distributed_checkpoint is False
-    assert strategy._timeout == timedelta(seconds=42)
+    assert process_group_timeout(strategy) == timedelta(seconds=42)
 
 
-def test_zero_1_is_ddp_with_a_sharded_optimizer():
+@pytest.mark.slow
+def test_zero_1_is_ddp_with_a_sharded_optimizer(tmp_path):
+    """ZeRO-1 is DDP whose optimizer state is split: on 2 processes each rank holds the state of its own share of
+    the parameters, the shares disjoint and together every parameter (ZeroRedundancyOptimizer's partition)."""
+    import torch.multiprocessing as mp
+
+    from tests.strategy_workers import optimizer_state_names
+
     strategy = build_strategy(StrategyConfig(name="zero", zero_stage=1), TrainerConfig(devices=2))
-    assert isinstance(strategy, DDPStrategy)
+    assert isinstance(strategy, DDPStrategy) and strategy.plan.zero_stage == 1
+    mp.start_processes(optimizer_state_names, nprocs=2, join=True, start_method="spawn",
+                       args=(2, f"file://{tmp_path}/pg", strategy.plan.zero_stage, str(tmp_path)))
+    held = [set(json.loads((tmp_path / f"{rank}.json").read_text())) for rank in range(2)]
+    from lit_pretrain.model.config import GPTConfig
+    from lit_pretrain.model.gpt import GPT
+
+    gpt = GPT(GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=2, seq_len=8))
+    every = {n for n, _ in gpt.named_parameters()}
+    assert held[0] and held[1] and not held[0] & held[1] and held[0] | held[1] == every
 
 
 def test_zero_refuses_a_precision_fsdp_cannot_run():

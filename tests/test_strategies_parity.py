@@ -2,7 +2,7 @@
 
 Each run is `python -m lit_pretrain.cli train` in a subprocess, the code path users run (config → Lightning
 strategy → our module); Lightning's `ddp` launcher re-runs the command for rank 1, which inside pytest would
-re-launch pytest itself (shared/CPU-DISTRIBUTED.md, pitfall 2). One run per strategy answers every question:
+re-launch pytest itself (docs/cpu.md, pitfall 2). One run per strategy answers every question:
 per-step global losses, gradient norms under active clipping, final weights, optimizer state, per-rank bytes,
 and (ZeRO-3) the checkpoint read back into a plain GPT.
 

@@ -1,4 +1,4 @@
-"""Streaming corpora and any tokenizer (issue 18, items 1-2): every reader format, byte-identical shards for any
+"""Streaming corpora and any tokenizer: every reader format, byte-identical shards for any
 number of tokenize processes, a Llama-3-style tokenizer with a vocabulary past uint16, and bad input refused with
 exit 2, one line, and no prepared folder."""
 

@@ -169,7 +169,7 @@ def test_tokens_per_step_must_divide(tmp_path, tiny_data_dir):
 
 def test_a_full_disk_while_saving_ends_in_one_line_and_keeps_the_newest_checkpoint(tmp_path, tiny_data_dir,
                                                                                     monkeypatch, capsys):
-    """Issue 37, item 8: ENOSPC while writing the step-2 checkpoint (injected into the atomic writer: no mount
+    """ENOSPC while writing the step-2 checkpoint (injected into the atomic writer: no mount
     privileges needed). One line names the file, the bytes needed and free, the newest checkpoint and the fix; exit
     2; `latest` still names step 1, and no temporary or partial file is left."""
     import errno

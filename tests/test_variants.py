@@ -1,4 +1,4 @@
-"""Issue 21: the model variants mean what they say (against formulas and hand-written references, not against
+"""The model variants mean what they say (against formulas and hand-written references, not against
 themselves), and the architecture is described once: a variant changes the parameter counts, the memory planner,
 the tensor-parallel plan and the pipeline balance with no edit outside the table. All in-process and tiny."""
 

@@ -11,7 +11,7 @@ import statistics
 from typing import Callable, Dict, List, Sequence, Tuple
 
 # Five alternations: the median then ignores up to two disturbed runs on either side, and the spread of five is a
-# usable yardstick for the next run (issue 22: "median and spread of >= 5 alternations").
+# usable yardstick for the next run (the bench's rule: median and spread of >= 5 alternations).
 ALTERNATIONS = 5
 
 

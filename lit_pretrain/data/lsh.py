@@ -9,7 +9,7 @@ Jaccard similarity s agrees on one row with probability s, so it becomes a candi
 In memory (storage=memory), the pairs come from one sort of the signature matrix per band (`band_pairs`): exactly
 the pairs of datasketch's MinHashLSH (`minhashlsh_pairs`, tests/test_ray_engine.py compares them), which spends
 per document a Python call per band to insert and again to query; that was half the stage on many short
-documents, 15-25x the banding's time (issue 22). Redis keeps datasketch's layout, so any MinHashLSH attached to the
+documents, 15-25x the banding's time. Redis keeps datasketch's layout, so any MinHashLSH attached to the
 same basename reads the index. datasketch (and scipy with it) is imported only where it is used: the Ray engine's
 workers import this module for `bucket_pairs`.
 """
@@ -26,7 +26,7 @@ from lit_pretrain.errors import DataError
 
 REPORTED_SIMILARITIES = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 # Redis round trips: documents are inserted and queried this many at a time, one script call per band (below): a
-# query one document at a time made the Redis index 35x slower than the in-memory one (issue 19).
+# query one document at a time made the Redis index 35x slower than the in-memory one.
 _REDIS_BATCH = 10_000
 
 

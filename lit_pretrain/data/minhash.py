@@ -7,7 +7,7 @@ same for any pool size and chunking. The rows are bit for bit those of datasketc
 the same shingle hash (SHA-1, first 4 bytes, little-endian), the same MurmurHash3 finalizer, the same permutations
 a * h + b mod 2^32 drawn from np.random.RandomState(seed) in datasketch's order. They are computed here rather than
 by datasketch so that a worker imports only numpy: importing datasketch (and scipy with it) took ~2.5 s per
-worker, a third of a 7 s job (issue 22), and one numpy pass over many documents' shingles at once replaces one
+worker, a third of a 7 s job, and one numpy pass over many documents' shingles at once replaces one
 `update_batch` call (a dozen small numpy calls) per document.
 
 This module imports neither torch, Lightning, datasketch nor scipy: it is what each worker (data/workers.py)
@@ -213,7 +213,7 @@ def _share_work(texts, ranges, out: np.ndarray, bar, workers: int, params: tuple
     so each worker's start-up (a fresh interpreter importing numpy: a fraction of a second) overlaps useful work.
 
     Separate processes, not forked ones: a forked child that runs OpenMP code after the parent did can deadlock
-    (shared/CPU-DISTRIBUTED.md, pitfall 6). The workers never import the caller's main module, so a script that
+    (docs/cpu.md, pitfall 6). The workers never import the caller's main module, so a script that
     calls `deduplicate` needs no main guard and may even be piped to Python; a worker that cannot start, or dies
     twice on one chunk, stops the stage with one WorkerError line (lit_pretrain/data/workers.py).
     """

@@ -70,7 +70,7 @@ def eod_id(tokenizer: Tokenizer, eos_token: str = EOD) -> int:
 
 def batch_encoder(tokenizer: Tokenizer) -> Callable:
     """The tokenizer's fastest batch encoding that gives the ids: `encode_batch_fast` where the installed tokenizers
-    has it (it skips the character offsets, which we never read: encode_batch ran at 0.74 of its speed, issue 22),
+    has it (it skips the character offsets, which we never read: encode_batch ran at 0.74 of its speed),
     else `encode_batch`. Same ids either way; call it with add_special_tokens=False."""
     return getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
 

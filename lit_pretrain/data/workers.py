@@ -1,7 +1,7 @@
 """Worker processes for the data stages: each is a fresh interpreter that imports this module and one function of
 lit_pretrain, reads tasks on its stdin, answers on its stdout, and whose stderr the parent keeps.
 
-Why not multiprocessing.Pool (issue 23): a spawned Pool worker re-imports the caller's main module, so a script
+Why not multiprocessing.Pool: a spawned Pool worker re-imports the caller's main module, so a script
 piped to Python (`python - < script.py`), or any main module a child cannot import, kills every worker as it
 starts, and the Pool starts new ones for ever without a word; a worker killed for memory leaves its task
 unanswered for ever. A worker here never imports the caller's main module (it gets the caller's sys.path, as a

@@ -16,9 +16,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional
 
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
+from lit_pretrain.internals import LocalLauncherSwap, SubprocessScriptLauncher, launch_local_ranks
 from lit_pretrain.resume.preemption import EXIT_INTERRUPTED
 
 CHILDREN: List[subprocess.Popen] = []
@@ -61,29 +59,24 @@ class ChildObserver(threading.Thread):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-class WatchedLauncher(_SubprocessScriptLauncher):
+class WatchedLauncher(SubprocessScriptLauncher):
     def __init__(self, *args, grace_seconds: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.grace_seconds = grace_seconds
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        # Lightning 2.6's _SubprocessScriptLauncher.launch, with ChildObserver for its _ChildProcessObserver.
-        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
-            self._call_children_scripts()
-            CHILDREN[:] = self.procs
-            ChildObserver(self.procs, self.grace_seconds).start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+        return launch_local_ranks(self, function, args, kwargs, self._observe)
+
+    def _observe(self, procs: List[subprocess.Popen]) -> None:
+        CHILDREN[:] = procs
+        ChildObserver(procs, self.grace_seconds).start()
 
 
-class WatchedLaunch:
+class WatchedLaunch(LocalLauncherSwap):
     """Strategy mixin: Lightning's local launcher becomes WatchedLauncher (build_strategy sets the grace)."""
 
     launch_grace_seconds: float = 5.0  # Lightning's own observer's period when no watchdog runs
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:
-            self._launcher = WatchedLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                             grace_seconds=self.launch_grace_seconds)
+    def local_launcher(self) -> WatchedLauncher:
+        return WatchedLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                               grace_seconds=self.launch_grace_seconds)

@@ -1,6 +1,6 @@
 """Peer watchdog: a rank that dies, stops or hangs ends the whole job within strategy.peer_failure_timeout_seconds
 (a hang: strategy.hang_timeout_seconds) with one line naming the rank and its step, instead of peers waiting in a
-collective for strategy.timeout_seconds or printing pages of gloo/NCCL tracebacks (issue 31).
+collective for strategy.timeout_seconds or printing pages of gloo/NCCL tracebacks.
 
 Each rank runs a thread beside training (the heartbeats of torchft and of Megatron's in-process restart, in a few
 lines): every `interval` it writes a heartbeat (a counter, its step and micro-batch progress, pid, host) into the

@@ -68,7 +68,7 @@ _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 # positions the RoPE tables cover; init_std and activation checkpointing do not either).
 FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
                    "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling")
-# Issue 21's variants, at the values a Llama (and a weights file written before them) has.
+# The architecture variants, at the values a Llama (and a weights file written before them) has.
 VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu",
                     "qk_norm_scope": "head", "moe": None, "rope_scaling": None}
 # model.rope_scaling's fields each type computes with (the others are unused by it).

@@ -192,7 +192,9 @@ def whole_matrix_muon_step(group: dict, state, layout) -> None:
     differ from one process's: measured 4.4e-4 on weights after one step) and orthogonalize tensor-parallel slices
     as if they were matrices. The learning-rate adjustment reads the whole matrix's shape, as one process would.
     """
-    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+    from lit_pretrain.internals import muon_parts
+
+    _adjust_lr, _zeropower_via_newtonschulz = muon_parts()
 
     lr, momentum = float(group["lr"]), group["momentum"]
     for p in group["params"]:

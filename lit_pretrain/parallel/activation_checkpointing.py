@@ -22,12 +22,9 @@ from typing import Callable, List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lit_pretrain.internals import CheckpointImpl, CheckpointWrapper, checkpoint_wrapper
 
 MODES = ("none", "full", "every_k", "selective")
 SAVE_MATMULS = ("all", "every_other")

@@ -139,7 +139,7 @@ class SavedActivations:
         return self
 
     def __exit__(self, *exc) -> None:
-        from torch.utils._pytree import tree_leaves
+        from lit_pretrain.internals import tree_leaves
 
         self._hooks.__exit__(*exc)
         for h in self._handles:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lit_pretrain.internals import drop_consolidated_state
 from lit_pretrain.parallel.collectives import all_reduce_flat
 from lit_pretrain.parallel.pipeline import is_tied_copy, tied_grad_sync
 from lit_pretrain.parallel.plan import MESH_DIMS, ParallelPlan
@@ -288,7 +289,7 @@ class ParallelModel:
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         named = {order[i]: {k: torch.as_tensor(v) for k, v in s.items()}
                  for i, s in optimizer.state_dict()["state"].items() if s}
-        optimizer._all_state_dicts = []  # its copy of every rank's state, kept until the next save otherwise
+        drop_consolidated_state(optimizer)  # its copy of every rank's state, kept until the next save otherwise
         return named
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, by_name: dict) -> None:

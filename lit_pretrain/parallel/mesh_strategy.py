@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lit_pretrain.faults.launcher import WatchedLaunch
+from lit_pretrain.internals import setup_process_group
 from lit_pretrain.parallel.mesh import build_mesh
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.startup import BoundedStartup
@@ -48,7 +49,7 @@ class MeshStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, GatheredOneFile, 
         self.plan = plan
 
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        setup_process_group(self)
         self._device_mesh = build_mesh(self.plan, self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 

@@ -22,7 +22,7 @@ torchtitan's ParallelDims orders them. One degree may be -1: the rest of the wor
 defaults of what they leave unset (see `build_plan`).
 
 Pure: no torch.distributed, so `show` and `train` refuse the same layouts with the same message before any process
-group exists (a layout that fails inside a collective hangs its peers until the timeout: shared/CPU-DISTRIBUTED.md).
+group exists (a layout that fails inside a collective hangs its peers until the timeout: docs/cpu.md).
 """
 
 from dataclasses import dataclass

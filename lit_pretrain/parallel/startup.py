@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from lit_pretrain.errors import StartupError
+from lit_pretrain.internals import BeforeProcessGroup, process_group_backend, process_group_timeout
 
 KEY_PREFIX = "lit_pretrain/startup/"
 
@@ -63,13 +64,13 @@ def missing_ranks(store, keys: List[str]) -> List[int]:
     return [r for r, key in enumerate(keys) if not store.check([key])]
 
 
-class BoundedStartup:
+class BoundedStartup(BeforeProcessGroup):
     """Strategy mixin: the process group is formed by form_world before Lightning's own set-up (which then finds it
     made and goes on). build_strategy sets `startup_timeout_seconds`; None keeps Lightning's path."""
 
     startup_timeout_seconds: Optional[float] = None
 
-    def _form_world(self) -> None:
+    def before_process_group(self) -> None:
         if self.startup_timeout_seconds is None or dist.is_initialized():
             return
         self.set_world_ranks()
@@ -77,13 +78,5 @@ class BoundedStartup:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
         device = self.root_device
         form_world(env.main_address, env.main_port, env.global_rank(), env.world_size(),
-                   self._get_process_group_backend(), self._timeout, self.startup_timeout_seconds,
+                   process_group_backend(self), process_group_timeout(self), self.startup_timeout_seconds,
                    device_id=device if device.type != "cpu" else None)
-
-    def setup_distributed(self) -> None:  # DDPStrategy's
-        self._form_world()
-        super().setup_distributed()
-
-    def _setup_distributed(self) -> None:  # ModelParallelStrategy's (and MeshStrategy's)
-        self._form_world()
-        super()._setup_distributed()

@@ -2,7 +2,7 @@
 
 torchrun and SLURM start the processes; Lightning then only joins them, and a config that asks for fewer
 (trainer.devices=1, trainer.num_nodes=1 under `torchrun --nnodes=2`) makes each process a run of its own: both
-trained alone, exited 0 and wrote into the same run folder (issue 31). The config is the record of the run (the
+trained alone, exited 0 and wrote into the same run folder. The config is the record of the run (the
 batch, the accumulation and a resume's checks all read trainer.devices and trainer.num_nodes), so a mismatch is
 refused, naming both keys and the values that fit, before anything is prepared or made; the values are not taken
 silently from the launcher.

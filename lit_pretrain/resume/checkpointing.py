@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from lit_pretrain.errors import DiskFullError
+from lit_pretrain.internals import batches_completed_in_epoch, saved_batch_progress, saved_epoch_loop_state
 from lit_pretrain.resume import store
 from lit_pretrain.resume.metrics_csv import ResumableCSVLogger, data_rows
 from lit_pretrain.resume.preemption import PreemptionFlag, requeue_slurm_job
@@ -78,7 +79,7 @@ class StepCheckpoint(StopRecorder):
         step = trainer.global_step
         if step == self._checked_step:
             return  # mid-accumulation
-        if trainer.fit_loop.epoch_loop.batch_progress.current.completed == 0:
+        if batches_completed_in_epoch(trainer) == 0:
             return  # the first batch of an epoch: checked at the next boundary (see on_save_checkpoint)
         self._checked_step = step
         signalled = self.flag is not None and self.flag.signum is not None
@@ -172,7 +173,7 @@ class StepCheckpoint(StopRecorder):
         steps = checkpoint.get(META_KEY, {}).get("step", checkpoint.get("global_step", 0))
         as_micro_batches_done(fit_loop, samples // (datamodule.micro_batch_size * world_size),
                               steps * trainer.accumulate_grad_batches)
-        progress = fit_loop["epoch_loop.batch_progress"]
+        progress = saved_batch_progress(fit_loop)
         if META_KEY in checkpoint and progress["current"]["ready"] == progress["current"]["completed"] + 1:
             # One of ours taken at the start of a batch (as_saved_at_previous_batch_end's form): that batch follows,
             # so the batch before it was not the epoch's last. Checkpoints written before that function cleared the
@@ -251,13 +252,13 @@ def as_saved_at_previous_batch_end(fit_loop: Dict) -> None:
     `is_last_batch` too: Lightning set it when it fetched batch j, so it is true at the start of an epoch's last batch,
     but batch j - 1 was not the last; left true, the restart would count epoch e as finished after batch j - 1
     (FitLoop.reset), give the sampler epoch e + 1 and train batch j from that epoch's order, then start epoch e + 2."""
-    progress = fit_loop["epoch_loop.batch_progress"]
+    progress = saved_batch_progress(fit_loop)
     for part in ("total", "current"):
         counts = progress[part]
         done = counts["completed"]
         counts.update(ready=done, started=done, processed=done, completed=done - 1)
     progress["is_last_batch"] = False  # batch j follows
-    fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+    saved_epoch_loop_state(fit_loop)["_batches_that_stepped"] -= 1
 
 
 def as_mid_epoch(checkpoint: Dict) -> None:
@@ -280,7 +281,7 @@ def as_micro_batches_done(fit_loop: Dict, micro_batches: int, total_micro_batche
     micro-batches, train.py) and ends an epoch when this epoch's `ready` reaches the loader's length; counts carried
     over in the micro-batches of another layout would step mid-accumulation, validate at other steps, or end the
     epoch early or late."""
-    progress = fit_loop["epoch_loop.batch_progress"]
+    progress = saved_batch_progress(fit_loop)
     for part, target in (("current", micro_batches), ("total", total_micro_batches)):
         counts = progress[part]
         shift = target - counts["ready"]

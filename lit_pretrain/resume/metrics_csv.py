@@ -12,6 +12,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lit_pretrain.internals import csv_writer_made
 from lit_pretrain.resume.atomic import atomic_write_bytes
 
 
@@ -52,8 +53,8 @@ class ResumableCSVLogger(CSVLogger):
 
     @property
     def experiment(self):
-        if self._experiment is not None:
-            return self._experiment
+        if csv_writer_made(self) is not None:
+            return csv_writer_made(self)
         if rank_zero_only.rank != 0:
             # Other ranks get Lightning's dummy writer: they must not read the file rank 0 is putting back (a race
             # seen under strategy=tensor: rank 1 read metrics.csv while rank 0's writer had deleted it).

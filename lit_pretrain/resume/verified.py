@@ -9,7 +9,6 @@ Lightning, so reading a checkpoint into a plain GPT (lit_pretrain/resume/weights
 import contextlib
 import errno
 import json
-import pickle
 import re
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -17,6 +16,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from lit_pretrain.errors import DataError
+from lit_pretrain.internals import write_records, zip_file_writer
 from lit_pretrain.paths import safe_unlink
 from lit_pretrain.resume.atomic import HashingWriter, atomic_open, atomic_write_bytes, file_sha256
 
@@ -28,13 +28,13 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def zip_writer(f) -> "torch._C.PyTorchFileWriter":
+def zip_writer(f):
     """torch.save's zip writer over the binary file `f`, without the CRC-32 of each entry: torch.load never checks it
     (a flipped byte in a torch.save file loads silently), and the sha256 sidecar or manifest checked before every
     load here covers every byte, so computing it would be a second checksum pass over the checkpoint for nothing
     (it took a third of torch.save's time here). Zip tools (`unzip -t`, zipfile.testzip) report its entries as
     bad CRCs. torch 2.13's own writer, as torch.save builds it (serialization._open_zipfile_writer_buffer)."""
-    return torch._C.PyTorchFileWriter(f, False, torch.serialization._get_storage_alignment())
+    return zip_file_writer(f)
 
 
 def torch_save(obj: Any, f) -> None:
@@ -42,7 +42,7 @@ def torch_save(obj: Any, f) -> None:
     same."""
     zip_file = zip_writer(f)
     try:
-        torch.serialization._save(obj, zip_file, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        write_records(obj, zip_file)
     except BaseException:
         # A write failed (a full disk): end the writer here, where its errors are Python exceptions. Left unended,
         # its destructor writes the end of the file into a closed file and aborts the process (std::terminate;

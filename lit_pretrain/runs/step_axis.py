@@ -14,10 +14,12 @@ to the loggers directly, with `step=trainer.global_step`) and a logged `step` me
 override) are left as they are; Lightning's own `epoch` column is kept.
 """
 
+from lit_pretrain.internals import logger_connector
+
 
 def log_at_steps_completed(trainer) -> None:
     """Make `trainer` tag logged rows with trainer.global_step; a second call on the same Trainer does nothing."""
-    connector = trainer._logger_connector
+    connector = logger_connector(trainer)
     if getattr(connector, "_steps_completed", False):
         return
     lightning_log_metrics = connector.log_metrics

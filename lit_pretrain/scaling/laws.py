@@ -67,7 +67,7 @@ class ParametricLaw:
 CHINCHILLA_APPROACH3 = ParametricLaw(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28, name="chinchilla-approach3",
                                      source="Hoffmann et al. 2022, eq. 10 (approach 3), closed form eq. 4")
 # Besiroglu et al. 2024 ("Chinchilla Scaling: A replication attempt"), their refit of approach 3 to the 240 points
-# extracted from Hoffmann et al.'s Figure 4 (the estimates quoted in shared/data/README.md).
+# extracted from Hoffmann et al.'s Figure 4 (the estimates quoted in tests/data/README.md).
 EPOCH = ParametricLaw(E=1.8172, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658, name="epoch",
                       source="Besiroglu et al. 2024, refit of Hoffmann et al.'s approach 3")
 # Their stated standard errors (Besiroglu et al. 2024, Table 1; bootstrap): A ±124.58, B ±1293.23, E ±0.03,

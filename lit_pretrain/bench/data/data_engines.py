@@ -31,7 +31,7 @@ from lit_pretrain.schema import DataConfig, DeduplicationConfig
 _DOCS = 8_000  # originals and copies; ~1 kB each
 _FILES = 16
 # The corpus of the comparison with datatrove: many short documents (as Debian's fortunes), where a per-document
-# cost in the LSH stage shows (issue 22: our whole stage >= 1.5x datatrove's).
+# cost in the LSH stage shows (goal: our whole stage >= 1.5x datatrove's).
 SHORT_DOCS, SHORT_WORDS = 15_000, 40
 
 

@@ -5,10 +5,10 @@ Throughput runs on the first THROUGHPUT_MB of the standard library's source, nor
 reference is datasketch's own `MinHash.bulk` over the same shingle sets with the same num_perm and seed, shingling
 included on both sides, so the ratio measures our numpy MinHash, chunking and packing against the library's.
 The speed-up is documents/s of `compute_signatures` at 2 processes over 1, on SCALE_DOCS generated documents: enough
-work (seconds) that a worker's start-up is amortised, as in a real prepare (issue 22: 2 processes >= 1.8x one).
+work (seconds) that a worker's start-up is amortised, as in a real prepare (goal: 2 processes >= 1.8x one).
 The LSH stage (insert every signature, query every one, sorted pairs) is datasketch's in-memory MinHashLSH against
 our numpy banding (lsh.band_pairs, what storage=memory runs) on the short documents of data_engines' comparison with
-datatrove, where per-document Python dominates (issue 22: >= 10x); both must give the same pairs.
+datatrove, where per-document Python dominates (goal: >= 10x); both must give the same pairs.
 Memory is the peak resident-set growth of a fresh worker process that runs the near-duplicate stage (signatures,
 candidate pairs, clusters) on synthetic 1 kB documents, against a process that does the same with datasketch's
 objects as its own examples show (a list of `MinHash.bulk` results inserted into `MinHashLSH`).

@@ -6,7 +6,7 @@ Same documents, same tokenizer, same chunks of ~4 MB: the reference calls the li
 document's ids (`Encoding.ids`, the least any use of the library does), keeping nothing. The first candidate is the
 tokenize stage's unit of work (tokenize_stage.encode_chunk: one library call a chunk, each document's ids wrapped
 in its end-of-document id, one array a chunk), so its ratio is the share of the library's speed the stage keeps
-(goal >= 0.95, issue 22). Its detail also gives the library call alone, ids never read: reading them costs ~6% of
+(goal >= 0.95). Its detail also gives the library call alone, ids never read: reading them costs ~6% of
 the call on the default corpus (a Python int a token, built by the library's getter), which no caller avoids. The
 second is prepare's `write_shards` (encode, wrap, write fixed-width ids to shards in order, count tokens for the
 manifest) on one process. The third is 2 tokenize processes (data.tokenize_workers=2) over 1. The library already

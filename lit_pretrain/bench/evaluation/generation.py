@@ -1,4 +1,4 @@
-"""Case: generation tokens/s with the KV cache against recomputing the whole prefix every step (issue 20).
+"""Case: generation tokens/s with the KV cache against recomputing the whole prefix every step.
 
 Same model (the experiment's, randomly initialized: speed does not depend on what it learned), same prompt,
 greedy decoding without an end-of-document stop, so both sides take exactly NEW_TOKENS steps. Recomputation costs

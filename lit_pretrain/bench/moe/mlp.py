@@ -1,4 +1,4 @@
-"""Cases: the mixture-of-experts MLP (model.moe, issue 32).
+"""Cases: the mixture-of-experts MLP (model.moe).
 
 - moe_grouped_vs_loop: one MoE layer's forward and backward at 8 experts, top 2, on the experiment's micro-batch of
   tokens and d_model: the experts as one grouped matmul per product over the tokens sorted by expert, with a

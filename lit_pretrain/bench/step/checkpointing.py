@@ -2,7 +2,7 @@
 and the bytes the forward leaves saved for the backward (parallel/memory.py SavedActivations, the selective cache
 included), each mode as a ratio to none, alternated in one process (bench/stats.py).
 
-Goals (issue 40): selective at most 10% slower than none (torchtitan's op policy recomputes only the cheap ops);
+Goals: selective at most 10% slower than none (torchtitan's op policy recomputes only the cheap ops);
 full about 1.33x (one more forward of each block). On this CPU the norms, RoPE and SiLU the selective mode runs
 again are a larger share of the step than on a GPU, where the matmuls dominate: report, don't gate.
 """
@@ -45,7 +45,7 @@ def run(c, steps: int = 4, skip: int = 1, alternations: int = stats.ALTERNATIONS
             seconds[mode].append((time.perf_counter() - start) / (steps - skip))
     detail = {"forward_backward_only": True, "micro_batch_size": c.trainer.micro_batch_size,
               "save_matmuls": c.model.activation_checkpointing_save_matmuls}
-    goals = {"selective": "<= 1.10 (issue 40; on GPU)", "full": "report (recompute: ~1.33 expected)"}
+    goals = {"selective": "<= 1.10 (on GPU)", "full": "report (recompute: ~1.33 expected)"}
     cases = []
     for mode in MODES:
         cases.append({"case": f"act_ckpt_{mode}_vs_none_step_seconds", **stats.summary(seconds["none"], seconds[mode]),

@@ -38,7 +38,7 @@ MODELS = {
 }
 VOCAB_SIZE = 32768
 GOALS = {"125m": "-", "1b": ">= 0.45"}
-PRESET_GOAL = ">= 0.45"  # issue 30: torchtitan reaches ~45% on Llama 3.1 8B (6,667 tokens/s/GPU on 8 H100, bf16)
+PRESET_GOAL = ">= 0.45"  # torchtitan reaches ~45% on Llama 3.1 8B (6,667 tokens/s/GPU on 8 H100, bf16)
 PRESET_MICRO_BATCHES = (8, 4, 2, 1)
 # `--dry-run`: the same code path on the CPU with a tiny model and a few steps, so the script is exercised (by a test)
 # on machines without a GPU. Its figures mean nothing.

@@ -21,7 +21,7 @@ PUBLISHED = {
     "compile": ("FSDP + torch.compile", 6667),
     "float8": ("FSDP + torch.compile + Float8", 8532),
 }
-# Goals of issue 40 for `make bench-gpu PRESET=llama3_2_1b` on one H100/H200, against bf16 compiled's tokens/s.
+# Goals for `make bench-gpu PRESET=llama3_2_1b` on one H100/H200, against bf16 compiled's tokens/s.
 GOALS = {"bf16_policy": "MFU >= 0.40", "selective": ">= 0.90", "fp8_rowwise": ">= 1.10", "fp8_tensorwise": ">= 1.10"}
 
 
@@ -51,13 +51,13 @@ CASES: Dict[str, tuple] = {
 
 
 def available(name: str) -> Optional[str]:
-    """None when case `name` can run in this checkout, else why not: selective activation checkpointing is issue 40
-    item 2 (parallel/activation_checkpointing.py's MODES gains "selective"); fp8 needs torchao, the [fp8] extra."""
+    """None when case `name` can run in this checkout, else why not: selective activation checkpointing needs
+    "selective" among parallel/activation_checkpointing.py's MODES; fp8 needs torchao, the [fp8] extra."""
     if name == "selective":
         from lit_pretrain.parallel.activation_checkpointing import MODES
 
         if "selective" not in MODES:
-            return "model.activation_checkpointing=selective is not in this checkout (issue 40 item 2)"
+            return "model.activation_checkpointing=selective is not in this checkout"
     if name.startswith("fp8"):
         try:
             import torchao  # noqa: F401
@@ -86,7 +86,9 @@ def gathered_dtype_probe():
 
             sharded = next((m for m in pl_module.model.modules() if isinstance(m, FSDPModule)), None)
             if sharded is not None:
-                policy = getattr(sharded._get_fsdp_state(), "_mp_policy", None)  # FSDP2's own record of it
+                from lit_pretrain.internals import fsdp_mixed_precision_policy
+
+                policy = fsdp_mixed_precision_policy(sharded)
                 dtype = getattr(policy, "param_dtype", None) or next(pl_module.model.parameters()).dtype
                 self.dtype = str(dtype).removeprefix("torch.")
 

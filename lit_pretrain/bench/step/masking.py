@@ -1,4 +1,4 @@
-"""Case: a training step with document masking (data.document_masking) against the same step without it (issue 18).
+"""Case: a training step with document masking (data.document_masking) against the same step without it.
 
 The experiment's model, micro-batch and optimizer, in a plain loop (PretrainModule.loss, backward, fused AdamW) on
 the same random windows, cut into documents of MEAN_DOCUMENT_TOKENS tokens on average by end-of-document ids: the

@@ -14,7 +14,7 @@ from lit_pretrain.bench import stats
 from lit_pretrain.callbacks.throughput import measured_cpu_peak_flops
 
 # 2048² fp32 matmuls (2·2048³ = 17.2 GFLOP each, ~0.1 s here) are large enough for the BLAS to reach its peak;
-# 1024² ran ~10% lower in measurements on this machine (shared/CPU-DISTRIBUTED.md reports 216-246 GFLOP/s at 2048²).
+# 1024² ran ~10% lower in measurements on this machine (docs/cpu.md reports 216-246 GFLOP/s at 2048²).
 PEAK_MATMUL_N = 2048
 
 

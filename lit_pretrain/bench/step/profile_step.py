@@ -4,7 +4,7 @@ The step of bench/step/step.py's raw loop (forward, fp32 cross-entropy, backward
 `trainer.compile` compiles it unless --eager, profiled with torch.profiler after warm-up steps. Prints each kind of
 work's share of the step (self CPU time of its operators), the GFLOP/s the matmuls reached against the fp32 matmul
 peak mfu.py measures (--bf16: the step under bf16 autocast, as trainer.precision=bf16-mixed runs it, against the bf16
-peak), and the MFU that leaves: it is what bounds `mfu_compiled` (issue 22) on a given CPU. Kinds are
+peak), and the MFU that leaves: it is what bounds `mfu_compiled` on a given CPU. Kinds are
 told apart by operator name (`kind_of`, table-tested); compiled kernels are named when inductor's kernel profiling
 is on (this tool turns it on), and every other operator counts as "other".
 """

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lit_pretrain.errors import DataError
+from lit_pretrain.internals import dump_checkpoint
 from lit_pretrain.resume.sharded.manifest import TRAINER_STATE
 
 MODEL, OPTIM = "model.", "optim."
@@ -127,9 +128,9 @@ def chunk_of(name: str, t: torch.Tensor, par) -> Chunk:
     if t.dim() == 0:
         return Chunk(t.detach(), (), ())
     if hasattr(t, "full_tensor"):  # an FSDP2 shard: its offsets in the (TP-local) tensor from its placements
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from lit_pretrain.internals import local_shape_and_offset
 
-        _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        _, offsets = local_shape_and_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()
     else:
         offsets, local = [0] * t.dim(), t
@@ -214,7 +215,7 @@ def trainer_state(trainer) -> Dict[str, Any]:
                                                    if not k.startswith(MODEL)}
     strategy.optimizer_state = lambda optimizer: {}
     try:
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(trainer, weights_only=False)
     finally:
         for attr, value in zip(("lightning_module_state_dict", "optimizer_state"), saved):
             if value is None:

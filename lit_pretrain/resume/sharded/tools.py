@@ -24,6 +24,14 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 
 from lit_pretrain.errors import DataError
+from lit_pretrain.internals import (
+    rebuild_tensor,
+    storage_alignment,
+    typed_storage_class,
+    typed_storage_record,
+    untyped_storage_dtypes,
+    untyped_storage_identity,
+)
 from lit_pretrain.resume.atomic import HashingWriter, atomic_open, atomic_write_bytes
 from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.verified import META_KEY, sidecar_path, zip_writer
@@ -59,12 +67,12 @@ class _PendingStorage:
     def __init__(self, key: str, saved: dcp_meta.TensorStorageMetadata):
         self.key, self.saved = key, saved
         self.dtype, self.shape = saved.properties.dtype, tuple(saved.size)
-        self.v3 = self.dtype in torch.storage._new_dtypes()  # dtypes torch.save writes as untyped storages
+        self.v3 = self.dtype in untyped_storage_dtypes()  # dtypes torch.save writes as untyped storages
         self.numel = torch.Size(self.shape).numel()
         if self.v3:
             self.storage_type, self.numel = torch.UntypedStorage, self.numel * self.dtype.itemsize
         else:
-            self.storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[self.dtype])
+            self.storage_type = typed_storage_class(self.dtype)
 
 
 class _Pending:
@@ -77,7 +85,7 @@ class _Pending:
     def __reduce_ex__(self, protocol: int):
         s = self.storage
         args = (s, 0, s.shape, torch.empty(s.shape, device="meta").stride(), False, OrderedDict())
-        return (torch._utils._rebuild_tensor_v3, args + (s.dtype,)) if s.v3 else (torch._utils._rebuild_tensor_v2, args)
+        return (rebuild_tensor(untyped=True), args + (s.dtype,)) if s.v3 else (rebuild_tensor(untyped=False), args)
 
 
 class _Pickler(pickle.Pickler):
@@ -98,10 +106,10 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, _PendingStorage):
             return ("storage", obj.storage_type, self._key(id(obj), obj), "cpu", obj.numel)
         if isinstance(obj, torch.storage.TypedStorage):
-            key = self._key(obj._untyped_storage._cdata, obj._untyped_storage)
-            return ("storage", getattr(torch, obj._pickle_storage_type()), key, "cpu", obj._size())
+            untyped, identity, storage_class, size = typed_storage_record(obj)
+            return ("storage", storage_class, self._key(identity, untyped), "cpu", size)
         if torch.is_storage(obj):
-            return ("storage", torch.UntypedStorage, self._key(obj._cdata, obj), "cpu", obj.nbytes())
+            return ("storage", torch.UntypedStorage, self._key(untyped_storage_identity(obj), obj), "cpu", obj.nbytes())
         return None
 
 
@@ -142,7 +150,7 @@ def _write_checkpoint(folder: Path, reader, saved: Dict, trainer: Dict, out: Pat
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump(ckpt)
-    data, alignment = buf.getvalue(), str(torch.serialization._get_storage_alignment())
+    data, alignment = buf.getvalue(), str(storage_alignment())
     with atomic_open(out, sync_folder=False) as f:  # the sidecar's folder fsync follows (resume/verified.py)
         writer = HashingWriter(f)
         zip_file = zip_writer(writer)  # the records torch.save writes (verified.py torch_save), without CRC-32s
