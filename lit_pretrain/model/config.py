@@ -8,6 +8,8 @@ Field metadata (`ge`, `gt`, `le`, `choices`) is the range the config loader enfo
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from lit_pretrain.model.mask_spec import CAUSAL, MaskSpec
+
 
 @dataclass
 class MoEConfig:
@@ -379,12 +381,15 @@ class ModuleSpec:
         return self.numel // self.shape[0] * self.active_experts
 
 
-def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
+                            mask: MaskSpec = CAUSAL) -> int:
     """Training FLOPs per token (forward + backward): 6·N + 12·L·H·Q·T, PaLM appendix B (Chowdhery et al. 2022).
 
     6·N: each of the N matmul parameters costs one multiply-add (2 FLOPs) per token forward and twice that
     backward (gradient w.r.t. the input and w.r.t. the weight). 12·L·H·Q·T: the attention scores QKᵀ and the
     weighted sum over V, each 2·H·Q·T FLOPs per token per layer forward, times 3 for forward + backward.
-    The full T×T score matrix is counted, as PaLM does, although causal attention needs only half of it.
+    T is the keys a query is counted against, as the attention mask says (model/mask_spec.py
+    `MaskSpec.scored_keys`): the full T×T score matrix, as PaLM counts it, although causal attention needs only
+    half of it.
     """
-    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * seq_len
+    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * mask.scored_keys(seq_len)

@@ -18,6 +18,7 @@ from lit_pretrain.model.config import GPTConfig, ModuleSpec, RopeScalingConfig, 
 
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
 from lit_pretrain.model.init import initialize
+from lit_pretrain.model.mask import CAUSAL, Mask, SdpaMask, sdpa_mask
 from lit_pretrain.model.moe import MoE
 from lit_pretrain.model.rope import inverse_frequencies
 
@@ -120,14 +121,11 @@ def document_mask(doc_ids: torch.Tensor, queries: torch.Tensor | None = None) ->
     """Block-diagonal causal mask of doc_ids (B, T): True where query i may look at key j (j <= i, same document).
     Returns (B, 1, T, T) bool, broadcast over heads (so it also serves a tensor-parallel rank's share of them).
     queries: (Tq,) the positions of the queries when they are only some of the T (context parallelism computes
-    part of the sequence's queries over all its keys): their rows, (B, 1, Tq, T)."""
+    part of the sequence's queries over all its keys): their rows, (B, 1, Tq, T). Made by `sdpa_mask`
+    (model/mask.py)."""
     T = doc_ids.shape[1]
-    keys = torch.arange(T, device=doc_ids.device)  # (T,)
-    rows = doc_ids if queries is None else doc_ids[:, queries]  # (B, Tq)
-    queries = keys if queries is None else queries  # (Tq,)
-    causal = keys[None, :] <= queries[:, None]  # (Tq, T)
-    same = rows[:, :, None] == doc_ids[:, None, :]  # (B, Tq, T)
-    return (same & causal)[:, None]  # (B, 1, Tq, T)
+    n_queries = T if queries is None else queries.shape[0]
+    return sdpa_mask(Mask(doc_ids, 0 if queries is None else queries), n_queries, T, doc_ids).attn_mask
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -178,20 +176,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: None for plain causal attention, or (B, 1, T, T) bool, True where a query may look
-        (`document_mask`)."""
+        """mask: None for plain causal attention, or the (B, 1, T, T) bool mask `sdpa_mask` made once per forward
+        for every layer (document masking), True where a query may look."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
         if self.context is not None:  # keys and values of the whole sequence, mask in its positions
             y = self.context(q, k, v, mask)  # (B, n_heads, T, head_dim)
-        elif mask is None:
-            y = attend(q, k, v, is_causal=True)  # (B, n_heads, T, head_dim)
         else:
             # SDPA with an explicit mask, not flex_attention: on this CPU (torch 2.13) flex_attention has no
             # backward ("FlexAttention does not support backward on CPU"), so it cannot train here; its forward
             # alone measured 190-230 ms eager and 23-48 ms compiled against SDPA's 16-31 ms with the mask (B 8,
             # 4 heads, T 256, head_dim 64; 2 loaded cores). The mask costs B·T² bytes: 0.5 MB for the default model.
-            y = attend(q, k, v, mask)  # (B, n_heads, T, head_dim)
+            sdpa = sdpa_mask(CAUSAL, T, T, q) if mask is None else SdpaMask(mask, False)
+            y = attend(q, k, v, *sdpa)  # (B, n_heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
         return self.wo(y)
 
@@ -203,7 +200,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
         k, v = cache.append(layer, k, v)  # (B, n_kv_heads, S, head_dim), S = cache.length + T
-        y = attend(q, k, v, cache.mask(T))  # (B, n_heads, T, head_dim)
+        # the new queries end at the last key: the causal triangle aligned to the bottom right
+        y = attend(q, k, v, *sdpa_mask(Mask(queries=cache.length), T, k.shape[2], q))  # (B, n_heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
         return self.wo(y)
 
@@ -427,14 +425,3 @@ class KVCache:
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, n_kv_heads, end, head_dim) each
-
-    def mask(self, new_tokens: int) -> torch.Tensor | None:
-        """Attention mask of `new_tokens` queries at positions [length, length + new_tokens) over keys
-        [0, length + new_tokens): True where a query may look (its own position and before). None for one query,
-        which may look at every cached key. sdpa's `is_causal` aligns the triangle to the top-left corner, wrong
-        as soon as there are more keys than queries, so the offset triangle is written out."""
-        if new_tokens == 1:
-            return None
-        queries = torch.arange(self.length, self.length + new_tokens, device=self.k.device)  # (T,)
-        keys = torch.arange(self.length + new_tokens, device=self.k.device)  # (S,)
-        return keys[None, :] <= queries[:, None]  # (T, S)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lit_pretrain.model.losses import IGNORE_INDEX
+from lit_pretrain.model.mask import Mask, sdpa_mask
 from lit_pretrain.parallel.sequence import _all_gather_single, _reduce_scatter_single
 
 
@@ -101,44 +102,23 @@ class ContextParallel:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: Optional[torch.Tensor]) -> torch.Tensor:
         """Attention of this rank's queries q (B, H, T/c, Q) over the whole sequence's keys and values, given this
-        rank's k, v (B, KV, T/c, Q). mask: (B, 1, T/c, T) bool in global positions (document masking), or None for
-        the causal mask, which needs none: each of the two query chunks attends to the keys up to its own end, with
-        the causal triangle aligned to the bottom right (SDPA's is_causal aligns it to the top left), as two SDPA
-        calls."""
+        rank's k, v (B, KV, T/c, Q). mask: (B, 1, T/c, T) bool in global positions (document masking, made by
+        model/mask.py's `sdpa_mask`), or None for the causal mask: each of the two query chunks attends to the keys
+        up to its own end, the causal triangle aligned to the bottom right, as two SDPA calls whose masks
+        `sdpa_mask` makes (SDPA's is_causal for a square first chunk; off CUDA one additive mask of the window's
+        width shared by every layer and both chunks)."""
         from lit_pretrain.model.gpt import attend
 
         k, v = GatherKV.apply(k, v, self.group, self.c)  # (B, KV, T, Q) each
         if mask is not None:
             return attend(q, k, v, mask)  # (B, H, T/c, Q)
-        n = q.shape[2] // 2  # chunk length T/(2c)
+        n, T = q.shape[2] // 2, k.shape[2]  # chunk length T/(2c), window
         out = []
         for i, chunk in enumerate((self.rank, 2 * self.c - 1 - self.rank)):
-            qi, end = q[:, :, i * n:(i + 1) * n], (chunk + 1) * n
-            if end == n:  # the first chunk: a square triangle, SDPA's own causal mask
-                out.append(attend(qi, k[:, :, :end], v[:, :, :end], is_causal=True))  # (B, H, n, Q)
-            else:
-                out.append(attend(qi, k[:, :, :end], v[:, :, :end], self.lower_right(n, end, q)))  # (B, H, n, Q)
+            qi, end = q[:, :, i * n:(i + 1) * n], (chunk + 1) * n  # the chunk's n queries end at key `end`
+            sdpa = sdpa_mask(Mask(queries=end - n), n, end, q, shared_width=T)
+            out.append(attend(qi, k[:, :, :end], v[:, :, :end], *sdpa))  # (B, H, n, Q)
         return torch.cat(out, dim=2)  # (B, H, T/c, Q)
-
-    def lower_right(self, n: int, end: int, q: torch.Tensor):
-        """The causal mask of n queries ending at key `end`, aligned to the bottom right. On GPUs PyTorch's
-        CausalBias, which the flash and memory-efficient kernels apply without a mask in memory; elsewhere SDPA
-        would materialize it in every layer (and keep it for backward), so one additive mask of n x T elements
-        of q's dtype, made once per window length and shared by every layer and both chunks, is passed instead:
-        the mask of n queries ending at `end` is its last `end` columns (query i may see key j <= end - n + i,
-        which is column j + T - end <= T - n + i of the whole one)."""
-        if q.device.type == "cuda":
-            from torch.nn.attention.bias import causal_lower_right
-
-            return causal_lower_right(n, end)
-        T = 2 * self.c * n
-        key = (n, q.dtype, q.device)
-        cached = getattr(self, "_mask", None)
-        if cached is None or cached[0] != key:
-            allowed = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)  # (n, T)
-            mask = torch.zeros(n, T, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-            self._mask = cached = (key, mask)
-        return cached[1][:, T - end:]  # (n, end)
 
 
 def context_losses(logits: torch.Tensor, targets: torch.Tensor, group, z_loss: float = 0.0,

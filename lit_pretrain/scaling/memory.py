@@ -65,6 +65,7 @@ from typing import Dict, Optional
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
+from lit_pretrain.model.mask_spec import CAUSAL
 from lit_pretrain.scaling import recompute as recomputation
 
 
@@ -249,13 +250,11 @@ def context_forward_bytes(seq_len: int, micro_batch: int, head_dim: int, context
 
 
 def context_mask_bytes(seq_len: int, context_parallel: int, bytes_per_element: float = 4.0) -> float:
-    """The additive causal mask a context-parallel rank passes to SDPA off the GPU, once per forward (parallel/
-    context.py ContextParallel.lower_right): chunk 2c-1-r's T/(2c) queries over the keys up to its end, at most
-    (rank 0) T/(2c) x T elements. On CUDA, PyTorch's CausalBias needs none, so `memory_plan` leaves it out; CPU
+    """The additive causal mask a context-parallel rank passes to SDPA off the GPU, once per forward (model/mask.py
+    `sdpa_mask`, shared by both chunks and every layer): T/(2c) queries over the window's T keys, as
+    `MaskSpec.mask_bytes` counts it. On CUDA, PyTorch's CausalBias needs none, so `memory_plan` leaves it out; CPU
     measurements add it."""
-    if context_parallel == 1:
-        return 0.0
-    return bytes_per_element * seq_len // (2 * context_parallel) * seq_len
+    return CAUSAL.mask_bytes(seq_len, 1, context_parallel, bytes_per_element)
 
 
 def context_transient_bytes(cfg: GPTConfig, micro_batch: int, context_parallel: int, tensor_parallel: int = 1,

@@ -38,6 +38,7 @@ tests/test_activation_checkpointing.py.
 from typing import Dict, List, Optional, Tuple
 
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.model.mask_spec import CAUSAL
 
 
 def block_matmuls(seq_len: int, micro_batch: int, hidden: int, heads: int, mlp_hidden: int,
@@ -105,7 +106,7 @@ def recompute_flops(mode: str, seq_len: int, micro_batch: int, hidden: int, head
         kept = set(saved_matmuls([m[0] for m in mms], save_matmuls))
         return {"matmul": sum(flops for name, _, flops in rerun if name not in kept), "attention": 0.0}
     if mode == "full":
-        q = hidden // heads
+        q = hidden // heads  # the scores and the weighted sum over the keys the mask has counted (model/mask_spec.py)
         return {"matmul": sum(flops for _, _, flops in rerun),
-                "attention": 4.0 * micro_batch * heads / tensor_parallel * seq_len ** 2 * q}
+                "attention": 4.0 * micro_batch * heads / tensor_parallel * (seq_len * CAUSAL.scored_keys(seq_len)) * q}
     raise ConfigError(f"model.activation_checkpointing={mode!r}: expected none, selective or full here")
