@@ -390,7 +390,8 @@ STEP_LINE = re.compile(r"step (\d+)/(\d+): train/loss \d+\.\d{4}, [\d,]+ tokens/
 
 
 @pytest.mark.slow
-def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(tmp_path, tiny_data_dir, coarse_fit_grid, capfd):
+def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(tmp_path, tiny_data_dir, coarse_fit_grid,
+                                                                               capfd):
     # The --small grid in training order: rung 1 is a 10-step run with branches (a checkpoint at every branch step:
     # every 4, all kept). Ctrl-C during step 6 (global_step 5) stops the ladder at the next step boundary, with a
     # checkpoint of step 6; a second call resumes there, SIGTERM during step 9 stops it again at 9; a third call
