@@ -26,15 +26,16 @@ KNOWN = {
     "tests/test_resume.py::test_single_process_sigkill_twice_sigterm_and_ctrl_c": 60.3,
     "tests/test_resume.py::test_zero3_tensor_parallel_resume_from_single_process_and_sigkill": 59.2,
     "tests/test_bf16.py::test_bf16_mixed_clips_fp32_gradients_by_their_fp32_norm": 58.5,
-    "tests/test_ladder.py::test_a_killed_ladder_resumes_rung_by_rung": 52.9,
     "tests/test_expert_parallel.py::test_four_process_expert_parallelism_in_every_plan_matches_one_process": 47.5,
+    # 52.9 s with the whole grid of starts; with coarse_fit_grid 203 s where the whole grid's ran 227 s beside it (a
+    # loaded machine): scaled by that ratio. The signal test below alike: 26.8 s, 28 s against 42 s.
+    "tests/test_ladder.py::test_a_killed_ladder_resumes_rung_by_rung": 47.3,
     "tests/test_resume.py::test_context_parallel_zero3_resume_from_single_process_and_sigkill": 47.2,
     "tests/test_mesh_parallel.py::test_four_process_layouts_match_one_process": 43.3,
     "tests/test_multinode.py::test_two_torchrun_nodes_train_bitwise_one_node_of_two[ddp]": 40.4,
     "tests/test_strategies_parity.py::test_per_rank_bytes_follow_the_shard_sizes": 39.1,
     "tests/test_strategies_parity.py::test_memory_planner_agrees_with_the_measured_bytes": 32.9,
     "tests/test_multinode.py::test_two_torchrun_nodes_train_bitwise_one_node_of_two[zero3]": 28.0,
-    "tests/test_ladder.py::test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues": 26.8,
     "tests/test_moe_parallel.py::test_expert_parallel_resumes_bitwise_after_sigkill_mid_accumulation": 24.4,
     "tests/test_stability_train.py::test_clean_run_has_no_events": 23.7,
     "tests/test_pretokenized_train.py::test_mixture_with_a_megatron_source_resumes_bitwise_after_sigkill": 23.1,
@@ -44,6 +45,7 @@ KNOWN = {
     # 26.3 s with the whole grid of starts; with coarse_fit_grid 35.7 CPU s alone where the whole grid took 42.1.
     "tests/test_scaling_cli.py::test_sweep_trains_fits_predicts_and_reports": 22.3,
     "tests/test_resume.py::test_zero3_resumes_the_ddp_sharded_folder_and_sigkill": 20.3,
+    "tests/test_ladder.py::test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues": 17.9,
     # The layout chains (tests/test_transitions.py), by `make test` on another 2-core machine (AMD EPYC, AVX2 only)
     # that ran the whole suite at about 1.5x these figures: 112, 85 and 54 s, scaled by 1/1.5.
     "tests/test_transitions.py::test_layout_chain_equals_the_uninterrupted_run[a]": 75.0,
