@@ -107,12 +107,16 @@ def test_profile_step_counts_every_matmul_flop_of_the_step():
     assert rows["matmul"]["seconds"] > 0 and rows["attention"]["seconds"] > 0
 
 
-def test_precision_case_alternates_bf16_mixed_with_fp32_and_gives_each_mfu_its_own_dtype_peak():
+def test_precision_case_alternates_bf16_mixed_with_fp32_and_gives_each_mfu_its_own_dtype_peak(monkeypatch):
     """bench/step/precision.py on the tiny run (eager: auto leaves it uncompiled, as its run would be), one alternation:
     the ratio is bf16-mixed's tokens/s over fp32's, and each MFU divides by the peak of its own dtype."""
     from lit_pretrain import config
     from lit_pretrain.bench.step import precision
 
+    # The peak's matmuls at 256², not 2048²: the assertions are the case's arithmetic, whatever the peak's size. On
+    # a CPU without bf16 units (AVX2 only) one emulated bf16 2048² matmul takes ~20 s and the peak times six of them
+    # (the whole test: 345 s there, under 1 s at 256²); the peak's label follows the size (mfu.peak_label).
+    monkeypatch.setattr(mfu, "PEAK_MATMUL_N", 256)
     c = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model.vocab_size=512"]))
     case, bf16, fp32 = precision.run(c, steps=3, skip=1, repeats=1)
     assert [case["case"], bf16["case"], fp32["case"]] == ["bf16_mixed_step_tokens_per_s", "mfu_bf16_mixed",

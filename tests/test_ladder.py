@@ -200,7 +200,7 @@ def test_rung_state_reads_the_run_folder(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir):
+def test_a_killed_ladder_resumes_rung_by_rung(tmp_path, tiny_data_dir, coarse_fit_grid):
     # The tiny grid in training order: 8 fitted rungs (per size a 10-step run, then the 5-step budget's cooldown
     # branched from its checkpoint of step 4; the smallest size under two seeds), the 15-step development rung (a
     # checkpoint every 8), the 40-step held-out rung. A fault injected into every rung SIGKILLs the ladder's process
@@ -390,7 +390,8 @@ STEP_LINE = re.compile(r"step (\d+)/(\d+): train/loss \d+\.\d{4}, [\d,]+ tokens/
 
 
 @pytest.mark.slow
-def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(tmp_path, tiny_data_dir, capfd):
+def test_a_signal_stops_the_ladder_at_a_checkpoint_and_the_next_call_continues(tmp_path, tiny_data_dir, coarse_fit_grid,
+                                                                               capfd):
     # The --small grid in training order: rung 1 is a 10-step run with branches (a checkpoint at every branch step:
     # every 4, all kept). Ctrl-C during step 6 (global_step 5) stops the ladder at the next step boundary, with a
     # checkpoint of step 6; a second call resumes there, SIGTERM during step 9 stops it again at 9; a third call
@@ -567,7 +568,7 @@ def test_time_estimate_shares_the_fitted_rungs_out_and_runs_the_held_out_rungs_a
     assert ladder_grid.estimate_seconds(rungs[:3], 1e10, workers=1) == pytest.approx(400.0)
 
 
-def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_rung_chooses(tmp_path):
+def test_a_law_in_steps_is_fitted_beside_the_law_in_tokens_and_the_development_rung_chooses(tmp_path, coarse_fit_grid):
     # law_variables [tokens, steps]: the second grid's rungs (short.yaml) with losses drawn exactly from a law in
     # optimizer steps S (the batch rule ties tokens a step to N, so no law in D alone reproduces them). Six fits side by
     # side (3 N conventions x 2 variables): the laws in tokens run off to a negative alpha and are reported as failed

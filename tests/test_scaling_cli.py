@@ -76,7 +76,7 @@ def test_sweep_file_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_sweep_trains_fits_predicts_and_reports(tmp_path, tiny_data_dir):
+def test_sweep_trains_fits_predicts_and_reports(tmp_path, tiny_data_dir, coarse_fit_grid):
     # The whole machinery on the tiny corpus: 5 grid runs of 6-30 steps, the fit, the written prediction, the held-out
     # run and report.json. Losses this short say nothing about scaling; the test checks the pipeline, not the error.
     run_file = tmp_path / "run.yaml"
