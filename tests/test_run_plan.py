@@ -33,7 +33,7 @@ def test_the_large_presets_have_run_files_for_one_and_four_nodes_of_h200():
 @pytest.mark.parametrize("run_file", SIZED, ids=lambda p: p.stem)
 def test_every_sized_run_file_loads_and_fits_its_device_memory(run_file):
     c = config.to_object(config.load(run_file))  # the load itself refuses a run that does not fit
-    r = run_memory(c)
+    r = run_memory(c, c.plan)
     assert r["fits"] and r["headroom_fraction"] >= MIN_HEADROOM
     assert r["total_bytes"] + r["headroom_bytes"] == c.trainer.device_memory_gb * 1e9
     # the comment states what the planner prints, so it cannot drift from it
@@ -66,7 +66,7 @@ def test_budget_of_the_8b_run_and_its_refusals():
         config.load(run, ["trainer.micro_batch_size=2"])
     # the fix the error names
     fixed = config.load(run, ["trainer.micro_batch_size=2", "model.activation_checkpointing=full"])
-    assert run_memory(config.to_object(fixed))["fits"]
+    assert run_memory(fixed, fixed.plan)["fits"]
 
 
 def test_the_128k_run_fits_with_the_context_parallel_degree_the_planner_names():
@@ -76,7 +76,7 @@ def test_the_128k_run_fits_with_the_context_parallel_degree_the_planner_names():
     run = RUNS / "llama3_1_8b_h200x8_128k.yaml"
     c = config.to_object(config.load(run))
     assert (c.model.seq_len, c.strategy.context_parallel, c.trainer.devices) == (131072, 4, 8)
-    m = run_memory(c)
+    m = run_memory(c, c.plan)
     assert m["fits"] and m["headroom_fraction"] >= 0.10 and m["context_parallel_needed"] == 4, m
     assert m["context_parallel"] == 4 and m["context_parallel_bytes"] > 0
     assert "context_parallel needed: 4" in format_fit(m)
@@ -96,7 +96,7 @@ def test_experts_shard_over_data_parallel_times_context_parallel_ranks_over_expe
     c = config.to_object(config.load(RUNS / "default.yaml", [
         "strategy=zero", "strategy.context_parallel=2", "strategy.expert_parallel=2", "trainer.devices=4",
         "trainer.micro_batch_size=4", "model.moe={num_experts: 8, top_k: 2}"]))
-    m, plan = run_memory(c), build_plan(c)
+    m, plan = run_memory(c, c.plan), c.plan
     assert (plan.data_parallel_shard, plan.context_parallel, plan.expert_parallel) == (2, 2, 2)
 
     def direct(edp):
@@ -115,7 +115,7 @@ def test_zero1_under_context_parallelism_splits_the_optimizer_state_over_shard_t
     def states(*overrides):
         c = config.to_object(config.load(RUNS / "default.yaml", ["strategy=zero", "strategy.zero_stage=1",
                                                                  "trainer.micro_batch_size=4", *overrides]))
-        m = run_memory(c)
+        m = run_memory(c, c.plan)
         return m["data_parallel"], m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"]
 
     d, params, grads, optimizer = states("strategy.context_parallel=2", "trainer.devices=4")
@@ -212,7 +212,8 @@ def test_memory_and_plan_state_every_size_in_gb(capsys):
         outputs.append(capsys.readouterr().out)
     for out in outputs:
         assert " GB" in out and "GiB" not in out and "MiB" not in out
-    total = run_memory(config.to_object(config.load(run)))["total_bytes"]
+    loaded = config.load(run)
+    total = run_memory(loaded, loaded.plan)["total_bytes"]
     assert f"{total / 1e9:.1f} GB per device" in outputs[0] and f"{total / 1e9:.3f} GB" in outputs[0]
     assert f"{total / 1e9:.1f} GB per device" in outputs[1]
     assert "fits in 85.9 GB: yes" in outputs[2]  # 80 GiB given = 85.9 GB stated

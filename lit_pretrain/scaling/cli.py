@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             from lit_pretrain.scaling.run_plan import format_run_plan, run_plan
 
             run_config = _run_config(args)
-            result = run_plan(run_config, load_law(args.law))
+            result = run_plan(run_config, run_config.plan, load_law(args.law))
             hours = _gpu_hours(args, run_config, result)
             if hours is not None:
                 result["gpu_hours"] = hours
@@ -215,10 +215,11 @@ def _gpu_hours(args, run_config, result):
 
 
 def _run_config(args):
-    """The config of --run with its overrides, trainer.device_memory_gb left unchecked: these commands report it."""
+    """The config of --run with its overrides and its plan (config.Loaded), trainer.device_memory_gb left unchecked:
+    these commands report it."""
     from lit_pretrain import config
 
-    return config.to_object(config.load(args.run, args.overrides, check_memory=False))
+    return config.load(args.run, args.overrides, check_memory=False)
 
 
 def _no_overrides(args) -> None:
@@ -240,7 +241,8 @@ def _memory(args) -> dict:
                               " (override a key instead, e.g. trainer.device_memory_gb=80)")
         from lit_pretrain.scaling.run_plan import run_memory
 
-        return run_memory(_run_config(args))
+        run_config = _run_config(args)
+        return run_memory(run_config, run_config.plan)
     _no_overrides(args)
     shape_args = (args.layers, args.hidden, args.heads)
     if (args.params is None) == all(v is None for v in shape_args) or (

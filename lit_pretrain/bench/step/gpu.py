@@ -141,6 +141,7 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
     from lit_pretrain.bench.step.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
     from lit_pretrain.model.gpt import GPT
+    from lit_pretrain.parallel.plan import plan_from
     from lit_pretrain.parallel.strategies import build_strategy
 
     c = experiment(c, name, devices, dry_run, *(fitted[:2] if fitted else ()))
@@ -149,10 +150,11 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
         # Every rank times its own share; the node's rate is that times the ranks (they step in lockstep).
         # The dry run stays eager on both sides: compiling needs a C++ compiler and tens of seconds on a CPU.
         run = run or c
-        strategy = build_strategy(run.strategy, run.trainer)
+        plan = plan_from(run.strategy, run.trainer)
         return devices * trainer_loop(run, steps, skip, compile=compile and not dry_run,
                                       precision=run.trainer.precision, accelerator=run.trainer.accelerator,
-                                      strategy=strategy, devices=devices, callbacks=callbacks)
+                                      strategy=build_strategy(run.strategy, run.trainer, plan), devices=devices,
+                                      callbacks=callbacks, plan=plan)
 
     case = paired_case(f"gpu_{name}_compiled_step_tokens_per_s", lambda: tokens_per_s(False),
                        lambda: tokens_per_s(True), 1, ">= 1.0", "tokens/s", ("eager", "compiled"),
