@@ -231,6 +231,7 @@ def _memory(args) -> dict:
     from dataclasses import asdict, replace
 
     from lit_pretrain.model import shapes
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan, parse_bytes
 
     if args.run:
@@ -264,12 +265,14 @@ def _memory(args) -> dict:
         raise ConfigError(str(err).replace("model.d_model", "--hidden").replace("model.n_heads", "--heads")
                           .replace("model.n_kv_heads", "--model n_kv_heads")) from None
     device = parse_bytes(args.device_memory) if args.device_memory else None
-    result = memory_plan(cfg, args.micro_batch, args.data_parallel, args.zero_stage, args.tensor_parallel,
-                         args.pipeline_parallel, args.sequence_parallel, args.activation_checkpointing,
-                         args.precision, device, exact=args.exact,
-                         activation_checkpointing_k=args.activation_checkpointing_k,
-                         activation_checkpointing_save_matmuls=args.activation_checkpointing_save_matmuls,
-                         expert_parallel=args.expert_parallel)
+    layout = ParallelPlan(data_parallel_shard=args.data_parallel, zero_stage=args.zero_stage,
+                          tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+                          sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
+                          activation_checkpointing=args.activation_checkpointing,
+                          activation_checkpointing_k=args.activation_checkpointing_k,
+                          activation_checkpointing_save_matmuls=args.activation_checkpointing_save_matmuls)
+    result = memory_plan(layout, cfg, args.micro_batch, precision=args.precision, device_memory=device,
+                         exact=args.exact)
     return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                       "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings,
                       **{k: getattr(cfg, k) for k in VARIANT_KEYS},

@@ -8,6 +8,7 @@ tensors, autocast's weight copies, logits and transient buffers).
 """
 
 import math
+from dataclasses import replace
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import shapes
@@ -29,23 +30,14 @@ def run_memory(config, plan) -> dict:
     # a pipeline cuts each micro-batch into pipeline micro-batches, p of them in flight (memory_plan's 1F1B count)
     micro = trainer.micro_batch_size // plan.micro_batches if plan.pipeline_parallel > 1 else trainer.micro_batch_size
     device = trainer.device_memory_gb * 1e9 if trainer.device_memory_gb else None
-    # FSDP2 shards over data_parallel_shard x context_parallel (parallel/mesh.py fsdp_dims)
-    shard = plan.data_parallel_shard * plan.context_parallel
+    precision = "bf16-mixed-policy" if plan.mixed_precision_policy else trainer.precision
 
-    def plan_with(context: int, shard: int) -> dict:
-        return memory_plan(model, micro, data_parallel=shard, zero_stage=plan.zero_stage,
-                           tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
-                           sequence_parallel=plan.sequence_parallel,
-                           activation_checkpointing=plan.activation_checkpointing,
-                           precision="bf16-mixed-policy" if plan.mixed_precision_policy else trainer.precision,
-                           device_memory=device, activation_checkpointing_k=plan.activation_checkpointing_k,
-                           expert_parallel=plan.expert_parallel,
-                           # the ranks holding the same experts: replicas x (shards x context ranks) / P
-                           expert_data_parallel=plan.data_parallel_replicate * shard // plan.expert_parallel,
-                           activation_checkpointing_save_matmuls=plan.activation_checkpointing_save_matmuls,
-                           context_parallel=context)
+    def plan_with(context: int, fsdp_ranks: int) -> dict:
+        # FSDP2 shards over data_parallel_shard x context_parallel (parallel/mesh.py fsdp_dims)
+        layout = replace(plan, context_parallel=context, data_parallel_shard=fsdp_ranks // context)
+        return memory_plan(layout, model, micro, precision=precision, device_memory=device)
 
-    out = plan_with(plan.context_parallel, shard)
+    out = memory_plan(plan, model, micro, precision=precision, device_memory=device)
     out.update(run=config.run.name, layout=plan.describe(), world_size=plan.world_size, shape=shape_of(model))
     if device is not None:
         out["headroom_bytes"] = device - out["total_bytes"]

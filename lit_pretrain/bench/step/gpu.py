@@ -66,14 +66,15 @@ def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, i
     largest micro-batch of PRESET_MICRO_BATCHES whose plan (bf16-mixed, FSDP on one rank) leaves MIN_HEADROOM free,
     without activation checkpointing, else with it (full); else the most layers that fit at micro-batch 1."""
     from lit_pretrain.model import shapes
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan
     from lit_pretrain.scaling.run_plan import MIN_HEADROOM
 
     budget = (1 - MIN_HEADROOM) * device_memory
 
     def total(cfg: GPTConfig, micro_batch: int) -> float:
-        return memory_plan(cfg, micro_batch, zero_stage=3, precision="bf16-mixed",
-                           activation_checkpointing=cfg.activation_checkpointing)["total_bytes"]
+        return memory_plan(ParallelPlan(zero_stage=3, activation_checkpointing=cfg.activation_checkpointing),
+                           cfg, micro_batch, precision="bf16-mixed")["total_bytes"]
 
     where = f"one {device_memory / 1e9:.3g} GB device (at most {budget / 1e9:.3g} GB planned)"
     for ac in ("none", "full"):
