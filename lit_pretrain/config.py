@@ -103,9 +103,11 @@ def _find(roots: Sequence[Path], relative: str) -> Optional[Path]:
     return next((root / relative for root in roots if (root / relative).is_file()), None)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last one silently, so a second
-    `trainer:` block would drop every setting of the first (the YAML 1.2 spec requires keys to be unique)."""
+    `trainer:` block would drop every setting of the first (the YAML 1.2 spec requires keys to be unique). The
+    libyaml parser where PyYAML was built with it (the same documents, parsed in C): a quarter of a load's time
+    was the pure-Python parser."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -173,14 +175,18 @@ def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
             _check_keys(value, target, f"{full}.", source)
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(schema: type) -> dict:
+    return typing.get_type_hints(schema)  # resolves every annotation of the class: cached, a load asks ~25 times
+
+
 def _one_as_list(data: Any, schema: Any) -> Any:
     """`data` with each list-of-strings key given one string (`paths: /corpus`, `data.paths=/corpus`) holding it as a
     one-element list, in sections and in list items that are sections (data.sources[i].paths). OmegaConf would
     refuse the string ("AnyNode is not a ListConfig")."""
     if not isinstance(data, dict):
         return data
-    schema = schema if isinstance(schema, type) else type(schema)
-    hints = typing.get_type_hints(schema)
+    hints = _hints(schema if isinstance(schema, type) else type(schema))
     out = {}
     for key, value in data.items():
         kind = hints.get(key)
@@ -634,10 +640,13 @@ def to_object(cfg: "Config | DictConfig") -> Config:
 
 
 def to_yaml(cfg: "Config | DictConfig") -> str:
-    """The config as YAML, the schema's keys only (a Loaded's plan is not one)."""
-    if isinstance(cfg, Config):
-        cfg = OmegaConf.structured(Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}))
-    return OmegaConf.to_yaml(cfg, resolve=True)
+    """The config as YAML, the schema's keys only (a Loaded's plan is not one). A dataclass is dumped as plain data
+    (its values are resolved already), as OmegaConf.to_yaml writes it: building an OmegaConf node of it first was
+    most of `show`'s time."""
+    if not isinstance(cfg, Config):
+        return OmegaConf.to_yaml(cfg, resolve=True)
+    plain = {f.name: dataclasses.asdict(getattr(cfg, f.name)) for f in dataclasses.fields(Config)}
+    return yaml.safe_dump(plain, default_flow_style=False, allow_unicode=True, sort_keys=False)
 
 
 def save(cfg: "Config | DictConfig", path: Path) -> None:
