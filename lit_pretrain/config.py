@@ -175,7 +175,7 @@ def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
             _check_keys(value, target, f"{full}.", source)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(schema: type) -> dict:
     return typing.get_type_hints(schema)  # resolves every annotation of the class: cached, a load asks ~25 times
 

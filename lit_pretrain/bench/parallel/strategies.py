@@ -60,7 +60,7 @@ def _worker(args) -> None:
     from lit_pretrain.schema import StrategyConfig
     from lit_pretrain.train import resolve_vocab, setup_process
 
-    c = config_lib.to_object(config_lib.load(args.run_file, args.overrides))
+    c = config_lib.load(args.run_file, args.overrides)
     c = resolve_vocab(c, c.data.vocab_size)
     kind, stage = ("single", None) if args.name == "single" else STRATEGIES[args.name]
     trainer_cfg = dataclasses.replace(c.trainer, devices=args.devices, num_nodes=1, num_threads=None)

@@ -109,8 +109,8 @@ def preset_config(run_file: str, preset: str, device_memory: float, dry_run: boo
     try:
         # Only the model is taken (the micro-batch is fitted below): the run file's tokens_per_step, a count of its
         # own model's windows, need not divide into the preset's (parallel/batch.py).
-        model = config_lib.to_object(config_lib.load(run_file, [f"model={preset}", "trainer.tokens_per_step=null"],
-                                                     check_memory=False)).model
+        model = config_lib.load(run_file, [f"model={preset}", "trainer.tokens_per_step=null"],
+                                check_memory=False).model
     except ConfigError as err:
         raise SystemExit(f"error: --preset {preset}: {err}") from None
     if dry_run:
@@ -219,7 +219,7 @@ def main(argv=None) -> None:
 
     from lit_pretrain import config as config_lib
 
-    c = config_lib.to_object(config_lib.load(args.run_file, []))
+    c = config_lib.load(args.run_file, [])
     # One process drives one GPU; under `torchrun --nproc-per-node N` each of the N processes drives its own.
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if args.preset:
@@ -260,7 +260,7 @@ def run_presets(args, devices: int) -> List[Dict]:
     for preset in args.preset.split(","):
         fitted = preset_config(args.run_file, preset, memory, args.dry_run)
         print(f"{preset}: {fitted[2]}", flush=True)
-        c = config_lib.to_object(config_lib.load(args.run_file, []))
+        c = config_lib.load(args.run_file, [])
         cases += run_model(c, preset, args.steps, args.skip, devices, args.dry_run, fitted, args.cases)
     return cases
 
