@@ -333,6 +333,7 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), c
             raise ConfigError(f"cannot parse overrides on the command line ({', '.join(key_overrides)}): "
                               f"{_first_line(err)}; quote a value that YAML reads as syntax") from None
         cfg = _merge(cfg, OmegaConf.to_container(dot), COMMAND_LINE)
+    check_values(cfg)  # before the sections are built: a section's own __post_init__ would refuse with less
     config = OmegaConf.to_object(cfg)  # the one conversion: from here on the typed dataclass
     _token_budget(config, steps_given)
     plan = check(config)
@@ -505,9 +506,9 @@ def _check_callbacks(config: Config) -> None:
     d = config.callbacks.downstream_eval
     if not d.enabled:
         return
-    from lit_pretrain.evaluation.command import require_lm_eval  # importlib only, no lm-eval
-
-    require_lm_eval("callbacks.downstream_eval.enabled=true")
+    if importlib.util.find_spec("lm_eval") is None:  # evaluation/command.require_lm_eval's line
+        raise ConfigError("callbacks.downstream_eval.enabled=true needs lm-evaluation-harness, which is not installed: "
+                          "pip install 'lit-pretrain[eval]' (or pip install lm-eval)")
     if d.every_n_steps is not None and d.every_n_steps % config.trainer.val_every_n_steps:
         raise ConfigError(
             f"callbacks.downstream_eval.every_n_steps={d.every_n_steps} is not a multiple of trainer.val_every_n_steps="
@@ -524,14 +525,19 @@ def check_loggers(names: Sequence[str]) -> None:
                           "'lit-pretrain[logging]', or drop wandb from trainer.loggers")
 
 
+def _keys(tree: Any, prefix: str = "") -> List[str]:
+    """The dotted key of every value in a config's plain data (resume/compat.flatten's keys)."""
+    if not isinstance(tree, dict):
+        return [prefix[:-1]]
+    return [key for k, v in tree.items() for key in _keys(v, f"{prefix}{k}.")]
+
+
 def _check_allowed_changes(config: Config) -> None:
     """run.resume_allow_changes names config keys (a section names all of its keys), as a resume checks them
     (resume/compat.check_resume)."""
     if not config.run.resume_allow_changes:
         return
-    from lit_pretrain.resume.compat import flatten  # pure: hashlib and json
-
-    now = flatten(dataclasses.asdict(config))
+    now = _keys(dataclasses.asdict(config))
     unknown = sorted(k for k in config.run.resume_allow_changes
                      if k not in now and not any(n.startswith(k + ".") for n in now))
     if unknown:
@@ -548,12 +554,17 @@ def _check_checkpoint(config: Config, plan: "ParallelPlan") -> None:
                           "checkpoint.async_save=false")
 
 
+def check_values(cfg: "Config | DictConfig") -> None:
+    """Every value finite and within its field's `ge/gt/le/lt/choices/pattern` metadata."""
+    check_finite(dataclasses.asdict(cfg) if isinstance(cfg, Config) else OmegaConf.to_container(cfg, resolve=True))
+    _check_section(cfg, Config, "")
+
+
 def check_ranges(cfg: "Config | DictConfig") -> None:
     """Enforce the `ge/gt/le/lt/choices` metadata of every schema field, and cross-field rules (the parallel plan's
     own checks are `check`'s)."""
     config = to_object(cfg)
-    check_finite(dataclasses.asdict(config))
-    _check_section(config, Config, "")
+    check_values(config)
     try:
         config.model.check()
     except ValueError as err:
@@ -613,7 +624,7 @@ def _check_section(node: Any, schema: type, prefix: str) -> None:
     for f in dataclasses.fields(schema):
         value = getattr(node, f.name)
         key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(f.type) or dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(f.type) or dataclasses.is_dataclass(value) or isinstance(value, DictConfig):
             # Optional[Section] (model.moe, model.rope_scaling): the section's own class, from the annotation.
             inner = [t for t in typing.get_args(f.type) if dataclasses.is_dataclass(t)]
             sub = f.type if dataclasses.is_dataclass(f.type) else inner[0] if inner else type(getattr(schema(), f.name))
