@@ -351,6 +351,8 @@ def loaded(cfg: "Config | DictConfig") -> Loaded:
     checked (`check`, `check_fits`, `check_inputs_exist`) and given its plan, as `load` would."""
     if isinstance(cfg, Loaded):
         return cfg
+    if not isinstance(cfg, Config):
+        check_values(cfg)  # before to_object builds the sections, as in load
     config = to_object(cfg)
     plan = check(config)
     from lit_pretrain.scaling.run_plan import check_fits

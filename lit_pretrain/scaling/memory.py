@@ -287,9 +287,9 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
     gradients, AdamW state and their hidden activations divided by t); the router is replicated.
     expert_parallel (model.moe): each rank holds 1/expert_parallel of every MoE layer's routed experts (of their
     tensor-parallel slices: E/P experts x 1/t of their width), their state sharded at zero_stage over
-    `expert_data_parallel` ranks (the data-parallel ranks holding the same experts; default data_parallel /
-    expert_parallel); the dense part as before. Activations are unchanged: a rank computes the token copies routed
-    to its experts, as many as its own on average (parallel/expert.py): replicas x shards x context ranks / P.
+    `expert_data_parallel` ranks (the ranks holding the same experts: replicas x shards x context ranks / P); the
+    dense part as before. Activations are unchanged: a rank computes the token copies routed to its experts, as
+    many as its own on average (parallel/expert.py).
     context_parallel (c): each rank computes seq_len/c positions of every window, so activations, logits and the
     checkpointed inputs fall by c, attention keeps the gathered keys and values of the whole window
     (block_activation_bytes), the forward keeps its RoPE tables at its positions (context_forward_bytes) and the
