@@ -263,15 +263,13 @@ def _main(argv=None) -> int:
 
         cfg = config.load(args.run_file, args.overrides)
         if args.command == "show":
-            from omegaconf import OmegaConf
-
-            print(OmegaConf.to_yaml(cfg), end="")
+            print(config.to_yaml(cfg), end="")
         elif args.command == "prepare":
             from lit_pretrain.data.datamodule import prepare_sources
             from lit_pretrain.data.prepare import prepare
             from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
 
-            data = config.to_object(cfg).data
+            data = cfg.data
             if data.sources:  # a mixture: each source's own folder
                 prepare_sources(data)
             elif is_pretokenized(data):  # nothing to write: the files are checked where they lie

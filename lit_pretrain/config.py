@@ -34,6 +34,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import os
@@ -41,7 +42,7 @@ import re
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -50,6 +51,9 @@ from omegaconf.errors import OmegaConfBaseException
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.paths import is_safe_name
 from lit_pretrain.schema import CallbacksConfig, Config
+
+if TYPE_CHECKING:
+    from lit_pretrain.parallel.plan import ParallelPlan
 
 GROUPS = ("model", "data", "strategy", "optim", "schedule", "trainer", "callbacks", "run")
 COMMAND_LINE = "the command line"
@@ -99,9 +103,11 @@ def _find(roots: Sequence[Path], relative: str) -> Optional[Path]:
     return next((root / relative for root in roots if (root / relative).is_file()), None)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last one silently, so a second
-    `trainer:` block would drop every setting of the first (the YAML 1.2 spec requires keys to be unique)."""
+    `trainer:` block would drop every setting of the first (the YAML 1.2 spec requires keys to be unique). The
+    libyaml parser where PyYAML was built with it (the same documents, parsed in C): a quarter of a load's time
+    was the pure-Python parser."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -169,14 +175,18 @@ def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
             _check_keys(value, target, f"{full}.", source)
 
 
+@functools.cache
+def _hints(schema: type) -> dict:
+    return typing.get_type_hints(schema)  # resolves every annotation of the class: cached, a load asks ~25 times
+
+
 def _one_as_list(data: Any, schema: Any) -> Any:
     """`data` with each list-of-strings key given one string (`paths: /corpus`, `data.paths=/corpus`) holding it as a
     one-element list, in sections and in list items that are sections (data.sources[i].paths). OmegaConf would
     refuse the string ("AnyNode is not a ListConfig")."""
     if not isinstance(data, dict):
         return data
-    schema = schema if isinstance(schema, type) else type(schema)
-    hints = typing.get_type_hints(schema)
+    hints = _hints(schema if isinstance(schema, type) else type(schema))
     out = {}
     for key, value in data.items():
         kind = hints.get(key)
@@ -270,9 +280,24 @@ def _schema_config() -> DictConfig:
     return OmegaConf.structured(Config)
 
 
+class Loaded(Config):
+    """What `load` returns: the typed config (schema.Config, every key, range and cross-key rule checked) and `plan`,
+    the parallel plan it resolves to (parallel/plan.py), built once at load and handed to `train`, the Lightning
+    strategy, the module and the memory planner. `plan` is not a config key: `save` writes the schema's fields."""
+
+    plan: "ParallelPlan"
+
+    @classmethod
+    def of(cls, config: Config, plan: "ParallelPlan") -> "Loaded":
+        loaded = cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Config)})
+        object.__setattr__(loaded, "plan", plan)  # not a field: Section's guard would refuse it
+        return loaded
+
+
 def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), check_memory: bool = True,
-         check_inputs: bool = True) -> DictConfig:
-    """Compose the run file with its defaults and the overrides into a checked, struct-mode config.
+         check_inputs: bool = True) -> Loaded:
+    """Compose the run file with its defaults and the overrides into a checked config and its plan (`Loaded`).
+    Every check `train` makes before its first step runs here (`check`), so `show` refuses what `train` refuses.
     check_memory=False: leave trainer.device_memory_gb unchecked (`lit-pretrain memory --run` shows why it fails).
     check_inputs=False: leave data.paths and callbacks.extra unchecked, for a finished run's config.yaml read for its
     model and tokenizer (generate, export, evaluate), whose corpus may have moved since."""
@@ -308,16 +333,32 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), c
             raise ConfigError(f"cannot parse overrides on the command line ({', '.join(key_overrides)}): "
                               f"{_first_line(err)}; quote a value that YAML reads as syntax") from None
         cfg = _merge(cfg, OmegaConf.to_container(dot), COMMAND_LINE)
-    OmegaConf.set_struct(cfg, True)
-    _token_budget(cfg, steps_given)
-    check_ranges(cfg)
+    check_values(cfg)  # before the sections are built: a section's own __post_init__ would refuse with less
+    config = OmegaConf.to_object(cfg)  # the one conversion: from here on the typed dataclass
+    _token_budget(config, steps_given)
+    plan = check(config)
     if check_memory:
         from lit_pretrain.scaling.run_plan import check_fits
 
-        check_fits(to_object(cfg))
+        check_fits(config, plan)
     if check_inputs:
-        check_inputs_exist(to_object(cfg), None if run_file is None else Path(run_file))
-    return cfg
+        check_inputs_exist(config, None if run_file is None else Path(run_file))
+    return Loaded.of(config, plan)
+
+
+def loaded(cfg: "Config | DictConfig") -> Loaded:
+    """`cfg` as `load` returns it: a Loaded as it is; a DictConfig or a bare Config (an older caller's) converted,
+    checked (`check`, `check_fits`, `check_inputs_exist`) and given its plan, as `load` would."""
+    if isinstance(cfg, Loaded):
+        return cfg
+    check_values(cfg)  # before to_object builds the sections, as in load
+    config = to_object(cfg)
+    plan = check(config)
+    from lit_pretrain.scaling.run_plan import check_fits
+
+    check_fits(config, plan)
+    check_inputs_exist(config, None)
+    return Loaded.of(config, plan)
 
 
 def check_inputs_exist(config: Config, run_file: Optional[Path]) -> None:
@@ -399,13 +440,13 @@ def user_classes(cfg: CallbacksConfig, folders=()) -> list[tuple[type, dict]]:
     return out
 
 
-def _token_budget(cfg: DictConfig, steps_given: List[str]) -> None:
+def _token_budget(cfg: Config, steps_given: List[str]) -> None:
     """trainer.tokens_per_param: max_steps from the tokens-per-parameter ratio (scaling/run_plan.budget_steps)."""
     if cfg.trainer.tokens_per_param is None:
         return
     from lit_pretrain.scaling.run_plan import budget_steps
 
-    steps = budget_steps(to_object(cfg))
+    steps = budget_steps(cfg)
     if steps_given and cfg.trainer.max_steps != steps:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} in {steps_given[-1]} and "
                           f"trainer.tokens_per_param={cfg.trainer.tokens_per_param:g} (= {steps} steps) both set the "
@@ -434,33 +475,118 @@ def check_finite(data: Any, key: str = "") -> None:
             check_finite(value, f"{key}[{i}]")
 
 
-def check_ranges(cfg: DictConfig) -> None:
-    """Enforce the `ge/gt/le/lt/choices` metadata of every schema field, and cross-field rules."""
-    check_finite(OmegaConf.to_container(cfg, resolve=True))
+def check(config: Config) -> "ParallelPlan":
+    """Every check `train` makes before its first step, on the config alone, after `check_values`; returns the plan
+    it resolves to. `show` and `train` both load through it, so they refuse the same configs with the same message.
+
+    Checks left to `train`, because they need what only exists then: the prepared tokenizer's vocabulary against
+    model.vocab_size and the tensor-parallel degree (train.resolve_vocab, parallel/plan.check_vocab), the data
+    against the batch (the mixture's windows per step, data/datamodule.check_mixture), the checkpoint a resume
+    continues (run.resume: found, verified, its run metadata against this config, resume/session.check), the run
+    folder (a name taken by another run), the launcher's world against trainer.devices x trainer.num_nodes
+    (parallel/world.check_launcher_world: the processes that exist), lm-eval's task index for the names in
+    callbacks.downstream_eval.tasks, and what a callbacks.extra class's own constructor raises."""
+    _check_rules(config)
+    from lit_pretrain.parallel.plan import build_plan
+
+    plan = build_plan(config)
+    _check_checkpoint(config, plan)
+    _check_callbacks(config)
+    check_loggers(config.trainer.loggers)
+    _check_allowed_changes(config)
+    return plan
+
+
+def _check_callbacks(config: Config) -> None:
+    """What the callbacks' constructors refuse (callbacks/loss_spike.py, callbacks/downstream_eval.py) beyond
+    the schema's ranges."""
+    spike = config.callbacks.loss_spike
+    if spike.enabled and spike.threshold_sigmas is None and spike.threshold_ratio is None:
+        raise ConfigError("callbacks.loss_spike: set threshold_sigmas, threshold_ratio or both (a spike must pass "
+                          "every one set)")
+    d = config.callbacks.downstream_eval
+    if not d.enabled:
+        return
+    if importlib.util.find_spec("lm_eval") is None:  # evaluation/command.require_lm_eval's line
+        raise ConfigError("callbacks.downstream_eval.enabled=true needs lm-evaluation-harness, which is not installed: "
+                          "pip install 'lit-pretrain[eval]' (or pip install lm-eval)")
+    if d.every_n_steps is not None and d.every_n_steps % config.trainer.val_every_n_steps:
+        raise ConfigError(
+            f"callbacks.downstream_eval.every_n_steps={d.every_n_steps} is not a multiple of trainer.val_every_n_steps="
+            f"{config.trainer.val_every_n_steps}: the tasks run at validation time; use a multiple of it, or null for "
+            "every validation")
+    if not d.tasks:
+        raise ConfigError("callbacks.downstream_eval.tasks is empty: name at least one lm-eval task")
+
+
+def check_loggers(names: Sequence[str]) -> None:
+    """trainer.loggers: the optional ones installed (train.loggers builds them)."""
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("trainer.loggers lists wandb, which is not installed: pip install "
+                          "'lit-pretrain[logging]', or drop wandb from trainer.loggers")
+
+
+def _keys(tree: Any, prefix: str = "") -> List[str]:
+    """The dotted key of every value in a config's plain data (resume/compat.flatten's keys)."""
+    if not isinstance(tree, dict):
+        return [prefix[:-1]]
+    return [key for k, v in tree.items() for key in _keys(v, f"{prefix}{k}.")]
+
+
+def _check_allowed_changes(config: Config) -> None:
+    """run.resume_allow_changes names config keys (a section names all of its keys), as a resume checks them
+    (resume/compat.check_resume)."""
+    if not config.run.resume_allow_changes:
+        return
+    now = _keys(dataclasses.asdict(config))
+    unknown = sorted(k for k in config.run.resume_allow_changes
+                     if k not in now and not any(n.startswith(k + ".") for n in now))
+    if unknown:
+        raise ConfigError(f"run.resume_allow_changes names {unknown[0]!r}, which is not a config key")
+
+
+def _check_checkpoint(config: Config, plan: "ParallelPlan") -> None:
+    c = config.checkpoint
+    fmt = c.format or ("sharded" if plan.world_size > 1 else "single")
+    if c.async_save and fmt != "sharded":
+        default = " (the default for one process)" if c.format is None else ""
+        raise ConfigError(f"checkpoint.async_save=true writes sharded checkpoints in the background, but "
+                          f"checkpoint.format is {fmt}{default}: set checkpoint.format=sharded, or "
+                          "checkpoint.async_save=false")
+
+
+def check_values(cfg: "Config | DictConfig") -> None:
+    """Every value finite and within its field's `ge/gt/le/lt/choices/pattern` metadata."""
+    check_finite(dataclasses.asdict(cfg) if isinstance(cfg, Config) else OmegaConf.to_container(cfg, resolve=True))
     _check_section(cfg, Config, "")
-    config = to_object(cfg)
+
+
+def check_ranges(cfg: "Config | DictConfig") -> None:
+    """Enforce the `ge/gt/le/lt/choices` metadata of every schema field, and cross-field rules (the parallel plan's
+    own checks are `check`'s)."""
+    check_values(cfg)
+    _check_rules(to_object(cfg))
+
+
+def _check_rules(config: Config) -> None:
+    """The rules between keys, and each section's own (`check` methods)."""
     try:
         config.model.check()
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    # The parallel plan (degrees, their product, the model's shape against them): checked here, so `show` refuses
-    # exactly what `train` would.
-    from lit_pretrain.parallel.plan import build_plan
-
-    build_plan(config)
     config.optim.check()
     if config.model.moe is not None and config.optim.name == "muon":
         # torch.optim.Muon orthogonalizes 2-D matrices; the experts' stacked (E, out, in) weights are 3-D.
         raise ConfigError("optim.name=muon with model.moe is not supported (Muon orthogonalizes 2-D matrices and the "
                           "experts' weights are stacked 3-D): set optim.name=adamw or model.moe=null")
-    if cfg.schedule.warmup_steps > cfg.trainer.max_steps:
+    if config.schedule.warmup_steps > config.trainer.max_steps:
         raise ConfigError(
-            f"schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds trainer.max_steps={cfg.trainer.max_steps}: "
-            "lower the warmup or train longer"
+            f"schedule.warmup_steps={config.schedule.warmup_steps} exceeds "
+            f"trainer.max_steps={config.trainer.max_steps}: lower the warmup or train longer"
         )
-    if cfg.schedule.lr_min > cfg.optim.lr_peak:
-        raise ConfigError(f"schedule.lr_min={cfg.schedule.lr_min} exceeds optim.lr_peak={cfg.optim.lr_peak}")
-    if cfg.schedule.stage is not None and cfg.run.resume is None:
+    if config.schedule.lr_min > config.optim.lr_peak:
+        raise ConfigError(f"schedule.lr_min={config.schedule.lr_min} exceeds optim.lr_peak={config.optim.lr_peak}")
+    if config.schedule.stage is not None and config.run.resume is None:
         raise ConfigError("schedule.stage declares a stage's schedule, from the rate of the checkpoint it resumes, but "
                           "run.resume is null: set run.resume to the previous stage's checkpoint, or drop "
                           "schedule.stage (docs/resume.md, \"Stages\")")
@@ -468,7 +594,7 @@ def check_ranges(cfg: DictConfig) -> None:
 
     check_corpus_reads_paths(config.data)
     check_stage(config)
-    for i, spec in enumerate(cfg.callbacks.extra):
+    for i, spec in enumerate(config.callbacks.extra):
         module, _, cls = spec.class_path.partition(":")
         if not module or not cls:
             raise ConfigError(
@@ -501,9 +627,9 @@ def check_stage(config: Config) -> None:
 
 def _check_section(node: Any, schema: type, prefix: str) -> None:
     for f in dataclasses.fields(schema):
-        value = node[f.name]
+        value = getattr(node, f.name)
         key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(f.type) or isinstance(value, DictConfig):
+        if dataclasses.is_dataclass(f.type) or dataclasses.is_dataclass(value) or isinstance(value, DictConfig):
             # Optional[Section] (model.moe, model.rope_scaling): the section's own class, from the annotation.
             inner = [t for t in typing.get_args(f.type) if dataclasses.is_dataclass(t)]
             sub = f.type if dataclasses.is_dataclass(f.type) else inner[0] if inner else type(getattr(schema(), f.name))
@@ -523,11 +649,23 @@ def _check_section(node: Any, schema: type, prefix: str) -> None:
                 raise ConfigError(f"config key '{key}' = {value!r}: expected a value {word} {meta[op]}")
 
 
-def to_object(cfg: DictConfig) -> Config:
-    """The typed dataclass view of a config (for code that wants attributes with real types)."""
-    return OmegaConf.to_object(cfg)
+def to_object(cfg: "Config | DictConfig") -> Config:
+    """The typed dataclass of a config: what `load` returns is one already (returned as it is); a DictConfig (an
+    older caller's) is converted."""
+    return cfg if isinstance(cfg, Config) else OmegaConf.to_object(cfg)
 
 
-def save(cfg: DictConfig, path: Path) -> None:
+def to_yaml(cfg: "Config | DictConfig") -> str:
+    """The config as YAML, the schema's keys only (a Loaded's plan is not one). A dataclass is dumped as plain data
+    (its values are resolved already), as OmegaConf.to_yaml writes it: building an OmegaConf node of it first was
+    most of `show`'s time."""
+    if not isinstance(cfg, Config):
+        return OmegaConf.to_yaml(cfg, resolve=True)
+    plain = {f.name: dataclasses.asdict(getattr(cfg, f.name)) for f in dataclasses.fields(Config)}
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml's emitter: the same text, 25x faster
+    return yaml.dump(plain, Dumper=dumper, default_flow_style=False, allow_unicode=True, sort_keys=False)
+
+
+def save(cfg: "Config | DictConfig", path: Path) -> None:
     """Write the fully resolved config, so a run folder records exactly what ran."""
-    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    path.write_text(to_yaml(cfg))

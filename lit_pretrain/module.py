@@ -65,22 +65,17 @@ class PretrainModule(L.LightningModule):
         self.model = GPT(model_cfg)
         self.step_guard = StepGuard()
         """This optimizer step's pre-clip norm, dropped update and clipping, read by the stability callbacks."""
-        self._plan = plan  # the config's plan (train.py); else the strategy's, see `plan`
+        # The config's plan (config.load builds it, train.py hands it here); none given (a module built by hand, or
+        # loaded from a checkpoint with no Trainer): one process.
+        self._plan = plan if plan is not None else ParallelPlan()
         self.parallel = None  # the ParallelModel configure_model makes
 
     @property
     def plan(self) -> ParallelPlan:
-        """How this module is split: the plan given, else the one its Lightning strategy was built from
-        (strategies.build_strategy), else one process. Activation checkpointing and compile come from this module's
-        own settings (model.activation_checkpointing, trainer.compile), which train.py gives the plan as well."""
+        """How this module is split: the plan given, else one process. Activation checkpointing and compile come
+        from this module's own settings (model.activation_checkpointing, trainer.compile), which train.py gives the
+        plan as well."""
         plan = self._plan
-        if plan is None:
-            strategy = self._trainer.strategy if self._trainer is not None else None
-            plan = getattr(strategy, "plan", None)
-        if plan is None:
-            s = self.strategy_cfg
-            stage = s.zero_stage if s.zero_stage is not None else (3 if s.name in ("zero", "fsdp") else 0)
-            plan = ParallelPlan(zero_stage=stage)
         m = self.model_cfg
         return replace(plan, activation_checkpointing=m.activation_checkpointing,
                        activation_checkpointing_k=m.activation_checkpointing_k, compile=self.compile_blocks,

@@ -15,8 +15,19 @@ from lit_pretrain.paths import SAFE_NAME, SAFE_NAME_RULE, is_safe_name
 ModelConfig = GPTConfig
 
 
+class Section:
+    """Base of the config's sections: setting a name that is not one of the section's fields is refused, as
+    OmegaConf's struct mode refused it, so a misspelt key in code (`c.trainer.max_step = 3`) fails where it is
+    written instead of being kept beside the real one and never read."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self.__dataclass_fields__ and not name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__} has no config key '{name}'")
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class DeduplicationConfig:
+class DeduplicationConfig(Section):
     exact: bool = True
     """Remove documents whose normalized text (below) is identical to an earlier document's (sha256 of it)."""
     lowercase: bool = False
@@ -88,7 +99,7 @@ class DeduplicationConfig:
 
 
 @dataclass
-class SourceConfig:
+class SourceConfig(Section):
     """One source of a mixture (data.sources). Its corpus fields left null take the data.<same key> value; the
     tokenizer (data.tokenizer_path, vocab_size, tokenizer_train_bytes), shard_tokens and num_workers are shared."""
 
@@ -123,7 +134,7 @@ class SourceConfig:
 
 
 @dataclass
-class MixturePhase:
+class MixturePhase(Section):
     step: int = 0
     """These weights apply once this many optimizer steps are done (from trainer.global_step == step on), counted
     in global batches of the data order: batches a loss-spike rewind skipped count too."""
@@ -132,7 +143,7 @@ class MixturePhase:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     corpus: str = field(default="stdlib", metadata={"choices": ["stdlib", "text", "jsonl", "parquet", "megatron",
                                                                 "numpy", "nanogpt"]})
     """Where documents come from. stdlib: the Python standard library's own .py files (on every machine,
@@ -278,7 +289,7 @@ PARAM_KINDS = ("embeddings", "head", "hidden", "norms", "biases")
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     lr_peak: float = field(default=1e-3, metadata={"gt": 0.0})
     """Learning rate at the end of warmup."""
     weight_decay: float = field(default=0.1, metadata={"ge": 0.0})
@@ -327,7 +338,7 @@ class OptimConfig:
 
 
 @dataclass
-class StageScheduleConfig:
+class StageScheduleConfig(Section):
     """A stage's own learning-rate schedule (schedule.stage): from the rate the previous stage reached, at the step
     of the checkpoint run.resume continues, to lr_min at the stage's last step (trainer.max_steps), as Llama 3
     anneals to 0 (Dubey et al. 2024, §3.4.3) and OLMo 2 its mid-training stage (Team OLMo 2024); docs/
@@ -347,7 +358,7 @@ class StageScheduleConfig:
 
 
 @dataclass
-class ScheduleConfig:
+class ScheduleConfig(Section):
     kind: str = field(default="cosine", metadata={"choices": ["cosine", "linear", "wsd", "constant"]})
     """Decay after warmup: cosine, linear, wsd (warmup-stable-decay) or constant."""
     warmup_steps: int = field(default=100, metadata={"ge": 0})
@@ -376,7 +387,7 @@ LOGGERS = ("csv", "tensorboard", "wandb")
 
 
 @dataclass
-class ProfileConfig:
+class ProfileConfig(Section):
     start_step: int = field(default=5, metadata={"ge": 0})
     """Optimizer steps completed before the window opens (trainer.global_step), so the trace holds the steps that
     metrics.csv numbers start_step + 1 .. start_step + steps: the first steps are atypical (allocations, lazy
@@ -392,7 +403,7 @@ class ProfileConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     max_steps: int = field(default=1000, metadata={"ge": 1})
     """Optimizer steps to train for (after gradient accumulation)."""
     micro_batch_size: int = field(default=8, metadata={"ge": 1})
@@ -475,7 +486,7 @@ class TrainerConfig:
 
 
 @dataclass
-class PipelineConfig:
+class PipelineConfig(Section):
     micro_batches: int = field(default=4, metadata={"ge": 1})
     """Pipeline micro-batches (m) each trainer.micro_batch_size batch is cut into; the bubble is (p-1)/(m+p-1)."""
     schedule: str = field(default="1f1b", metadata={"choices": ["gpipe", "1f1b", "interleaved_1f1b"]})
@@ -485,7 +496,7 @@ class PipelineConfig:
 
 
 @dataclass
-class StrategyConfig:
+class StrategyConfig(Section):
     name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero", "fsdp", "tensor", "pipeline"]})
     """The preset this section started from (experiments/strategy/<name>.yaml). The work is split by the degrees
     below (lit_pretrain/parallel/plan.py); the name only decides what they leave unset: single refuses more than
@@ -560,7 +571,7 @@ class StrategyConfig:
 
 
 @dataclass
-class CallbackSpec:
+class CallbackSpec(Section):
     class_path: str = ""
     """A user's own Lightning callback as `module:Class` (the only import string a config may hold), imported when
     the config loads: the module is looked up on sys.path (PYTHONPATH), then in the run file's folder, then in the
@@ -570,7 +581,7 @@ class CallbackSpec:
 
 
 @dataclass
-class LossSpikeConfig:
+class LossSpikeConfig(Section):
     enabled: bool = False
     """Detect loss spikes (callbacks/loss_spike.py), act on them and label each `recovered` or `divergence`."""
     window: int = field(default=100, metadata={"ge": 5})
@@ -609,7 +620,7 @@ class LossSpikeConfig:
 
 
 @dataclass
-class NanGuardConfig:
+class NanGuardConfig(Section):
     enabled: bool = False
     """Drop any update whose loss or gradient is NaN or Inf (callbacks/nan_guard.py)."""
     max_consecutive: int = field(default=5, metadata={"ge": 1})
@@ -619,7 +630,7 @@ class NanGuardConfig:
 
 
 @dataclass
-class GradientNormConfig:
+class GradientNormConfig(Section):
     enabled: bool = False
     """Log the pre-clip global gradient norm (mean, max) and the clip rate per interval (callbacks/gradient_norm.py)."""
     log_every_n_steps: Optional[int] = field(default=None, metadata={"ge": 1})
@@ -629,7 +640,7 @@ class GradientNormConfig:
 
 
 @dataclass
-class ThroughputConfig:
+class ThroughputConfig(Section):
     enabled: bool = False
     """Log tokens/s, samples/s, model FLOPs/s and MFU (callbacks/throughput.py)."""
     log_every_n_steps: Optional[int] = field(default=None, metadata={"ge": 1})
@@ -639,13 +650,13 @@ class ThroughputConfig:
 
 
 @dataclass
-class StabilityReportConfig:
+class StabilityReportConfig(Section):
     enabled: bool = False
     """At the end of training write stability.json and print the stability report (callbacks/stability_report.py)."""
 
 
 @dataclass
-class MoEMonitorConfig:
+class MoEMonitorConfig(Section):
     enabled: bool = True
     """With model.moe: log each MoE layer's routing (moe/layer{i}/tokens_min, tokens_max, tokens_cv, max_share,
     dropped_fraction, aux_loss, z_loss, bias_norm) and record router collapse as an event (callbacks/moe_monitor.py).
@@ -659,7 +670,7 @@ class MoEMonitorConfig:
 
 
 @dataclass
-class DownstreamEvalConfig:
+class DownstreamEvalConfig(Section):
     enabled: bool = False
     """Run lm-evaluation-harness tasks during training (callbacks/downstream_eval.py; needs the `eval` extra) and log
     each task's scores as eval/<task>/<metric>, with their cost as eval/seconds and eval/tokens. Rank 0 evaluates,
@@ -685,7 +696,7 @@ class DownstreamEvalConfig:
 
 
 @dataclass
-class CallbacksConfig:
+class CallbacksConfig(Section):
     extra: List[CallbackSpec] = field(default_factory=list)
     """User callbacks added to the Trainer, each `{class_path: "module:Class", init_args: {...}}`."""
     loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
@@ -705,7 +716,7 @@ class CallbacksConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     name: str = field(default="default", metadata={"pattern": SAFE_NAME, "rule": SAFE_NAME_RULE})
     """Run name: the run folder is root_dir/name. One folder name, never a path (lit_pretrain/paths.py)."""
     root_dir: str = "runs"
@@ -739,7 +750,7 @@ class RunConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     format: Optional[str] = field(default=None, metadata={"choices": [None, "sharded", "single"]})
     """How a checkpoint is written. sharded: a folder checkpoints/step*/ in which every rank writes only the state it
     holds (torch.distributed.checkpoint), read back into any layout or one process (lit_pretrain/resume/sharded/);
@@ -751,7 +762,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class Config:
+class Config(Section):
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

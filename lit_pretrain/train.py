@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.loggers import TensorBoardLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lit_pretrain import config as config_lib
 from lit_pretrain.callbacks import build_callbacks, console
@@ -28,7 +28,7 @@ from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.optim.stages import describe as describe_schedule
 from lit_pretrain.parallel.batch import global_batch, plan_line
 from lit_pretrain.parallel.memory_log import MemoryAccounting, layout_record
-from lit_pretrain.parallel.plan import DEGREE_KEYS, build_plan, check_vocab, compile_decision, sized_model
+from lit_pretrain.parallel.plan import DEGREE_KEYS, check_vocab, compile_decision, sized_model
 from lit_pretrain.parallel.strategies import build_strategy
 from lit_pretrain.parallel.world import check_launcher_world
 from lit_pretrain.resume import session as resume_session
@@ -58,13 +58,8 @@ def setup_process(trainer: TrainerConfig) -> None:
 
 def checkpoint_layout(c: Config, plan) -> Optional[dict]:
     """The plan as a dict when checkpoints are sharded folders (checkpoint.format; null: sharded on more than one
-    process), None for one-file checkpoints."""
+    process), None for one-file checkpoints (config.check refuses checkpoint.async_save without sharded ones)."""
     fmt = c.checkpoint.format or ("sharded" if plan.world_size > 1 else "single")
-    if c.checkpoint.async_save and fmt != "sharded":
-        default = " (the default for one process)" if c.checkpoint.format is None else ""
-        raise ConfigError(f"checkpoint.async_save=true writes sharded checkpoints in the background, but "
-                          f"checkpoint.format is {fmt}{default}: set checkpoint.format=sharded, or "
-                          "checkpoint.async_save=false")
     return dataclasses.asdict(plan) if fmt == "sharded" else None
 
 
@@ -92,9 +87,7 @@ def loggers(run_dir: Path, c: Config) -> list:
             print("trainer.loggers: tensorboard is not installed, so only metrics.csv is written "
                   "(pip install 'lit-pretrain[logging]')", flush=True)
     if "wandb" in names:
-        if importlib.util.find_spec("wandb") is None:
-            raise ConfigError("trainer.loggers lists wandb, which is not installed: pip install "
-                              "'lit-pretrain[logging]', or drop wandb from trainer.loggers")
+        config_lib.check_loggers(names)  # config.load has checked it: here for a caller of loggers() alone
         from lightning.pytorch.loggers import WandbLogger
 
         # Files under the run folder (wandb/); WANDB_MODE=offline keeps them there, uploaded later by `wandb sync`.
@@ -103,78 +96,113 @@ def loggers(run_dir: Path, c: Config) -> list:
     return out
 
 
-def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), started: Optional[float] = None) -> dict:
-    """Run one experiment; return its summary (also written to runs/<name>/summary.json). `extra_callbacks`: a
-    caller's own (the ladder's, scaling/ladder_rung.py), run before the checkpointing ones. `started`: the
-    time.perf_counter() the invocation began, which wall_seconds counts from (the CLI: the command's start,
-    lit_pretrain.STARTED); None: now."""
+def train(cfg: "config_lib.Loaded | DictConfig", extra_callbacks: Sequence[Callback] = (),
+          started: Optional[float] = None) -> dict:
+    """Run one experiment; return its summary (also written to runs/<name>/summary.json). `cfg`: what config.load
+    returns (the checked config and its plan); a DictConfig from an older caller is converted and checked the same
+    way. `extra_callbacks`: a caller's own (the ladder's, scaling/ladder_rung.py), run before the checkpointing
+    ones. `started`: the time.perf_counter() the invocation began, which wall_seconds counts from (the CLI: the
+    command's start, lit_pretrain.STARTED); None: now.
+
+    The phases, in order: start the process (what only the launched processes can check), open the run (name,
+    folder, checkpoint to resume), prepare the data (and with it the vocabulary and the run's metadata), build the
+    module, the callbacks and the Trainer, fit, then the summary."""
     started = time.perf_counter() if started is None else started
     console.quiet()
-    c = config_lib.to_object(cfg)
-    # Before anything is prepared or made: a launcher that started another world than the config asks for.
-    check_launcher_world(c.trainer.devices, c.trainer.num_nodes)
-    setup_process(c.trainer)
-    parallel_plan = build_plan(c)
-    batch = global_batch(c.trainer, c.model.seq_len, parallel_plan)  # the layout only sets the accumulation
-    accumulate, tokens_per_step = batch.accumulation, batch.tokens_per_step
-    # Why this run compiles or not ("auto" weighs the run and the toolchain): the plan's own decision, printed just
-    # before training, once every check that can refuse the start has passed.
-    compiling = compile_decision(c.trainer, sized_model(c), {k: getattr(parallel_plan, k) for k in DEGREE_KEYS})
-    strategy = build_strategy(c.strategy, c.trainer, parallel_plan)
+    c = config_lib.loaded(cfg)
+    plan = c.plan
+    batch, strategy, compiling = start_process(c, plan)
     # Everything that can be checked is checked before the run folder is made, so a refused start leaves nothing
     # behind that would block its retry: the run name and folder, the checkpoint to resume from, the data (prepared
     # or verified), the batch against the data, the experiment a resume continues, the model and the callbacks.
-    plan = resume_session.open_run(c.run)
-    run_dir = plan.run_dir
+    session = resume_session.open_run(c.run)
+    datamodule, c, run_meta = prepare_data(c, plan, batch, session)
+    module = build_module(c, plan, batch.tokens_per_step, datamodule, run_meta, session)
+    callbacks = run_callbacks(c, plan, session, run_meta, extra_callbacks, batch.accumulation)
+    trainer = build_trainer(c, strategy, callbacks, session.run_dir, batch.accumulation)
+    fit(c, (plan, batch, compiling), session, run_meta, module, datamodule, trainer)
+    summary = finish(c, session, batch, run_meta, datamodule, module, trainer, callbacks, started)
+    resume_session.release(session)
+    _leave_agent_process_group()
+    if _stepper(callbacks).interrupted:  # Ctrl-C: checkpoint and summary written; the last line says how to go on
+        raise Interrupted(trainer.global_step, f"interrupted: checkpoint at step {trainer.global_step} written; "
+                          f"resume with: {resume_command()}" if trainer.is_global_zero else "")
+    return summary
 
+
+def start_process(c: Config, plan) -> tuple:
+    """This process's settings, and what the plan gives the Trainer: the global batch (the layout only sets the
+    accumulation), the Lightning strategy, and why the run compiles or not (the decision the plan's `compile` was
+    made with, at load: "auto" weighs the run and the toolchain), to be printed once every check has passed."""
+    # Before anything is prepared or made: a launcher that started another world than the config asks for.
+    check_launcher_world(c.trainer.devices, c.trainer.num_nodes)
+    setup_process(c.trainer)
+    compiling = compile_decision(c.trainer, sized_model(c), {k: getattr(plan, k) for k in DEGREE_KEYS})
+    return global_batch(c.trainer, c.model.seq_len, plan), build_strategy(c.strategy, c.trainer, plan), compiling
+
+
+def prepare_data(c: Config, plan, batch, session) -> tuple:
+    """The datamodule, prepared (or verified), the config with the tokenizer's vocabulary, and the run metadata
+    every checkpoint records; the checks that need the prepared data or the resumed checkpoint run here."""
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
                                       seed=c.run.seed, val_windows=c.trainer.val_windows,
-                                      accumulate_grad_batches=accumulate)
+                                      accumulate_grad_batches=batch.accumulation)
     # Prepared here, before the Trainer, because the model's vocabulary size comes from the tokenizer. Under the
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
     manifest = datamodule.manifest
-    train_windows, _ = datamodule.windows(manifest, parallel_plan.data_parallel)
-    datamodule.check_mixture(train_windows, c.trainer.max_steps, tokens_per_step // c.model.seq_len)
+    train_windows, _ = datamodule.windows(manifest, plan.data_parallel)
+    datamodule.check_mixture(train_windows, c.trainer.max_steps, batch.tokens_per_step // c.model.seq_len)
     from_tokenizer = c.model.vocab_size is None
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
-    check_vocab(c.model.vocab_size, parallel_plan.tensor_parallel, "tokenizer" if from_tokenizer else None)
-    cfg.model.vocab_size = c.model.vocab_size
-    run_meta = resume_meta(OmegaConf.to_container(cfg, resolve=True), manifest, tokens_per_step)
-    resume_session.check(plan, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)
+    check_vocab(c.model.vocab_size, plan.tensor_parallel, "tokenizer" if from_tokenizer else None)
+    run_meta = resume_meta(dataclasses.asdict(c), manifest, batch.tokens_per_step)
+    resume_session.check(session, run_meta, c.run.resume_allow_changes, datamodule.tokenizer_path)
     # Recorded in every checkpoint (run_meta), so a resume inside a stage continues its schedule exactly.
-    run_meta["schedule"] = resume_session.schedule_pieces(plan, c.schedule, c.optim.lr_peak, c.trainer.max_steps)
+    run_meta["schedule"] = resume_session.schedule_pieces(session, c.schedule, c.optim.lr_peak, c.trainer.max_steps)
+    return datamodule, c, run_meta
 
+
+def build_module(c: Config, plan, tokens_per_step: int, datamodule: TokenShardDataModule, run_meta: dict,
+                 session) -> PretrainModule:
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=c.trainer.max_steps,
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
-                            compile=parallel_plan.compile, plan=parallel_plan,
+                            compile=plan.compile, plan=plan,
                             eod_id=datamodule.eod_id if c.data.document_masking else None,
                             schedule_pieces=run_meta["schedule"])
-    if c.run.init_from is not None and plan.checkpoint is None:  # a resumed run's weights are in its checkpoint
+    if c.run.init_from is not None and session.checkpoint is None:  # a resumed run's weights are in its checkpoint
         from lit_pretrain.interop.hf import load_init  # needs safetensors (the hf extra): only when asked for
 
         load_init(module.model, c.run.init_from, datamodule.tokenizer_path)
-    timer = Timer()
+    return module
+
+
+def run_callbacks(c: Config, plan, session, run_meta: dict, extra: Sequence[Callback], accumulate: int) -> list:
+    """Every callback of the run, in the order their hooks must run: the one place they are built."""
+    run_dir = session.run_dir
     callbacks = [
         # First: its on_exception holds a failed collective's error until the watchdog has named the failed rank.
         *([WatchdogCallback(run_dir, c.strategy.peer_failure_timeout_seconds, c.strategy.hang_timeout_seconds)]
           if c.strategy.peer_failure_timeout_seconds > 0 else []),
-        timer,
-        *extra_callbacks,
-        *resume_session.callbacks(plan, c.trainer.checkpoint_every_n_steps, c.run.keep_last_checkpoints, run_meta,
-                                  c.optim.lr_peak, sharded_layout=checkpoint_layout(c, parallel_plan),
+        Timer(),
+        *extra,
+        *resume_session.callbacks(session, c.trainer.checkpoint_every_n_steps, c.run.keep_last_checkpoints, run_meta,
+                                  c.optim.lr_peak, sharded_layout=checkpoint_layout(c, plan),
                                   async_save=c.checkpoint.async_save),
         # Bytes each rank holds (parameters, gradients, optimizer state, saved activations) → memory.json.
-        MemoryAccounting(run_dir, {**layout_record(parallel_plan, c.strategy.name),
+        MemoryAccounting(run_dir, {**layout_record(plan, c.strategy.name),
                                    "activation_checkpointing": c.model.activation_checkpointing,
                                    "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
-        *build_callbacks(c),
+        *build_callbacks(c),  # the `callbacks` section's: stability, downstream evaluation, the user's own
         *([ProfileSteps(run_dir, c.trainer.profile.start_step, c.trainer.profile.steps)] if c.trainer.profile else []),
         *([MixtureMetrics()] if c.data.sources else []),  # data/<source>/tokens_seen and epochs
     ]
-    callbacks += console.progress_callbacks(c.trainer.progress_bar, refresh_rate=max(1, accumulate),
-                                          log_every_n_steps=c.trainer.log_every_n_steps)
-    trainer = L.Trainer(
+    return callbacks + console.progress_callbacks(c.trainer.progress_bar, refresh_rate=max(1, accumulate),
+                                                  log_every_n_steps=c.trainer.log_every_n_steps)
+
+
+def build_trainer(c: Config, strategy, callbacks: list, run_dir: Path, accumulate: int) -> L.Trainer:
+    return L.Trainer(
         accelerator=c.trainer.accelerator, devices=c.trainer.devices, num_nodes=c.trainer.num_nodes,
         strategy=strategy, precision=c.trainer.precision, max_steps=c.trainer.max_steps,
         accumulate_grad_batches=accumulate,
@@ -189,17 +217,24 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), started: Op
         use_distributed_sampler=False, default_root_dir=str(run_dir), plugins=resume_session.plugins(run_dir),
     )
 
-    resume_session.make_run_dir(plan, c.run)  # on rank 0: new (with its marker), or the resumed one as it is
+
+def fit(c: Config, layout: tuple, session, run_meta: dict, module: PretrainModule,
+        datamodule: TokenShardDataModule, trainer: L.Trainer) -> None:
+    """Make the run folder, record the config and a `running` summary, and train; a start that fails is cleaned up
+    (its folder removed, or its summary marked failed) before the error goes on. `layout`: (plan, global batch,
+    compile decision), printed before the first step."""
+    (plan, batch, compiling), run_dir = layout, session.run_dir
+    resume_session.make_run_dir(session, c.run)  # on rank 0: new (with its marker), or the resumed one as it is
     start = None
     try:
-        resume_session.continue_metrics(plan)
+        resume_session.continue_metrics(session)
         if is_primary_process():
-            config_lib.save(cfg, run_dir / "config.yaml")  # on resume: the config it continues under
+            config_lib.save(c, run_dir / "config.yaml")  # on resume: the config it continues under
             # summary.json says `running` until the run ends (runs/state.py); on resume it replaces the last end's.
-            first = checkpoint_store.meta_of(plan.checkpoint).get("step", 0) if plan.checkpoint is not None else 0
+            first = checkpoint_store.meta_of(session.checkpoint).get("step", 0) if session.checkpoint else 0
             start = run_state.start_record(c.run.name, first, c.trainer.max_steps)
             write_summary(run_dir, start)
-            print(plan_line(parallel_plan, batch), flush=True)  # after every check: what the steps will run
+            print(plan_line(plan, batch), flush=True)  # after every check: what the steps will run
             print(describe_schedule(run_meta["schedule"], c.optim.lr_peak, first or None), flush=True)
         with warnings.catch_warnings():
             # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
@@ -207,36 +242,58 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), started: Op
             warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
             if is_primary_process():
                 print(compiling.note(), flush=True)
-            trainer.fit(module, datamodule=datamodule, ckpt_path=plan.checkpoint)
+            trainer.fit(module, datamodule=datamodule, ckpt_path=session.checkpoint)
     except BaseException as err:
         # A start that failed before any checkpoint or metric was written: remove the folder it made (rank 0 only,
         # confined to run.root_dir, marker checked), so the retry after fixing the cause is not refused.
-        if plan.created and remove_failed_start(c.run.root_dir, run_dir):
+        if session.created and remove_failed_start(c.run.root_dir, run_dir):
             print(f"removed {run_dir} again: the run failed before writing a checkpoint or a metric", flush=True)
         elif start is not None:  # rank 0, folder kept: its summary says failed, with the error and where to resume
             try:
                 write_summary(run_dir, run_state.failed_record(start, trainer.global_step, err, run_dir))
             except OSError:
                 pass  # the error that ended the run is the one to report, not this one
-        resume_session.release(plan)  # after the removal: no other start can have claimed the folder in between
+        resume_session.release(session)  # after the removal: no other start can have claimed the folder in between
         raise
+
+
+def _stepper(callbacks: list) -> StepCheckpoint:
+    return next(cb for cb in callbacks if isinstance(cb, StepCheckpoint))
+
+
+def finish(c: Config, session, batch, run_meta: dict, datamodule: TokenShardDataModule, module: PretrainModule,
+           trainer: L.Trainer, callbacks: list, started: float) -> dict:
+    """How the run ended, its final validation, and the summary: written, plotted and printed on rank 0."""
     # Read before the extra validation below: trainer.validate resets callback_metrics to its own.
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    stepper = next(cb for cb in callbacks if isinstance(cb, StepCheckpoint))
+    stepper = _stepper(callbacks)
     stop = stop_request(stepper, trainer, c.trainer.max_steps)
     status = run_state.end_status(trainer.global_step, c.trainer.max_steps, stepper.preempted,
                                   stop.outcome if stop is not None else None)
     if status == run_state.FINISHED and c.trainer.max_steps % c.trainer.val_every_n_steps:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the final validation loss is always measured
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+    timer = next(cb for cb in callbacks if isinstance(cb, Timer))
+    summary = run_summary(c, session.run_dir, batch, run_meta["schedule"], datamodule, trainer, timer, metrics,
+                          (status, stepper, stop), started)
+    if trainer.is_global_zero:
+        write_outputs(summary, session.run_dir, trainer, callbacks)
+    return summary
 
-    tokens_seen = trainer.global_step * tokens_per_step
+
+def run_summary(c: Config, run_dir: Path, batch, pieces: list, datamodule: TokenShardDataModule, trainer: L.Trainer,
+                timer: Timer, metrics: dict, ending: tuple, started: float) -> dict:
+    """summary.json's record of the run. `pieces`: the schedule across stages (run_meta["schedule"]); `ending`:
+    (status, the StepCheckpoint callback, the stop asked for)."""
+    status, stepper, stop = ending
+    tokens_per_step, steps, max_steps = batch.tokens_per_step, trainer.global_step, c.trainer.max_steps
+    tokens_seen = steps * tokens_per_step
     # On resume Lightning's Timer restores the training time of earlier sessions: time_elapsed counts all of them,
     # start/end times this session's alone (none when a finished run is resumed and no step runs).
     train_seconds = timer.time_elapsed("train")
     session_start, session_end = timer.start_time("train"), timer.end_time("train")
     session_train_seconds = session_end - session_start if None not in (session_start, session_end) else 0.0
-    entropy = manifest.get("unigram_entropy_nats")
+    manifest = datamodule.manifest
     # The whole model's sizes from the architecture table, never one rank's part (tensor, pipeline and expert
     # parallelism and ZeRO-3 each leave a rank a part of the model).
     sizes = shapes.sizes(c.model)
@@ -247,25 +304,24 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), started: Op
         "tokens_seen": tokens_seen,
         "tokens_per_param": tokens_seen / params,
         "tokens_per_step": tokens_per_step,
-        "accumulate_grad_batches": accumulate,
+        "accumulate_grad_batches": batch.accumulation,
         "world_size": trainer.world_size,
         "status": status,  # runs/state.py: running / preempted / failed / finished
-        "steps": trainer.global_step,  # optimizer steps completed (a preempted run: its checkpoint's step)
-        "max_steps": c.trainer.max_steps,
+        "steps": steps,  # optimizer steps completed (a preempted run: its checkpoint's step)
+        "max_steps": max_steps,
         "resume_step": (run_state.resume_step(run_dir)
-                        if status != run_state.FINISHED or trainer.global_step < c.trainer.max_steps else None),
+                        if status != run_state.FINISHED or steps < max_steps else None),
         # optim/stages.py: which schedule the last steps followed (schedule, continued, stage) and from which step
-        "schedule": {"how": run_meta["schedule"][-1]["how"], "from_step": run_meta["schedule"][-1]["start"],
-                     "pieces": run_meta["schedule"]},
+        "schedule": {"how": pieces[-1]["how"], "from_step": pieces[-1]["start"], "pieces": pieces},
         **({"stop_signal": stepper.stop_signal} if status == run_state.PREEMPTED else {}),
         **({"stop_reason": stop.summary_reason()} if stop is not None and not stepper.preempted else {}),
-        **({"error": f"training ended at step {trainer.global_step} of trainer.max_steps={c.trainer.max_steps} "
+        **({"error": f"training ended at step {steps} of trainer.max_steps={max_steps} "
                      "with no stop asked for"} if status == run_state.FAILED else {}),
         "final_train_loss": metrics.get("train/loss"),
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
         "val_bits_per_byte": metrics.get("val/bits_per_byte"),
-        "unigram_entropy_nats": entropy,
+        "unigram_entropy_nats": manifest.get("unigram_entropy_nats"),
         "wall_seconds": time.perf_counter() - started,  # this invocation, start (imports included) to end
         "train_seconds": train_seconds,  # all sessions of the run; tokens_per_second divides tokens_seen by it
         "session_train_seconds": session_train_seconds,  # this invocation's training alone
@@ -274,30 +330,29 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), started: Op
     }
     if c.data.sources:
         summary["sources"] = mixture_summary(c, datamodule, metrics)
-    if trainer.is_global_zero:
-        rows = read_metrics(run_dir / "metrics.csv")
-        # Validation and downstream evaluation, summed over the whole run (resumed sessions included): the
-        # in-training evaluation's cost, which the throughput figures leave out.
-        summary["evaluation_seconds"] = sum(r.get("val/seconds", 0.0) + r.get("eval/seconds", 0.0) for r in rows)
-        # train/loss is logged every trainer.log_every_n_steps and at max_steps: a run stopped between those (a
-        # signal, a callback) holds a checkpoint of a later step than its last loss, so the summary says whose it is.
-        logged = series(rows, "train/loss")
-        if logged:
-            summary["final_train_loss_step"], summary["final_train_loss"] = logged[-1]
-        write_summary(run_dir, summary)
-        plot_loss_curve(rows, run_dir / "loss_curve.png", entropy)
-        report(summary, run_dir)
-        for cb in (cb for cb in callbacks if isinstance(cb, StabilityReport) and cb.report is not None):
-            print(format_report(cb.report))
-        for logger in trainer.loggers:
-            if type(logger).__name__ == "WandbLogger":
-                logger.experiment.finish()  # else a second train() in this process would log into this run
-    resume_session.release(plan)
-    _leave_agent_process_group()
-    if stepper.interrupted:  # Ctrl-C: checkpoint and summary written; the last line says how to go on
-        raise Interrupted(trainer.global_step, f"interrupted: checkpoint at step {trainer.global_step} written; "
-                          f"resume with: {resume_command()}" if trainer.is_global_zero else "")
     return summary
+
+
+def write_outputs(summary: dict, run_dir: Path, trainer: L.Trainer, callbacks: list) -> None:
+    """Rank 0: the evaluation time and last logged loss from metrics.csv into the summary, then summary.json, the
+    loss curve, the printed report and the stability reports."""
+    rows = read_metrics(run_dir / "metrics.csv")
+    # Validation and downstream evaluation, summed over the whole run (resumed sessions included): the
+    # in-training evaluation's cost, which the throughput figures leave out.
+    summary["evaluation_seconds"] = sum(r.get("val/seconds", 0.0) + r.get("eval/seconds", 0.0) for r in rows)
+    # train/loss is logged every trainer.log_every_n_steps and at max_steps: a run stopped between those (a
+    # signal, a callback) holds a checkpoint of a later step than its last loss, so the summary says whose it is.
+    logged = series(rows, "train/loss")
+    if logged:
+        summary["final_train_loss_step"], summary["final_train_loss"] = logged[-1]
+    write_summary(run_dir, summary)
+    plot_loss_curve(rows, run_dir / "loss_curve.png", summary["unigram_entropy_nats"])
+    report(summary, run_dir)
+    for cb in (cb for cb in callbacks if isinstance(cb, StabilityReport) and cb.report is not None):
+        print(format_report(cb.report))
+    for logger in trainer.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            logger.experiment.finish()  # else a second train() in this process would log into this run
 
 
 def _leave_agent_process_group() -> None:

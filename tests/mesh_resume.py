@@ -52,9 +52,9 @@ def fit(c, out, devices, steps, ckpt, callbacks):
     w = torch.randint(0, 64, (4, c.model.seq_len + 1), generator=g).repeat(8, 1)
     data = DataLoader(TensorDataset(w[:, :-1], w[:, 1:]), batch_size=4)
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=3, tokens_per_step=4 * c.model.seq_len, seed=0,
-                            strategy=strategy)
+                            strategy=strategy, plan=c.plan)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=build_strategy(strategy, c.trainer),
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=build_strategy(strategy, c.trainer, c.plan),
                             max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                             default_root_dir=tmp, callbacks=callbacks)

@@ -242,7 +242,7 @@ def planner_case(out: dict) -> None:
                                          context_parallel=t)
                   + context_forward_bytes(T, B, cfg.head_dim, t) + context_mask_bytes(T, t))
     context = (meter.bytes, cp_planned, model.blocks[0].mlp.load[:4].sum().item())
-    plan = memory_plan(cfg, B, tensor_parallel=t, precision="32-true")
+    plan = memory_plan(ParallelPlan(tensor_parallel=t), cfg, B, precision="32-true")
     # The planner's per-rank count: one block, the embedding (vocab-parallel in its accounting) and the final norm.
     planned_block = plan["params_per_device"] - cfg.vocab_size * cfg.d_model / t - cfg.d_model
     if dist.get_rank() == 0:

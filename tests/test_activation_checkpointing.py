@@ -132,6 +132,7 @@ def test_selective_keeps_the_planned_bytes_and_recomputes_the_planned_flops(save
 
 
 def test_full_recomputes_the_planned_flops_and_selective_sits_between_none_and_full():
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan
     from lit_pretrain.scaling.recompute import recompute_flops
 
@@ -142,8 +143,9 @@ def test_full_recomputes_the_planned_flops_and_selective_sits_between_none_and_f
     assert selective[1] == none[1]  # every matmul kept: no matmul runs again
     # memory_plan's selective row is this count, per layer and for all layers' recomputation
     cfg = GPTConfig(n_layers=3, **SHAPE)
-    plan = memory_plan(cfg, B, precision="32-true", activation_checkpointing="selective",
-                       activation_checkpointing_save_matmuls="every_other")
+    plan = memory_plan(ParallelPlan(activation_checkpointing="selective",
+                                    activation_checkpointing_save_matmuls="every_other"),
+                       cfg, B, precision="32-true")
     every = recompute_flops("selective", T, B, D, 4, cfg.hidden_dim, kv_heads=2, save_matmuls="every_other")
     assert plan["recompute_flops"] == {k: 3 * v for k, v in every.items()}
     assert plan["activation_bytes_per_layer"] == pytest.approx(
@@ -238,6 +240,7 @@ def test_moe_memory_plan_counts_selective_and_full_by_block_kind():
     matmul (FlopCounterMode's count); the selective row per layer is the larger block's (the dense one here), its
     recomputed FLOPs the sum over the blocks of their kinds (their own counts are measured in the tests above)."""
     from lit_pretrain.model.config import MoEConfig
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan
     from lit_pretrain.scaling.recompute import recompute_flops
 
@@ -245,8 +248,9 @@ def test_moe_memory_plan_counts_selective_and_full_by_block_kind():
     full = moe_step("full", num_shared_experts=1)[4] - moe_step("none", num_shared_experts=1)[4]
     assert full == pytest.approx(recompute_flops("full", T, B, D, 4, 128, kv_heads=2, moe=shape)["matmul"], rel=0.01)
     cfg = GPTConfig(n_layers=3, moe=MoEConfig(**MOE, num_shared_experts=1, first_dense_layers=1), **SHAPE)
-    plan = memory_plan(cfg, B, precision="32-true", activation_checkpointing="selective",
-                       activation_checkpointing_save_matmuls="every_other")
+    plan = memory_plan(ParallelPlan(activation_checkpointing="selective",
+                                    activation_checkpointing_save_matmuls="every_other"),
+                       cfg, B, precision="32-true")
     dense = recompute_flops("selective", T, B, D, 4, cfg.hidden_dim, kv_heads=2, save_matmuls="every_other")
     moe = recompute_flops("selective", T, B, D, 4, cfg.hidden_dim, kv_heads=2, save_matmuls="every_other", moe=shape)
     assert plan["recompute_flops"] == {k: dense[k] + 2 * moe[k] for k in dense}

@@ -1,14 +1,16 @@
 """Config: every shipped YAML composes and passes its checks; bad keys, types and ranges are clear errors."""
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError
 
 from lit_pretrain import config
 from lit_pretrain.errors import ConfigError
+from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1] / "experiments"
 RUN_FILES = sorted((ROOT / "runs").glob("*.yaml"))
@@ -25,7 +27,7 @@ def test_there_are_shipped_experiments():
 @pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
 def test_every_run_file_loads(run_file):
     cfg = config.load(run_file)
-    assert OmegaConf.is_struct(cfg)
+    assert isinstance(cfg, Config) and isinstance(cfg.plan, ParallelPlan)  # the typed config and its plan
     assert cfg.run.name == run_file.stem  # run names match their files, so runs/<name> is easy to find
 
 
@@ -52,7 +54,8 @@ def test_every_group_file_loads_into_a_run(group_file):
             # A section (model.rope_scaling) holds its other fields at their defaults: the file's keys must be there.
             given = value.items() if isinstance(value, DictConfig) else [(None, value)]
             for sub, v in given:
-                assert (cfg[group][key] if sub is None else cfg[group][key][sub]) == v, f"{group_file}: {key}"
+                loaded = dataclasses.asdict(cfg)[group][key]
+                assert (loaded if sub is None else loaded[sub]) == v, f"{group_file}: {key}"
 
 
 def test_composition_order_run_file_wins_then_command_line():
@@ -71,7 +74,7 @@ def test_group_choice_on_the_command_line():
 
 def test_struct_mode_rejects_new_keys_after_load():
     cfg = config.load(ROOT / "runs" / "tiny.yaml")
-    with pytest.raises(ConfigAttributeError):
+    with pytest.raises(AttributeError, match="TrainerConfig has no config key 'max_step'"):
         cfg.trainer.max_step = 3
 
 
@@ -167,7 +170,8 @@ def test_save_round_trips(tmp_path):
     cfg = config.load(ROOT / "runs" / "tiny.yaml", ["optim.lr_peak=2e-3"])
     config.save(cfg, tmp_path / "config.yaml")
     again = config.load(tmp_path / "config.yaml")
-    assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg) and again.plan == cfg.plan
+    assert "plan" not in (tmp_path / "config.yaml").read_text()  # the plan is built at load, not a config key
 
 
 @pytest.mark.parametrize("command, named, not_named", [
@@ -239,3 +243,40 @@ def test_paths_given_to_the_stdlib_corpus_are_refused_first_naming_the_presets(t
     with pytest.raises(ConfigError, match=r"^data\.sources\[0\]\.paths=.* is set but data\.sources\[0\]\.corpus="
                                           r"stdlib .*: set data\.sources\[0\]\.corpus to the kind of your files"):
         config.load(tiny, [f"data.sources=[{{name: a, corpus: stdlib, paths: [{tmp_path / 'a.txt'}]}}]"])
+
+
+# Every refusal `train` makes before its first step, fed to `show` (the CLI) and to `train` alike: each row's
+# overrides, and a fragment of the one line both must print, so a row that trips another check fails too.
+REFUSED = [
+    (["schedule.warmup_steps=1000"], "schedule.warmup_steps=1000 exceeds trainer.max_steps=100"),
+    (["schedule.lr_min=1.0"], "schedule.lr_min=1.0 exceeds optim.lr_peak"),
+    (["trainer.devices=2"], "strategy.name=single runs one process, but trainer.devices=2"),
+    (["trainer.devices=2", "strategy.name=ddp", "strategy.pipeline_parallel=2", "data.document_masking=true"],
+     "data.document_masking=true is not supported with strategy.pipeline_parallel=2"),
+    (["checkpoint.async_save=true"], "checkpoint.async_save=true writes sharded checkpoints in the background"),
+    (["callbacks.loss_spike.threshold_sigmas=null"], "callbacks.loss_spike: set threshold_sigmas, threshold_ratio"),
+    (["callbacks.downstream_eval.enabled=true", "callbacks.downstream_eval.tasks=[hellaswag]",
+      "callbacks.downstream_eval.every_n_steps=7"], "callbacks.downstream_eval."),
+    (["run.resume_allow_changes=[model.nope]"], "run.resume_allow_changes names 'model.nope', which is not a config"),
+    (["trainer.device_memory_gb=0.001"], "trainer.device_memory_gb=0.001: the run needs"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSED, ids=lambda v: v[-1] if isinstance(v, list) else None)
+def test_show_refuses_exactly_what_train_refuses(overrides, message, tmp_path, capsys):
+    from lit_pretrain import cli
+    from lit_pretrain.train import train
+
+    tiny = ROOT / "runs" / "tiny.yaml"
+    assert cli.main(["show", str(tiny), *overrides]) == 2
+    shown = capsys.readouterr().err.strip()
+    assert shown.startswith("lit-pretrain show: error: ") and "\n" not in shown and message in shown
+    # train, handed the same config by an older caller as an unchecked DictConfig, refuses it with the same line
+    # before it makes anything (run.root_dir stays empty).
+    good = config.load(tiny, [f"run.root_dir={tmp_path}"])
+    sections = {f.name: getattr(good, f.name) for f in dataclasses.fields(Config)}
+    unchecked = OmegaConf.merge(OmegaConf.structured(Config(**sections)), OmegaConf.from_dotlist(overrides))
+    with pytest.raises(ConfigError) as refused:
+        train(unchecked)
+    assert shown == f"lit-pretrain show: error: {refused.value}"
+    assert list(tmp_path.iterdir()) == []

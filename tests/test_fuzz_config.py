@@ -14,7 +14,6 @@ import typing
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from lit_pretrain import cli, config
 from lit_pretrain.data.shards import load_manifest
@@ -75,7 +74,7 @@ def existing_run(tmp_path_factory, tiny_data_dir):
     folder = root / "kept" / "checkpoints"
     folder.mkdir(parents=True)
     c = config.to_object(cfg)
-    meta = run_meta(OmegaConf.to_container(cfg, resolve=True), manifest,
+    meta = run_meta(dataclasses.asdict(cfg), manifest,
                     c.trainer.micro_batch_size * c.model.seq_len)
     path = folder / store.step_file(2)
     save_atomic({"lit_pretrain": {"step": 2, "metrics_rows": 3, **meta}}, path)

@@ -53,7 +53,10 @@ def test_missing_packages(tmp_path, monkeypatch, capsys):
     assert [type(lg) for lg in out] == [ResumableCSVLogger]
     assert "tensorboard is not installed" in capsys.readouterr().out
     # wandb is asked for by name only: its absence is an error naming the key.
-    c = config.to_object(config.load(RUN_FILE, ["trainer.loggers=[csv,wandb]"]))
+    # Refused when the config loads (so `show` refuses it too), and by loggers() for a config made without load.
+    with pytest.raises(ConfigError, match=r"trainer\.loggers lists wandb, which is not installed.*\[logging\]"):
+        config.load(RUN_FILE, ["trainer.loggers=[csv,wandb]"])
+    c.trainer.loggers = ["csv", "wandb"]
     with pytest.raises(ConfigError, match=r"trainer\.loggers lists wandb, which is not installed.*\[logging\]"):
         train.loggers(tmp_path, c)
 

@@ -12,6 +12,7 @@ from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.optim.optimizers import build_adamw
+from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.scaling import memory
 from lit_pretrain.schema import OptimConfig
 
@@ -53,8 +54,8 @@ def test_korthikanti_table2_rows():
 
 def test_first_pipeline_stage_holds_all_layers_worth_of_activations():
     cfg = GPTConfig(vocab_size=32000, n_layers=8, d_model=1024, n_heads=16, seq_len=2048)
-    one = memory.memory_plan(cfg, micro_batch=1)
-    four = memory.memory_plan(cfg, micro_batch=1, pipeline_parallel=4)
+    one = memory.memory_plan(ParallelPlan(), cfg, 1)
+    four = memory.memory_plan(ParallelPlan(pipeline_parallel=4), cfg, 1)
     # 1F1B: p micro-batches of L/p layers in flight on the first stage (Korthikanti et al. §4.2.3)
     assert four["activation_bytes"] == one["activation_bytes"] - one["logits_bytes"]
     assert four["layers_per_stage"] == 2
@@ -63,14 +64,14 @@ def test_first_pipeline_stage_holds_all_layers_worth_of_activations():
 
 def test_tensor_parallel_splits_matrices_not_norms():
     cfg = GPTConfig(vocab_size=1000, n_layers=2, d_model=128, n_heads=4, seq_len=64)
-    one, two = memory.memory_plan(cfg, 1), memory.memory_plan(cfg, 1, tensor_parallel=2)
+    one, two = memory.memory_plan(ParallelPlan(), cfg, 1), memory.memory_plan(ParallelPlan(tensor_parallel=2), cfg, 1)
     norms = 2 * 2 * 128 + 128
     assert two["params_per_device"] == (one["params_per_device"] - norms) / 2 + norms
     with pytest.raises(ConfigError, match="must divide --heads"):
-        memory.memory_plan(cfg, 1, tensor_parallel=3)
+        memory.memory_plan(ParallelPlan(tensor_parallel=3), cfg, 1)
     # The embedding and head are split along the vocabulary (parallel/vocab.py): V must divide by t, as in train.
     with pytest.raises(ConfigError, match="must divide --vocab 1001"):
-        memory.memory_plan(GPTConfig(**{**asdict(cfg), "vocab_size": 1001}), 1, tensor_parallel=2)
+        memory.memory_plan(ParallelPlan(tensor_parallel=2), GPTConfig(**{**asdict(cfg), "vocab_size": 1001}), 1)
 
 
 def test_exact_shards_pad_dim0_like_fsdp2():
@@ -108,19 +109,19 @@ def test_planner_matches_what_adamw_holds_in_one_process(precision, dtype):
 
 def test_fits_and_bad_inputs():
     cfg = GPTConfig(vocab_size=1000, n_layers=2, d_model=64, n_heads=4, seq_len=64)
-    plan = memory.memory_plan(cfg, 4, precision="32-true", device_memory=memory.parse_bytes("1MB"))
+    plan = memory.memory_plan(ParallelPlan(), cfg, 4, precision="32-true", device_memory=memory.parse_bytes("1MB"))
     assert plan["fits"] is False and plan["total_bytes"] > 1e6
     assert memory.parse_bytes("80GiB") == 80 * 2**30 and memory.parse_bytes("80GB") == 8e10
     with pytest.raises(ConfigError, match="--device-memory"):
         memory.parse_bytes("lots")
     with pytest.raises(ConfigError, match="--precision"):
-        memory.memory_plan(cfg, 1, precision="fp8")
+        memory.memory_plan(ParallelPlan(), cfg, 1, precision="fp8")
     with pytest.raises(ConfigError, match="--zero-stage"):
-        memory.memory_plan(cfg, 1, zero_stage=4)
+        memory.memory_plan(ParallelPlan(zero_stage=4), cfg, 1)
     with pytest.raises(ConfigError, match="--sequence-parallel"):
-        memory.memory_plan(cfg, 1, sequence_parallel=True)
+        memory.memory_plan(ParallelPlan(sequence_parallel=True), cfg, 1)
     with pytest.raises(ConfigError, match="--exact"):
-        memory.memory_plan(cfg, 1, tensor_parallel=2, exact=True)
+        memory.memory_plan(ParallelPlan(tensor_parallel=2), cfg, 1, exact=True)
 
 
 def test_our_block_activation_count_matches_the_saved_tensor_hooks_in_one_process():
@@ -148,7 +149,7 @@ def test_block_activation_bytes_under_tensor_and_sequence_parallelism():
     assert tp - sp == pytest.approx(2 * (4 * n * h + 2 * n) * (1 - 1 / t))
     assert sp == pytest.approx(2 * ((4 * n * h + 2 * n) / t + 2 * n * h + (4 * n * h + 4 * n * f) / t) + 4 * n * a / t)
     cfg = GPTConfig(vocab_size=1000, n_layers=2, d_model=h, n_heads=a, d_ff=f, seq_len=n)
-    plan = memory.memory_plan(cfg, 1, tensor_parallel=t, sequence_parallel=True, precision="bf16-true")
+    plan = memory.memory_plan(ParallelPlan(tensor_parallel=t, sequence_parallel=True), cfg, 1, precision="bf16-true")
     assert plan["activation_bytes_per_layer"] == sp
     with pytest.raises(ConfigError, match="--sequence-parallel"):
         memory.block_activation_bytes(n, 1, h, a, f, 1, sequence_parallel=True)

@@ -212,7 +212,7 @@ def check_activations(measured):
     """Saved bytes of one block under TP 2 + sequence parallelism against TP 2 alone: the measured ratio is the one
     `lit-pretrain memory --sequence-parallel` predicts for the same shape (fp32: --precision 32-true)."""
     cfg = GPTConfig(**CFG)
-    planned = {sp: memory_plan(cfg, BATCH, tensor_parallel=2, sequence_parallel=sp, precision="32-true")
+    planned = {sp: memory_plan(Plan(tensor_parallel=2, sequence_parallel=sp), cfg, BATCH, precision="32-true")
                ["activation_bytes_per_layer"] for sp in (False, True)}
     ratio, planned_ratio = measured["tp_sp"] / measured["tp"], planned[True] / planned[False]
     print(f"saved activations per block: TP 2 {measured['tp']} B, TP 2 + SP {measured['tp_sp']} B, ratio "
@@ -226,8 +226,8 @@ def check_activations(measured):
     # matmuls' outputs (the row-parallel ones whole, before their all-reduce or reduce-scatter) and attention's, as
     # scaling/recompute.py counts them; exact on fp32 CPU kernels, as above.
     for sp, key in ((False, "selective_tp"), (True, "selective_tp_sp")):
-        planned = memory_plan(cfg, BATCH, tensor_parallel=2, sequence_parallel=sp, precision="32-true",
-                              activation_checkpointing="selective")["activation_bytes_per_layer"]
+        planned = memory_plan(Plan(tensor_parallel=2, sequence_parallel=sp, activation_checkpointing="selective"),
+                              cfg, BATCH, precision="32-true")["activation_bytes_per_layer"]
         assert measured[key] == pytest.approx(planned, rel=0.01), (key, measured, planned)
     # Context parallelism: rank 0 of CP 2 against the planner's block, its RoPE tables at its positions
     # and the CPU's additive causal mask (scaling/memory.py), byte for byte as above; about 0.56 of one process's

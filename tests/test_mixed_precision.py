@@ -11,7 +11,7 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT, LayerNorm, RMSNorm
 from lit_pretrain.parallel.memory import SavedActivations
-from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.parallel.plan import ParallelPlan, build_plan
 from lit_pretrain.scaling import memory
 from tests.test_layout import TINY
 
@@ -100,13 +100,13 @@ def test_the_policy_block_count_is_what_a_block_saves():
     assert planned == 4 * (4 * n * 64 + 2 * n) + 2 * (2 * n * 64 + 2 * n * 64 + 2 * n * 32 + 4 * n * 160) \
         + 4 * n * 4 + 4 * 2 * 64
     assert meter.bytes == planned
-    plan = memory.memory_plan(c, 3, precision="bf16-mixed-policy", data_parallel=8, zero_stage=3)
+    plan = memory.memory_plan(ParallelPlan(data_parallel_shard=8, zero_stage=3), c, 3, precision="bf16-mixed-policy")
     assert plan["activation_bytes_per_layer"] == planned and plan["cast_weight_bytes"] == 0
-    autocast = memory.memory_plan(c, 3, precision="bf16-mixed", data_parallel=8, zero_stage=3)
+    autocast = memory.memory_plan(ParallelPlan(data_parallel_shard=8, zero_stage=3), c, 3, precision="bf16-mixed")
     # the same fp32 state; ZeRO-3's gathered root and two blocks in 2 bytes instead of 4, the reduce-scatter's
     # fp32 copy of each unsharded bf16 gradient (6 bytes instead of 4)
     assert plan["model_state_bytes"] == autocast["model_state_bytes"]
-    full = memory.memory_plan(c, 3, precision="bf16-mixed-policy", activation_checkpointing="full")
+    full = memory.memory_plan(ParallelPlan(activation_checkpointing="full"), c, 3, precision="bf16-mixed-policy")
     assert full["activation_bytes_per_layer"] == 2 * 48 * 64  # a bf16 residual stream: 2 bytes an element kept
 
 

@@ -386,6 +386,7 @@ def test_the_default_moe_refusal_names_every_key_to_train_with_and_they_export(t
 @pytest.mark.parametrize("experts, k, width, shared", [(4, 2, 32, 0), (8, 2, 32, 0), (4, 1, 64, 1), (8, 1, 32, 0)])
 def test_memory_planner_counts_an_moe_blocks_saved_activations_within_3_percent(experts, k, width, shared):
     from lit_pretrain.parallel.memory import SavedActivations
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling import memory
 
     cfg = GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, seq_len=16,
@@ -398,7 +399,8 @@ def test_memory_planner_counts_an_moe_blocks_saved_activations_within_3_percent(
     planned = memory.block_activation_bytes(16, 3, 32, 4, cfg.hidden_dim, moe=(experts, k, width, shared))
     # Measured 0.4-0.7% above the plan on these shapes: a few per-token scalars of the routing are not counted.
     assert planned <= meter.bytes <= 1.03 * planned
-    assert memory.memory_plan(cfg, 3, precision="32-true")["activation_bytes_per_layer"] == planned  # fp32
+    assert memory.memory_plan(ParallelPlan(),
+                              cfg, 3, precision="32-true")["activation_bytes_per_layer"] == planned  # fp32
 
 
 def test_memory_command_takes_moe_and_counts_olmoe_as_transformers_does(capsys):
@@ -447,21 +449,24 @@ def test_memory_planner_splits_the_routed_experts_by_expert_and_tensor_paralleli
     64 / 8 = 8 ranks holding the same experts at ZeRO-3; tensor parallelism splits the dense matrices and each routed
     expert along its width (parallel/expert_tensor.py), not the router; both together leave 1/16 of the experts."""
     from lit_pretrain.errors import ConfigError
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan
 
     preset = yaml.safe_load((EXPERIMENTS / "model" / "olmoe_1b_7b.yaml").read_text())
     cfg = GPTConfig(**{**preset, "moe": MoEConfig(**preset["moe"])})
     routed = 16 * 64 * 3 * 1024 * 2048
     assert routed == 6_442_450_944
-    whole = memory_plan(cfg, 1, data_parallel=64, zero_stage=3, precision="32-true")
-    ep8 = memory_plan(cfg, 1, data_parallel=64, zero_stage=3, precision="32-true", expert_parallel=8)
+    whole = memory_plan(ParallelPlan(data_parallel_shard=64, zero_stage=3), cfg, 1, precision="32-true")
+    ep8 = memory_plan(ParallelPlan(data_parallel_shard=64, zero_stage=3, expert_parallel=8),
+                      cfg, 1, precision="32-true")
     assert whole["params_per_device"] == 6_919_161_856
     assert ep8["params_per_device"] == 6_919_161_856 - routed + routed // 8
     # ZeRO-3 over 64 ranks: every parameter / 64 either way (the experts / 8 / 8), 4 bytes each in fp32
     assert ep8["param_bytes"] == pytest.approx(4 * 6_919_161_856 / 64)
-    ep8_zero0 = memory_plan(cfg, 1, data_parallel=64, zero_stage=0, precision="32-true", expert_parallel=8)
+    ep8_zero0 = memory_plan(ParallelPlan(data_parallel_shard=64, zero_stage=0, expert_parallel=8),
+                            cfg, 1, precision="32-true")
     assert ep8_zero0["param_bytes"] == 4 * (6_919_161_856 - routed + routed // 8)
-    tp2 = memory_plan(cfg, 1, data_parallel=1, zero_stage=0, precision="32-true", tensor_parallel=2)
+    tp2 = memory_plan(ParallelPlan(data_parallel_shard=1, zero_stage=0, tensor_parallel=2), cfg, 1, precision="32-true")
     norms = 16 * 2 * 2048 + 16 * 2 * 2048 + 2048  # two RMSNorms a block, QK-norm over the projections, final norm
     embeddings = 2 * 50304 * 2048
     router = 16 * 64 * 2048  # replicated over tensor parallelism: every rank routes the same tokens
@@ -469,16 +474,16 @@ def test_memory_planner_splits_the_routed_experts_by_expert_and_tensor_paralleli
     assert tp2["params_per_device"] == split / 2 + router + norms + embeddings / 2
     # EP 8 x TP 2 (64 data-parallel ranks, 128 in all): E/8 experts x 1/2 of their width, their state sharded at
     # ZeRO-3 over the 64 / 8 = 8 ranks holding the same slices; the dense part over all 64.
-    ep8_tp2 = memory_plan(cfg, 1, data_parallel=64, zero_stage=3, precision="32-true", expert_parallel=8,
-                          tensor_parallel=2)
+    ep8_tp2 = memory_plan(ParallelPlan(data_parallel_shard=64, zero_stage=3, expert_parallel=8, tensor_parallel=2),
+                          cfg, 1, precision="32-true")
     dense = (split - routed) / 2 + router + norms + embeddings / 2
     assert ep8_tp2["params_per_device"] == dense + routed / 16
     assert ep8_tp2["param_bytes"] == pytest.approx(4 * (dense / 64 + routed / 16 / 8))
     with pytest.raises(ConfigError, match="--expert-parallel 3"):
-        memory_plan(cfg, 1, expert_parallel=3)
+        memory_plan(ParallelPlan(expert_parallel=3), cfg, 1)
     narrow = GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, moe=MoEConfig(d_ff_expert=10))
     with pytest.raises(ConfigError, match="--tensor-parallel 4 must divide the experts' width 10"):
-        memory_plan(narrow, 1, tensor_parallel=4)
+        memory_plan(ParallelPlan(tensor_parallel=4), narrow, 1)
 
 
 def test_global_aux_loss_scope_makes_the_ranks_mean_one_process_loss_and_gradient():

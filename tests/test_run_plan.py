@@ -15,7 +15,7 @@ from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.parallel.batch import global_batch
-from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.parallel.plan import ParallelPlan, build_plan
 from lit_pretrain.scaling import memory
 from lit_pretrain.scaling.run_plan import MIN_HEADROOM, format_fit, run_memory
 from tests.conftest import EXPERIMENTS
@@ -33,7 +33,7 @@ def test_the_large_presets_have_run_files_for_one_and_four_nodes_of_h200():
 @pytest.mark.parametrize("run_file", SIZED, ids=lambda p: p.stem)
 def test_every_sized_run_file_loads_and_fits_its_device_memory(run_file):
     c = config.to_object(config.load(run_file))  # the load itself refuses a run that does not fit
-    r = run_memory(c)
+    r = run_memory(c, c.plan)
     assert r["fits"] and r["headroom_fraction"] >= MIN_HEADROOM
     assert r["total_bytes"] + r["headroom_bytes"] == c.trainer.device_memory_gb * 1e9
     # the comment states what the planner prints, so it cannot drift from it
@@ -66,7 +66,7 @@ def test_budget_of_the_8b_run_and_its_refusals():
         config.load(run, ["trainer.micro_batch_size=2"])
     # the fix the error names
     fixed = config.load(run, ["trainer.micro_batch_size=2", "model.activation_checkpointing=full"])
-    assert run_memory(config.to_object(fixed))["fits"]
+    assert run_memory(fixed, fixed.plan)["fits"]
 
 
 def test_the_128k_run_fits_with_the_context_parallel_degree_the_planner_names():
@@ -76,7 +76,7 @@ def test_the_128k_run_fits_with_the_context_parallel_degree_the_planner_names():
     run = RUNS / "llama3_1_8b_h200x8_128k.yaml"
     c = config.to_object(config.load(run))
     assert (c.model.seq_len, c.strategy.context_parallel, c.trainer.devices) == (131072, 4, 8)
-    m = run_memory(c)
+    m = run_memory(c, c.plan)
     assert m["fits"] and m["headroom_fraction"] >= 0.10 and m["context_parallel_needed"] == 4, m
     assert m["context_parallel"] == 4 and m["context_parallel_bytes"] > 0
     assert "context_parallel needed: 4" in format_fit(m)
@@ -96,15 +96,18 @@ def test_experts_shard_over_data_parallel_times_context_parallel_ranks_over_expe
     c = config.to_object(config.load(RUNS / "default.yaml", [
         "strategy=zero", "strategy.context_parallel=2", "strategy.expert_parallel=2", "trainer.devices=4",
         "trainer.micro_batch_size=4", "model.moe={num_experts: 8, top_k: 2}"]))
-    m, plan = run_memory(c), build_plan(c)
+    m, plan = run_memory(c, c.plan), c.plan
     assert (plan.data_parallel_shard, plan.context_parallel, plan.expert_parallel) == (2, 2, 2)
 
-    def direct(edp):
-        return memory.memory_plan(sized_model(c), c.trainer.micro_batch_size, data_parallel=4, zero_stage=3,
-                                  precision=c.trainer.precision, expert_parallel=2, expert_data_parallel=edp,
-                                  context_parallel=2)["total_bytes"]
+    def direct(replicas):
+        layout = ParallelPlan(data_parallel_replicate=replicas, data_parallel_shard=2, context_parallel=2,
+                              zero_stage=3, expert_parallel=2)
+        return memory.memory_plan(layout, sized_model(c), c.trainer.micro_batch_size, precision=c.trainer.precision)
 
-    assert m["total_bytes"] == direct(2) < direct(1), (m["total_bytes"], direct(2), direct(1))
+    # the experts' state is sharded over the ranks holding the same experts: replicas x (shards x context) / P
+    assert m["expert_data_parallel"] == direct(1)["expert_data_parallel"] == 2
+    assert direct(2)["expert_data_parallel"] == 4
+    assert m["total_bytes"] == direct(1)["total_bytes"] > direct(2)["total_bytes"]
 
 
 def test_zero1_under_context_parallelism_splits_the_optimizer_state_over_shard_times_context_ranks():
@@ -115,7 +118,7 @@ def test_zero1_under_context_parallelism_splits_the_optimizer_state_over_shard_t
     def states(*overrides):
         c = config.to_object(config.load(RUNS / "default.yaml", ["strategy=zero", "strategy.zero_stage=1",
                                                                  "trainer.micro_batch_size=4", *overrides]))
-        m = run_memory(c)
+        m = run_memory(c, c.plan)
         return m["data_parallel"], m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"]
 
     d, params, grads, optimizer = states("strategy.context_parallel=2", "trainer.devices=4")
@@ -166,23 +169,23 @@ def test_autocast_block_count_is_what_a_block_saves_under_bf16_autocast():
     assert planned == 4 * (4 * n * 64 + 2 * n) + 2 * (5 * n * 64 + 2 * n * 64 + 2 * n * 32 + 4 * n * 160) + 4 * n * 4
     cast = 2 * (shapes.block_params(cfg) - shapes.block_norm_params(cfg))
     assert meter.bytes == planned + cast
-    plan = memory.memory_plan(cfg, 3, precision="bf16-mixed")
+    plan = memory.memory_plan(ParallelPlan(), cfg, 3, precision="bf16-mixed")
     assert plan["activation_bytes_per_layer"] == planned
     assert plan["cast_weight_bytes"] == cast + 2 * 64 * 64  # the blocks' linears and the (tied) head, not the lookup
 
 
 def test_checkpointing_keeps_the_residual_dtype_and_recomputes_one_block():
     cfg = GPTConfig(vocab_size=1000, n_layers=6, d_model=256, n_heads=4, seq_len=128)
-    none = memory.memory_plan(cfg, 2, precision="bf16-mixed")
-    full = memory.memory_plan(cfg, 2, precision="bf16-mixed", activation_checkpointing="full")
+    none = memory.memory_plan(ParallelPlan(), cfg, 2, precision="bf16-mixed")
+    full = memory.memory_plan(ParallelPlan(activation_checkpointing="full"), cfg, 2, precision="bf16-mixed")
     # the block input is the fp32 residual stream under autocast: 4 bytes x 128 x 2 x 256
     assert full["activation_bytes_per_layer"] == 4 * 128 * 2 * 256
     assert full["recompute_bytes"] == none["activation_bytes_per_layer"] and none["recompute_bytes"] == 0
-    every = memory.memory_plan(cfg, 2, precision="bf16-mixed", activation_checkpointing="every_k",
-                               activation_checkpointing_k=4)  # blocks 0 and 4 checkpointed, 4 saved whole
+    every = memory.memory_plan(ParallelPlan(activation_checkpointing="every_k", activation_checkpointing_k=4),
+                               cfg, 2, precision="bf16-mixed")  # blocks 0 and 4 checkpointed, 4 saved whole
     assert every["activation_bytes_per_layer"] * 6 == pytest.approx(
         2 * full["activation_bytes_per_layer"] + 4 * none["activation_bytes_per_layer"])
-    true16 = memory.memory_plan(cfg, 2, precision="bf16-true", activation_checkpointing="full")
+    true16 = memory.memory_plan(ParallelPlan(activation_checkpointing="full"), cfg, 2, precision="bf16-true")
     assert true16["activation_bytes_per_layer"] == 2 * 128 * 2 * 256
 
 
@@ -190,12 +193,12 @@ def test_fsdp_transients_gather_the_root_and_two_blocks():
     cfg = GPTConfig(vocab_size=1000, n_layers=4, d_model=64, n_heads=4, seq_len=32, tie_embeddings=False)
     block, tokens = shapes.block_params(cfg), 32 * 2
     logits_grad = 4 * tokens * 1000 + 2 * tokens * 1000  # fp32 gradient and its bf16 cast
-    one = memory.memory_plan(cfg, 2, precision="bf16-mixed")
+    one = memory.memory_plan(ParallelPlan(), cfg, 2, precision="bf16-mixed")
     assert one["transient_bytes"] == logits_grad  # one process: nothing gathered
-    z3 = memory.memory_plan(cfg, 2, data_parallel=8, zero_stage=3, precision="bf16-mixed")
+    z3 = memory.memory_plan(ParallelPlan(data_parallel_shard=8, zero_stage=3), cfg, 2, precision="bf16-mixed")
     root = 2 * 1000 * 64 + 64  # embedding, untied head, final norm
     assert z3["transient_bytes"] == logits_grad + 4 * (root + 2 * block) + 4 * (block + 1000 * 64)
-    z2 = memory.memory_plan(cfg, 2, data_parallel=8, zero_stage=2, precision="bf16-mixed")
+    z2 = memory.memory_plan(ParallelPlan(data_parallel_shard=8, zero_stage=2), cfg, 2, precision="bf16-mixed")
     assert z2["transient_bytes"] == logits_grad + 4 * (block + 1000 * 64)  # parameters stay gathered: states
     assert z3["total_bytes"] == (z3["model_state_bytes"] + z3["cast_weight_bytes"] + z3["activation_bytes"]
                                  + z3["transient_bytes"])
@@ -212,7 +215,8 @@ def test_memory_and_plan_state_every_size_in_gb(capsys):
         outputs.append(capsys.readouterr().out)
     for out in outputs:
         assert " GB" in out and "GiB" not in out and "MiB" not in out
-    total = run_memory(config.to_object(config.load(run)))["total_bytes"]
+    loaded = config.load(run)
+    total = run_memory(loaded, loaded.plan)["total_bytes"]
     assert f"{total / 1e9:.1f} GB per device" in outputs[0] and f"{total / 1e9:.3f} GB" in outputs[0]
     assert f"{total / 1e9:.1f} GB per device" in outputs[1]
     assert "fits in 85.9 GB: yes" in outputs[2]  # 80 GiB given = 85.9 GB stated

@@ -16,6 +16,7 @@ from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT, apply_rope
 from lit_pretrain.parallel.memory import SavedActivations
 from lit_pretrain.parallel.pipeline import stage_bounds
+from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.sequence import sequence_parallel_params
 from lit_pretrain.parallel.tensor import partial_params, plan_of
 from lit_pretrain.scaling.cli import main as scaling_main
@@ -187,7 +188,8 @@ def test_a_variant_moves_plan_memory_tp_plan_and_num_params_with_no_other_edit()
     with torch.device("meta"):
         sharded = [plan_of(GPT(c)) for c in (mha, gqa)]
     assert sharded[0] == sharded[1]  # the same roles; the k/v rows they split are fewer
-    exact = [memory_plan(c, 1, data_parallel=2, zero_stage=3, exact=True, precision="32-true") for c in (mha, gqa)]
+    exact = [memory_plan(ParallelPlan(data_parallel_shard=2, zero_stage=3),
+                         c, 1, exact=True, precision="32-true") for c in (mha, gqa)]
     assert exact[0]["param_bytes"] - exact[1]["param_bytes"] == 4 * saved / 2  # fp32, halved over 2 shards
     cli = ["memory", "--layers", "2", "--hidden", "64", "--heads", "8", "--vocab", "512", "--seq-len", "32",
            "--exact", "--data-parallel", "2", "--zero-stage", "3", "--precision", "32-true"]
@@ -210,7 +212,7 @@ def test_planned_activations_of_a_variant_are_what_a_block_saves(variant):
     with SavedActivations(model) as meter:
         out = model.blocks[0](h, model.rope_cos, model.rope_sin)
     out.pow(2).mean().backward()
-    assert meter.bytes == memory_plan(cfg, 8, precision="32-true")["activation_bytes_per_layer"]
+    assert meter.bytes == memory_plan(ParallelPlan(), cfg, 8, precision="32-true")["activation_bytes_per_layer"]
 
 
 @pytest.mark.parametrize("overrides,key", [

@@ -194,7 +194,7 @@ def main(argv=None) -> None:
     from lit_pretrain.bench.step import mfu
     from lit_pretrain.train import resolve_vocab, setup_process
 
-    c = config_lib.to_object(config_lib.load(args.run_file, args.overrides))
+    c = config_lib.load(args.run_file, args.overrides)
     setup_process(c.trainer)
     c = resolve_vocab(c, c.data.vocab_size)  # the step's cost depends on the vocabulary size, not its contents
     if {"datamodule", "evaluation", "mixture"} & set(chosen) and "step" not in chosen:

@@ -49,7 +49,7 @@ def load_run_tokenizer(run_dir: Path):
     from lit_pretrain.data.tokenizer import load_tokenizer
 
     saved = config_lib.load(run_dir / "config.yaml", check_inputs=False)  # its corpus may have moved since
-    folder, tok = run_tokenizer_entry(config_lib.to_object(saved).data)
+    folder, tok = run_tokenizer_entry(saved.data)
     return load_tokenizer(folder / tok["file"], eos_token=None)
 
 

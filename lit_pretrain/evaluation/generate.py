@@ -151,7 +151,7 @@ def run_tokenizer(run_dir: Path):
     from lit_pretrain.data.tokenizer import load_tokenizer
 
     saved = config_lib.load(run_dir / "config.yaml", check_inputs=False)  # its corpus may have moved since
-    folder, tok = run_tokenizer_entry(config_lib.to_object(saved).data)
+    folder, tok = run_tokenizer_entry(saved.data)
     # eos_token=None: prepare checked the folder's end-of-document token (data.eos_token, any name); its id is here.
     return load_tokenizer(folder / tok["file"], eos_token=None), tok["eod_id"]
 

@@ -73,7 +73,7 @@ def resolve_source(source: str | Path) -> Tuple[Path, str]:
 
 def run_tokenizer(run_dir: Path) -> Path:
     """The tokenizer.json a run trained with: its data.prepared_dir's, checked against the manifest's sha256."""
-    data = config_lib.to_object(config_lib.load(run_dir / "config.yaml", check_inputs=False)).data
+    data = config_lib.load(run_dir / "config.yaml", check_inputs=False).data
     prepared = tokenizer_folder(data)
     if not pretokenized_run(data) and not prepared.is_dir():
         raise DataError(f"data.prepared_dir {prepared} in {run_dir / 'config.yaml'} does not exist: export copies the "

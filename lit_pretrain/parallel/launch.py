@@ -119,7 +119,7 @@ def launch_command(args) -> str:
 
     check(args.nodes, args.gpus_per_node)
     devices = [f"trainer.devices={args.gpus_per_node}", f"trainer.num_nodes={args.nodes}"]
-    config.to_object(config.load(args.run_file, [*args.overrides, *devices]))  # a bad key or value: refused now
+    config.load(args.run_file, [*args.overrides, *devices])  # a bad key or value: refused now
     if args.launcher == "torchrun":
         return ("export HEAD_NODE=<address of the first node>  # then on every node:\n" + torchrun_command(
             args.run_file, args.nodes, args.gpus_per_node, args.overrides, job_id=args.job_name,

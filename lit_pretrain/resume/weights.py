@@ -106,7 +106,7 @@ def _section(state: dict, path: Path, name: str, cls: type) -> Any:
         return from_plain(cls, {k[len(name) + 1:]: v for k, v in flat.items() if k.startswith(f"{name}.")})
     run_config = path.parent.parent / "config.yaml"  # a sharded folder lies in checkpoints/ too
     if path.parent.name == "checkpoints" and run_config.is_file():
-        return getattr(config_lib.to_object(config_lib.load(run_config, check_inputs=False)), name)
+        return getattr(config_lib.load(run_config, check_inputs=False), name)
     raise DataError(f"checkpoint {path} carries no {name} config (no hyperparameters, no run metadata) and lies "
                     "outside a run folder: read it from its run's checkpoints/ folder, beside the run's config.yaml")
 

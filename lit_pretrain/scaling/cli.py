@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             from lit_pretrain.scaling.run_plan import format_run_plan, run_plan
 
             run_config = _run_config(args)
-            result = run_plan(run_config, load_law(args.law))
+            result = run_plan(run_config, run_config.plan, load_law(args.law))
             hours = _gpu_hours(args, run_config, result)
             if hours is not None:
                 result["gpu_hours"] = hours
@@ -215,10 +215,11 @@ def _gpu_hours(args, run_config, result):
 
 
 def _run_config(args):
-    """The config of --run with its overrides, trainer.device_memory_gb left unchecked: these commands report it."""
+    """The config of --run with its overrides and its plan (config.Loaded), trainer.device_memory_gb left unchecked:
+    these commands report it."""
     from lit_pretrain import config
 
-    return config.to_object(config.load(args.run, args.overrides, check_memory=False))
+    return config.load(args.run, args.overrides, check_memory=False)
 
 
 def _no_overrides(args) -> None:
@@ -230,6 +231,7 @@ def _memory(args) -> dict:
     from dataclasses import asdict, replace
 
     from lit_pretrain.model import shapes
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan, parse_bytes
 
     if args.run:
@@ -240,7 +242,8 @@ def _memory(args) -> dict:
                               " (override a key instead, e.g. trainer.device_memory_gb=80)")
         from lit_pretrain.scaling.run_plan import run_memory
 
-        return run_memory(_run_config(args))
+        run_config = _run_config(args)
+        return run_memory(run_config, run_config.plan)
     _no_overrides(args)
     shape_args = (args.layers, args.hidden, args.heads)
     if (args.params is None) == all(v is None for v in shape_args) or (
@@ -262,12 +265,14 @@ def _memory(args) -> dict:
         raise ConfigError(str(err).replace("model.d_model", "--hidden").replace("model.n_heads", "--heads")
                           .replace("model.n_kv_heads", "--model n_kv_heads")) from None
     device = parse_bytes(args.device_memory) if args.device_memory else None
-    result = memory_plan(cfg, args.micro_batch, args.data_parallel, args.zero_stage, args.tensor_parallel,
-                         args.pipeline_parallel, args.sequence_parallel, args.activation_checkpointing,
-                         args.precision, device, exact=args.exact,
-                         activation_checkpointing_k=args.activation_checkpointing_k,
-                         activation_checkpointing_save_matmuls=args.activation_checkpointing_save_matmuls,
-                         expert_parallel=args.expert_parallel)
+    layout = ParallelPlan(data_parallel_shard=args.data_parallel, zero_stage=args.zero_stage,
+                          tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+                          sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
+                          activation_checkpointing=args.activation_checkpointing,
+                          activation_checkpointing_k=args.activation_checkpointing_k,
+                          activation_checkpointing_save_matmuls=args.activation_checkpointing_save_matmuls)
+    result = memory_plan(layout, cfg, args.micro_batch, precision=args.precision, device_memory=device,
+                         exact=args.exact)
     return {"shape": {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
                       "vocab_size": cfg.vocab_size, "tie_embeddings": cfg.tie_embeddings,
                       **{k: getattr(cfg, k) for k in VARIANT_KEYS},

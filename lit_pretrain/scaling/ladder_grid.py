@@ -235,7 +235,7 @@ def plan_rungs(grid: LadderGrid, path: Path) -> List[dict]:
     from lit_pretrain import config as config_lib
     from lit_pretrain.model import shapes
 
-    c = config_lib.to_object(config_lib.load(grid.run_file, grid.overrides))
+    c = config_lib.load(grid.run_file, grid.overrides)
     base = dataclasses.replace(c.model, vocab_size=c.model.vocab_size or c.data.vocab_size)
     rungs = []
     for key in MODEL_LISTS:

@@ -268,16 +268,13 @@ def context_transient_bytes(cfg: GPTConfig, micro_batch: int, context_parallel: 
     return bytes_per_element * 2 * 2 * micro_batch * cfg.seq_len * kv
 
 
-def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_stage: int = 0,
-                tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False,
-                activation_checkpointing: str = "none", precision: str = "zero-mixed-adam",
-                device_memory: Optional[float] = None, exact: bool = False,
-                activation_checkpointing_k: int = 2, expert_parallel: int = 1,
-                expert_data_parallel: Optional[int] = None, activation_checkpointing_save_matmuls: str = "all",
-                context_parallel: int = 1) -> dict:
+def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-mixed-adam",
+                device_memory: Optional[float] = None, exact: bool = False) -> dict:
     """Per-device bytes of the most loaded rank: the first pipeline stage (all layers' worth of activations under
     1F1B, plus the embedding); with a single stage it also holds the fp32 logits.
-    data_parallel: the ranks that shard model state at zero_stage (under HSDP the shard group, not the replicas).
+    plan: the layout (parallel/plan.ParallelPlan): its degrees, ZeRO stage, sequence parallelism and activation
+    checkpointing. Model state is sharded at zero_stage over data_parallel_shard x context_parallel ranks (FSDP2's
+    group, parallel/mesh.py fsdp_dims; under HSDP not the replicas): `data_parallel` below.
     activation_checkpointing: none (our block's count), selective (torchtitan's op policy: the block's input, its
     saved matmul and attention outputs, with model.moe also the router's, the grouped experts' and the router's
     top-k, scaling/recompute.py; `activation_checkpointing_save_matmuls` all or every_other), full (our block's
@@ -289,14 +286,22 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     gradients, AdamW state and their hidden activations divided by t); the router is replicated.
     expert_parallel (model.moe): each rank holds 1/expert_parallel of every MoE layer's routed experts (of their
     tensor-parallel slices: E/P experts x 1/t of their width), their state sharded at zero_stage over
-    `expert_data_parallel` ranks (the data-parallel ranks holding the same experts; default data_parallel /
-    expert_parallel); the dense part as before. Activations are unchanged: a rank computes the token copies routed
-    to its experts, as many as its own on average (parallel/expert.py).
+    `expert_data_parallel` ranks (the ranks holding the same experts: replicas x shards x context ranks / P); the
+    dense part as before. Activations are unchanged: a rank computes the token copies routed to its experts, as
+    many as its own on average (parallel/expert.py).
     context_parallel (c): each rank computes seq_len/c positions of every window, so activations, logits and the
     checkpointed inputs fall by c, attention keeps the gathered keys and values of the whole window
     (block_activation_bytes), the forward keeps its RoPE tables at its positions (context_forward_bytes) and the
     backward the gathered K/V's gradient one block at a time (context_transient_bytes). Model state is sharded
-    over `data_parallel`, which the caller gives as data_parallel_shard x context_parallel (FSDP2's group)."""
+    over `data_parallel`, data_parallel_shard x context_parallel (FSDP2's group)."""
+    context_parallel, zero_stage, expert_parallel = plan.context_parallel, plan.zero_stage, plan.expert_parallel
+    data_parallel = plan.data_parallel_shard * context_parallel
+    expert_data_parallel = max(1, plan.data_parallel_replicate * data_parallel // expert_parallel)
+    tensor_parallel, pipeline_parallel, sequence_parallel = plan.tensor_parallel, plan.pipeline_parallel, \
+        plan.sequence_parallel
+    activation_checkpointing, activation_checkpointing_k = plan.activation_checkpointing, \
+        plan.activation_checkpointing_k
+    activation_checkpointing_save_matmuls = plan.activation_checkpointing_save_matmuls
     b = _precision(precision)
     _check_parallel(data_parallel, zero_stage)
     t, p, L = tensor_parallel, pipeline_parallel, cfg.n_layers
@@ -346,7 +351,7 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
     if exact:
         states = per_rank_model_state_bytes(cfg, data_parallel, zero_stage, precision, exact=True)
     elif ep > 1:
-        edp = expert_data_parallel if expert_data_parallel is not None else max(1, data_parallel // ep)
+        edp = expert_data_parallel
         dense_states = model_state_bytes(local - routed, data_parallel, zero_stage, precision)
         expert_states = model_state_bytes(routed / ep, edp, zero_stage, precision)
         states = {k: dense_states[k] + expert_states[k] for k in dense_states}
@@ -411,7 +416,8 @@ def memory_plan(cfg: GPTConfig, micro_batch: int, data_parallel: int = 1, zero_s
         "params": shapes.params(cfg), "active_params": shapes.active_params(cfg), "params_per_device": local,
         "precision": precision,
         "data_parallel": data_parallel, "zero_stage": zero_stage, "tensor_parallel": t, "pipeline_parallel": p,
-        "expert_parallel": ep, "context_parallel": cp, "context_parallel_bytes": context,
+        "expert_parallel": ep, "expert_data_parallel": expert_data_parallel, "context_parallel": cp,
+        "context_parallel_bytes": context,
         "sequence_parallel": sequence_parallel, "activation_checkpointing": activation_checkpointing,
         "micro_batch": micro_batch, "seq_len": cfg.seq_len, "layers_per_stage": layers_here,
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,

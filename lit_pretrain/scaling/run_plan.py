@@ -8,6 +8,7 @@ tensors, autocast's weight copies, logits and transient buffers).
 """
 
 import math
+from dataclasses import replace
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import shapes
@@ -19,32 +20,24 @@ from lit_pretrain.scaling.memory import memory_plan
 MIN_HEADROOM = 0.10
 
 
-def run_memory(config) -> dict:
-    """Per-device memory of the run `config` (schema.Config) on its most loaded rank, and, with
-    trainer.device_memory_gb, whether it leaves MIN_HEADROOM of the device free (`fits`) and how much it leaves."""
-    from lit_pretrain.parallel.plan import build_plan, sized_model
+def run_memory(config, plan) -> dict:
+    """Per-device memory of the run `config` (schema.Config) laid out by `plan` (the one config.load built) on its
+    most loaded rank, and, with trainer.device_memory_gb, whether it leaves MIN_HEADROOM of the device free (`fits`)
+    and how much it leaves."""
+    from lit_pretrain.parallel.plan import sized_model
 
-    plan, model, trainer = build_plan(config), sized_model(config), config.trainer
+    model, trainer = sized_model(config), config.trainer
     # a pipeline cuts each micro-batch into pipeline micro-batches, p of them in flight (memory_plan's 1F1B count)
     micro = trainer.micro_batch_size // plan.micro_batches if plan.pipeline_parallel > 1 else trainer.micro_batch_size
     device = trainer.device_memory_gb * 1e9 if trainer.device_memory_gb else None
-    # FSDP2 shards over data_parallel_shard x context_parallel (parallel/mesh.py fsdp_dims)
-    shard = plan.data_parallel_shard * plan.context_parallel
+    precision = "bf16-mixed-policy" if plan.mixed_precision_policy else trainer.precision
 
-    def plan_with(context: int, shard: int) -> dict:
-        return memory_plan(model, micro, data_parallel=shard, zero_stage=plan.zero_stage,
-                           tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
-                           sequence_parallel=plan.sequence_parallel,
-                           activation_checkpointing=plan.activation_checkpointing,
-                           precision="bf16-mixed-policy" if plan.mixed_precision_policy else trainer.precision,
-                           device_memory=device, activation_checkpointing_k=plan.activation_checkpointing_k,
-                           expert_parallel=plan.expert_parallel,
-                           # the ranks holding the same experts: replicas x (shards x context ranks) / P
-                           expert_data_parallel=plan.data_parallel_replicate * shard // plan.expert_parallel,
-                           activation_checkpointing_save_matmuls=plan.activation_checkpointing_save_matmuls,
-                           context_parallel=context)
+    def plan_with(context: int, fsdp_ranks: int) -> dict:
+        # FSDP2 shards over data_parallel_shard x context_parallel (parallel/mesh.py fsdp_dims)
+        layout = replace(plan, context_parallel=context, data_parallel_shard=fsdp_ranks // context)
+        return memory_plan(layout, model, micro, precision=precision, device_memory=device)
 
-    out = plan_with(plan.context_parallel, shard)
+    out = memory_plan(plan, model, micro, precision=precision, device_memory=device)
     out.update(run=config.run.name, layout=plan.describe(), world_size=plan.world_size, shape=shape_of(model))
     if device is not None:
         out["headroom_bytes"] = device - out["total_bytes"]
@@ -76,11 +69,11 @@ def shape_of(model) -> dict:
             **{k: getattr(model, k) for k in shapes.VARIANT_KEYS}}
 
 
-def check_fits(config) -> None:
+def check_fits(config, plan) -> None:
     """A ConfigError, naming what to change, when the run does not fit trainer.device_memory_gb with its headroom."""
     if config.trainer.device_memory_gb is None:
         return
-    r = run_memory(config)
+    r = run_memory(config, plan)
     if not r["fits"]:
         raise ConfigError(
             f"trainer.device_memory_gb={config.trainer.device_memory_gb:g}: the run needs "
@@ -111,21 +104,21 @@ def budget_steps(config) -> int:
     return max(1, math.ceil(tokens / trainer.tokens_per_step))
 
 
-def run_plan(config, law) -> dict:
+def run_plan(config, plan, law) -> dict:
     """The run's budget (parameters, tokens, tokens-per-parameter ratio, FLOPs) beside `law`'s compute-optimal
-    split of the same compute (scaling/plan.py), and its memory (`run_memory`)."""
+    split of the same compute (scaling/plan.py), and its memory (`run_memory`); `plan`: the run's parallel plan."""
     from lit_pretrain.parallel.batch import global_batch
-    from lit_pretrain.parallel.plan import build_plan, sized_model
-    from lit_pretrain.scaling.plan import plan
+    from lit_pretrain.parallel.plan import sized_model
+    from lit_pretrain.scaling.plan import plan as law_plan
 
     model, trainer = sized_model(config), config.trainer
-    tokens_per_step = global_batch(trainer, model.seq_len, build_plan(config)).tokens_per_step
+    tokens_per_step = global_batch(trainer, model.seq_len, plan).tokens_per_step
     n, d = shapes.params(model), trainer.max_steps * tokens_per_step
-    optimum = plan(law, flops=6.0 * n * d, vocab_size=model.vocab_size, seq_len=model.seq_len,
+    optimum = law_plan(law, flops=6.0 * n * d, vocab_size=model.vocab_size, seq_len=model.seq_len,
                    tokens_per_step=tokens_per_step)
     return {"run": config.run.name, "params": n, "tokens": d, "tokens_per_param": d / n, "steps": trainer.max_steps,
             "tokens_per_step": tokens_per_step, "flops_6nd": 6.0 * n * d,
-            "flops": float(shapes.flops_per_token(model)) * d, "optimum": optimum, "memory": run_memory(config)}
+            "flops": float(shapes.flops_per_token(model)) * d, "optimum": optimum, "memory": run_memory(config, plan)}
 
 
 def format_run_plan(r: dict) -> str:

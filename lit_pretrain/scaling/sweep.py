@@ -90,7 +90,7 @@ def load_sweep(path: str | Path) -> SweepConfig:
 def _base_model(sweep: SweepConfig, overrides=()) -> tuple:
     from lit_pretrain import config as config_lib
 
-    c = config_lib.to_object(config_lib.load(sweep.run_file, list(overrides)))
+    c = config_lib.load(sweep.run_file, list(overrides))
     tokens_per_step = c.trainer.tokens_per_step or c.trainer.micro_batch_size * c.model.seq_len
     vocab = c.model.vocab_size or c.data.vocab_size  # the sweep's tokenizer is trained to exactly data.vocab_size
     return dataclasses.replace(c.model, vocab_size=vocab), tokens_per_step

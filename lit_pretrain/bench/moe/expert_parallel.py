@@ -99,6 +99,7 @@ def run(c, repeats: int) -> list:
     import torch.multiprocessing as mp
 
     from lit_pretrain.bench.moe.mlp import moe_model_cfg
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan
 
     model_cfg = moe_model_cfg(c)
@@ -115,8 +116,10 @@ def run(c, repeats: int) -> list:
     tokens = c.trainer.micro_batch_size * model_cfg.seq_len
     # The planner's parameters per rank at EP 2 over replicated: parameters, gradients and AdamW state all scale
     # with them in fp32 (4 + 4 + 8 bytes each).
-    planned = (memory_plan(model_cfg, 1, data_parallel=WORLD, expert_parallel=2, precision="32-true")
-               ["params_per_device"] / memory_plan(model_cfg, 1, data_parallel=WORLD, precision="32-true")
+    planned = (memory_plan(ParallelPlan(data_parallel_shard=WORLD, expert_parallel=2),
+                           model_cfg, 1, precision="32-true")
+               ["params_per_device"] / memory_plan(ParallelPlan(data_parallel_shard=WORLD),
+                                                   model_cfg, 1, precision="32-true")
                ["params_per_device"])
     detail = {"world": WORLD, "global_tokens": tokens, "timed_steps": STEPS - SKIP, "experts": 8, "top_k": 2,
               "held_bytes": held, "planned_ratio": planned}

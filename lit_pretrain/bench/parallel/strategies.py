@@ -55,11 +55,12 @@ def _worker(args) -> None:
     from lit_pretrain import config as config_lib
     from lit_pretrain.bench.step.step import _StepClock
     from lit_pretrain.module import PretrainModule
+    from lit_pretrain.parallel.plan import plan_from
     from lit_pretrain.parallel.strategies import build_strategy
     from lit_pretrain.schema import StrategyConfig
     from lit_pretrain.train import resolve_vocab, setup_process
 
-    c = config_lib.to_object(config_lib.load(args.run_file, args.overrides))
+    c = config_lib.load(args.run_file, args.overrides)
     c = resolve_vocab(c, c.data.vocab_size)
     kind, stage = ("single", None) if args.name == "single" else STRATEGIES[args.name]
     trainer_cfg = dataclasses.replace(c.trainer, devices=args.devices, num_nodes=1, num_threads=None)
@@ -70,12 +71,14 @@ def _worker(args) -> None:
     g = torch.Generator().manual_seed(c.run.seed)
     windows = torch.randint(0, c.model.vocab_size, (args.steps * micro, c.model.seq_len + 1), generator=g)
     data = DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=micro)
+    plan = plan_from(strategy_cfg, trainer_cfg)
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=args.steps,
                             tokens_per_step=args.global_batch * c.model.seq_len, seed=c.run.seed,
-                            strategy=strategy_cfg)
+                            strategy=strategy_cfg, plan=plan)
     clock = _StepClock(args.skip)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=build_strategy(strategy_cfg, trainer_cfg),
+        trainer = L.Trainer(accelerator="cpu", devices=args.devices,
+                            strategy=build_strategy(strategy_cfg, trainer_cfg, plan),
                             max_steps=args.steps, limit_val_batches=0, logger=False, callbacks=[clock],
                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                             use_distributed_sampler=False, default_root_dir=tmp)

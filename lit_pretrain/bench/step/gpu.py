@@ -66,14 +66,15 @@ def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, i
     largest micro-batch of PRESET_MICRO_BATCHES whose plan (bf16-mixed, FSDP on one rank) leaves MIN_HEADROOM free,
     without activation checkpointing, else with it (full); else the most layers that fit at micro-batch 1."""
     from lit_pretrain.model import shapes
+    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan
     from lit_pretrain.scaling.run_plan import MIN_HEADROOM
 
     budget = (1 - MIN_HEADROOM) * device_memory
 
     def total(cfg: GPTConfig, micro_batch: int) -> float:
-        return memory_plan(cfg, micro_batch, zero_stage=3, precision="bf16-mixed",
-                           activation_checkpointing=cfg.activation_checkpointing)["total_bytes"]
+        return memory_plan(ParallelPlan(zero_stage=3, activation_checkpointing=cfg.activation_checkpointing),
+                           cfg, micro_batch, precision="bf16-mixed")["total_bytes"]
 
     where = f"one {device_memory / 1e9:.3g} GB device (at most {budget / 1e9:.3g} GB planned)"
     for ac in ("none", "full"):
@@ -108,8 +109,8 @@ def preset_config(run_file: str, preset: str, device_memory: float, dry_run: boo
     try:
         # Only the model is taken (the micro-batch is fitted below): the run file's tokens_per_step, a count of its
         # own model's windows, need not divide into the preset's (parallel/batch.py).
-        model = config_lib.to_object(config_lib.load(run_file, [f"model={preset}", "trainer.tokens_per_step=null"],
-                                                     check_memory=False)).model
+        model = config_lib.load(run_file, [f"model={preset}", "trainer.tokens_per_step=null"],
+                                check_memory=False).model
     except ConfigError as err:
         raise SystemExit(f"error: --preset {preset}: {err}") from None
     if dry_run:
@@ -141,6 +142,7 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
     from lit_pretrain.bench.step.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
     from lit_pretrain.model.gpt import GPT
+    from lit_pretrain.parallel.plan import plan_from
     from lit_pretrain.parallel.strategies import build_strategy
 
     c = experiment(c, name, devices, dry_run, *(fitted[:2] if fitted else ()))
@@ -149,10 +151,11 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
         # Every rank times its own share; the node's rate is that times the ranks (they step in lockstep).
         # The dry run stays eager on both sides: compiling needs a C++ compiler and tens of seconds on a CPU.
         run = run or c
-        strategy = build_strategy(run.strategy, run.trainer)
+        plan = plan_from(run.strategy, run.trainer)
         return devices * trainer_loop(run, steps, skip, compile=compile and not dry_run,
                                       precision=run.trainer.precision, accelerator=run.trainer.accelerator,
-                                      strategy=strategy, devices=devices, callbacks=callbacks)
+                                      strategy=build_strategy(run.strategy, run.trainer, plan), devices=devices,
+                                      callbacks=callbacks, plan=plan)
 
     case = paired_case(f"gpu_{name}_compiled_step_tokens_per_s", lambda: tokens_per_s(False),
                        lambda: tokens_per_s(True), 1, ">= 1.0", "tokens/s", ("eager", "compiled"),
@@ -216,7 +219,7 @@ def main(argv=None) -> None:
 
     from lit_pretrain import config as config_lib
 
-    c = config_lib.to_object(config_lib.load(args.run_file, []))
+    c = config_lib.load(args.run_file, [])
     # One process drives one GPU; under `torchrun --nproc-per-node N` each of the N processes drives its own.
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if args.preset:
@@ -257,7 +260,7 @@ def run_presets(args, devices: int) -> List[Dict]:
     for preset in args.preset.split(","):
         fitted = preset_config(args.run_file, preset, memory, args.dry_run)
         print(f"{preset}: {fitted[2]}", flush=True)
-        c = config_lib.to_object(config_lib.load(args.run_file, []))
+        c = config_lib.load(args.run_file, [])
         cases += run_model(c, preset, args.steps, args.skip, devices, args.dry_run, fitted, args.cases)
     return cases
 

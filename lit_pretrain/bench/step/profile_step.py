@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     from lit_pretrain.model.gpt import GPT
     from lit_pretrain.train import resolve_vocab, setup_process
 
-    c = config_lib.to_object(config_lib.load(args.run_file, []))
+    c = config_lib.load(args.run_file, [])
     setup_process(c.trainer)
     c = resolve_vocab(c, c.data.vocab_size)
     dtype = "bf16" if args.bf16 else "fp32"

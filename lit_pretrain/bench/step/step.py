@@ -106,13 +106,14 @@ def raw_loop(c, steps: int, skip: int, compile: bool = False) -> float:
 
 
 def trainer_loop(c, steps: int, skip: int, compile: bool = False, precision: str = "32-true",
-                 accelerator: str = "cpu", strategy="auto", devices: int = 1, callbacks=()) -> float:
+                 accelerator: str = "cpu", strategy="auto", devices: int = 1, callbacks=(), plan=None) -> float:
     """Tokens/s (this rank's) of PretrainModule under L.Trainer, logging as `lit-pretrain train` does (CSV, every
     n steps). With `compile`, the first steps (left out by `skip`) pay the compile time. `callbacks`: more
-    Lightning callbacks (bench/step/gpu_cases.py's probes)."""
+    Lightning callbacks (bench/step/gpu_cases.py's probes). `plan`: the one `strategy` was built from (None: one
+    process)."""
     tokens_per_step = c.trainer.micro_batch_size * c.model.seq_len
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=steps, tokens_per_step=tokens_per_step,
-                            seed=c.run.seed, strategy=c.strategy, compile=compile)
+                            seed=c.run.seed, strategy=c.strategy, compile=compile, plan=plan)
     clock = _StepClock(skip)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps,
