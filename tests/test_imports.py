@@ -104,7 +104,7 @@ def test_lit_pretrain_has_no_import_cycle():
 
 # The package's rooms (a top-level module or package) from the ground up: a room imports only rooms below it.
 LAYERS = [
-    {"errors", "model"},
+    {"errors", "model", "internals"},  # internals: the private Lightning/torch names, importing nothing of ours
     {"paths", "gpu_peaks"},
     {"schema", "runs"},
     {"data", "optim", "schema_doc"},
