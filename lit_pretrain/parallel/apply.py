@@ -22,7 +22,7 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
        computes and the attention over the group's gathered keys and values (parallel/context.py);
     3. activation checkpointing: wrap whole blocks (the TP layers' collectives are recomputed inside them), under
        the op policy when selective;
-    4. compile (parallel/compile.py, `par.forward_losses`, which then computes the losses): on one process the whole forward and loss as one graph;
+    4. compile (parallel/compile.py, `par.forward_losses`): on one process the whole forward and loss as one graph;
        with data parallelism, FSDP or checkpointing each block's forward (torchtitan's regional compile, inside its
        checkpoint wrapper) and the loss apart;
     5. FSDP2 (ZeRO stages 2 and 3; HSDP with replicas): each block, then the root — the GPT, or each pipeline
