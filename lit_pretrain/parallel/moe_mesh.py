@@ -47,8 +47,8 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 def install_pipeline_losses(gpt: nn.Module, accumulation_scale: Callable[[], float]) -> int:
     """Hook this rank's MoE layers so their auxiliary and z losses train under pipeline parallelism; return how
-    many were hooked. `accumulation_scale()`: the pipeline's 1 / (gradient-accumulation factor x its micro-batches)
-at backward time.
+    many were hooked. `accumulation_scale()`: the pipeline's 1 / (gradient-accumulation factor x its micro-batch
+    count) at backward time.
 
     The objective of one optimizer step, as one process with Lightning's accumulation over A micro-batches of m
     pipeline micro-batches each would train it: (1/A)(1/m) Σ_j [CE_j + aux_loss · mean_l aux_l,j +
