@@ -13,16 +13,15 @@ import torch
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import losses
 from lit_pretrain.model.config import GPTConfig
-from lit_pretrain.model.gpt import GPT, document_ids
-from lit_pretrain.model.moe import end_step, moe_loss
+from lit_pretrain.model.gpt import GPT
+from lit_pretrain.model.moe import end_step
 from lit_pretrain.optim import stages
 from lit_pretrain.optim.named_state import is_named, read_named, single_process_names, to_named, to_positions
 from lit_pretrain.optim.optimizers import build_optimizer
 from lit_pretrain.optim.step_guard import StepGuard
-from lit_pretrain.parallel.apply import apply_plan
-from lit_pretrain.parallel.context import context_losses
+from lit_pretrain.parallel.apply import apply_plan, one_process
+from lit_pretrain.parallel.batch_losses import StepLosses
 from lit_pretrain.parallel.plan import ParallelPlan
-from lit_pretrain.parallel.vocab import split_cross_entropy
 from lit_pretrain.resume.sharded.save import SHARDED_KEY
 from lit_pretrain.resume.verified import sidecar_path, verify
 from lit_pretrain.resume.weights import from_plain
@@ -68,7 +67,7 @@ class PretrainModule(L.LightningModule):
         # The config's plan (config.load builds it, train.py hands it here); none given (a module built by hand, or
         # loaded from a checkpoint with no Trainer): one process.
         self._plan = plan if plan is not None else ParallelPlan()
-        self.parallel = None  # the ParallelModel configure_model makes
+        self.parallel = one_process(self.model)  # until configure_model applies the plan (parallel/apply.py)
 
     @property
     def plan(self) -> ParallelPlan:
@@ -144,38 +143,19 @@ class PretrainModule(L.LightningModule):
         return self.losses(batch)[0]
 
     def losses(self, batch):
-        """(task loss, z-loss) of `batch`; the z-loss is None with optim.z_loss = 0. Under pipeline parallelism the
-        schedule has already run the backward of their sum when training (parallel/pipeline.py)."""
-        runner = self.parallel.runner if self.parallel is not None else None
-        if runner is not None:
-            if self.eod_id is not None:  # the stages call blocks with (x, cos, sin): no mask, positions unrestarted
-                raise ConfigError("data.document_masking is not supported with pipeline parallelism: set "
-                                  "data.document_masking=false or strategy.pipeline_parallel=1")
-            # Pipeline parallelism: the schedule runs the model, and its backward when training (parallel/pipeline.py).
-            runner.z_loss = self.optim_cfg.z_loss
-            task = runner.loss(batch, training=self.training)
-            return task, runner.last_z_loss if self.optim_cfg.z_loss > 0 else None
-        x, y = batch  # (B, T) inputs and (B, T) next-token targets
-        docs = None
-        if self.eod_id is not None:
-            docs, y = document_ids(x, self.eod_id), loss_targets(x, y, self.eod_id)  # (B, T) each
-        if self.parallel is not None and self.parallel.forward_losses is not None:  # trainer.compile
-            return self.parallel.forward_losses(x, y, docs, self.optim_cfg.z_loss)
-        # (B, T, V), or this rank's (B, T, V/t) under tensor parallelism, whose group the loss then reduces over
-        logits = self.model(x) if docs is None else self.model(x, document_ids=docs)
-        group = self.parallel.vocab_group if self.parallel is not None else None
-        split = self.parallel.cp if self.parallel is not None else None
-        if split is not None:  # context parallelism: logits of this rank's positions (parallel/context.py)
-            return context_losses(logits, split.local(y), split.group, self.optim_cfg.z_loss,
-                                  split_cross_entropy(group))
-        return lm_losses(logits, y, self.optim_cfg.z_loss, split_cross_entropy(group))
+        """(task loss, z-loss) of `batch`; the z-loss is None with optim.z_loss = 0."""
+        out = self.step_losses(batch)
+        return out.task, out.z
+
+    def step_losses(self, batch) -> StepLosses:
+        """The one loss path, whatever the layout: the parallel model's (parallel/batch_losses.py). Under pipeline
+        parallelism, when training, the schedule has already run the backward of `trained` (`backward` below)."""
+        return self.parallel.losses(batch, self.optim_cfg.z_loss, self.eod_id, training=self.training)
 
     def on_fit_start(self):
         # The one place the guard's norm is chosen: the plan's (ParallelModel.grad_norm counts each parameter once
-        # over tensor-parallel shards, pipeline stages and FSDP shards); a module fit without configure_model having
-        # run (no Trainer hook) keeps optim.grad_norm.
-        if self.parallel is not None:
-            self.step_guard.norm_fn = self.parallel.grad_norm
+        # over tensor-parallel shards, pipeline stages and FSDP shards; on one process, optim.grad_norm).
+        self.step_guard.norm_fn = self.parallel.grad_norm
 
     def on_train_batch_start(self, batch, batch_idx):
         # The step boundary of the guard: Lightning calls this before every micro-batch, after the callbacks' own
@@ -186,6 +166,15 @@ class PretrainModule(L.LightningModule):
             # on_train_batch_start, which runs before this hook): end the epoch before the batch trains, so the run
             # ends at the step of its checkpoint. Lightning would otherwise train this batch before checking.
             return -1
+        trainer = self._trainer
+        if trainer is not None and batch_idx % trainer.accumulate_grad_batches == 0:
+            # An accumulation's first micro-batch, by Lightning's own rule (loops/optimization/automatic.py), but
+            # zeroed before its forward, not after its training step (optimizer_zero_grad below): the pipeline
+            # schedule's backward runs inside the training step. Gradients still live from the backward until the
+            # next step begins, so every callback (the step's hooks, on_train_batch_end's memory accounting) sees
+            # them as before, on every layout.
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad()
 
     def on_train_start(self):
         self._loss_sum = torch.zeros((), device=self.device)
@@ -194,21 +183,25 @@ class PretrainModule(L.LightningModule):
         self._step_seen = self.global_step
 
     def training_step(self, batch, batch_idx):
-        loss, z_loss = self.losses(batch)
-        self._loss_sum += loss.detach()
+        out = self.step_losses(batch)
+        self._loss_sum += out.task.detach()
         self._micro_batches += 1
-        # model.moe: the load-balancing and router z-losses of this forward (lit_pretrain/model/moe.py), trained on but
-        # kept out of train/loss, as the z-loss is (their values are logged per layer by the MoE monitor).
-        # Under pipeline parallelism they trained inside the schedule's backward (parallel/moe_mesh.py).
-        balance = moe_loss(self.model) if self.parallel is None or self.parallel.runner is None else None
-        if balance is not None:
-            loss = loss + balance
-        if z_loss is None:
-            return loss
-        self._z_loss_sum += z_loss.detach()
-        # The task loss stays what train/loss reports (comparable across z_loss settings); the sum is trained on.
-        # Under pipeline parallelism the runner has run its backward already (what is returned is not used).
-        return loss + z_loss if self.parallel is None or self.parallel.runner is None else loss
+        if out.z is not None:
+            self._z_loss_sum += out.z.detach()
+        for key, value in out.metrics.items():
+            self.log(key, value)
+        return out.trained
+
+    def backward(self, loss, *args, **kwargs):
+        # The pipeline schedule ran this micro-batch's backward inside the training step (parallel/pipeline.py);
+        # Lightning's callbacks around backward (on_before_backward: the loss-spike and non-finite guards) still see
+        # the loss it was of.
+        if not self.parallel.runs_backward:
+            super().backward(loss, *args, **kwargs)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        """Nothing: the gradients are zeroed in on_train_batch_start. Lightning calls this hook after the first
+        micro-batch's training step, where it would wipe what a pipeline schedule has just accumulated."""
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == self._step_seen:
@@ -371,17 +364,7 @@ class PretrainModule(L.LightningModule):
 
 IGNORE_INDEX = losses.IGNORE_INDEX  # re-exported: where targets are masked (loss_targets)
 lm_losses = losses.lm_losses  # re-exported
-
-
-def loss_targets(x: torch.Tensor, y: torch.Tensor, eod_id: int) -> torch.Tensor:
-    """The targets y (B, T) with the one that follows an EOD input set to IGNORE_INDEX: under document masking the
-    EOD's query sees only the document it ends, so its target, the next document's first token, is a prediction
-    across the boundary from unrelated text. Megatron-LM masks it the same way (`eod_mask_loss`: loss_mask is 0
-    where the input is the EOD, with reset_attention_mask/reset_position_ids); torchtitan's block-causal flex
-    attention keeps it in the loss. Dropping it costs one target per document (under 1% of them with documents of
-    hundreds of tokens) and keeps the loss a sum over predictions made inside one document. The EOD itself stays
-    a target: predicting where a document ends is within that document."""
-    return y.masked_fill(x == eod_id, IGNORE_INDEX)
+loss_targets = losses.loss_targets  # re-exported
 
 
 def bits_per_byte(nats: float, n_bytes: int) -> float:

@@ -129,3 +129,56 @@ def test_validation_seconds_leave_out_what_callbacks_run_at_the_epoch_end(tmp_pa
     logged = trainer.validate(module, DataLoader(TensorDataset(x, x), batch_size=1), verbose=False)[0]
     # Two batches of 16 tokens through one 32-wide block take milliseconds: 0.5 s is far above them, even loaded.
     assert 0 < logged["val/seconds"] < 0.5
+
+
+def test_a_module_without_a_trainer_computes_its_loss_through_a_one_process_parallel_model():
+    """load_from_checkpoint and plain use never call configure_model: the parallel model exists all the same (a plan
+    of one process), and its loss is model/losses.py on the GPT's own logits, bit for bit, with Lightning's backward
+    to run (no schedule ran one)."""
+    from lit_pretrain.model.losses import lm_losses
+
+    torch.manual_seed(0)
+    module = PretrainModule(GPTConfig(**TINY), OptimConfig(z_loss=1e-4), ScheduleConfig(), max_steps=1,
+                            tokens_per_step=48)
+    assert module.parallel.plan.world_size == 1 and module.parallel.gpt is module.model
+    assert not module.parallel.runs_backward
+    x = torch.randint(0, 97, (3, 17))
+    batch = (x[:, :-1], x[:, 1:])
+    task, z = lm_losses(module.model(batch[0]), batch[1], 1e-4)
+    out = module.step_losses(batch)
+    assert torch.equal(out.task, task) and torch.equal(out.z, z) and torch.equal(out.trained, task + z)
+    assert out.metrics == {}
+
+
+def test_an_accumulated_step_sees_every_micro_batch_gradient_and_the_next_step_starts_from_zero(tmp_path):
+    """Gradients are zeroed before an accumulation's first micro-batch (on_train_batch_start), not by Lightning after
+    its training step: what the optimizer steps on is the sum of the step's micro-batch gradients, each of the loss
+    over 2, and nothing of the step before. Compared with the same sum computed by hand from the weights that step
+    used; the same ops in the same order, so bit for bit."""
+    from lit_pretrain.model.losses import lm_losses
+
+    seen = []
+
+    class Grads(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(({k: v.detach().clone() for k, v in pl_module.model.state_dict().items()},
+                         {n: p.grad.clone() for n, p in pl_module.model.named_parameters()}))
+
+    torch.manual_seed(0)
+    module = PretrainModule(GPTConfig(**TINY), OptimConfig(lr_peak=1e-2), ScheduleConfig(warmup_steps=0),
+                            max_steps=3, tokens_per_step=2 * 4 * 16)
+    data = torch.randint(0, 97, (24, 17))
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, logger=False,
+                        limit_val_batches=0, enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, callbacks=[Grads()])
+    trainer.fit(module, loader)
+    assert len(seen) == 3
+    for step, (weights, grads) in enumerate(seen):
+        ref = GPT(GPTConfig(**TINY))
+        ref.load_state_dict(weights)
+        for i in (2 * step, 2 * step + 1):
+            x, y = data[4 * i:4 * i + 4, :-1], data[4 * i:4 * i + 4, 1:]
+            lm_losses(ref(x), y)[0].div(2).backward()  # Lightning's closure divides by the accumulation count
+        for name, p in ref.named_parameters():
+            assert torch.equal(grads[name], p.grad), (step, name)

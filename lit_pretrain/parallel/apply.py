@@ -101,8 +101,16 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         for root in roots:
             shard_model(root, fsdp_mesh, plan.zero_stage, par.ep, policy)
         _retie(gpt)
+    par.choose_losses()  # how a batch becomes losses on this layout (parallel/batch_losses.py)
     gpt._lit_pretrain_parallel = par
     return par
+
+
+def one_process(gpt: nn.Module) -> ParallelModel:
+    """The plain GPT as one process runs it, before any plan is applied (not registered on `gpt`, so apply_plan
+    still applies the real one): the module's parallel model until configure_model runs, and for good where nothing
+    calls that hook (load_from_checkpoint, a module used without a Trainer)."""
+    return ParallelModel(gpt, ParallelPlan())
 
 
 def _retie(gpt: nn.Module) -> None:

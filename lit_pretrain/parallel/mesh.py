@@ -2,6 +2,8 @@
 
 `apply_plan` (parallel/apply.py) builds it; the module calls it from `configure_model`, the tests directly.
 
+- `losses` (every micro-batch): how a batch becomes losses on this layout, the module's one loss path
+  (parallel/batch_losses.py).
 - `sync_gradients` (once per optimizer step, after the last backward of an accumulation): the tied embedding's two
   copies summed over the pipeline; norm weights summed over the tensor-parallel group under sequence parallelism;
   then, without FSDP, every gradient averaged over the data-parallel replicas (DDP's all-reduce), the experts' under
@@ -32,6 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_pretrain.internals import drop_consolidated_state
+from lit_pretrain.parallel.batch_losses import StepLosses
+from lit_pretrain.parallel.batch_losses import choose as choose_losses
 from lit_pretrain.parallel.collectives import all_reduce_flat
 from lit_pretrain.parallel.pipeline import is_tied_copy, tied_grad_sync
 from lit_pretrain.parallel.plan import MESH_DIMS, ParallelPlan
@@ -89,6 +93,9 @@ class ParallelModel:
         self.cp = None  # parallel/context.py ContextParallel under strategy.context_parallel (set by apply_plan)
         self.cp_group = self.fsdp_group = None
         self.t = self.p = 1
+        # How a batch becomes losses (parallel/batch_losses.py): one process's until apply_plan chooses the plan's
+        # variant; `runs_backward` when that variant runs the backward itself (the pipeline schedule).
+        self._losses, self.runs_backward = choose_losses(self)
         self.tp_rank = 0
         self._styles: Optional[Dict[int, Optional[str]]] = None  # parameter id -> tensor-parallel style (_style)
         if mesh is not None:
@@ -100,6 +107,17 @@ class ParallelModel:
             self.cp_group = mesh.get_group("context_parallel")
             # the group FSDP2 shards over (without replicas): data-parallel shard x context-parallel ranks
             self.fsdp_group = mesh.get_group(fsdp_dims(plan)[-1])
+
+    def losses(self, batch, z_loss: float = 0.0, eod_id: Optional[int] = None, training: bool = False) -> StepLosses:
+        """The losses of `batch` (inputs, targets: (B, T) each) on this rank, whatever the layout: the one loss path
+        of the module's training and validation steps. z_loss: optim.z_loss; eod_id: data.document_masking's
+        end-of-document id, or None; training: add the MoE auxiliary losses, and under pipeline parallelism run the
+        backward (`runs_backward`)."""
+        return self._losses(batch, z_loss, eod_id, training)
+
+    def choose_losses(self) -> None:
+        """Pick the loss variant of this plan, once its wrappers are in place (the end of apply_plan)."""
+        self._losses, self.runs_backward = choose_losses(self)
 
     @property
     def vocab_group(self):

@@ -5,8 +5,8 @@ ModelParallelStrategy (its launcher, process-group set-up, CPU and GPU alike) wi
 What it changes in Lightning's step, and why:
 - `setup_environment`: builds the (pipeline, data_parallel_replicate, data_parallel_shard, tensor_parallel) mesh.
 - `setup`: hands the pipeline runner the accumulation factor; the module's loss runs the schedule (forward and,
-  when training, backward).
-- `backward`: nothing to do under pipeline parallelism, the schedule already ran it.
+  when training, backward: the module's own `backward` hook then does nothing, and it zeroes gradients before an
+  accumulation's first micro-batch rather than where Lightning would, after its training step).
 - `optimizer_step`: after the closure's last backward and before the callbacks and clipping see the gradients,
   `ParallelModel.sync_gradients` (tied embedding over the pipeline, norms under sequence parallelism, replicas).
 - `distributed_sampler_kwargs`: the data-parallel rank and size (replica x shard); tensor- and pipeline-parallel
@@ -81,34 +81,6 @@ class MeshStrategy(WatchedLaunch, BoundedStartup, ShardedLoad, GatheredOneFile, 
         super().setup(trainer)
         if self.parallel.runner is not None:
             self.parallel.runner.scale = 1.0 / trainer.accumulate_grad_batches
-
-    def training_step(self, *args, **kwargs):
-        runner = self.parallel.runner
-        if runner is None:
-            return super().training_step(*args, **kwargs)
-        # The schedule's backward runs inside the training step, but Lightning zeroes gradients after the training
-        # step and before backward (on the first micro-batch of an accumulation). So the step's new gradients are
-        # held aside and the earlier ones put back; `backward` adds the new ones, where loss.backward() would.
-        params = list(self.lightning_module.parameters())
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        out = super().training_step(*args, **kwargs)
-        self._pending = [p.grad for p in params]
-        for p, g in zip(params, earlier):
-            p.grad = g
-        self.lightning_module.log("pipeline/idle_fraction", runner.last_idle_fraction)
-        self.lightning_module.log("pipeline/bubble_formula", runner.bubble_formula)
-        return out
-
-    def backward(self, closure_loss, optimizer, *args, **kwargs):
-        if self.parallel.runner is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        for p, g in zip(self.lightning_module.parameters(), self._pending):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-        self._pending = []
-        return closure_loss
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         def closure_then_sync():

@@ -47,15 +47,16 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 def install_pipeline_losses(gpt: nn.Module, accumulation_scale: Callable[[], float]) -> int:
     """Hook this rank's MoE layers so their auxiliary and z losses train under pipeline parallelism; return how
-    many were hooked. `accumulation_scale()`: the pipeline's 1 / gradient-accumulation factor at backward time.
+    many were hooked. `accumulation_scale()`: the pipeline's 1 / (gradient-accumulation factor x its micro-batch
+    count) at backward time.
 
     The objective of one optimizer step, as one process with Lightning's accumulation over A micro-batches of m
     pipeline micro-batches each would train it: (1/A)(1/m) Σ_j [CE_j + aux_loss · mean_l aux_l,j +
     router_z_loss · mean_l z_l,j], the means over all MoE layers l of the model (every stage's, as `moe.moe_loss`
     averages them) and each micro-batch j's own Switch loss E Σ_i f_i P_i from its own counts and probabilities
     (per micro-batch, Megatron-LM's default `moe_router_load_balancing_type=aux_loss`). So layer l's (aux, z) get the
-    gradient (aux_loss, router_z_loss) / L_moe / A; the schedule divides every stage's gradients by m after the
-    step (torch.distributed.pipelining's scale_grads), as it does the task loss's. Megatron-LM sets the same scale,
+    gradient (aux_loss, router_z_loss) / L_moe / A / m, the 1/m applied as the pipeline's loss function applies it to
+    the task loss (parallel/pipeline.py: its schedules do not scale gradients). Megatron-LM sets the same scale,
     loss_scale / num_microbatches, with MoEAuxLossAutoScaler.set_loss_scale in its pipeline schedules.
     """
     layers = moe_layers(gpt)

@@ -8,10 +8,14 @@ embeddings the last stage keeps its own copy of the embedding (tied to its head,
 copies start equal and stay equal because their gradients are summed across the pipeline before each step
 (`tied_grad_sync`), as Megatron-LM does for its word embeddings.
 
-The schedule runs forward and backward itself; gradients come out divided by the number of micro-batches, and the
-loss function here also divides by Lightning's gradient-accumulation factor, so the gradient equals that of
-`loss.backward()` on the mean loss in one process. The loss is broadcast from the last stage: every rank logs the
-global one.
+The schedule runs forward and backward itself, and its gradients add to those already in the parameters, as
+`loss.backward()` adds to them: the loss function here divides by the number of micro-batches and by Lightning's
+gradient-accumulation factor, so the sum equals the gradient of the mean loss in one process. The schedules are
+built with scale_grads=False, as torchtitan builds them (its loss rescaled for accumulation instead): with the
+default, the schedule divides every gradient of its stages in place after its step, including those of the
+accumulation's earlier micro-batches, which would then have to be set aside around it. The two give the same bits
+when the counts are powers of two (scaling by a power of two is exact in floating point). The loss is broadcast
+from the last stage: every rank logs the global one.
 """
 
 import time
@@ -161,7 +165,7 @@ class PipelineRunner:
             self._count_routing_in(stage)
         # model.moe: the auxiliary and z losses of this rank's MoE layers enter backward through their outputs
         # (parallel/moe_mesh.py, Megatron-LM's MoEAuxLossAutoScaler), scaled as the task loss is.
-        install_pipeline_losses(gpt, lambda: self.scale)
+        install_pipeline_losses(gpt, lambda: self.scale / self.m)
         self._schedules = {}
         self.last_idle_fraction: Optional[float] = None
 
@@ -231,17 +235,17 @@ class PipelineRunner:
             task, z = lm_losses(logits, target, self.z_loss, split_cross_entropy(vocab_group(self.gpt)))
         predicted = (target != IGNORE_INDEX).sum().to(task.dtype)  # validation weighs micro-batches by it
         self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(()), predicted]))
-        return (task if z is None else task + z) * self.scale
+        return (task if z is None else task + z) * (self.scale / self.m)  # the mean over micro-batches (see above)
 
     def _schedule(self):
         if self.scale not in self._schedules:
             from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
             if self.schedule_name == "interleaved_1f1b":
-                sched = ScheduleInterleaved1F1B(self.stages, self.m, loss_fn=self._loss_fn)
+                sched = ScheduleInterleaved1F1B(self.stages, self.m, loss_fn=self._loss_fn, scale_grads=False)
             else:
                 cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
-                sched = cls(self.stages[0], self.m, loss_fn=self._loss_fn)
+                sched = cls(self.stages[0], self.m, loss_fn=self._loss_fn, scale_grads=False)
             self._schedules[self.scale] = sched
         return self._schedules[self.scale]
 
