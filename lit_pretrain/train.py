@@ -166,7 +166,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = (), started: Op
                                   async_save=c.checkpoint.async_save),
         # Bytes each rank holds (parameters, gradients, optimizer state, saved activations) → memory.json.
         MemoryAccounting(run_dir, {**layout_record(parallel_plan, c.strategy.name),
-                                   "activation_checkpointing": c.model.activation_checkpointing,
+                                   "activation_checkpointing": c.strategy.activation_checkpointing,
                                    "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
         *build_callbacks(c),
         *([ProfileSteps(run_dir, c.trainer.profile.start_step, c.trainer.profile.steps)] if c.trainer.profile else []),
