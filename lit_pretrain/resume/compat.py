@@ -23,8 +23,7 @@ FREE_KEYS = {
     "run.resume", "run.resume_allow_changes", "run.overwrite", "run.keep_last_checkpoints", "run.root_dir",
     "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size", "trainer.num_threads", "trainer.accelerator",
     "trainer.progress_bar", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "data.num_workers",
-    "run.name", "data.prepared_dir",
-    "trainer.loggers", "trainer.profile", "trainer.device_memory_gb",
+    "run.name", "data.prepared_dir", "trainer.loggers", "trainer.profile", "trainer.device_memory_gb",
     # Compiled and eager steps compute the same math (tests/test_compile.py); its default changed from false to auto,
     # so a run written before then must resume under the new default.
     "trainer.compile",

@@ -63,9 +63,9 @@ def model_config(name: str, dry_run: bool = False) -> tuple[GPTConfig, int]:
 
 def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, int, str, str]:
     """(model as run, micro-batch, strategy.activation_checkpointing, what was chosen and why) for a preset on one
-    device of `device_memory` bytes: the
-    largest micro-batch of PRESET_MICRO_BATCHES whose plan (bf16-mixed, FSDP on one rank) leaves MIN_HEADROOM free,
-    without activation checkpointing, else with it (full); else the most layers that fit at micro-batch 1."""
+    device of `device_memory` bytes: the largest micro-batch of PRESET_MICRO_BATCHES whose plan (bf16-mixed, FSDP on
+    one rank) leaves MIN_HEADROOM free, without activation checkpointing, else with it (full); else the most layers
+    that fit at micro-batch 1."""
     from lit_pretrain.model import shapes
     from lit_pretrain.scaling.memory import memory_plan
     from lit_pretrain.scaling.run_plan import MIN_HEADROOM
@@ -139,8 +139,8 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
               cases=()) -> List[Dict]:
     """The eager/compiled pair and the MFU cases of benchmark model `name`, or of a preset `fitted` by
     preset_config (model, micro-batch, activation checkpointing, the note printed and kept in the case's detail);
-    then `cases` of
-    bench/step/gpu_cases.py (policy, selective, fp8), each beside bf16 compiled and torchtitan's row."""
+    then `cases` of bench/step/gpu_cases.py (policy, selective, fp8), each beside bf16 compiled and torchtitan's
+    row."""
     from lit_pretrain.bench.step import mfu
     from lit_pretrain.bench.step.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
