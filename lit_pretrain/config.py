@@ -153,6 +153,51 @@ RENAMED = {
 }
 
 
+# Keys that moved to another section: read into their new place with a one-line notice, so run files, command
+# lines and finished runs' config.yaml written before still load. Training settings that sat on the architecture
+# config (the GPT ignored them) now sit where the layout and the step's numerics are chosen.
+MOVED = {
+    "model.activation_checkpointing": "strategy.activation_checkpointing",
+    "model.activation_checkpointing_k": "strategy.activation_checkpointing_k",
+    "model.activation_checkpointing_save_matmuls": "strategy.activation_checkpointing_save_matmuls",
+    "model.float8": "trainer.float8",
+}
+
+
+def move_keys(data: Any, source: str) -> Any:
+    """`data` (a mapping of sections) with each MOVED key in its new place, and one line on stderr naming them; an old
+    key beside its new one in the same source is refused, since only one would count."""
+    if not isinstance(data, dict):
+        return data
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    moved = []
+    for old, new in MOVED.items():
+        (old_section, old_key), (new_section, new_key) = old.split(".", 1), new.split(".", 1)
+        if not isinstance(out.get(old_section), dict) or old_key not in out[old_section]:
+            continue
+        value = out[old_section].pop(old_key)
+        target = out.setdefault(new_section, {})
+        if target is None:
+            target = out[new_section] = {}
+        if not isinstance(target, dict):
+            raise ConfigError(f"config key '{new_section}' in {source} is a section: give a mapping of its keys")
+        if new_key in target:
+            raise ConfigError(f"config keys '{old}' and '{new}' are both given in {source}, and only one would count: "
+                              f"{old} is now {new}; keep that one")
+        target[new_key] = value
+        moved.append(old)
+    moved_notice(source, moved)
+    return out
+
+
+def moved_notice(source: str, old_keys: Sequence[str]) -> None:
+    """One line on stderr naming the MOVED keys `source` holds and where they are read now."""
+    if old_keys:
+        pairs = ", ".join(f"{old} -> {MOVED[old]}" for old in old_keys)
+        print(f"notice: {source} uses moved config keys, read in their new place: {pairs} (rename them there)",
+              file=sys.stderr, flush=True)
+
+
 def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
     """Every key must exist in the schema; say which one is wrong, where it came from and what was meant."""
     if not dataclasses.is_dataclass(schema) or not isinstance(data, dict):
@@ -208,6 +253,7 @@ def _one_as_list(data: Any, schema: Any) -> Any:
 def _merge(base: DictConfig, data: dict, source: str) -> DictConfig:
     """`data` merged into `base` in place (OmegaConf.merge would deep-copy the whole config for each source: most
     of a load's time); on an error `base` is left half-merged, and load() discards it."""
+    data = move_keys(data, source)
     _check_keys(data, Config(), "", source)
     data = _one_as_list(data, Config)
     try:

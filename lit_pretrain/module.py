@@ -24,7 +24,7 @@ from lit_pretrain.parallel.batch_losses import StepLosses
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.resume.sharded.save import SHARDED_KEY
 from lit_pretrain.resume.verified import sidecar_path, verify
-from lit_pretrain.resume.weights import from_plain
+from lit_pretrain.resume.weights import from_plain, route_moved
 from lit_pretrain.runs.step_axis import log_at_steps_completed
 from lit_pretrain.schema import OptimConfig, ScheduleConfig, StrategyConfig
 
@@ -43,6 +43,7 @@ class PretrainModule(L.LightningModule):
                  plan: Optional[ParallelPlan] = None, eod_id: Optional[int] = None,
                  schedule_pieces: Optional[list] = None):
         super().__init__()
+        model_cfg, strategy = route_moved(model_cfg, strategy)  # a checkpoint's, written before they moved
         model_cfg, optim = from_plain(GPTConfig, model_cfg), from_plain(OptimConfig, optim)
         schedule, strategy = from_plain(ScheduleConfig, schedule), from_plain(StrategyConfig, strategy or {})
         # logger=False: the run's config.yaml already records them; loggers would get a second, partial copy.
@@ -71,14 +72,10 @@ class PretrainModule(L.LightningModule):
 
     @property
     def plan(self) -> ParallelPlan:
-        """How this module is split: the plan given, else one process. Activation checkpointing and compile come
-        from this module's own settings (model.activation_checkpointing, trainer.compile), which train.py gives the
-        plan as well."""
-        plan = self._plan
-        m = self.model_cfg
-        return replace(plan, activation_checkpointing=m.activation_checkpointing,
-                       activation_checkpointing_k=m.activation_checkpointing_k, compile=self.compile_blocks,
-                       activation_checkpointing_save_matmuls=m.activation_checkpointing_save_matmuls)
+        """How this module is split: the plan given, else one process. Compile comes from this module's own setting
+        (trainer.compile), which train.py gives the plan as well; activation checkpointing and FP8 are the plan's own
+        (strategy.activation_checkpointing*, trainer.float8)."""
+        return replace(self._plan, compile=self.compile_blocks)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None,
@@ -114,7 +111,7 @@ class PretrainModule(L.LightningModule):
         # activation checkpointing, compile, FSDP), on the strategy's mesh: our 4-D one (MeshStrategy) or Lightning's
         # data-parallel one (plain ZeRO 2/3).
         plan, mesh = self.plan, self.device_mesh
-        device_type = self._trainer.strategy.root_device.type  # model.float8: fp8 matmuls on CUDA, else emulated
+        device_type = self._trainer.strategy.root_device.type  # trainer.float8: fp8 matmuls on CUDA, else emulated
         if plan.uses_mesh:
             self.parallel = apply_plan(self.model, plan, mesh, device_type=device_type)
         else:

@@ -403,6 +403,30 @@ class ProfileConfig(Section):
 
 
 @dataclass
+class Float8Config(Section):
+    """FP8 training of the blocks' linear layers through torchao (trainer.float8; null: none): each converted linear
+    casts its input, weight and output gradient to float8 e4m3 with dynamic scales and multiplies in fp8, keeping the
+    fp32 master weight (Micikevicius et al. 2022, "FP8 formats for deep learning"; torchtitan's float8 section).
+    A numeric format of the step, like trainer.precision beside it, not part of the architecture: applied from
+    outside the GPT (lit_pretrain/parallel/float8.py) through the plan, which carries it as it carries
+    trainer.compile; checkpoints hold the same weights, names and dtypes as without it. The output head, and any
+    linear with a dimension not divisible by 16 (torch._scaled_mm's requirement), stay in bf16, as torchtitan and
+    OLMo-core do.
+    Needs `pip install lit-pretrain[fp8]` (torchao 0.18)."""
+
+    recipe: str = field(default="rowwise", metadata={"choices": ["rowwise", "tensorwise", "rowwise_with_gw_hp"]})
+    """torchao's scaling recipe. rowwise (torchtitan's default): one scale per row of each operand, powers of 2;
+    tensorwise: one scale per tensor (the fastest: +25% vs +10% for rowwise at Llama 3 8B on 8 H100, torchao's
+    figures); rowwise_with_gw_hp: rowwise, with the weight gradient computed in bf16 (the most accurate)."""
+    fsdp_float8_all_gather: bool = False
+    """recipe=tensorwise under FSDP2 (strategy.zero_stage 2 or 3) on CUDA only: gather the weights already cast to
+    fp8 (half the bytes of bf16). false: FSDP2 gathers the weights as today and each linear casts them itself."""
+    exclude: List[str] = field(default_factory=list)
+    """More linears to keep in bf16, by name (`blocks.0.attn.wq`) or by the name in every block (`attn.wo`,
+    `mlp.w_down`), as torchtitan's filter_fqns; each must name a converted linear."""
+
+
+@dataclass
 class TrainerConfig(Section):
     max_steps: int = field(default=1000, metadata={"ge": 1})
     """Optimizer steps to train for (after gradient accumulation)."""
@@ -434,6 +458,10 @@ class TrainerConfig(Section):
     CASES=precision`, README "Performance"); without them bf16 is emulated and many times slower than 32-true.
     bf16-true keeps the weights and AdamW's moments in bf16 as well: updates smaller than a bf16 ulp of a weight
     are lost, and it trains measurably worse."""
+    float8: Optional[Float8Config] = None
+    """FP8 training of the blocks' linears through torchao (Float8Config), with trainer.precision=bf16-mixed for the
+    other ops; null: none (the linears run in trainer.precision). Formerly model.float8, still read with a rename
+    notice."""
     num_threads: Optional[int] = field(default=None, metadata={"ge": 1})
     """torch intra-op threads per process. null: the cores divided by the processes on this node."""
     val_every_n_steps: int = field(default=200, metadata={"ge": 1})
@@ -471,6 +499,8 @@ class TrainerConfig(Section):
     `lit-pretrain memory --run`); the error says what to change. null: not checked."""
 
     def __post_init__(self):
+        if isinstance(self.float8, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
+            self.float8 = Float8Config(**self.float8)
         self.check()
 
     def check(self) -> None:
@@ -568,6 +598,19 @@ class StrategyConfig(Section):
     zero_stage 1/2/3, HSDP, tensor_parallel (with sequence_parallel),
     pipeline_parallel and model.moe, with expert_parallel over data-parallel x context-parallel ranks (the routing
     counts summed over the group; docs/strategies.md). 1: off."""
+    activation_checkpointing: str = field(default="none",
+                                          metadata={"choices": ["none", "full", "every_k", "selective"]})
+    """Recompute whole blocks in the backward pass instead of saving their activations: none, full (every block)
+    or every_k (blocks 0, k, 2k, ...); or selective, torchtitan's op-level policy: every block keeps its matmul and
+    attention outputs and recomputes only the cheap ops between them (norms, RoPE, activations); with model.moe also
+    the router's, the grouped experts' and the router's top-k (the recomputation routes as the forward did). A memory
+    choice of the layout, like zero_stage: the plan carries it and lit_pretrain.parallel applies it from outside the
+    GPT (formerly model.activation_checkpointing, still read with a rename notice)."""
+    activation_checkpointing_k: int = field(default=2, metadata={"ge": 1})
+    """activation_checkpointing=every_k only: checkpoint one block in every k."""
+    activation_checkpointing_save_matmuls: str = field(default="all", metadata={"choices": ["all", "every_other"]})
+    """activation_checkpointing=selective only: keep every matmul's output (all), or the 1st, 3rd, ... of each
+    block's (every_other, as torchtitan's save list does: less memory, half the matmuls' forward run again)."""
 
 
 @dataclass

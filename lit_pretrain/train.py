@@ -191,7 +191,7 @@ def run_callbacks(c: Config, plan, session, run_meta: dict, extra: Sequence[Call
                                   async_save=c.checkpoint.async_save),
         # Bytes each rank holds (parameters, gradients, optimizer state, saved activations) → memory.json.
         MemoryAccounting(run_dir, {**layout_record(plan, c.strategy.name),
-                                   "activation_checkpointing": c.model.activation_checkpointing,
+                                   "activation_checkpointing": c.strategy.activation_checkpointing,
                                    "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len}),
         *build_callbacks(c),  # the `callbacks` section's: stability, downstream evaluation, the user's own
         *([ProfileSteps(run_dir, c.trainer.profile.start_step, c.trainer.profile.steps)] if c.trainer.profile else []),

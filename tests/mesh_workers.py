@@ -6,6 +6,8 @@ Each case returns, from global rank 0, the largest differences it measured; the 
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import os
 from datetime import timedelta
 
@@ -24,7 +26,7 @@ from lit_pretrain.parallel.mesh import build_mesh, like
 from lit_pretrain.parallel.plan import ParallelPlan
 from lit_pretrain.parallel.tensor import apply_tensor_parallel, plain_name, shard, style_of
 from lit_pretrain.parallel.vocab import split_cross_entropy, whole_logits
-from lit_pretrain.schema import OptimConfig
+from lit_pretrain.schema import Float8Config, OptimConfig
 
 CFG = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, seq_len=16, tie_embeddings=True)
 BATCH, STEPS, LR, MAX_NORM = 8, 3, 1e-2, 0.05
@@ -62,11 +64,11 @@ def reference(model, xs, ys, make_opt=adamw, eod_id=None):
     return losses, norms, grads0, opt
 
 
-def float8_reference(model, xs, ys, make_opt=adamw):
-    """`reference` with the model's linears converted as apply_plan converts them (model.float8)."""
+def float8_reference(model, xs, ys, make_opt=adamw, f8=None):
+    """`reference` with the model's linears converted as apply_plan converts them (trainer.float8, `f8`)."""
     from lit_pretrain.parallel.float8 import convert_float8
 
-    convert_float8(model)
+    convert_float8(model, f8)
     return reference(model, xs, ys, make_opt)
 
 
@@ -244,7 +246,7 @@ def vocab_cross_entropy_case(out: dict) -> None:
 def saved_block_bytes(tp_group, sequence_parallel: bool, checkpointing: str = "none") -> int:
     """Bytes the first block saves for backward on this rank under tensor parallelism over `tp_group`, with or
     without sequence parallelism (collectives inside: every rank of the group calls it), under
-    model.activation_checkpointing=`checkpointing` (applied after tensor parallelism, as apply_plan does)."""
+    strategy.activation_checkpointing=`checkpointing` (applied after tensor parallelism, as apply_plan does)."""
     from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
 
     torch.manual_seed(0)
@@ -423,7 +425,10 @@ def worker(rank: int, world: int, port: int, cases: list, results, measure_activ
             if variant.get("optim") == "muon":
                 muon_case(plan, out, name, variant.get("zero_stage"))
             elif "float8" in variant:  # against one process converted the same way
-                case(plan, out, name, variant, train=(float8_reference, run_layout))
+                f8 = Float8Config(**variant["float8"])
+                rest = {k: v for k, v in variant.items() if k != "float8"}
+                case(dataclasses.replace(plan, float8=f8), out, name, rest,
+                     train=(functools.partial(float8_reference, f8=f8), run_layout))
             else:
                 case(plan, out, name, variant)
             dist.barrier()

@@ -218,7 +218,7 @@ def planner_case(out: dict) -> None:
         saved, counts, grads, block = run(sp, "none")
         planned = block_activation_bytes(T, B, cfg.d_model, cfg.n_heads, cfg.hidden_dim, t, sp, moe=(4, 2, 32, 1))
         measured[sp] = (saved, planned, counts.sum().item())
-        # model.activation_checkpointing=selective on this MoE block under TP (and SP): bytes kept against the
+        # strategy.activation_checkpointing=selective on this MoE block under TP (and SP): bytes kept against the
         # planner's selective row, and gradients and counts bit-identical to none's (the same kernels and
         # collectives on the same inputs; the routing from the kept top-k)
         kept, sel_counts, sel_grads, _ = run(sp, "selective")

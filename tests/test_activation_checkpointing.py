@@ -50,7 +50,7 @@ def test_policy_picks_blocks(mode, n_layers, k, expected):
 
 
 def test_unknown_policy_names_the_key():
-    with pytest.raises(ValueError, match=r"model\.activation_checkpointing='some'"):
+    with pytest.raises(ValueError, match=r"strategy\.activation_checkpointing='some'"):
         checkpointed_block_indices("some", 4)
 
 

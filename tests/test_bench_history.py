@@ -152,7 +152,7 @@ def test_gpu_bench_dry_run_of_a_preset_fits_it_to_the_device(tmp_path):
     assert rows["bf16_policy"][3] in ("float32", "bfloat16")  # the dtype FSDP2 gathered the weights in
     for name in ("fp8_rowwise", "fp8_tensorwise", "bf16_policy"):
         assert f"gpu_llama3_1_8b_{name}_tokens_per_s" in out.stdout
-    # model.activation_checkpointing=selective runs where this checkout has it.
+    # strategy.activation_checkpointing=selective runs where this checkout has it.
     assert ("selective" in rows) == ("selective" in MODES)
     assert ("selective: not run" in out.stdout) == ("selective" not in MODES)
 
@@ -168,10 +168,10 @@ def test_preset_fit_on_one_h200():
         return config.to_object(config.load(ROOT / "experiments" / "runs" / "default.yaml",
                                             [f"model={name}", "trainer.tokens_per_step=null"])).model
 
-    model, micro_batch, note = fit_one_device(preset("llama3_2_1b"), 141e9)
-    assert (model.n_layers, micro_batch, model.activation_checkpointing) == (16, 2, "none")
-    model, micro_batch, note = fit_one_device(preset("llama3_1_8b"), 141e9)
-    assert (model.n_layers, micro_batch, model.activation_checkpointing) == (21, 1, "full")
+    model, micro_batch, checkpointing, note = fit_one_device(preset("llama3_2_1b"), 141e9)
+    assert (model.n_layers, micro_batch, checkpointing) == (16, 2, "none")
+    model, micro_batch, checkpointing, note = fit_one_device(preset("llama3_1_8b"), 141e9)
+    assert (model.n_layers, micro_batch, checkpointing) == (21, 1, "full")
     assert "their model states alone are 128 GB" in note and "running 21 of the 32 layers" in note
 
 

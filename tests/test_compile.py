@@ -27,10 +27,9 @@ ATOL = 1e-5
 Z_LOSS = 1e-2  # large enough that a z-loss dropped or doubled in the compiled graph moves the sum by > 1e-2
 
 
-def gpt(activation_checkpointing: str = "none") -> GPT:
+def gpt() -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=128, n_layers=2, d_model=32, n_heads=4, seq_len=T,
-                         activation_checkpointing=activation_checkpointing))
+    return GPT(GPTConfig(vocab_size=128, n_layers=2, d_model=32, n_heads=4, seq_len=T))
 
 
 def batch():
@@ -77,7 +76,7 @@ def test_compiled_step_matches_eager(activation_checkpointing):
     """Through `apply_plan`, as the module applies it. One process: the whole forward and the loss (z-loss
     included) as one graph, blocks untouched. With checkpointing: each block compiled inside its wrapper (regional),
     and the loss apart. Under torch.no_grad the eager forward runs (no forward-only graph is compiled)."""
-    eager, compiled = gpt(activation_checkpointing), gpt(activation_checkpointing)
+    eager, compiled = gpt(), gpt()
     apply_plan(eager, ParallelPlan(activation_checkpointing=activation_checkpointing))
     par = apply_plan(compiled, ParallelPlan(activation_checkpointing=activation_checkpointing, compile=True))
     regional = activation_checkpointing != "none"

@@ -54,10 +54,10 @@ def _run_row(name: str) -> str:
 def _eight_b_at_micro_batch_2() -> str:
     wide = _memory("--run", str(RUNS / "llama3_1_8b_h200x8.yaml"), "trainer.micro_batch_size=2")
     full = _memory("--run", str(RUNS / "llama3_1_8b_h200x8.yaml"), "trainer.micro_batch_size=2",
-                   "model.activation_checkpointing=full")
+                   "strategy.activation_checkpointing=full")
     assert not wide["fits"] and full["fits"], "the page says micro-batch 2 needs activation checkpointing"
     return (f"the 8B at micro-batch 2 would need {_gb(wide['total_bytes'])}, and the load says so and names the fix "
-            f"(`model.activation_checkpointing=full`: {_gb(full['total_bytes'])})")
+            f"(`strategy.activation_checkpointing=full`: {_gb(full['total_bytes'])})")
 
 
 def _long_context() -> str:
@@ -79,10 +79,10 @@ def _bench_presets() -> str:
     from lit_pretrain.bench.step.gpu import preset_config
 
     run_file = str(RUNS / "default.yaml")
-    small, small_mb, small_note = preset_config(run_file, "llama3_2_1b", 141e9)
-    large, _, _ = preset_config(run_file, "llama3_1_8b", 141e9)
+    small, small_mb, small_checkpointing, small_note = preset_config(run_file, "llama3_2_1b", 141e9)
+    large, _, large_checkpointing, _ = preset_config(run_file, "llama3_1_8b", 141e9)
     planned = re.search(r"([\d.]+) GB planned", small_note).group(1)
-    assert small.activation_checkpointing == "none" and large.activation_checkpointing == "full"
+    assert small_checkpointing == "none" and large_checkpointing == "full"
     return (f"the 1B whole at micro-batch {small_mb} x {small.seq_len:,} without activation checkpointing ({planned} "
             f"GB planned), the 8B in part, {large.n_layers} of its 32 layers with activation checkpointing")
 

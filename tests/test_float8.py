@@ -1,4 +1,4 @@
-"""model.float8 (lit_pretrain/parallel/float8.py, float8_policy.py): which linears are converted, which layouts are
+"""trainer.float8 (lit_pretrain/parallel/float8.py, float8_policy.py): which linears are converted, which layouts are
 refused when the config loads, and 200 steps of each torchao recipe against bf16 on the CPU (torchao's emulation:
 the fp8 casts and scales of the GPU, the products in high precision), with a negative control. FSDP2 and DDP x fp8
 on 2 gloo ranks ride tests/test_mesh_parallel.py's spawn; the fp8-trained run exported to transformers rides
@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from lit_pretrain import config
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model.config import Float8Config, GPTConfig
+from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
 from lit_pretrain.parallel.float8_policy import float8_linears
+from lit_pretrain.schema import Float8Config
 
 pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
 
@@ -24,10 +25,10 @@ TINY = Path(__file__).resolve().parents[1] / "experiments" / "runs" / "tiny.yaml
 def test_the_block_linears_with_dimensions_divisible_by_16_are_converted_never_the_head():
     # d_model 32 (attention 32 x 32, GQA's k/v 16 x 32) converts; the MLP's width 40 does not divide by 16, so
     # w_gate, w_up (40 x 32) and w_down (32 x 40) stay bf16; `exclude` by name in every block and by full name.
-    cfg = GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=40, seq_len=16,
-                    float8=Float8Config(exclude=["attn.wo", "blocks.1.attn.wq"]))
+    cfg = GPTConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=40, seq_len=16)
+    f8 = Float8Config(exclude=["attn.wo", "blocks.1.attn.wq"])
     expected = ["blocks.0.attn.wq", "blocks.0.attn.wk", "blocks.0.attn.wv", "blocks.1.attn.wk", "blocks.1.attn.wv"]
-    assert float8_linears(cfg) == expected
+    assert float8_linears(cfg, f8) == expected
     from torchao.float8.float8_linear import Float8Linear
 
     from lit_pretrain.parallel.float8 import convert_float8
@@ -35,7 +36,7 @@ def test_the_block_linears_with_dimensions_divisible_by_16_are_converted_never_t
     model = GPT(cfg)
     before = {n: (m.tensor_parallel, m.residual_projection) for n, m in model.named_modules()
               if isinstance(m, torch.nn.Linear)}
-    assert convert_float8(model) == expected
+    assert convert_float8(model, f8) == expected
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert sorted(n for n, m in linears.items() if isinstance(m, Float8Linear)) == sorted(expected)
     assert not isinstance(model.lm_head, Float8Linear) and "blocks.0.mlp.w_up" in linears
@@ -51,9 +52,8 @@ def test_every_recipe_runs_under_inference_mode_and_autocast_as_under_no_grad(re
     from lit_pretrain.parallel.float8 import convert_float8
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=2, seq_len=16,
-                          float8=Float8Config(recipe)))
-    convert_float8(model)
+    model = GPT(GPTConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=2, seq_len=16))
+    convert_float8(model, Float8Config(recipe))
     model = copy.deepcopy(model)
     assert model.blocks[0].attn.wq.forward.__self__ is model.blocks[0].attn.wq  # bound to the copy
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -68,23 +68,23 @@ def test_every_recipe_runs_under_inference_mode_and_autocast_as_under_no_grad(re
 @pytest.mark.parametrize("overrides, message", [
     (["strategy=tensor", "trainer.devices=2"], "strategy.tensor_parallel=2 is not supported"),
     (["strategy=pipeline", "trainer.devices=2"], "strategy.pipeline_parallel=2 is not supported"),
-    (["model.moe={num_experts: 4}"], "model.float8 with model.moe is not supported"),
+    (["model.moe={num_experts: 4}"], "trainer.float8 with model.moe is not supported"),
     (["strategy=zero", "strategy.data_parallel_replicate=2", "trainer.devices=4", "trainer.micro_batch_size=2"],
      "strategy.data_parallel_replicate=2 under strategy.zero_stage=3 (HSDP) is not supported"),
     (["trainer.precision=32-true"], "trainer.precision=32-true is not supported"),
-    (["model.float8.fsdp_float8_all_gather=true", "strategy=fsdp", "trainer.devices=2"],
-     "needs model.float8.recipe=tensorwise"),
-    (["model.float8.fsdp_float8_all_gather=true", "model.float8.recipe=tensorwise"], "needs FSDP2"),
-    (["model.float8.fsdp_float8_all_gather=true", "model.float8.recipe=tensorwise", "strategy=fsdp",
+    (["trainer.float8.fsdp_float8_all_gather=true", "strategy=fsdp", "trainer.devices=2"],
+     "needs trainer.float8.recipe=tensorwise"),
+    (["trainer.float8.fsdp_float8_all_gather=true", "trainer.float8.recipe=tensorwise"], "needs FSDP2"),
+    (["trainer.float8.fsdp_float8_all_gather=true", "trainer.float8.recipe=tensorwise", "strategy=fsdp",
       "trainer.devices=2", "trainer.accelerator=cpu"], "runs on CUDA only (trainer.accelerator=cpu)"),
-    (["model.float8.exclude=[attn.wz]"], "model.float8.exclude names 'attn.wz'"),
+    (["trainer.float8.exclude=[attn.wz]"], "trainer.float8.exclude names 'attn.wz'"),
     (["model.d_model=72", "model.n_heads=4"], "converts no linear of this model"),
 ])
 def test_layouts_not_validated_are_refused_at_load_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
-        config.load(TINY, ["model.float8={}", "trainer.precision=bf16-mixed", *overrides])
+        config.load(TINY, ["trainer.float8={}", "trainer.precision=bf16-mixed", *overrides])
     assert message in str(err.value), str(err.value)
-    assert "model.float8" in str(err.value)
+    assert "trainer.float8" in str(err.value)
 
 
 def test_a_missing_torchao_is_refused_at_load(monkeypatch):
@@ -93,18 +93,18 @@ def test_a_missing_torchao_is_refused_at_load(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torchao" else find_spec(name, *a))
-    with pytest.raises(ConfigError, match=r"model.float8 needs torchao, which is not installed: pip install"):
-        config.load(TINY, ["model.float8={}", "trainer.precision=bf16-mixed"])
+    with pytest.raises(ConfigError, match=r"trainer.float8 needs torchao, which is not installed: pip install"):
+        config.load(TINY, ["trainer.float8={}", "trainer.precision=bf16-mixed"])
 
 
 def test_the_layouts_it_runs_under_load():
     for overrides in ([], ["strategy=ddp", "trainer.devices=2"], ["strategy=fsdp", "trainer.devices=2"],
                       ["strategy=zero", "strategy.zero_stage=1", "trainer.devices=2"],
-                      ["model.activation_checkpointing=full", "trainer.compile=true"],
-                      ["model.float8.fsdp_float8_all_gather=true", "model.float8.recipe=tensorwise", "strategy=fsdp",
-                       "trainer.devices=2", "trainer.accelerator=cuda"]):
-        c = config.to_object(config.load(TINY, ["model.float8={}", "trainer.precision=bf16-mixed", *overrides]))
-        assert c.model.float8.recipe == "rowwise" or "model.float8.recipe=tensorwise" in overrides
+                      ["strategy.activation_checkpointing=full", "trainer.compile=true"],
+                      ["trainer.float8.fsdp_float8_all_gather=true", "trainer.float8.recipe=tensorwise",
+                       "strategy=fsdp", "trainer.devices=2", "trainer.accelerator=cuda"]):
+        c = config.to_object(config.load(TINY, ["trainer.float8={}", "trainer.precision=bf16-mixed", *overrides]))
+        assert c.trainer.float8.recipe == "rowwise" or "trainer.float8.recipe=tensorwise" in overrides
 
 
 # 200 steps of a 1-block GPT (d 32, MLP 64: every block linear converts) on a first-order Markov chain over 64
@@ -129,9 +129,9 @@ def train(recipe, batches, seed=0):
     from lit_pretrain.parallel.float8 import convert_float8
 
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(**CFG, float8=Float8Config(recipe) if recipe else None))
+    model = GPT(GPTConfig(**CFG))
     if recipe:
-        convert_float8(model)
+        convert_float8(model, Float8Config(recipe))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for b in batches:
@@ -185,7 +185,7 @@ def test_each_recipe_trains_like_bf16_for_200_steps_and_its_checkpoint_is_a_plai
 
 @pytest.mark.slow
 def test_compiled_fp8_step_is_the_eager_one(monkeypatch, request):
-    """trainer.compile with model.float8 on one process: the whole forward and loss as one graph (fullgraph, through
+    """trainer.compile with trainer.float8 on one process: the whole forward and loss as one graph (fullgraph, through
     apply_plan as the module applies it) computes what eager does. Traced by dynamo and AOTAutograd (backend
     aot_eager: the tensor subclasses and the hooks are what can break tracing, as `torch.is_inference_mode_enabled`
     did) without inductor's C++ build (~40 s for one recipe here): bit for bit, measured for all three recipes
@@ -205,10 +205,10 @@ def test_compiled_fp8_step_is_the_eager_one(monkeypatch, request):
     compile_module._compiled.cache_clear()
     request.addfinalizer(compile_module._compiled.cache_clear)
     torch.manual_seed(0)
-    compiled = GPT(GPTConfig(**{**CFG, "n_layers": 2}, float8=Float8Config("rowwise")))
+    compiled = GPT(GPTConfig(**{**CFG, "n_layers": 2}))
     eager = copy.deepcopy(compiled)
-    par = apply_plan(compiled, ParallelPlan(compile=True))
-    apply_plan(eager, ParallelPlan())
+    par = apply_plan(compiled, ParallelPlan(compile=True, float8=Float8Config("rowwise")))
+    apply_plan(eager, ParallelPlan(float8=Float8Config("rowwise")))
     x, y = markov_batches(1)[0, :, :-1], markov_batches(1)[0, :, 1:]
     with torch.autocast("cpu", torch.bfloat16):
         loss_c = par.forward_losses(x, y, None, 0.0)[0]

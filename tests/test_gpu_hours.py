@@ -11,7 +11,7 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.scaling.cli import main
 from lit_pretrain.scaling.gpu_hours import bench_case_for, gpu_hours, measured_mfu
 
-# FSDP over one node's 8 GPUs, where model.float8 runs (HSDP, the 32-GPU file's layout, is refused with it).
+# FSDP over one node's 8 GPUs, where trainer.float8 runs (HSDP, the 32-GPU file's layout, is refused with it).
 RUN = str(Path(__file__).resolve().parents[1] / "experiments" / "runs" / "llama3_1_8b_h200x8.yaml")
 
 
@@ -67,7 +67,7 @@ def test_plan_prints_gpu_hours_at_the_given_or_the_measured_mfu(tmp_path, capsys
     out = json.loads(capsys.readouterr().out)["gpu_hours"]
     assert (out["mfu"], out["gpu"]) == (pytest.approx(0.45), "NVIDIA H200")  # the 8B nearest the 1B, bf16 compiled
     assert out["hours"] == pytest.approx(6531 * 0.4 / 0.45, rel=1e-3) and str(bench) in out["source"]
-    assert main(["plan", "--run", RUN, "model.float8={}", "--bench", str(bench)]) == 0
+    assert main(["plan", "--run", RUN, "trainer.float8={}", "--bench", str(bench)]) == 0
     assert f"MFU 54.0% of one NVIDIA H200's 989 TFLOP/s (dense bf16) (measured: gpu_1b_fp8_rowwise_tokens_per_s in " \
            f"{bench})" in capsys.readouterr().out
     assert main(["plan", "--run", RUN, "--mfu", "0.4", "--gpu", "TPU"]) == 2
@@ -75,8 +75,9 @@ def test_plan_prints_gpu_hours_at_the_given_or_the_measured_mfu(tmp_path, capsys
 
 
 def test_the_bench_case_a_run_matches():
-    from lit_pretrain.model.config import Float8Config, GPTConfig
+    from lit_pretrain.schema import Float8Config
 
-    assert bench_case_for(GPTConfig()) == "compiled"
-    assert bench_case_for(GPTConfig(float8=Float8Config("tensorwise"))) == "fp8_tensorwise"
-    assert bench_case_for(GPTConfig(float8=Float8Config("rowwise_with_gw_hp"))) == "fp8_rowwise"
+    assert bench_case_for(None, "none") == "compiled"
+    assert bench_case_for(None, "selective") == "selective"
+    assert bench_case_for(Float8Config("tensorwise"), "selective") == "fp8_tensorwise"
+    assert bench_case_for(Float8Config("rowwise_with_gw_hp"), "none") == "fp8_rowwise"

@@ -2,7 +2,6 @@
 LlamaForCausalLM, a bitwise round trip, a tokenizer transformers loads, and one-line refusals of what Llama or our
 GPT cannot express. Nothing downloads: every model and tokenizer comes from a local folder."""
 
-import dataclasses
 import json
 
 import pytest
@@ -283,11 +282,11 @@ def test_trained_run_exports_loads_in_transformers_and_continues_training(tmp_pa
         def on_train_start(self, trainer, pl_module):
             self.names = [n for n, m in pl_module.model.named_modules() if type(m).__name__ == "Float8Linear"]
 
-    # Trained with model.float8 (torchao, emulated on the CPU): the export is of plain weights all the same. The MFU's
+    # Trained with trainer.float8 (torchao, emulated on the CPU): the export is of plain weights all the same. The MFU's
     # peak is given, not measured: the bf16 1024² matmuls that measure it take ~15 s on a CPU without bf16 units.
     seen = Float8Linears()
     train(config.load(run_file, [*common, "trainer.max_steps=2", "schedule.warmup_steps=1",
-                                 "trainer.precision=bf16-mixed", "model.float8={}",
+                                 "trainer.precision=bf16-mixed", "trainer.float8={}",
                                  "callbacks.throughput.peak_flops_per_s=1e11"]), extra_callbacks=[seen])
     assert len(seen.names) == 2 * 7  # tiny: 2 blocks of 7 linears (d 64, MLP 192), all converted; not the head
     run_dir = tmp_path / "runs" / "tiny"
@@ -303,9 +302,11 @@ def test_trained_run_exports_loads_in_transformers_and_continues_training(tmp_pa
         assert tokenizer(text).input_ids == prompt_ids(ours, eod_id(ours), text)  # generate's ids, EOD first
         assert tokenizer.decode(ours.encode(text).ids) == text
     model = load_gpt(run_dir)
-    assert model.cfg.float8 is not None  # the checkpoint's model section keeps it; the GPT ignores it
+    # FP8 is the run's trainer.float8, not part of the architecture: neither the model section nor the export holds it
+    assert config.load(run_dir / "config.yaml").trainer.float8 is not None and not hasattr(model.cfg, "float8")
+    assert "float8" not in (tmp_path / "hf" / "config.json").read_text()
     # The fp8-trained checkpoint holds the plain GPT's names and fp32 dtypes: it loads into a model without fp8.
-    plain = GPT(dataclasses.replace(model.cfg, float8=None))
+    plain = GPT(model.cfg)
     dtypes = [(k, v.dtype) for k, v in model.state_dict().items()]
     assert dtypes == [(k, v.dtype) for k, v in plain.state_dict().items()]
     idx = torch.randint(0, model.cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))

@@ -53,14 +53,14 @@ def test_plans(overrides, degrees):
 
 def test_plan_carries_schedule_checkpointing_and_compile():
     plan = build_plan(cfg("strategy=pipeline", "trainer.devices=2", "strategy.pipeline.schedule=gpipe",
-                          "strategy.pipeline.micro_batches=2", "model.activation_checkpointing=full"))
+                          "strategy.pipeline.micro_batches=2", "strategy.activation_checkpointing=full"))
     assert (plan.schedule, plan.micro_batches, plan.stages_per_rank) == ("gpipe", 2, 1)
     assert plan.activation_checkpointing == "full" and not plan.compile
     # selective with model.moe under expert parallelism and tensor parallelism loads (refused before the
     # MoE policy existed: tests/test_activation_checkpointing.py, tests/test_expert_parallel.py check it)
     plan = build_plan(cfg("strategy=ddp", "strategy.expert_parallel=2", "strategy.tensor_parallel=2",
                           "trainer.devices=4", "model.moe={num_experts: 4}",
-                          "model.activation_checkpointing=selective"))
+                          "strategy.activation_checkpointing=selective"))
     assert (plan.activation_checkpointing, plan.expert_parallel, plan.tensor_parallel) == ("selective", 2, 2)
     assert ParallelPlan(tensor_parallel=2, pipeline_parallel=2, data_parallel_shard=2, zero_stage=3).uses_mesh
     assert not ParallelPlan(data_parallel_shard=4, zero_stage=3).uses_mesh  # plain FSDP: Lightning's strategy
@@ -113,13 +113,14 @@ BAD = [
     (["strategy=tensor", "model.vocab_size=513", "trainer.devices=2"],
      "model.vocab_size=513 is not divisible by strategy.tensor_parallel=2"),
     # context parallelism with what has no parity test under it yet: selective checkpointing, FSDP2's policy, fp8
-    (["strategy=ddp", "strategy.context_parallel=2", "model.activation_checkpointing=selective", "trainer.devices=2"],
-     "model.activation_checkpointing=selective with strategy.context_parallel=2"),
+    (["strategy=ddp", "strategy.context_parallel=2", "strategy.activation_checkpointing=selective",
+      "trainer.devices=2"],
+     "strategy.activation_checkpointing=selective with strategy.context_parallel=2"),
     (["strategy=zero", "strategy.context_parallel=2", "trainer.precision=bf16-mixed",
       "strategy.mixed_precision_policy=true", "trainer.devices=2"],
      "strategy.mixed_precision_policy=true with strategy.context_parallel=2"),
-    (["strategy=zero", "strategy.context_parallel=2", "trainer.precision=bf16-mixed", "model.float8={}",
-      "trainer.devices=2"], "model.float8 with strategy.context_parallel=2"),
+    (["strategy=zero", "strategy.context_parallel=2", "trainer.precision=bf16-mixed", "trainer.float8={}",
+      "trainer.devices=2"], "trainer.float8 with strategy.context_parallel=2"),
     # ZeRO-1 x CP with replicas, pipeline or expert parallelism: refused, as without CP
     (["strategy=zero", "strategy.zero_stage=1", "strategy.context_parallel=2", "strategy.data_parallel_replicate=2",
       "trainer.devices=4"], "strategy.zero_stage=1 is PyTorch's ZeroRedundancyOptimizer"),

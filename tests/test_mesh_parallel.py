@@ -56,7 +56,7 @@ MUON_CASES_2 = [
     ("muon_zero3", Plan(data_parallel_shard=2, zero_stage=3), MUON),
     ("muon_tp2", Plan(tensor_parallel=2), MUON),
 ]
-# model.float8 (parallel/float8.py) under FSDP2 with activation checkpointing, and under DDP (our mesh's all-reduce),
+# trainer.float8 (parallel/float8.py) under FSDP2 with activation checkpointing, and under DDP (our mesh's all-reduce),
 # against one process converted the same way (`check_float8`).
 FLOAT8_CASES_2 = [
     ("zero3_fp8_rowwise", Plan(data_parallel_shard=2, zero_stage=3, activation_checkpointing="full"),
@@ -222,7 +222,7 @@ def check_activations(measured):
     # do: on fp32 CPU kernels the bytes agree exactly, so a tensor added to or dropped from the block shows here.
     assert measured["tp"] == planned[False] and measured["tp_sp"] == planned[True], (measured, planned)
     assert ratio < 0.9  # sequence parallelism saves the norm region's bytes, not nothing
-    # model.activation_checkpointing=selective under TP 2 (and SP): the block's input (1/t of it under SP), its
+    # strategy.activation_checkpointing=selective under TP 2 (and SP): the block's input (1/t of it under SP), its
     # matmuls' outputs (the row-parallel ones whole, before their all-reduce or reduce-scatter) and attention's, as
     # scaling/recompute.py counts them; exact on fp32 CPU kernels, as above.
     for sp, key in ((False, "selective_tp"), (True, "selective_tp_sp")):

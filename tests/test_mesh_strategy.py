@@ -24,7 +24,7 @@ RUNS = {
     "single": [],
     "tensor": ["strategy=tensor", "trainer.devices=2"],
     "pipeline": ["strategy=pipeline", "trainer.devices=2", "strategy.pipeline.schedule=gpipe",
-                 "model.activation_checkpointing=full"],
+                 "strategy.activation_checkpointing=full"],
 }
 
 

@@ -35,10 +35,10 @@ MOE = ("model.moe={num_experts: 4, top_k: 2, d_ff_expert: 64, aux_loss: 0.0, rou
 COMMON = [*BASE, MOE]
 # ZeRO-1 (ZeroRedundancyOptimizer over DDP) passed this test too; left out to keep the slow suite short.
 STRATEGIES = {"ddp": ["strategy=ddp"],
-              "zero3": ["strategy=zero", "strategy.zero_stage=3", "model.activation_checkpointing=full"],
+              "zero3": ["strategy=zero", "strategy.zero_stage=3", "strategy.activation_checkpointing=full"],
               # expert parallelism 2 over the 2 data-parallel ranks (parallel/expert.py), with activation
               # checkpointing (the dispatch's all-to-alls run again in the recomputation), and with ZeRO-3
-              "ep2": ["strategy=ddp", "strategy.expert_parallel=2", "model.activation_checkpointing=full"],
+              "ep2": ["strategy=ddp", "strategy.expert_parallel=2", "strategy.activation_checkpointing=full"],
               "ep2_zero3": ["strategy=zero", "strategy.zero_stage=3", "strategy.expert_parallel=2"]}
 # model.moe.aux_loss_scope=global (parallel/moe_mesh.py): f_i of the Switch loss from both ranks' counts, so the
 # auxiliary loss trains as one process's: against one process with the same coefficient, under EP 2 with activation
@@ -46,7 +46,7 @@ STRATEGIES = {"ddp": ["strategy=ddp"],
 # left out to keep the slow suite short (tests/test_moe.py checks the arithmetic in one process).
 AUX = ["model.moe.aux_loss=0.01", "model.moe.aux_loss_scope=global"]
 AUX_STRATEGIES = {"ep2_aux_global": ["strategy=ddp", "strategy.expert_parallel=2",
-                                     "model.activation_checkpointing=full"]}
+                                     "strategy.activation_checkpointing=full"]}
 
 
 # The default model.moe (8 experts, top 2, aux_loss 0.01 with aux_loss_scope sequence): one process in micro-batches

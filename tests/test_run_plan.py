@@ -65,7 +65,7 @@ def test_budget_of_the_8b_run_and_its_refusals():
     with pytest.raises(ConfigError, match="trainer.device_memory_gb=141: the run needs 158.4 GB"):
         config.load(run, ["trainer.micro_batch_size=2"])
     # the fix the error names
-    fixed = config.load(run, ["trainer.micro_batch_size=2", "model.activation_checkpointing=full"])
+    fixed = config.load(run, ["trainer.micro_batch_size=2", "strategy.activation_checkpointing=full"])
     assert run_memory(fixed, fixed.plan)["fits"]
 
 

@@ -40,10 +40,10 @@ COMMON = [f"trainer.max_steps={STEPS}", f"trainer.val_every_n_steps={STEPS}", "t
           "trainer.progress_bar=false", "strategy.timeout_seconds=60"]
 STRATEGIES = {
     "ddp": ["strategy=ddp"],
-    "zero1": ["strategy=zero", "strategy.zero_stage=1", "model.activation_checkpointing=full"],
-    "zero2": ["strategy=zero", "strategy.zero_stage=2", "model.activation_checkpointing=every_k",
-              "model.activation_checkpointing_k=2"],
-    "zero3": ["strategy=zero", "strategy.zero_stage=3", "model.activation_checkpointing=full"],
+    "zero1": ["strategy=zero", "strategy.zero_stage=1", "strategy.activation_checkpointing=full"],
+    "zero2": ["strategy=zero", "strategy.zero_stage=2", "strategy.activation_checkpointing=every_k",
+              "strategy.activation_checkpointing_k=2"],
+    "zero3": ["strategy=zero", "strategy.zero_stage=3", "strategy.activation_checkpointing=full"],
 }
 
 

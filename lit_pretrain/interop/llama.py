@@ -65,7 +65,7 @@ _LLAMA_OF_BLOCK = {v: k for k, v in BLOCK_NAMES.items()}
 _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 
 # The GPTConfig fields that decide what function a set of weights computes (seq_len does not: it is only how many
-# positions the RoPE tables cover; init_std and activation checkpointing do not either).
+# positions the RoPE tables cover; init_std does not either).
 FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
                    "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling")
 # The architecture variants, at the values a Llama (and a weights file written before them) has.

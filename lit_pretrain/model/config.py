@@ -68,28 +68,6 @@ class MoEConfig:
 
 
 @dataclass
-class Float8Config:
-    """FP8 training of the blocks' linear layers through torchao (model.float8; null: none): each converted linear
-    casts its input, weight and output gradient to float8 e4m3 with dynamic scales and multiplies in fp8, keeping the
-    fp32 master weight (Micikevicius et al. 2022, "FP8 formats for deep learning"; torchtitan's float8 section).
-    Applied from outside the GPT (lit_pretrain/parallel/float8.py), like activation checkpointing: the GPT ignores it,
-    and checkpoints hold the same weights, names and dtypes as without it. The output head, and any linear with a
-    dimension not divisible by 16 (torch._scaled_mm's requirement), stay in bf16, as torchtitan and OLMo-core do.
-    Needs `pip install lit-pretrain[fp8]` (torchao 0.18)."""
-
-    recipe: str = field(default="rowwise", metadata={"choices": ["rowwise", "tensorwise", "rowwise_with_gw_hp"]})
-    """torchao's scaling recipe. rowwise (torchtitan's default): one scale per row of each operand, powers of 2;
-    tensorwise: one scale per tensor (the fastest: +25% vs +10% for rowwise at Llama 3 8B on 8 H100, torchao's
-    figures); rowwise_with_gw_hp: rowwise, with the weight gradient computed in bf16 (the most accurate)."""
-    fsdp_float8_all_gather: bool = False
-    """recipe=tensorwise under FSDP2 (strategy.zero_stage 2 or 3) on CUDA only: gather the weights already cast to
-    fp8 (half the bytes of bf16). false: FSDP2 gathers the weights as today and each linear casts them itself."""
-    exclude: List[str] = field(default_factory=list)
-    """More linears to keep in bf16, by name (`blocks.0.attn.wq`) or by the name in every block (`attn.wo`,
-    `mlp.w_down`), as torchtitan's filter_fqns; each must name a converted linear."""
-
-
-@dataclass
 class RopeScalingConfig:
     """Scaled RoPE frequencies for a context longer than the one pretrained (model.rope_scaling; null: unscaled).
     The inverse frequencies are pure functions of these fields (lit_pretrain/model/rope.py), equal to transformers'
@@ -167,18 +145,6 @@ class GPTConfig:
     """Epsilon of every norm (RMSNorm or LayerNorm)."""
     init_std: float = field(default=0.02, metadata={"gt": 0})
     """Std of the normal init of every weight matrix; residual output projections get init_std / sqrt(2 * n_layers)."""
-    activation_checkpointing: str = field(default="none",
-                                          metadata={"choices": ["none", "full", "every_k", "selective"]})
-    """Recompute whole blocks in the backward pass instead of saving their activations: none, full (every block)
-    or every_k (blocks 0, k, 2k, ...); or selective, torchtitan's op-level policy: every block keeps its matmul and
-    attention outputs and recomputes only the cheap ops between them (norms, RoPE, activations); with model.moe also
-    the router's, the grouped experts' and the router's top-k (the recomputation routes as the forward did). Applied
-    from outside the GPT by lit_pretrain.parallel; the GPT ignores it."""
-    activation_checkpointing_k: int = field(default=2, metadata={"ge": 1})
-    """activation_checkpointing=every_k only: checkpoint one block in every k."""
-    activation_checkpointing_save_matmuls: str = field(default="all", metadata={"choices": ["all", "every_other"]})
-    """activation_checkpointing=selective only: keep every matmul's output (all), or the 1st, 3rd, ... of each
-    block's (every_other, as torchtitan's save list does: less memory, half the matmuls' forward run again)."""
     init: str = field(default="scaled_residual", metadata={"choices": ["standard", "scaled_residual", "mup"]})
     """Initialization (lit_pretrain/model/init.py). standard: every matrix ~ N(0, init_std); scaled_residual: residual
     output projections get init_std / sqrt(2 n_layers) (GPT-2 §2.3); mup: μP (Yang et al. 2022, Tensor Programs V,
@@ -192,9 +158,6 @@ class GPTConfig:
     heads, with weights of those sizes (OLMoE's OlmoeAttention; OLMo 2). Tensor parallelism needs head."""
     moe: Optional[MoEConfig] = None
     """Mixture of experts (MoEConfig); null: every block's MLP is dense."""
-    float8: Optional[Float8Config] = None
-    """FP8 training of the blocks' linears through torchao (Float8Config); null: none (the linears run in
-    trainer.precision)."""
     rope_scaling: Optional[RopeScalingConfig] = None
     """Scaled RoPE for a context longer than pretrained (RopeScalingConfig: Llama 3.1's llama3 rule or YaRN); null:
     unscaled. Holds no weight: a context-extension stage sets it with a longer model.seq_len (docs/resume.md,
@@ -203,8 +166,6 @@ class GPTConfig:
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
             self.moe = MoEConfig(**self.moe)
-        if isinstance(self.float8, dict):
-            self.float8 = Float8Config(**self.float8)
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
 

@@ -70,7 +70,7 @@ class SelectivePolicy:
 
     def __init__(self, save_matmuls: str = "all"):
         if save_matmuls not in SAVE_MATMULS:
-            raise ValueError(f"model.activation_checkpointing_save_matmuls={save_matmuls!r}: expected one of "
+            raise ValueError(f"strategy.activation_checkpointing_save_matmuls={save_matmuls!r}: expected one of "
                              f"{', '.join(SAVE_MATMULS)}")
         self.save_matmuls = save_matmuls
         self.recorder: Optional[Callable[[dict], None]] = None
@@ -105,9 +105,9 @@ def checkpointed_block_indices(mode: str, n_layers: int, k: int = 2) -> List[int
         return list(range(n_layers))
     if mode == "every_k":
         if k < 1:
-            raise ValueError(f"model.activation_checkpointing_k={k}: must be at least 1")
+            raise ValueError(f"strategy.activation_checkpointing_k={k}: must be at least 1")
         return list(range(0, n_layers, k))
-    raise ValueError(f"model.activation_checkpointing={mode!r}: expected one of {', '.join(MODES)}")
+    raise ValueError(f"strategy.activation_checkpointing={mode!r}: expected one of {', '.join(MODES)}")
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, k: int = 2, save_matmuls: str = "all") -> List[int]:

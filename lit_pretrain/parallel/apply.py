@@ -37,9 +37,9 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
     mesh of Lightning's FSDP strategy (plain ZeRO 2/3). DDP and ZeRO-1 wrap later, in Lightning's DDPStrategy and
     the optimizer (under context parallelism: ParallelModel.sync_gradients on our mesh, and the optimizer).
     Idempotent: Lightning may call configure_model again (trainer.validate after fit).
-    model.float8 converts the blocks' linears to torchao's Float8Linear (parallel/float8.py) between steps 2 and 3,
-    before any wrapper sees them, as torchtitan converts before parallelizing; `device_type`: where the step runs
-    ("cuda": fp8 matmuls on the GPU; else emulated).
+    plan.float8 (trainer.float8) converts the blocks' linears to torchao's Float8Linear (parallel/float8.py) between
+    steps 2 and 3, before any wrapper sees them, as torchtitan converts before parallelizing; `device_type`: where
+    the step runs ("cuda": fp8 matmuls on the GPU; else emulated).
     """
     from lit_pretrain.parallel.activation_checkpointing import apply_activation_checkpointing
     from lit_pretrain.parallel.zero import shard_model
@@ -67,10 +67,10 @@ def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = 
         from lit_pretrain.parallel.context import install_context_parallel
 
         par.cp = install_context_parallel(gpt, par.cp_group, plan.tensor_parallel if plan.sequence_parallel else 1)
-    if gpt.cfg.float8 is not None:
+    if plan.float8 is not None:
         from lit_pretrain.parallel.float8 import convert_float8
 
-        convert_float8(gpt, device_type or (mesh.device_type if mesh is not None else "cpu"))
+        convert_float8(gpt, plan.float8, device_type or (mesh.device_type if mesh is not None else "cpu"))
     # model.moe: the counts' all-reduce (aux_loss_scope=global; context parallelism): a collective, all call it
     if plan.data_parallel > 1 or plan.context_parallel > 1:
         from lit_pretrain.parallel.moe_mesh import install_global_counts

@@ -1,4 +1,4 @@
-"""model.float8: the blocks' linears swapped for torchao's Float8Linear, from outside the GPT (parallel/apply.py calls
+"""trainer.float8: the blocks' linears swapped for torchao's Float8Linear, from outside the GPT (parallel/apply.py calls
 convert_float8 before activation checkpointing, compile and FSDP2 wrap them, as torchtitan's model converters run
 before its parallelize step).
 
@@ -30,17 +30,17 @@ def emulated(device_type: str) -> bool:
         return True
     capability = torch.cuda.get_device_capability()
     if capability < FP8_CAPABILITY:
-        raise RuntimeError(f"model.float8 needs a GPU with fp8 tensor cores (compute capability 8.9+: H100, H200, "
-                           f"L4), but this one has {capability[0]}.{capability[1]}: set model.float8=null")
+        raise RuntimeError(f"trainer.float8 needs a GPU with fp8 tensor cores (compute capability 8.9+: H100, H200, "
+                           f"L4), but this one has {capability[0]}.{capability[1]}: set trainer.float8=null")
     return False
 
 
 def torchao_config(f8, emulate: bool):
-    """The torchao Float8LinearConfig of a model.float8 section."""
+    """The torchao Float8LinearConfig of a trainer.float8 section."""
     try:
         from torchao.float8 import Float8LinearConfig
     except ImportError as err:
-        raise RuntimeError("model.float8 needs torchao: pip install 'lit-pretrain[fp8]' (torchao 0.18)") from err
+        raise RuntimeError("trainer.float8 needs torchao: pip install 'lit-pretrain[fp8]' (torchao 0.18)") from err
     config = Float8LinearConfig.from_recipe_name(f8.recipe)
     return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=f8.fsdp_float8_all_gather)
 
@@ -66,13 +66,14 @@ def _forward_outside_inference_mode(self, input: torch.Tensor) -> torch.Tensor:
     return type(self).forward(self, input)
 
 
-def convert_float8(gpt: nn.Module, device_type: str = "cpu") -> List[str]:
-    """Swap the linears float8_policy.float8_linears names for Float8Linear, in place; return their names."""
+def convert_float8(gpt: nn.Module, f8, device_type: str = "cpu") -> List[str]:
+    """Swap the linears float8_policy.float8_linears names under `f8` (trainer.float8, a Float8Config) for
+    Float8Linear, in place; return their names."""
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
-    names = set(float8_linears(gpt.cfg))
-    config = torchao_config(gpt.cfg.float8, emulated(device_type))
+    names = set(float8_linears(gpt.cfg, f8))
+    config = torchao_config(f8, emulated(device_type))
     # The roles build_linear marks (read by the initializer and the planners) move to the new module.
     roles = {name: (gpt.get_submodule(name).tensor_parallel, gpt.get_submodule(name).residual_projection)
              for name in names}

@@ -26,7 +26,7 @@ group exists (a layout that fails inside a collective hangs its peers until the 
 """
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.parallel.batch import global_batch
@@ -58,6 +58,7 @@ class ParallelPlan:
     activation_checkpointing_save_matmuls: str = "all"
     mixed_precision_policy: bool = False  # FSDP2 gathers bf16 parameters and reduces fp32 gradients (zero.py)
     context_parallel: int = 1
+    float8: Optional[Any] = None  # trainer.float8 (schema.Float8Config): apply_plan converts the blocks' linears
 
     @property
     def world_size(self) -> int:
@@ -153,12 +154,13 @@ def plan_from(strategy, trainer, model=None, compile: Optional[Union[bool, str]]
     plan = ParallelPlan(
         **degrees, zero_stage=stage, sequence_parallel=bool(strategy.sequence_parallel), schedule=pc.schedule,
         micro_batches=pc.micro_batches, stages_per_rank=pc.stages_per_rank,
-        activation_checkpointing=model.activation_checkpointing if model is not None else "none",
-        activation_checkpointing_k=model.activation_checkpointing_k if model is not None else 2,
+        activation_checkpointing=getattr(strategy, "activation_checkpointing", "none"),
+        activation_checkpointing_k=getattr(strategy, "activation_checkpointing_k", 2),
         compile=compile_decision(trainer, model, degrees, compile).compile,
         expert_parallel=getattr(strategy, "expert_parallel", 1),
-        activation_checkpointing_save_matmuls=getattr(model, "activation_checkpointing_save_matmuls", "all"),
-        mixed_precision_policy=mixed_precision_policy_for(strategy, trainer, stage, degrees))
+        activation_checkpointing_save_matmuls=getattr(strategy, "activation_checkpointing_save_matmuls", "all"),
+        mixed_precision_policy=mixed_precision_policy_for(strategy, trainer, stage, degrees),
+        float8=getattr(trainer, "float8", None))
     check_plan(plan, trainer, model, vocab_from)
     return plan
 
@@ -276,7 +278,7 @@ def _check_context_parallel(plan: ParallelPlan, model) -> None:
         raise ConfigError(f"trainer.compile=true is not supported with strategy.context_parallel={c} (the compiled "
                           "forward and loss run the whole window on one process): set trainer.compile=false")
     if plan.activation_checkpointing == "selective":
-        raise ConfigError(f"model.activation_checkpointing=selective with strategy.context_parallel={c} is not "
+        raise ConfigError(f"strategy.activation_checkpointing=selective with strategy.context_parallel={c} is not "
                           "supported yet (neither its op policy over the gathered keys and values nor its planner "
                           "rows are tested under context parallelism): use full, which is")
     if plan.mixed_precision_policy:
@@ -284,9 +286,9 @@ def _check_context_parallel(plan: ParallelPlan, model) -> None:
                           "yet: leave strategy.mixed_precision_policy=null (the autocast path there) or false")
     if model is None:
         return
-    if model.float8 is not None:
-        raise ConfigError(f"model.float8 with strategy.context_parallel={c} is not supported (not validated: no fp8 "
-                          "parity test under context parallelism): set model.float8=null or "
+    if plan.float8 is not None:
+        raise ConfigError(f"trainer.float8 with strategy.context_parallel={c} is not supported (not validated: no fp8 "
+                          "parity test under context parallelism): set trainer.float8=null or "
                           "strategy.context_parallel=1")
     if model.moe is not None and model.moe.capacity_factor is not None:
         raise ConfigError(f"model.moe.capacity_factor={model.moe.capacity_factor} with strategy.context_parallel={c} "
@@ -325,7 +327,7 @@ def _check_model(plan: ParallelPlan, trainer, model, vocab_from: Optional[str] =
         raise ConfigError(f"model.seq_len={model.seq_len} is not divisible by strategy.tensor_parallel={t}: "
                           "sequence parallelism gives each tensor-parallel rank seq_len / tensor_parallel positions; "
                           "choose a seq_len that is a multiple of tensor_parallel")
-    if model.float8 is not None:
+    if plan.float8 is not None:
         from lit_pretrain.parallel.float8_policy import check_float8
 
         check_float8(plan, trainer, model)

@@ -23,8 +23,7 @@ FREE_KEYS = {
     "run.resume", "run.resume_allow_changes", "run.overwrite", "run.keep_last_checkpoints", "run.root_dir",
     "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size", "trainer.num_threads", "trainer.accelerator",
     "trainer.progress_bar", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "data.num_workers",
-    "run.name", "data.prepared_dir", "model.activation_checkpointing", "model.activation_checkpointing_k",
-    "trainer.loggers", "trainer.profile", "trainer.device_memory_gb", "model.activation_checkpointing_save_matmuls",
+    "run.name", "data.prepared_dir", "trainer.loggers", "trainer.profile", "trainer.device_memory_gb",
     # Compiled and eager steps compute the same math (tests/test_compile.py); its default changed from false to auto,
     # so a run written before then must resume under the new default.
     "trainer.compile",
@@ -51,6 +50,18 @@ def _listed(key: str, allow: Iterable[str]) -> bool:
 # counted batches per device, trainer.val_windows counts the windows in all. The validation set changes at such a
 # resume once, and training not at all.
 RENAMED = {"trainer.val_batches": "trainer.val_windows"}
+
+
+def moved(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's flattened config with the keys that moved since it was written (config.MOVED) under their new
+    names, a section's keys too (model.float8.recipe -> trainer.float8.recipe)."""
+    from lit_pretrain.config import MOVED
+
+    out = {}
+    for key, value in flat.items():
+        old = next((o for o in MOVED if key == o or key.startswith(o + ".")), None)
+        out[MOVED[old] + key[len(old):] if old is not None else key] = value
+    return out
 
 
 def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
@@ -89,7 +100,7 @@ def run_meta(config: Dict, manifest: Dict, tokens_per_step: int) -> Dict:
 def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: str, tokenizer_file: str) -> List[str]:
     """Raise a ConfigError/DataError naming the first refused difference; return the allowed changed keys."""
     allow = set(allow)
-    before, now = saved["config"], flatten(current["config"])
+    before, now = moved(saved["config"]), flatten(current["config"])
     unknown = sorted(k for k in allow if k not in now and not any(n.startswith(k + ".") for n in now))
     if unknown:
         raise ConfigError(f"run.resume_allow_changes names {unknown[0]!r}, which is not a config key")

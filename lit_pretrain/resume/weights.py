@@ -16,7 +16,7 @@ A checkpoint carries its own configs (PretrainModule's hyperparameters, and the 
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -38,13 +38,42 @@ HPARAMS_KEY = "hyper_parameters"  # where Lightning stores what save_hyperparame
 SECTIONS = {"model": "model_cfg", "optim": "optim"}
 
 
+def route_moved(model_cfg: Any, strategy: Any) -> Tuple[Any, Any]:
+    """PretrainModule's model_cfg and strategy hyperparameters, from a checkpoint written before activation
+    checkpointing moved to the strategy section and FP8 to the trainer (config.MOVED): the former go into `strategy`
+    (where it does not set them itself); trainer.float8 is no hyperparameter of the module (the plan carries it) and
+    is dropped, as from_plain does. One line names what moved."""
+    if not isinstance(model_cfg, dict):
+        return model_cfg, strategy
+    model_cfg, found = _without_moved("model", model_cfg)
+    if found and (strategy is None or isinstance(strategy, dict)):
+        strategy = dict(strategy or {})
+        for old, value in found.items():
+            section, key = config_lib.MOVED[old].split(".", 1)
+            if section == "strategy":
+                strategy.setdefault(key, value)
+    config_lib.moved_notice("the checkpoint's hyperparameters", list(found))
+    return model_cfg, strategy
+
+
+def _without_moved(section: str, data: dict) -> Tuple[dict, Dict[str, Any]]:
+    """`data` (a `section` of plain config) without its keys that moved to another section, and those, by old name."""
+    found = {f"{section}.{k}": v for k, v in data.items() if f"{section}.{k}" in config_lib.MOVED}
+    return {k: v for k, v in data.items() if f"{section}.{k}" not in found}, found
+
+
 def from_plain(cls: type, data: Any) -> Any:
     """A config dataclass from the plain dict `dataclasses.asdict` made of it (nested sections too); an instance
-    passes through. A key the dataclass lacks (a checkpoint from another version) is a DataError naming it."""
+    passes through. A key the dataclass lacks (a checkpoint from another version) is a DataError naming it, except
+    the model keys that moved to another section since (config.MOVED): how a run was trained, not what its weights
+    are; they are dropped with a one-line notice (route_moved gives PretrainModule's strategy its own)."""
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
         raise DataError(f"{cls.__name__} from a checkpoint: expected a dict of its fields, got {type(data).__name__}")
+    if cls is GPTConfig:
+        data, found = _without_moved("model", data)
+        config_lib.moved_notice(f"{cls.__name__} from a checkpoint", list(found))
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)

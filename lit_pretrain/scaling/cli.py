@@ -199,7 +199,8 @@ def _gpu_hours(args, run_config, result):
         mfu, gpu, source = args.mfu, args.gpu or "H100", "--mfu"
     elif Path(args.bench).is_file():
         results = json.loads(Path(args.bench).read_text())
-        found = measured_mfu(results, shapes.flops_per_token(model), bench_case_for(model))
+        case_for = bench_case_for(run_config.trainer.float8, run_config.strategy.activation_checkpointing)
+        found = measured_mfu(results, shapes.flops_per_token(model), case_for)
         if found is None:
             raise DataError(f"{args.bench} holds no MFU case of `make bench-gpu`: rerun it, or give --mfu")
         (mfu, case), gpu = found, args.gpu or results["machine"]["gpu"]

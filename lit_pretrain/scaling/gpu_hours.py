@@ -19,12 +19,13 @@ def gpu_hours(flops: float, mfu: float, peak_flops_per_gpu: float) -> float:
     return flops / (mfu * peak_flops_per_gpu) / 3600.0
 
 
-def bench_case_for(model) -> str:
-    """The bench-gpu case whose setting a run's model matches: fp8 by its recipe (rowwise_with_gw_hp: rowwise's),
-    selective activation checkpointing, else bf16 compiled (bench/step/gpu_cases.py's names)."""
-    if model.float8 is not None:
-        return "fp8_tensorwise" if model.float8.recipe == "tensorwise" else "fp8_rowwise"
-    if model.activation_checkpointing == "selective":
+def bench_case_for(float8, activation_checkpointing: str) -> str:
+    """The bench-gpu case whose setting a run matches: fp8 (trainer.float8) by its recipe (rowwise_with_gw_hp:
+    rowwise's), selective activation checkpointing (strategy.activation_checkpointing), else bf16 compiled
+    (bench/step/gpu_cases.py's names)."""
+    if float8 is not None:
+        return "fp8_tensorwise" if float8.recipe == "tensorwise" else "fp8_rowwise"
+    if activation_checkpointing == "selective":
         return "selective"
     return "compiled"
 

@@ -68,7 +68,7 @@ def block_matmuls(seq_len: int, micro_batch: int, hidden: int, heads: int, mlp_h
 def saved_matmuls(names: List[str], save_matmuls: str = "all") -> List[str]:
     """The matmuls a selective policy keeps: all, or the 1st, 3rd, ... (every_other)."""
     if save_matmuls not in ("all", "every_other"):
-        raise ConfigError(f"model.activation_checkpointing_save_matmuls={save_matmuls!r}: expected all or "
+        raise ConfigError(f"strategy.activation_checkpointing_save_matmuls={save_matmuls!r}: expected all or "
                           "every_other")
     return list(names) if save_matmuls == "all" else list(names[::2])
 
@@ -109,4 +109,4 @@ def recompute_flops(mode: str, seq_len: int, micro_batch: int, hidden: int, head
         q = hidden // heads  # the scores and the weighted sum over the keys the mask has counted (model/mask_spec.py)
         return {"matmul": sum(flops for _, _, flops in rerun),
                 "attention": 4.0 * micro_batch * heads / tensor_parallel * (seq_len * CAUSAL.scored_keys(seq_len)) * q}
-    raise ConfigError(f"model.activation_checkpointing={mode!r}: expected none, selective or full here")
+    raise ConfigError(f"strategy.activation_checkpointing={mode!r}: expected none, selective or full here")

@@ -80,8 +80,9 @@ def check_fits(config, plan) -> None:
             f"{r['total_bytes'] / 1e9:.1f} GB per device ({r['layout']}, activation_checkpointing "
             f"{r['activation_checkpointing']}, micro_batch {r['micro_batch']}), leaving {r['headroom_fraction']:.0%} "
             f"free where {MIN_HEADROOM:.0%} is kept for what the plan does not count: lower "
-            "trainer.micro_batch_size, set model.activation_checkpointing=full, or shard more (strategy.zero_stage=3, "
-            f"strategy.tensor_parallel{needed_hint(r)}); `lit-pretrain memory --run RUN_FILE` shows the breakdown")
+            "trainer.micro_batch_size, set strategy.activation_checkpointing=full, or shard more "
+            f"(strategy.zero_stage=3, strategy.tensor_parallel{needed_hint(r)}); `lit-pretrain memory --run RUN_FILE` "
+            "shows the breakdown")
 
 
 def needed_hint(r: dict) -> str:

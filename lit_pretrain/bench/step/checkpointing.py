@@ -33,7 +33,7 @@ def run(c, steps: int = 4, skip: int = 1, alternations: int = stats.ALTERNATIONS
     for _ in range(alternations):
         for mode in seconds:
             model = copy.deepcopy(base)
-            apply_activation_checkpointing(model, mode, save_matmuls=c.model.activation_checkpointing_save_matmuls)
+            apply_activation_checkpointing(model, mode, save_matmuls=c.strategy.activation_checkpointing_save_matmuls)
             with SavedActivations(model) as meter:
                 loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
             loss.backward()
@@ -44,7 +44,7 @@ def run(c, steps: int = 4, skip: int = 1, alternations: int = stats.ALTERNATIONS
                 F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
             seconds[mode].append((time.perf_counter() - start) / (steps - skip))
     detail = {"forward_backward_only": True, "micro_batch_size": c.trainer.micro_batch_size,
-              "save_matmuls": c.model.activation_checkpointing_save_matmuls}
+              "save_matmuls": c.strategy.activation_checkpointing_save_matmuls}
     goals = {"selective": "<= 1.10 (on GPU)", "full": "report (recompute: ~1.33 expected)"}
     cases = []
     for mode in MODES:

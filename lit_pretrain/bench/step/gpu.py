@@ -61,10 +61,11 @@ def model_config(name: str, dry_run: bool = False) -> tuple[GPTConfig, int]:
     return GPTConfig(vocab_size=VOCAB_SIZE, tie_embeddings=False, **shape), micro_batch_size
 
 
-def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, int, str]:
-    """(model as run, micro-batch, what was chosen and why) for a preset on one device of `device_memory` bytes: the
-    largest micro-batch of PRESET_MICRO_BATCHES whose plan (bf16-mixed, FSDP on one rank) leaves MIN_HEADROOM free,
-    without activation checkpointing, else with it (full); else the most layers that fit at micro-batch 1."""
+def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, int, str, str]:
+    """(model as run, micro-batch, strategy.activation_checkpointing, what was chosen and why) for a preset on one
+    device of `device_memory` bytes: the largest micro-batch of PRESET_MICRO_BATCHES whose plan (bf16-mixed, FSDP on
+    one rank) leaves MIN_HEADROOM free, without activation checkpointing, else with it (full); else the most layers
+    that fit at micro-batch 1."""
     from lit_pretrain.model import shapes
     from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.scaling.memory import memory_plan
@@ -72,35 +73,34 @@ def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, i
 
     budget = (1 - MIN_HEADROOM) * device_memory
 
-    def total(cfg: GPTConfig, micro_batch: int) -> float:
-        return memory_plan(ParallelPlan(zero_stage=3, activation_checkpointing=cfg.activation_checkpointing),
-                           cfg, micro_batch, precision="bf16-mixed")["total_bytes"]
+    def total(cfg: GPTConfig, micro_batch: int, ac: str) -> float:
+        return memory_plan(ParallelPlan(zero_stage=3, activation_checkpointing=ac), cfg, micro_batch,
+                           precision="bf16-mixed")["total_bytes"]
 
     where = f"one {device_memory / 1e9:.3g} GB device (at most {budget / 1e9:.3g} GB planned)"
     for ac in ("none", "full"):
-        cfg = dataclasses.replace(model, activation_checkpointing=ac)
         for mb in PRESET_MICRO_BATCHES:
-            if total(cfg, mb) <= budget:
-                return cfg, mb, (f"all {model.n_layers} layers, micro-batch {mb}, activation checkpointing {ac}: "
-                                 f"{total(cfg, mb) / 1e9:.3g} GB planned on {where}")
+            if total(model, mb, ac) <= budget:
+                return model, mb, ac, (f"all {model.n_layers} layers, micro-batch {mb}, activation checkpointing "
+                                       f"{ac}: {total(model, mb, ac) / 1e9:.3g} GB planned on {where}")
     best = (0, "none")
     for ac in ("none", "full"):
         fits = [n for n in range(1, model.n_layers)
-                if total(dataclasses.replace(model, n_layers=n, activation_checkpointing=ac), 1) <= budget]
+                if total(dataclasses.replace(model, n_layers=n), 1, ac) <= budget]
         best = max(best, (max(fits, default=0), ac), key=lambda b: b[0])
     layers, ac = best
     if not layers:
         raise SystemExit(f"error: not one layer of the preset fits {where}: nothing to benchmark")
-    cfg = dataclasses.replace(model, n_layers=layers, activation_checkpointing=ac)
+    cfg = dataclasses.replace(model, n_layers=layers)
     states = 16 * shapes.params(model)  # fp32 weights, gradients and AdamW moments (scaling/memory.py)
-    return cfg, 1, (f"{model.n_layers} layers do not fit {where} (their model states alone are {states / 1e9:.3g} GB; "
-                    f"FSDP on one GPU shards nothing): running {layers} of the {model.n_layers} layers, micro-batch 1, "
-                    f"activation checkpointing {ac}, {total(cfg, 1) / 1e9:.3g} GB planned; tokens/s and MFU are "
-                    "those of the layers run")
+    return cfg, 1, ac, (f"{model.n_layers} layers do not fit {where} (their model states alone are "
+                        f"{states / 1e9:.3g} GB; FSDP on one GPU shards nothing): running {layers} of the "
+                        f"{model.n_layers} layers, micro-batch 1, activation checkpointing {ac}, "
+                        f"{total(cfg, 1, ac) / 1e9:.3g} GB planned; tokens/s and MFU are those of the layers run")
 
 
 def preset_config(run_file: str, preset: str, device_memory: float, dry_run: bool = False
-                  ) -> tuple[GPTConfig, int, str]:
+                  ) -> tuple[GPTConfig, int, str, str]:
     """A preset of experiments/model/ (composed into the experiment as `model=<preset>`), fitted to one device; under
     `dry_run` shrunk first to a tiny model of the same kind (GQA ratio, tied or not) so the path runs on a CPU."""
     from lit_pretrain import config as config_lib
@@ -120,24 +120,28 @@ def preset_config(run_file: str, preset: str, device_memory: float, dry_run: boo
     return fit_one_device(model, device_memory)
 
 
-def experiment(c, name: str, devices: int, dry_run: bool = False, model: GPTConfig = None, micro_batch_size=None):
+def experiment(c, name: str, devices: int, dry_run: bool = False, model: GPTConfig = None, micro_batch_size=None,
+               activation_checkpointing: str = "none"):
     """The experiment's config with the benchmark model, its micro-batch and FSDP2 (ZeRO stage 3) on `devices`
-    (under `dry_run`: the tiny model on the CPU, over gloo); `model`, `micro_batch_size`: a preset's, fitted."""
+    (under `dry_run`: the tiny model on the CPU, over gloo); `model`, `micro_batch_size`, `activation_checkpointing`:
+    a preset's, fitted."""
     from lit_pretrain.schema import StrategyConfig
 
     if model is None:
         model, micro_batch_size = model_config(name, dry_run)
     trainer = dataclasses.replace(c.trainer, micro_batch_size=micro_batch_size, devices=devices,
                                   precision="bf16-mixed", accelerator="cpu" if dry_run else "cuda")
-    strategy = StrategyConfig(name="zero", zero_stage=3, **({"process_group_backend": "gloo"} if dry_run else {}))
+    strategy = StrategyConfig(name="zero", zero_stage=3, activation_checkpointing=activation_checkpointing,
+                              **({"process_group_backend": "gloo"} if dry_run else {}))
     return dataclasses.replace(c, model=model, trainer=trainer, strategy=strategy)
 
 
 def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool = False, fitted=None,
               cases=()) -> List[Dict]:
     """The eager/compiled pair and the MFU cases of benchmark model `name`, or of a preset `fitted` by
-    preset_config (model, micro-batch, the note printed and kept in the case's detail); then `cases` of
-    bench/step/gpu_cases.py (policy, selective, fp8), each beside bf16 compiled and torchtitan's row."""
+    preset_config (model, micro-batch, activation checkpointing, the note printed and kept in the case's detail);
+    then `cases` of bench/step/gpu_cases.py (policy, selective, fp8), each beside bf16 compiled and torchtitan's
+    row."""
     from lit_pretrain.bench.step import mfu
     from lit_pretrain.bench.step.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
@@ -145,7 +149,7 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
     from lit_pretrain.parallel.plan import plan_from
     from lit_pretrain.parallel.strategies import build_strategy
 
-    c = experiment(c, name, devices, dry_run, *(fitted[:2] if fitted else ()))
+    c = experiment(c, name, devices, dry_run, *(fitted[:3] if fitted else ()))
 
     def tokens_per_s(compile: bool, run=None, callbacks=()) -> float:
         # Every rank times its own share; the node's rate is that times the ranks (they step in lockstep).
@@ -161,8 +165,8 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
                        lambda: tokens_per_s(True), 1, ">= 1.0", "tokens/s", ("eager", "compiled"),
                        {"steps": steps, "timed_steps": steps - skip, "devices": devices,
                         "micro_batch_size": c.trainer.micro_batch_size, "seq_len": c.model.seq_len,
-                        "n_layers": c.model.n_layers, "activation_checkpointing": c.model.activation_checkpointing,
-                        **({"preset": fitted[2]} if fitted else {})})
+                        "n_layers": c.model.n_layers, "activation_checkpointing": c.strategy.activation_checkpointing,
+                        **({"preset": fitted[3]} if fitted else {})})
     with torch.device("meta"):
         model = GPT(c.model)
     case["detail"]["params"] = model.num_params(non_embedding=False)
@@ -259,7 +263,7 @@ def run_presets(args, devices: int) -> List[Dict]:
     cases = []
     for preset in args.preset.split(","):
         fitted = preset_config(args.run_file, preset, memory, args.dry_run)
-        print(f"{preset}: {fitted[2]}", flush=True)
+        print(f"{preset}: {fitted[3]}", flush=True)
         c = config_lib.load(args.run_file, [])
         cases += run_model(c, preset, args.steps, args.skip, devices, args.dry_run, fitted, args.cases)
     return cases

@@ -1,6 +1,6 @@
 """The precision and memory cases of `make bench-gpu` beside torchtitan's published figures: bf16 (today's eager and
 compiled pair, bench/step/gpu.py), then, each compiled under FSDP2 (ZeRO stage 3) with bf16-mixed, the FSDP2
-mixed-precision policy, selective activation checkpointing and FP8 (model.float8, rowwise and tensorwise). Each prints
+mixed-precision policy, selective activation checkpointing and FP8 (trainer.float8, rowwise and tensorwise). Each prints
 tokens/s per GPU, its ratio to bf16 compiled in the same process, and MFU against the dense bf16 peak.
 
 torchtitan's rows (benchmarks/llama3_h100_202412_torchtitan.md, Table 1: Llama 3.1 8B, 8 H100 SXM with HBM2e at
@@ -30,14 +30,14 @@ def _policy(model, c):
 
 
 def _selective(model, c):
-    return dataclasses.replace(model, activation_checkpointing="selective"), c
+    return model, dataclasses.replace(c, strategy=dataclasses.replace(c.strategy, activation_checkpointing="selective"))
 
 
 def _fp8(recipe: str):
     def tweak(model, c):
-        from lit_pretrain.model.config import Float8Config
+        from lit_pretrain.schema import Float8Config
 
-        return dataclasses.replace(model, float8=Float8Config(recipe=recipe)), c
+        return model, dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, float8=Float8Config(recipe=recipe)))
     return tweak
 
 
@@ -57,7 +57,7 @@ def available(name: str) -> Optional[str]:
         from lit_pretrain.parallel.activation_checkpointing import MODES
 
         if "selective" not in MODES:
-            return "model.activation_checkpointing=selective is not in this checkout"
+            return "strategy.activation_checkpointing=selective is not in this checkout"
     if name.startswith("fp8"):
         try:
             import torchao  # noqa: F401
@@ -81,7 +81,7 @@ def gathered_dtype_probe():
         def on_train_start(self, trainer, pl_module):
             from torch.distributed.fsdp import FSDPModule
 
-            # model.float8: how many linears apply_plan converted (0 without it), as the run holds them.
+            # trainer.float8: how many linears apply_plan converted (0 without it), as the run holds them.
             self.float8_linears = sum(type(m).__name__ == "Float8Linear" for m in pl_module.model.modules())
 
             sharded = next((m for m in pl_module.model.modules() if isinstance(m, FSDPModule)), None)
