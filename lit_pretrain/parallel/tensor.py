@@ -52,7 +52,6 @@ from lit_pretrain.parallel.vocab import apply_vocab_parallel
 from lit_pretrain.planning.sharding import SHARD_DIM, WRAPPER_PREFIX, plain_name, style_of  # noqa: F401
 
 
-
 class ColumnParallelLinear(nn.Linear):
     """y_local = f(x) W_localᵀ: this rank's slice of the output features. A subclass of nn.Linear so weight decay
     and every name-based rule treat it as the Linear it replaces. Under sequence parallelism x arrives already
