@@ -61,14 +61,18 @@ class _Alias(importlib.abc.Loader):
     def __init__(self, old: str, new: str):
         self.old, self.new = old, new
 
+    def notice(self) -> None:
+        warnings.warn(f"{self.old} moved to {self.new}: import the new name", FutureWarning, stacklevel=3)
+
     def create_module(self, spec):
-        warnings.warn(f"{self.old} moved to {self.new}: import the new name", FutureWarning, stacklevel=2)
+        self.notice()
         return importlib.import_module(self.new)
 
     def exec_module(self, module):
         """The module is the new one, already run."""
 
     def get_code(self, fullname):  # `python -m OLD`: runpy runs the new module's code as __main__
+        self.notice()
         return importlib.util.find_spec(self.new).loader.get_code(self.new)
 
     def is_package(self, fullname):
