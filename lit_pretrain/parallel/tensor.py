@@ -49,12 +49,7 @@ from lit_pretrain.parallel.collectives import CopyToParallel, ReduceFromParallel
 from lit_pretrain.parallel.moe_mesh import replicate_over_sequence
 from lit_pretrain.parallel.sequence import ReduceScatterFromRow, check_seq_len, install_sequence_parallel
 from lit_pretrain.parallel.vocab import apply_vocab_parallel
-
-# Which dim of a weight each style splits: an nn.Linear's (out, in); "vocab" the rows of the (V, d) embedding and
-# head (parallel/vocab.py); the routed experts' stacks (E, out, in) split the linear dims one further in
-# (parallel/expert_tensor.py).
-SHARD_DIM = {"column": 0, "row": 1, "vocab": 0, "expert_column": 1, "expert_row": 2}
-WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+from lit_pretrain.planning.sharding import SHARD_DIM, WRAPPER_PREFIX, plain_name, style_of  # noqa: F401
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -89,24 +84,10 @@ class RowParallelLinear(ColumnParallelLinear):
         return reduce.apply(F.linear(x, self.weight), self.group)
 
 
-def plain_name(name: str) -> str:
-    return name.replace(WRAPPER_PREFIX, "")
-
-
 def plan_of(model: nn.Module) -> Dict[str, str]:
     """Module name (wrapper prefix removed) -> its `tensor_parallel` role, for every module that has one."""
     return {plain_name(name): module.tensor_parallel for name, module in model.named_modules()
             if getattr(module, "tensor_parallel", None)}
-
-
-def style_of(name: str, plan: Dict[str, str]) -> Optional[str]:
-    """The plan's sharding style (a key of SHARD_DIM) for a module name or a parameter name (ending in .weight);
-    None when the tensor is whole on every rank (replicated or "partial")."""
-    name = plain_name(name)
-    if name.endswith(".weight"):
-        name = name[: -len(".weight")]
-    style = plan.get(name)
-    return style if style in SHARD_DIM else None
 
 
 def shard(full: torch.Tensor, style: Optional[str], rank: int, world: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ names, `model.<name>` and `optim.<name>.<state key>`, with the single-process (g
 How a rank says what it holds, without gathering: every tensor becomes a `Chunk`, its local tensor and where that
 lies in the global tensor (offsets per dim). An FSDP2 shard (a DTensor) gives its offsets from its placements
 (compute_local_shape_and_global_offset: Shard(0), HSDP's Replicate x Shard); our tensor-parallel slices are plain
-tensors, so their offset along the split dim is tp_rank x slice (parallel/tensor.py SHARD_DIM); both compose, since
+tensors, so their offset along the split dim is tp_rank x slice (planning/sharding.py SHARD_DIM); both compose, since
 FSDP2 shards the TP slice along dim 0. Expert parallelism's experts are the rows [rank·E/P, (rank+1)·E/P) of the
 (E, ...) stack, and under tensor parallelism a slice of their width (dim 1 of the gate/up stacks, 2 of the down
 stack: SHARD_DIM's expert styles), which FSDP2 shards further over the experts' own data-parallel group. DCP's
@@ -123,7 +123,7 @@ def _tp(par):
 
 def chunk_of(name: str, t: torch.Tensor, par) -> Chunk:
     """`t` (this rank's value of single-process tensor `name`, a parameter or a state shaped like it) as a Chunk."""
-    from lit_pretrain.parallel.tensor import SHARD_DIM, style_of
+    from lit_pretrain.planning.sharding import SHARD_DIM, style_of
 
     if t.dim() == 0:
         return Chunk(t.detach(), (), ())
@@ -150,7 +150,7 @@ def chunk_of(name: str, t: torch.Tensor, par) -> Chunk:
 
 def model_chunks(gpt, par) -> Dict[str, Chunk]:
     """The GPT's state dict as this rank holds it (live tensors: loading into them loads the model in place)."""
-    from lit_pretrain.parallel.tensor import plain_name
+    from lit_pretrain.planning.sharding import plain_name
 
     return {MODEL + plain_name(k): chunk_of(plain_name(k), v, par) for k, v in gpt.state_dict().items()}
 
@@ -158,7 +158,7 @@ def model_chunks(gpt, par) -> Dict[str, Chunk]:
 def _owned(gpt, optimizer):
     """(single-process name, parameter) of the parameters whose optimizer state this rank keeps."""
     from lit_pretrain.optim.optimizers import local_optimizer
-    from lit_pretrain.parallel.tensor import plain_name
+    from lit_pretrain.planning.sharding import plain_name
 
     held = {id(p) for g in local_optimizer(optimizer).param_groups for p in g["params"]}
     return [(plain_name(n), p) for n, p in gpt.named_parameters() if id(p) in held]
