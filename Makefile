@@ -38,7 +38,7 @@ TEST_WORKERS ?= 3
 # One OpenMP thread per process (test and test-fast): xdist workers of 2 threads each (torch's default on 2 cores),
 # plus the processes the multi-process tests spawn, oversubscribe the cores and spin-wait; the multi-process tests set 1 thread anyway.
 TEST_THREADS ?= 1
-# Each worker's queue starts with its share of the long tests (tests/longest_first.py: durations from the last run).
+# Each worker's queue starts with its share of the long tests (tests/helpers/longest_first.py: durations from the last run).
 test: $(STAMP) ## run the whole test suite (TEST_WORKERS=3 pytest-xdist workers; TEST_WORKERS=0: one process)
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal) $(PYTEST_ARGS)
 
@@ -75,7 +75,7 @@ ablate: $(STAMP) ## CPU ablations (AdamW vs Muon, QK-norm, GQA; ABLATIONS=adamw_
 NODES ?= 2
 DEVICES ?= 8
 launch: $(STAMP) ## print the torchrun and sbatch commands for NODES x DEVICES (RUN=..., ARGS='...')
-	@$(BIN)/python -m lit_pretrain.parallel.launch --nodes $(NODES) --devices $(DEVICES) $(RUN) $(ARGS)
+	@$(BIN)/python -m lit_pretrain.launch.commands --nodes $(NODES) --devices $(DEVICES) $(RUN) $(ARGS)
 
 clean: ## remove the virtual environment, prepared data and runs
 	rm -rf $(VENV) data runs

@@ -76,10 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
     sub.add_parser("ladder", help="train a ladder of rungs, fit L(N, D) below a compute limit, predict the rungs "
-                                  "above it: lit-pretrain ladder --help")  # parsed by lit_pretrain/scaling/ladder.py
+                                  # parsed by lit_pretrain/scaling/ladder/run.py
+                                  "above it: lit-pretrain ladder --help")
     _add_run_views(sub)
     _checkpoint_commands(sub)
-    sub.add_parser("launch", help="run on many nodes: lit-pretrain launch --help")  # parallel/launch.py
+    sub.add_parser("launch", help="run on many nodes: lit-pretrain launch --help")  # launch/commands.py
     return parser
 
 
@@ -231,8 +232,8 @@ def _main(argv=None) -> int:
         from lit_pretrain.scaling.cli import main as scaling_main
 
         return scaling_main(argv)
-    if argv and argv[0] == "ladder":  # the model ladder: lit_pretrain/scaling/ladder.py
-        from lit_pretrain.scaling.ladder import main as ladder_main
+    if argv and argv[0] == "ladder":  # the model ladder: lit_pretrain/scaling/ladder/run.py
+        from lit_pretrain.scaling.ladder.run import main as ladder_main
 
         return ladder_main(argv[1:])
     if argv and argv[0] == "launch":
@@ -266,7 +267,7 @@ def _main(argv=None) -> int:
             print(config.to_yaml(cfg), end="")
         elif args.command == "prepare":
             from lit_pretrain.data.datamodule import prepare_sources
-            from lit_pretrain.data.prepare import prepare
+            from lit_pretrain.data.preparation.prepare import prepare
             from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
 
             data = cfg.data
@@ -299,7 +300,7 @@ def _main(argv=None) -> int:
 
 
 def _launch(argv) -> int:
-    from lit_pretrain.parallel.launch import launch_command, launch_parser
+    from lit_pretrain.launch.commands import launch_command, launch_parser
 
     args = launch_parser().parse_intermixed_args(argv)
     try:
@@ -311,15 +312,15 @@ def _launch(argv) -> int:
 
 
 def _supervised() -> bool:
-    from lit_pretrain.faults.supervisor import supervised
+    from lit_pretrain.launch.supervisor import supervised
 
     return supervised()
 
 
 def _supervise(argv, cfg) -> int:
-    """run.max_restarts > 0: this process supervises the run and restarts it (lit_pretrain/faults/supervisor.py)."""
-    from lit_pretrain.faults.supervisor import supervise
-    from lit_pretrain.parallel.world import launcher_world
+    """run.max_restarts > 0: this process supervises the run and restarts it (lit_pretrain/launch/supervisor.py)."""
+    from lit_pretrain.launch.supervisor import supervise
+    from lit_pretrain.launch.world import launcher_world
     from lit_pretrain.runs.folder import run_dir_path
 
     given = launcher_world()

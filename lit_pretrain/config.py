@@ -53,7 +53,7 @@ from lit_pretrain.paths import is_safe_name
 from lit_pretrain.schema import CallbacksConfig, Config
 
 if TYPE_CHECKING:
-    from lit_pretrain.parallel.plan import ParallelPlan
+    from lit_pretrain.planning.plan import ParallelPlan
 
 GROUPS = ("model", "data", "strategy", "optim", "schedule", "trainer", "callbacks", "run")
 COMMAND_LINE = "the command line"
@@ -328,7 +328,7 @@ def _schema_config() -> DictConfig:
 
 class Loaded(Config):
     """What `load` returns: the typed config (schema.Config, every key, range and cross-key rule checked) and `plan`,
-    the parallel plan it resolves to (parallel/plan.py), built once at load and handed to `train`, the Lightning
+    the parallel plan it resolves to (planning/plan.py), built once at load and handed to `train`, the Lightning
     strategy, the module and the memory planner. `plan` is not a config key: `save` writes the schema's fields."""
 
     plan: "ParallelPlan"
@@ -384,7 +384,7 @@ def load(run_file: Optional[str | Path] = None, overrides: Iterable[str] = (), c
     _token_budget(config, steps_given)
     plan = check(config)
     if check_memory:
-        from lit_pretrain.scaling.run_plan import check_fits
+        from lit_pretrain.planning.run_plan import check_fits
 
         check_fits(config, plan)
     if check_inputs:
@@ -400,7 +400,7 @@ def loaded(cfg: "Config | DictConfig") -> Loaded:
     check_values(cfg)  # before to_object builds the sections, as in load
     config = to_object(cfg)
     plan = check(config)
-    from lit_pretrain.scaling.run_plan import check_fits
+    from lit_pretrain.planning.run_plan import check_fits
 
     check_fits(config, plan)
     check_inputs_exist(config, None)
@@ -490,7 +490,7 @@ def _token_budget(cfg: Config, steps_given: List[str]) -> None:
     """trainer.tokens_per_param: max_steps from the tokens-per-parameter ratio (scaling/run_plan.budget_steps)."""
     if cfg.trainer.tokens_per_param is None:
         return
-    from lit_pretrain.scaling.run_plan import budget_steps
+    from lit_pretrain.planning.run_plan import budget_steps
 
     steps = budget_steps(cfg)
     if steps_given and cfg.trainer.max_steps != steps:
@@ -533,7 +533,7 @@ def check(config: Config) -> "ParallelPlan":
     (parallel/world.check_launcher_world: the processes that exist), lm-eval's task index for the names in
     callbacks.downstream_eval.tasks, and what a callbacks.extra class's own constructor raises."""
     _check_rules(config)
-    from lit_pretrain.parallel.plan import build_plan
+    from lit_pretrain.planning.plan import build_plan
 
     plan = build_plan(config)
     _check_checkpoint(config, plan)

@@ -13,7 +13,7 @@ VERIFIED = "lightning 2.6.6, torch 2.13.0"
 
 
 # Private classes and functions used as they are, imported when first asked for: name -> (module, its name there).
-# SubprocessScriptLauncher: Lightning's local launcher (faults/launcher.py subclasses it); Lightning exports no
+# SubprocessScriptLauncher: Lightning's local launcher (launch/launcher.py subclasses it); Lightning exports no
 # public one. checkpoint_wrapper, CheckpointWrapper, CheckpointImpl: the activation-checkpointing wrapper whose
 # state-dict hooks keep plain parameter names (torchtitan and Lightning's FSDP policy use it too); torch has it only
 # under torch.distributed.algorithms._checkpoint. tree_leaves: torch's pytree flattening (what torch.compile and

@@ -21,7 +21,7 @@ from lit_pretrain.optim.optimizers import build_optimizer
 from lit_pretrain.optim.step_guard import StepGuard
 from lit_pretrain.parallel.apply import apply_plan, one_process
 from lit_pretrain.parallel.batch_losses import StepLosses
-from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.planning.plan import ParallelPlan
 from lit_pretrain.resume.sharded.save import SHARDED_KEY
 from lit_pretrain.resume.verified import sidecar_path, verify
 from lit_pretrain.resume.weights import from_plain, route_moved

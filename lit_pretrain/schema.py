@@ -61,8 +61,8 @@ class DeduplicationConfig(Section):
     """Seed of the MinHash permutations: the same corpus and seed give the same kept set."""
     processes: Optional[int] = field(default=None, metadata={"ge": 1})
     """Processes that compute signatures, this one included (the others are workers started for the stage, which
-    never import the caller's main module: lit_pretrain/data/workers.py). null: one per CPU core; 1: only this one. The
-    kept set does not depend on it."""
+    never import the caller's main module: lit_pretrain/data/preparation/workers.py). null: one per CPU core; 1: only
+    this one. The kept set does not depend on it."""
     storage: str = field(default="memory", metadata={"choices": ["memory", "redis"]})
     """Where the LSH index lives: in this process, or in a Redis server (datasketch's redis storage) for corpora
     past one process's memory or an index shared by several processes or machines."""
@@ -149,7 +149,7 @@ class DataConfig(Section):
     """Where documents come from. stdlib: the Python standard library's own .py files (on every machine,
     no download); text: plain text files, one document per file; jsonl: one JSON object per line, in .jsonl,
     .jsonl.gz or .jsonl.zst files; parquet: one row per document, text in column data.text_field. All are read as
-    streams (data/readers.py); jsonl.zst and parquet need `pip install lit-pretrain[data]`.
+    streams (data/preparation/readers.py); jsonl.zst and parquet need `pip install lit-pretrain[data]`.
     Corpora tokenized elsewhere, memory-mapped where they lie and trained on as they are (no prepare, no
     data.prepared_dir; data/pretokenized.py): megatron: Megatron-LM's PREFIX.bin + PREFIX.idx; numpy: OLMo-core's
     flat uint16/uint32 id files, with NAME.csv.gz document offsets beside them when present; nanogpt: nanoGPT's
@@ -184,14 +184,14 @@ class DataConfig(Section):
     max_invalid_fraction: float = field(default=0.01, metadata={"ge": 0.0, "le": 1.0})
     """Prepare refuses a corpus when more than this fraction of its characters is invalid: U+FFFD that replaced
     bytes which are not UTF-8, or control characters (Unicode category Cc other than tab, line feed and carriage
-    return), counted over the documents kept (data/quality.py). 1.0 accepts anything. A gate, not content: changing
-    it does not change a prepared folder."""
+    return), counted over the documents kept (data/preparation/quality.py). 1.0 accepts anything. A gate, not content:
+    changing it does not change a prepared folder."""
     shard_tokens: int = field(default=1 << 25, metadata={"ge": 1024})
     """Tokens per shard file (a new shard starts at the next document after this many tokens)."""
     num_workers: int = field(default=0, metadata={"ge": 0})
     """DataLoader worker processes per rank (0: load in the training process)."""
     deduplication: DeduplicationConfig = field(default_factory=DeduplicationConfig)
-    """Exact and MinHash near-duplicate removal before the split and the tokenizer (data/deduplicate.py)."""
+    """Exact and MinHash near-duplicate removal before the split and the tokenizer (data/preparation/deduplicate.py)."""
     eos_token: str = "<|endoftext|>"
     """The end-of-document token written after every document: it must be in data.tokenizer_path's vocabulary
     (e.g. "<|end_of_text|>" for Llama 3); a trained tokenizer gets it as its special token."""
@@ -207,11 +207,11 @@ class DataConfig(Section):
     corpus-checks (~/.cache when unset); a path: that folder; null: no record, every start reads every file."""
     tokenize_workers: int = field(default=1, metadata={"ge": 1})
     """Processes that tokenize documents into shards, this one included (the others are worker processes,
-    lit_pretrain/data/workers.py). The shards are byte-identical for any number."""
+    lit_pretrain/data/preparation/workers.py). The shards are byte-identical for any number."""
     engine: str = field(default="local", metadata={"choices": ["local", "ray"]})
     """What runs prepare's reading, deduplication and tokenization: local (this process and its worker processes)
-    or ray (tasks on a Ray cluster, lit_pretrain/data/ray_engine.py; `pip install lit-pretrain[ray]`). The prepared
-    folder is byte-identical either way."""
+    or ray (tasks on a Ray cluster, lit_pretrain/data/preparation/ray_engine.py; `pip install lit-pretrain[ray]`). The
+    prepared folder is byte-identical either way."""
     ray_address: Optional[str] = None
     """engine=ray: the cluster to run on. null: start a local one on this machine for the stage (data.workers
     CPUs); "auto": the cluster `ray start --head` started on this machine; HOST:PORT: that cluster's head."""
@@ -328,7 +328,7 @@ class OptimConfig(Section):
 
     def check(self) -> None:
         """Cross-key rules, at config load (config.check_ranges). optim.name=muon runs under every parallel plan
-        (tests/test_mesh_parallel.py's muon cases), so no plan is refused here."""
+        (tests/parallel/test_mesh_parallel.py's muon cases), so no plan is refused here."""
         for kind, factor in self.lr_multipliers.items():
             if kind not in PARAM_KINDS:
                 raise ConfigError(f"optim.lr_multipliers.{kind}: unknown parameter kind; expected one of "
@@ -438,7 +438,7 @@ class TrainerConfig(Section):
     the data-parallel degree (strategy.data_parallel_replicate x data_parallel_shard: tensor- and pipeline-parallel
     ranks share their replica's batch); the quotient is the gradient accumulation count. A layout that does not
     divide it is refused when the config loads, naming the micro_batch_size and tokens_per_step that work
-    (parallel/batch.py)."""
+    (planning/batch.py)."""
     tokens_per_param: Optional[float] = field(default=None, metadata={"gt": 0.0})
     """The token budget as a tokens-per-parameter ratio (Hoffmann et al. 2022: about 20 is compute-optimal): the run
     trains for ceil(tokens_per_param x parameters / tokens_per_step) optimizer steps, which replace max_steps; the
@@ -453,11 +453,11 @@ class TrainerConfig(Section):
     """Nodes."""
     precision: str = field(default="32-true", metadata={"choices": ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]})
     """Lightning precision. bf16-mixed runs the step's matmuls and attention in bf16 under torch.autocast on fp32
-    weights; the loss, the gradients (their norm and clipping) and AdamW's state stay fp32 (tests/test_bf16.py). On
-    CPUs with bf16 instructions (avx512_bf16 or AMX in /proc/cpuinfo) it is the faster choice (`make bench
-    CASES=precision`, README "Performance"); without them bf16 is emulated and many times slower than 32-true.
-    bf16-true keeps the weights and AdamW's moments in bf16 as well: updates smaller than a bf16 ulp of a weight
-    are lost, and it trains measurably worse."""
+    weights; the loss, the gradients (their norm and clipping) and AdamW's state stay fp32
+    (tests/parallel/test_bf16.py). On CPUs with bf16 instructions (avx512_bf16 or AMX in /proc/cpuinfo) it is the faster
+    choice (`make bench CASES=precision`, README "Performance"); without them bf16 is emulated and many times slower
+    than 32-true. bf16-true keeps the weights and AdamW's moments in bf16 as well: updates smaller than a bf16 ulp of a
+    weight are lost, and it trains measurably worse."""
     float8: Optional[Float8Config] = None
     """FP8 training of the blocks' linears through torchao (Float8Config), with trainer.precision=bf16-mixed for the
     other ops; null: none (the linears run in trainer.precision). Formerly model.float8, still read with a rename
@@ -483,7 +483,7 @@ class TrainerConfig(Section):
     """torch.compile of the training step (parallel/compile.py: each block's forward and the loss). The first steps
     pay the compile time (tens of seconds on a cold cache), later ones run faster. auto: compile when a C++
     compiler is found (inductor builds its kernels with it), no tensor or pipeline parallelism is used and
-    max_steps is long enough to pay the compile time back (parallel/compile_policy.py); `train` prints which and
+    max_steps is long enough to pay the compile time back (planning/compile_policy.py); `train` prints which and
     why just before training. true needs a C++ compiler."""
     loggers: List[str] = field(default_factory=lambda: ["csv", "tensorboard"])
     """Where metrics go: csv (runs/<name>/metrics.csv, required: resume and the summary read it), tensorboard
@@ -494,8 +494,8 @@ class TrainerConfig(Section):
     e.g. {start_step: 5, steps: 3}. null: no profiling."""
     device_memory_gb: Optional[float] = field(default=None, metadata={"gt": 0.0})
     """Memory of one device in GB (1e9 bytes), e.g. 141 for an H200, 80 for an H100. When set, the run's per-device
-    memory plan (scaling/run_plan.py: model states, autocast's weight copies, activations, logits, transient
-    buffers) must leave scaling.run_plan.MIN_HEADROOM of it free, checked when the config loads (`show`, `train`,
+    memory plan (planning/run_plan.py: model states, autocast's weight copies, activations, logits, transient
+    buffers) must leave planning.run_plan.MIN_HEADROOM of it free, checked when the config loads (`show`, `train`,
     `lit-pretrain memory --run`); the error says what to change. null: not checked."""
 
     def __post_init__(self):
@@ -529,7 +529,7 @@ class PipelineConfig(Section):
 class StrategyConfig(Section):
     name: str = field(default="single", metadata={"choices": ["single", "ddp", "zero", "fsdp", "tensor", "pipeline"]})
     """The preset this section started from (experiments/strategy/<name>.yaml). The work is split by the degrees
-    below (lit_pretrain/parallel/plan.py); the name only decides what they leave unset: single refuses more than
+    below (lit_pretrain/planning/plan.py); the name only decides what they leave unset: single refuses more than
     one process, zero and fsdp default zero_stage to 3, the others to 0."""
     zero_stage: Optional[int] = field(default=None, metadata={"ge": 0, "le": 3})
     """ZeRO stage of the data-parallel ranks: 0 none (replicas all-reduce gradients), 1 optimizer state sharded
@@ -551,10 +551,10 @@ class StrategyConfig(Section):
     stopped or hung peer is caught sooner by the watchdog (peer_failure_timeout_seconds, hang_timeout_seconds)."""
     startup_timeout_seconds: float = field(default=300.0, metadata={"gt": 0})
     """How long every rank may take to join the rendezvous at start-up (torchtitan's default, 300 s), bounded apart
-    from timeout_seconds: a rank that never arrives ends the job with one line naming it (lit_pretrain/parallel/
+    from timeout_seconds: a rank that never arrives ends the job with one line naming it (lit_pretrain/launch/
     startup.py, exit code 3). Raise it where nodes start slowly (large images, cold file systems)."""
     peer_failure_timeout_seconds: float = field(default=10.0, metadata={"ge": 0})
-    """Watchdog (lit_pretrain/faults/watchdog.py): a rank whose heartbeat stops this long (killed, stopped, its node
+    """Watchdog (lit_pretrain/launch/watchdog.py): a rank whose heartbeat stops this long (killed, stopped, its node
     lost; a process gone on the same host is seen within a second) ends the job on every rank, with one line naming
     it and its step (exit code 3). Heartbeats go through the rendezvous store every min(1, this / 5) s. 0: no
     watchdog (a failed peer then surfaces as the backend's own error, or after timeout_seconds)."""
@@ -778,7 +778,7 @@ class RunConfig(Section):
     max_restarts: int = field(default=0, metadata={"ge": 0})
     """Restart a failed `lit-pretrain train` this many times, each from the newest verified checkpoint (run.resume
     =auto): a supervisor process launches the run, removes whatever processes of it are left after a failure and
-    launches it again (lit_pretrain/faults/supervisor.py); after this many restarts a run that still fails stops
+    launches it again (lit_pretrain/launch/supervisor.py); after this many restarts a run that still fails stops
     with one line (its exit code and newest checkpoint each time). Not restarted: success, a preemption's
     checkpoint-and-stop (exit 0), a refused start (exit 2). Under torchrun use its --max-restarts, under SLURM the
     srun loop of `lit-pretrain launch slurm --max-restarts`: this key is refused there. 0: no restart."""

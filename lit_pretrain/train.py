@@ -16,21 +16,20 @@ from omegaconf import DictConfig
 
 from lit_pretrain import config as config_lib
 from lit_pretrain.callbacks import build_callbacks, console
+from lit_pretrain.callbacks.memory_log import MemoryAccounting, layout_record
 from lit_pretrain.callbacks.profile import ProfileSteps
 from lit_pretrain.callbacks.stability_report import StabilityReport, format_report
 from lit_pretrain.data.datamodule import TokenShardDataModule
-from lit_pretrain.data.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.data.mixture import MixtureMetrics
+from lit_pretrain.data.preparation.deduplication_report import dataset_summary, summary_line
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.faults.watchdog import WatchdogCallback
+from lit_pretrain.launch.watchdog import WatchdogCallback
+from lit_pretrain.launch.world import check_launcher_world
 from lit_pretrain.model import shapes
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.optim.stages import describe as describe_schedule
-from lit_pretrain.parallel.batch import global_batch, plan_line
-from lit_pretrain.parallel.memory_log import MemoryAccounting, layout_record
-from lit_pretrain.parallel.plan import DEGREE_KEYS, check_vocab, compile_decision, sized_model
-from lit_pretrain.parallel.strategies import build_strategy
-from lit_pretrain.parallel.world import check_launcher_world
+from lit_pretrain.planning.batch import global_batch, plan_line
+from lit_pretrain.planning.plan import DEGREE_KEYS, check_vocab, compile_decision, sized_model
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume import store as checkpoint_store
 from lit_pretrain.resume.checkpointing import StepCheckpoint
@@ -47,6 +46,7 @@ from lit_pretrain.runs.folder import (
     write_summary,
 )
 from lit_pretrain.schema import Config, TrainerConfig
+from lit_pretrain.strategy.build import build_strategy
 
 
 def setup_process(trainer: TrainerConfig) -> None:
@@ -100,7 +100,7 @@ def train(cfg: "config_lib.Loaded | DictConfig", extra_callbacks: Sequence[Callb
           started: Optional[float] = None) -> dict:
     """Run one experiment; return its summary (also written to runs/<name>/summary.json). `cfg`: what config.load
     returns (the checked config and its plan); a DictConfig from an older caller is converted and checked the same
-    way. `extra_callbacks`: a caller's own (the ladder's, scaling/ladder_rung.py), run before the checkpointing
+    way. `extra_callbacks`: a caller's own (the ladder's, scaling/ladder/rung.py), run before the checkpointing
     ones. `started`: the time.perf_counter() the invocation began, which wall_seconds counts from (the CLI: the
     command's start, lit_pretrain.STARTED); None: now.
 

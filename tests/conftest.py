@@ -22,8 +22,9 @@ torch.set_flush_denormal(True)
 # The multi-process parity tests start their ranks with start_method="forkserver": multiprocessing's fork server,
 # one per pytest process, imports torch and the workers' modules once (~1.5 CPU s a rank otherwise) and forks a
 # rank from that clean, single-threaded process, never from pytest itself.
-multiprocessing.set_forkserver_preload(["tests.mesh_workers", "tests.expert_workers", "tests.moe_mesh_workers",
-                                        "tests.sharded_workers"])
+multiprocessing.set_forkserver_preload(["tests.helpers.mesh_workers", "tests.helpers.expert_workers",
+                                        "tests.helpers.moe_mesh_workers",
+                                        "tests.helpers.sharded_workers"])
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +41,7 @@ def _no_resolved_resume_left_behind():
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory) -> Path:
     """400 documents of the default corpus, byte-level BPE with 512 tokens, prepared once."""
-    from lit_pretrain.data.prepare import prepare
+    from lit_pretrain.data.preparation.prepare import prepare
 
     folder = tmp_path_factory.mktemp("prepared") / "stdlib-tiny"
     cfg = config.to_object(config.load(EXPERIMENTS / "runs" / "tiny.yaml", tiny_data_overrides(folder)))
@@ -55,7 +56,7 @@ def coarse_fit_grid(monkeypatch):
     run at once, so fewer rows save less than their share). 11 is prime to the grid's axes (5 and 6 values), so each
     value of every coefficient is among them, unlike a stride of 25 (alpha = beta = 0 only). For tests whose subject
     is what is done with a fit (choosing, reporting, resuming); the whole grid's own result, Chinchilla's coefficients
-    from its 240 runs, is tests/test_scaling_fit.py's."""
+    from its 240 runs, is tests/scaling/test_scaling_fit.py's."""
     from lit_pretrain.scaling import fit
 
     whole = fit.grid_starts
@@ -97,9 +98,9 @@ PREWARMED = {("lit_pretrain.cli", "train"), ("lit_pretrain.cli", "ladder")}  # t
 
 
 def _prewarmed():
-    """This process's server of prewarmed runs (tests/prewarmed.py), started on first use."""
+    """This process's server of prewarmed runs (tests/helpers/prewarmed.py), started on first use."""
     if not _SERVER:
-        from tests.prewarmed import Server
+        from tests.helpers.prewarmed import Server
 
         _SERVER.append(Server(ROOT))
         atexit.register(_SERVER[0].close)
@@ -110,7 +111,8 @@ def run_module(*args, rc: int = 0, timeout: int = 480, **kwargs) -> subprocess.C
     """`python -m ARGS` in a subprocess (Lightning's launcher re-runs the command for the other ranks, which inside
     pytest would re-launch pytest: docs/cpu.md, pitfall 2); asserts its exit code, showing the output's
     tail when it differs."""
-    if args[:2] in PREWARMED or args[:1] == ("tests.mesh_resume",):  # forked from a process that imported Lightning
+    # forked from a process that imported Lightning
+    if args[:2] in PREWARMED or args[:1] == ("tests.helpers.mesh_resume",):
         out = _prewarmed().run(args, launcher_env(), ROOT, timeout, **kwargs)
     else:
         out = subprocess.run([sys.executable, "-m", *args], env=launcher_env(), capture_output=True, text=True,
@@ -121,6 +123,6 @@ def run_module(*args, rc: int = 0, timeout: int = 480, **kwargs) -> subprocess.C
 
 
 def pytest_configure(config):
-    from tests.longest_first import LongestFirst
+    from tests.helpers.longest_first import LongestFirst
 
     config.pluginmanager.register(LongestFirst(config), "longest_first")  # `make test`'s order for its workers

@@ -9,13 +9,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_pretrain import config
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.planning.plan import ParallelPlan
 from lit_pretrain.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1] / "experiments"
 RUN_FILES = sorted((ROOT / "runs").glob("*.yaml"))
 # experiments/ablations/*.yaml are `make ablate` files (lit_pretrain/scaling/ablate.py) and experiments/ladder/*.yaml
-# `make ladder` grids (lit_pretrain/scaling/ladder.py, tested in tests/test_ladder.py), not config groups.
+# `make ladder` grids (lit_pretrain/scaling/ladder/run.py, tested in tests/scaling/test_ladder.py), not config groups.
 GROUP_FILES = sorted(p for p in ROOT.glob("*/*.yaml") if p.parent.name not in ("runs", "ablations", "ladder"))
 
 

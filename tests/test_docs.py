@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 from lit_pretrain import cli, config, schema_doc
-from lit_pretrain.parallel.launch import launch_parser
+from lit_pretrain.launch.commands import launch_parser
 from lit_pretrain.scaling import cli as scaling_cli
-from lit_pretrain.scaling.ladder import ladder_parser
+from lit_pretrain.scaling.ladder.run import ladder_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -103,7 +103,7 @@ def _check_cli(argv: list, where: str) -> None:
         if command == "ladder":
             args = ladder_parser().parse_args(argv[1:])
             if args.grid:
-                from lit_pretrain.scaling.ladder_grid import load_grid
+                from lit_pretrain.scaling.ladder.grid import load_grid
 
                 load_grid(ROOT / args.grid)
             return
@@ -126,11 +126,11 @@ def _check_cli(argv: list, where: str) -> None:
 
 def _check_precision(args, where: str) -> None:
     """A `memory` example of a layout whose bf16-mixed runs get FSDP2's mixed-precision policy by default
-    (parallel/plan.py) must count what those runs hold: --precision bf16-mixed would add autocast's weight copies,
+    (planning/plan.py) must count what those runs hold: --precision bf16-mixed would add autocast's weight copies,
     which such a run never makes."""
     from types import SimpleNamespace
 
-    from lit_pretrain.parallel.plan import mixed_precision_policy_for
+    from lit_pretrain.planning.plan import mixed_precision_policy_for
 
     strategy = SimpleNamespace(mixed_precision_policy=None, expert_parallel=args.expert_parallel)
     degrees = {"tensor_parallel": args.tensor_parallel, "pipeline_parallel": args.pipeline_parallel}
@@ -145,7 +145,7 @@ def _check_yaml(text: str, where: str, tmp_path: Path) -> None:
     assert isinstance(data, dict), f"{where}: a YAML block is a mapping"
     keys = set(data)
     if {"run_file", "models"} <= keys:  # a ladder grid (compute_limit_flops) or a sweep file (budgets_flops)
-        from lit_pretrain.scaling.ladder_grid import load_grid
+        from lit_pretrain.scaling.ladder.grid import load_grid
         from lit_pretrain.scaling.sweep import load_sweep
 
         path = tmp_path / "grid.yaml"

@@ -63,7 +63,7 @@ def generated_cases(seed=0):
     return rng.sample(pool, min(CASES, len(pool)))
 
 
-@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/longest_first.py
+@pytest.fixture(scope="session")  # built once per worker, whatever the order: tests/helpers/longest_first.py
 def existing_run(tmp_path_factory, tiny_data_dir):
     """A run folder with a step-2 checkpoint of the tiny experiment (metadata as training writes it)."""
     root = tmp_path_factory.mktemp("fuzz_runs")

@@ -118,7 +118,8 @@ def test_lit_pretrain_has_no_import_cycle():
 # The package's rooms (a top-level module or package) from the ground up: a room imports only rooms below it, so
 # each row may import every row above it and none below (the allowed directions). docs/layout.md draws the same.
 LAYERS = [
-    {"errors", "model", "moved", "internals"},  # internals: the private Lightning/torch names, importing nothing of ours
+    # internals: the private Lightning/torch names, importing nothing of ours
+    {"errors", "model", "moved", "internals"},
     {"paths", "gpu_peaks", "planning"},  # planning: pure functions of the config, below the config that calls them
     {"atomic", "schema", "runs"},
     {"data", "optim", "schema_doc"},
@@ -192,7 +193,7 @@ def test_planning_imports_neither_torch_nor_lightning():
 
 
 def test_every_moved_name_answers_with_its_new_module():
-    with warnings.catch_warnings():  # finding lit_pretrain.faults.x imports its old package's name: a notice
+    with warnings.catch_warnings():  # finding lit_pretrain.launch.x imports its old package's name: a notice
         warnings.simplefilter("ignore", FutureWarning)
         for old, new in MOVED.items():
             assert importlib.util.find_spec(new) is not None, f"moved.py: {old} -> {new}, which is not there"

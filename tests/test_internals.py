@@ -102,7 +102,7 @@ def test_dump_checkpoint_and_its_loop_state(fitted):
     assert stepped == 3, changed("saved_epoch_loop_state", f"_batches_that_stepped 3, got {stepped}")
 
 
-# What faults/launcher.py's launch_local_ranks copies, Lightning's observer aside.
+# What launch/launcher.py's launch_local_ranks copies, Lightning's observer aside.
 LAUNCH_BODY = """
 self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
 if not self.cluster_environment.creates_processes_externally:
@@ -137,9 +137,9 @@ def test_launch_local_ranks_starts_children_then_observes_them(monkeypatch):
 def test_local_launcher_swap_replaces_lightnings_launcher(name):
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
-    from lit_pretrain.faults.launcher import WatchedLauncher
-    from lit_pretrain.parallel.strategies import build_strategy
+    from lit_pretrain.launch.launcher import WatchedLauncher
     from lit_pretrain.schema import StrategyConfig, TrainerConfig
+    from lit_pretrain.strategy.build import build_strategy
 
     strategy = build_strategy(StrategyConfig(name=name), TrainerConfig(devices=2))
     strategy.cluster_environment = LightningEnvironment()

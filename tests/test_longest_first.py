@@ -1,9 +1,9 @@
-"""`make test`'s order for its 2 xdist workers (tests/longest_first.py): each worker's slice starts with its share
-of the long tests, longest first, and the slices keep the sizes worksteal sends."""
+"""`make test`'s order for its 2 xdist workers (tests/helpers/longest_first.py): each worker's slice starts with its
+share of the long tests, longest first, and the slices keep the sizes worksteal sends."""
 
 from types import SimpleNamespace
 
-from tests.longest_first import _slice_sizes, order
+from tests.helpers.longest_first import _slice_sizes, order
 
 
 def items(*names):

@@ -14,7 +14,7 @@ from lit_pretrain import config
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.module import PretrainModule
-from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.planning.plan import build_plan
 from lit_pretrain.resume import compat
 from lit_pretrain.resume.weights import from_plain
 from lit_pretrain.schema import Float8Config, OptimConfig, ScheduleConfig, StrategyConfig

@@ -1,4 +1,5 @@
-"""tests/prewarmed.py: a local rank forked from the run's zygote is the process Lightning's Popen would have started."""
+"""tests/helpers/prewarmed.py: a local rank forked from the run's zygote is the process Lightning's Popen would have
+started."""
 
 import json
 
@@ -12,7 +13,8 @@ pytestmark = pytest.mark.slow  # a run from the prewarmed server (~5 CPU s when 
 def test_a_rank_from_the_zygote_has_the_popen_s_argv_env_cwd_session_and_exit_code(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    done = _prewarmed().run(["tests.prewarmed_probe", "run", str(tmp_path), str(elsewhere)], launcher_env(), ROOT,
+    done = _prewarmed().run(["tests.helpers.prewarmed_probe", "run", str(tmp_path), str(elsewhere)], launcher_env(),
+                            ROOT,
                             120, start_new_session=True)
     assert done.returncode == 0, done.stderr[-3000:]
     run, rank = (json.loads((tmp_path / f"{who}.json").read_text()) for who in ("run", "rank"))

@@ -14,7 +14,7 @@ import torch
 
 from lit_pretrain import config
 from lit_pretrain.callbacks.user import user_callbacks
-from lit_pretrain.data.corpus import iter_documents
+from lit_pretrain.data.preparation.corpus import iter_documents
 from lit_pretrain.data.shards import load_manifest, verify_shards
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.resume.verified import load_verified, save_atomic

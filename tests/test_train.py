@@ -107,7 +107,7 @@ def test_existing_run_folder_is_never_overwritten_unless_asked(tmp_path, tiny_da
     with pytest.raises(RuntimeError, match="injected fault at step 6"):
         train(tiny_cfg(tmp_path, tiny_data_dir, "trainer.max_steps=7", "trainer.val_every_n_steps=4",
                        "trainer.log_every_n_steps=1", "run.resume=auto", "run.resume_allow_changes=[trainer.max_steps]",
-                       "callbacks.extra=[{class_path: 'tests.resume_helpers:Raise', init_args: {step: 6}}]"))
+                       "callbacks.extra=[{class_path: 'tests.helpers.resume_helpers:Raise', init_args: {step: 6}}]"))
     failed = json.loads((run_dir / "summary.json").read_text())
     assert (failed["status"], failed["steps"], failed["max_steps"], failed["resume_step"]) == ("failed", 6, 7, 5)
     assert failed["error"] == "RuntimeError: injected fault at step 6"
@@ -174,7 +174,8 @@ def test_a_full_disk_while_saving_ends_in_one_line_and_keeps_the_newest_checkpoi
     2; `latest` still names step 1, and no temporary or partial file is left."""
     import errno
 
-    from lit_pretrain.resume import atomic, verified
+    from lit_pretrain import atomic
+    from lit_pretrain.resume import verified
 
     class FullAtStep2(atomic.HashingWriter):
         def write(self, data):

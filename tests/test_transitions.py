@@ -76,7 +76,8 @@ def train(root: Path, name: str, corpus: list, *overrides, fault=None, rc=0):
     extra = []
     if fault is not None:
         spec = {"step": fault[0], "micro_batch": fault[1], "signal": "INT"}
-        extra = [f"callbacks.extra=[{{class_path: 'tests.resume_helpers:Fault', init_args: {json.dumps(spec)}}}]"]
+        extra = [f"callbacks.extra=[{{class_path: 'tests.helpers.resume_helpers:Fault', init_args: "
+                 f"{json.dumps(spec)}}}]"]
     return run_module("lit_pretrain.cli", "train", str(EXPERIMENTS / "runs" / "tiny.yaml"), *corpus,
                       f"run.root_dir={root}", f"run.name={name}", *COMMON, *overrides, *extra, rc=rc,
                       start_new_session=True)
@@ -140,8 +141,8 @@ def test_layout_chain_equals_the_uninterrupted_run(chain, references, short_corp
 
     assert shape(run) == shape(reference)
     # The layouts sum the same windows in other orders (data-parallel means, sharded and row-parallel sums, pipeline
-    # micro-batches): tests/test_strategies_parity.py measured losses within 9.5e-7 of one process over a run; 1e-5
-    # keeps a 10x margin across 12 steps of drift, while one step of other data moves a loss by 1e-3 or more.
+    # micro-batches): tests/strategy/test_strategies_parity.py measured losses within 9.5e-7 of one process over a run;
+    # 1e-5 keeps a 10x margin across 12 steps of drift, while one step of other data moves a loss by 1e-3 or more.
     for key in ("train/loss", "val/loss"):
         a, b = by_step(reference, key), by_step(run, key)
         assert sorted(b) == sorted(a), key  # validation ran at the same steps (3, 6, 9, 12)

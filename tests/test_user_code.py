@@ -183,7 +183,7 @@ def test_a_callback_that_stops_the_run_is_recorded_as_the_stop_it_is(tmp_path, t
     """`lit-pretrain train` whose own callback ends the run after step 7 of 20: exit 0, the checkpoint of step 7, and
     summary.json says finished (the callback declared the run done) or stopped (a bare trainer.should_stop), with the
     reason, never failed."""
-    spec = f"{{class_path: 'tests.stability_helpers:StopAt', init_args: {init_args}}}"
+    spec = f"{{class_path: 'tests.helpers.stability_helpers:StopAt', init_args: {init_args}}}"
     args = [*train_args(tiny_data_dir, tmp_path, "stops"), "trainer.progress_bar=false", "trainer.max_steps=20",
             "trainer.val_every_n_steps=20", f"callbacks.extra=[{spec}]"]
     fresh = status == "stopped"  # this one in a fresh interpreter, as a user starts it, to time its start-up

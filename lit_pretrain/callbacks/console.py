@@ -6,7 +6,7 @@ and a line per validation say where the run is instead.
 Measured on `lit-pretrain train` of the tiny run on 2 processes, non-interactive: Lightning's litlogger
 tip, torch's LeafSpec deprecation twice per rank (Lightning 2.6's utilities/_pytree.py still builds a LeafSpec),
 three "use sync_dist=True" warnings for val/* values the module had already reduced (module.py now logs them
-as reduced), and the bar's redraws. tests/test_ddp.py checks the console of such a run.
+as reduced), and the bar's redraws. tests/parallel/test_ddp.py checks the console of such a run.
 """
 
 import logging

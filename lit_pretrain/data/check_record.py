@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
-from lit_pretrain.resume.atomic import atomic_open
+from lit_pretrain.atomic import atomic_open
 
 RECORD_VERSION = 1
 Counts = Tuple[int, int]

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_pretrain.data.mixture import MixtureOrder, MixtureSampler, MixtureWindows
-from lit_pretrain.data.prepare import prepare
+from lit_pretrain.data.preparation.prepare import prepare
 from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
 from lit_pretrain.data.shards import SPLITS, TOKENIZER_FILE, check_config, load_manifest, open_shard, verify_shards
 from lit_pretrain.data.tokenizer import load_tokenizer, token_byte_lengths

@@ -7,7 +7,7 @@ of (i, weights, schedule): never of the world size, so 1 and 2 processes see the
 Interleave: each phase of the schedule turns its weights into integer slot counts a_k per period of P = sum a_k
 (about 2^16) slots, and orders one period by deadlines: source k's j-th slot of the period sits at (j + 1/2) / a_k
 of it (the Sainte-Laguë / Webster divisor sequence), ties to the lower source index. Every prefix of a phase then
-holds each source within a couple of slots of its exact share (tests/test_mixture.py measures the bound), so even
+holds each source within a couple of slots of its exact share (tests/data/test_mixture.py measures the bound), so even
 one global batch carries the mix, unlike independent random draws whose error grows as sqrt(n).
 
 Windows: the c-th slot of source k (c counted over the whole run) is position c mod N_k of permutation

@@ -74,9 +74,9 @@ def evaluate(run_or_ckpt: str | Path, tasks: Sequence[str], limit: Optional[floa
         raise ConfigError(f"--batch-size {batch_size}: give at least 1")
     import torch
 
+    from lit_pretrain.atomic import atomic_write_bytes
     from lit_pretrain.evaluation import harness
     from lit_pretrain.evaluation.lm import LitPretrainLM
-    from lit_pretrain.resume.atomic import atomic_write_bytes
     from lit_pretrain.resume.weights import load_gpt
 
     manager = harness.task_manager(tasks, include_path, key="--tasks")  # an unknown name fails before any loading

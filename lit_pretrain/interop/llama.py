@@ -1,7 +1,7 @@
 """Our GPT in Hugging Face Llama's terms, and back: the config fields and the weight names, as plain data.
 
 No file I/O and no transformers here (interop/hf.py reads and writes the folders), so the mapping is one place
-to read. The two models compute the same function, which tests/test_hf.py checks against transformers'
+to read. The two models compute the same function, which tests/interop/test_hf.py checks against transformers'
 `LlamaForCausalLM` itself; what makes them the same, line by line of transformers' modeling_llama.py:
 - RMSNorm: x * rsqrt(mean(x²) + eps) * weight in both (`LlamaRMSNorm` computes in fp32 and casts back; our
   nn.RMSNorm runs in the activation dtype, so in fp32 they agree). model.norm_eps <-> rms_norm_eps.

@@ -47,8 +47,8 @@ class MoEConfig:
     """Which tokens f_i and P_i count. sequence (default): each window's own, the loss the mean over windows
     (DeepSeek-V3's sequence-wise balance loss, §2.1.2): a window's term depends on that window alone, so every
     layout (processes, micro-batch size, gradient accumulation, expert parallelism) trains the same experiment
-    (tests/test_moe_parallel.py), and with micro_batch_size 1 it is micro_batch's loss. micro_batch: each rank's
-    micro-batch (Megatron-LM's default), which depends on the layout: the windows a micro-batch holds change with
+    (tests/parallel/test_moe_parallel.py), and with micro_batch_size 1 it is micro_batch's loss. micro_batch: each
+    rank's micro-batch (Megatron-LM's default), which depends on the layout: the windows a micro-batch holds change with
     it. global: the micro-batches all data-parallel ranks run together, counts summed by one all-reduce of E per
     MoE layer and forward (global-batch balancing, Qiu et al. 2025, "Demons in the Detail"), P_i each rank's own:
     one process's loss over the same tokens only while no layout accumulates (gradient accumulation and pipeline
@@ -71,7 +71,7 @@ class MoEConfig:
 class RopeScalingConfig:
     """Scaled RoPE frequencies for a context longer than the one pretrained (model.rope_scaling; null: unscaled).
     The inverse frequencies are pure functions of these fields (lit_pretrain/model/rope.py), equal to transformers'
-    `_compute_llama3_parameters` / `_compute_yarn_parameters` (tests/test_rope.py)."""
+    `_compute_llama3_parameters` / `_compute_yarn_parameters` (tests/model/test_rope.py)."""
 
     type: str = field(default="llama3", metadata={"choices": ["llama3", "yarn"]})
     """llama3: Llama 3.1's rule (Meta's llama-models `apply_scaling`): wavelengths shorter than original_seq_len /

@@ -1,5 +1,5 @@
 """Which keys a query may attend to, as data the planners read without torch: the FLOP counter
-(`flops_per_token_formula`, model/config.py) and the memory planner (scaling/memory.py) ask a `MaskSpec`, and the
+(`flops_per_token_formula`, model/config.py) and the memory planner (planning/memory.py) ask a `MaskSpec`, and the
 network turns the same terms into what SDPA takes (model/mask.py). A new attention pattern (a sliding window, sinks)
 is one more field here and one more mask term there, and both counts follow.
 

@@ -13,7 +13,7 @@ product is one `torch.nn.functional.grouped_mm` for all the experts (no padding;
 its rows) with a hand-written backward, never a Python loop over experts (bench case `moe_grouped_vs_loop`: one
 forward + backward of 4096 copies, 8 experts, d 256, width 352, against the per-expert loop: 0.99x in a quiet run
 on 2 threads, 1.04x in CPU time on one; the GEMMs, near the cores' peak in both, bound it: moe_kernels.py says
-why). In fp32 it gives the per-expert loop's values (tests/test_moe_kernels.py).
+why). In fp32 it gives the per-expert loop's values (tests/model/test_moe_kernels.py).
 """
 
 import math

@@ -22,7 +22,7 @@ What bounds it, and what was kept (bench case `moe_grouped_vs_loop`: 8 experts, 
   of the gradient of xs.
 - Memory. Autograd over the same calls saves xs, g, u, silu(g) and h; here xs, g and u, and silu(g) and h are
   recomputed in backward (two elementwise passes over (M, f), within the 6-9% above the GEMMs' time): the MoE
-  block's saved expert activations drop from M·d + 4M·f to M·d + 2M·f (scaling/memory.py counts this). The
+  block's saved expert activations drop from M·d + 4M·f to M·d + 2M·f (planning/memory.py counts this). The
   backward's five (M, f) temporaries share three buffers (out= and in-place).
 - Gate and up stay two GEMMs. One over the concatenated (L, 2f, d) weight measured no faster (10.1 ms against
   2 x 4.9 ms for the forward on 2 threads: grouped_mm at N = 704 runs at the rate it runs at 352), and it costs a

@@ -1,7 +1,7 @@
 """RoPE's inverse frequencies, unscaled or scaled for a context longer than pretrained (model.rope_scaling).
 
 Pure functions of the config, written in the operation order of transformers' modeling_rope_utils.py so that the
-tables are the same to the bit (an imported Llama 3.1 computes transformers' logits exactly; tests/test_rope.py
+tables are the same to the bit (an imported Llama 3.1 computes transformers' logits exactly; tests/model/test_rope.py
 compares with `_compute_llama3_parameters` and `_compute_yarn_parameters` themselves).
 """
 

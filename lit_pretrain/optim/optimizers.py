@@ -185,7 +185,7 @@ def whole_matrix_muon_step(group: dict, state, layout) -> None:
     its Distributed Muon: DP gather, TP gather, Newton–Schulz, keep the local partition) rather than one owner
     rank per matrix sending the result back (owner-centric designs such as DMuon, 2026): one collective per matrix
     instead of a gather and a scatter, no balancing of matrices over owners, and the same bits on every rank (the
-    layouts' step equals one process's exactly: tests/test_mesh_parallel.py). The cost is the iteration's FLOPs
+    layouts' step equals one process's exactly: tests/parallel/test_mesh_parallel.py). The cost is the iteration's FLOPs
     repeated on each rank of a matrix's groups, small next to forward and backward at this project's sizes; at
     large data-parallel degrees the owner-centric split is the one to build. torch.optim.Muon alone would run on
     FSDP's DTensors through DTensor's own matmul redistribution (collectives inside every iteration, and bits that

@@ -15,7 +15,7 @@ the config declares what the last one was made from, and otherwise adds one from
 - stage (schedule.stage set, other than the last piece's): the stage's decay from the rate reached at k - 1 to
   schedule.stage.lr_min at the stage's last step (optim/schedule.py decay_at).
 
-Pure functions of plain data (JSON in the checkpoint's metadata); tests/test_schedule.py tables them.
+Pure functions of plain data (JSON in the checkpoint's metadata); tests/optim/test_schedule.py tables them.
 """
 
 import math

@@ -46,7 +46,7 @@ def _ops(*names: str) -> set:
 # all-gather and reduce-scatter in place (c10d ops writing into a buffer the block allocates), which a cache cannot
 # stand in for: the buffer is recomputed empty and only running the op fills it. They run again in the backward, as
 # under full checkpointing (one more collective per row-parallel linear; the losses stay bit-identical,
-# tests/test_mesh_parallel.py).
+# tests/parallel/test_mesh_parallel.py).
 #
 # model.moe: the router is an mm and the routed experts' three products are `aten._grouped_mm` calls inside one
 # autograd Function (model/moe_kernels.py): matmuls too, kept (counted by every_other in forward order). The routing

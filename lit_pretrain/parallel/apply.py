@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_pretrain.parallel.mesh import ParallelModel, fsdp_dims
-from lit_pretrain.parallel.plan import ParallelPlan
+from lit_pretrain.planning.plan import ParallelPlan
 
 
 def apply_plan(gpt: nn.Module, plan: ParallelPlan, mesh: Optional[DeviceMesh] = None,

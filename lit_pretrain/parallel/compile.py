@@ -39,7 +39,7 @@ from torch import nn
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.losses import lm_losses
-from lit_pretrain.parallel.compile_policy import missing_toolchain
+from lit_pretrain.planning.compile_policy import missing_toolchain
 
 _COMPILED = "_lit_pretrain_compiled"
 

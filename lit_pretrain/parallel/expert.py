@@ -73,7 +73,7 @@ class ExpertGroups:
 def expert_mesh(plan, device_type: str = "cpu") -> DeviceMesh:
     """The (pipeline, tensor_parallel, expert_data_parallel, expert_parallel) mesh over the plan's world.
 
-    Global rank = ((p·R + r)·S + s)·T + t (parallel/plan.py MESH_DIMS, tensor ranks innermost); its data-parallel
+    Global rank = ((p·R + r)·S + s)·T + t (planning/plan.py MESH_DIMS, tensor ranks innermost); its data-parallel
     index d = r·S + s = q·P + e, q its expert data-parallel index, e its expert-parallel rank. Collective: every rank
     builds it (one process group per dimension slice). Under context parallelism the c ranks of a data-parallel
     rank route different tokens (their parts of its sequences), as data-parallel ranks do: d runs over the data-

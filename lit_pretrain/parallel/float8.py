@@ -18,7 +18,7 @@ from typing import List
 import torch
 from torch import nn
 
-from lit_pretrain.parallel.float8_policy import float8_linears
+from lit_pretrain.planning.float8_policy import float8_linears
 
 FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9) and Hopper (9.0) onward
 

@@ -38,8 +38,8 @@ from lit_pretrain.parallel.batch_losses import StepLosses
 from lit_pretrain.parallel.batch_losses import choose as choose_losses
 from lit_pretrain.parallel.collectives import all_reduce_flat
 from lit_pretrain.parallel.pipeline import is_tied_copy, tied_grad_sync
-from lit_pretrain.parallel.plan import MESH_DIMS, ParallelPlan
 from lit_pretrain.parallel.tensor import gather, plain_name, plan_of, shard, style_of, sync_partial_grads
+from lit_pretrain.planning.plan import MESH_DIMS, ParallelPlan
 
 # FSDP2's shard dimension under context parallelism: data_parallel_shard x context_parallel flattened (torchtitan's
 # dp_shard_cp), so the context-parallel ranks, which hold the same weights, each keep a share of them too.

@@ -132,7 +132,7 @@ def install_global_counts(model: nn.Module, plan) -> int:
     if scope == 1:
         return 0
     layers = moe_layers(model)
-    # Global rank = ((p·D + data-parallel index)·C + context-parallel index)·T + t (parallel/plan.py MESH_DIMS).
+    # Global rank = ((p·D + data-parallel index)·C + context-parallel index)·T + t (planning/plan.py MESH_DIMS).
     ranks = torch.arange(plan.world_size).view(plan.pipeline_parallel, d, c, plan.tensor_parallel)
     # A group per (p, t) over D x C, or per (p, data-parallel index, t) over C.
     ranks = ranks.permute(0, 3, 1, 2) if scope == d * c else ranks.permute(0, 1, 3, 2)

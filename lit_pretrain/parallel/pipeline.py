@@ -27,9 +27,9 @@ from torch import nn
 
 from lit_pretrain.model.gpt import softcap
 from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
-from lit_pretrain.parallel.layout import balanced_stages, bubble_formula, stage_of_rank
 from lit_pretrain.parallel.moe_mesh import install_pipeline_losses
 from lit_pretrain.parallel.vocab import split_cross_entropy, vocab_group
+from lit_pretrain.planning.layout import balanced_stages, bubble_formula, stage_of_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 

@@ -24,7 +24,7 @@ those modules directly gets the same behaviour.
 The norms' weight gradients are partial under sequence parallelism (each rank saw T/t positions):
 `sync_sequence_parallel_grads` sums them over the tensor-parallel group, once per optimizer step.
 
-What the activations saved for backward become on our block is counted in scaling/memory.py
+What the activations saved for backward become on our block is counted in planning/memory.py
 (`block_activation_elements`). Like torchtitan's SequenceParallel, the gathered input of the column-parallel
 linears is saved in full (t× the chunk): Megatron-LM instead saves the chunk and all-gathers it again in backward,
 which needs one autograd function over q, k and v together (they are fused there); ours are three nn.Linears.

@@ -7,7 +7,7 @@ query heads r·H/t.. and exactly the key/value heads they read under grouped-que
 row-parallel (a slice of the input columns, then one all-reduce of the partial sums). So a block costs two
 all-reduces forward (g after wo and w_down) and, as built, five backward: each column-parallel linear applies f to
 its own input, where Megatron applies one f per attention and MLP input (two); the sums are the same, the extra
-three cost bandwidth (measured by `make bench CASES=compositions`, counted in scaling/communication.py; sequence
+three cost bandwidth (measured by `make bench CASES=compositions`, counted in planning/communication.py; sequence
 parallelism already gathers once per input).
 Which linear is which is not listed here: each nn.Linear of the GPT carries `tensor_parallel` ("column" | "row" |
 None), set from the architecture table (`GPTConfig.block_modules`), and `plan_of(model)` reads it.

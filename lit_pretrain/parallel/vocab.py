@@ -3,7 +3,7 @@ split along the vocabulary over the tensor-parallel group (Megatron-LM: `VocabPa
 `ColumnParallelLinear` for the output layer, `vocab_parallel_cross_entropy`; Shoeybi et al. 2019 §3 "input
 embedding ... parallelized along the vocabulary dimension"; torchtitan's RowwiseParallel embedding and
 ColwiseParallel output with loss_parallel). Rank r of t holds rows [r·V/t, (r+1)·V/t) of the (V, d) table,
-V = model.vocab_size, which must divide by t (parallel/plan.py refuses it otherwise when the config loads).
+V = model.vocab_size, which must divide by t (planning/plan.py refuses it otherwise when the config loads).
 
 - Embedding: ids outside this rank's rows look up row 0 and are zeroed, so the t partial outputs sum to the whole
   lookup: Megatron's g (all-reduce forward, identity backward), or under sequence parallelism a reduce-scatter
@@ -20,7 +20,7 @@ V = model.vocab_size, which must divide by t (parallel/plan.py refuses it otherw
 
 These replace modules from outside, like the column/row linears of tensor.py, because model/gpt.py knows nothing of
 distribution. Memory per rank: the table, the head and the fp32 logits are 1/t of one process's, which is what
-scaling/memory.py counts.
+planning/memory.py counts.
 """
 
 import functools

@@ -24,8 +24,8 @@ FREE_KEYS = {
     "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size", "trainer.num_threads", "trainer.accelerator",
     "trainer.progress_bar", "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "data.num_workers",
     "run.name", "data.prepared_dir", "trainer.loggers", "trainer.profile", "trainer.device_memory_gb",
-    # Compiled and eager steps compute the same math (tests/test_compile.py); its default changed from false to auto,
-    # so a run written before then must resume under the new default.
+    # Compiled and eager steps compute the same math (tests/parallel/test_compile.py); its default changed from false to
+    # auto, so a run written before then must resume under the new default.
     "trainer.compile",
 }
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lit_pretrain.atomic import atomic_write_bytes
 from lit_pretrain.internals import csv_writer_made
-from lit_pretrain.resume.atomic import atomic_write_bytes
 
 
 def data_rows(path: Path) -> int:

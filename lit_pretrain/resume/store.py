@@ -17,9 +17,9 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from lit_pretrain.atomic import atomic_link, atomic_write_bytes, fsync_dir
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.paths import confined, safe_rmtree, safe_unlink
-from lit_pretrain.resume.atomic import atomic_link, atomic_write_bytes, fsync_dir
 from lit_pretrain.resume.sharded.manifest import read_manifest, verify_sharded
 from lit_pretrain.resume.verified import read_sidecar, sidecar_path, verify
 from lit_pretrain.runs.folder import is_primary_process
@@ -87,7 +87,7 @@ def publish(folder: Path, path: Path) -> None:
         safe_unlink(folder / LAST, folder, re.compile(re.escape(LAST)))
         safe_unlink(sidecar_path(folder / LAST), folder, re.compile(re.escape(LAST + ".json")))
     else:
-        # The folder's one fsync is `latest`'s, after both links (resume/atomic.py): a crash before it can lose a
+        # The folder's one fsync is `latest`'s, after both links (atomic.py): a crash before it can lose a
         # link, never leave one naming a half-written file, and `latest` is read first anyway.
         atomic_link(path, folder / LAST, sync_folder=False)
         atomic_link(sidecar_path(path), sidecar_path(folder / LAST), sync_folder=False)

@@ -15,10 +15,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from lit_pretrain.atomic import HashingWriter, atomic_open, atomic_write_bytes, file_sha256
 from lit_pretrain.errors import DataError
 from lit_pretrain.internals import write_records, zip_file_writer
 from lit_pretrain.paths import safe_unlink
-from lit_pretrain.resume.atomic import HashingWriter, atomic_open, atomic_write_bytes, file_sha256
 
 META_KEY = "lit_pretrain"  # our metadata inside a checkpoint (written by resume.checkpointing.StepCheckpoint)
 
@@ -55,7 +55,7 @@ def torch_save(obj: Any, f) -> None:
 
 def save_atomic(checkpoint: Dict[str, Any], path: str | Path) -> Dict:
     """torch.save into a temporary file (`torch_save`), hashed on the way (one pass: the bytes are never read back,
-    resume/atomic.py); fsync; rename; then the sidecar, whose folder fsync makes both renames durable (one fsync per
+    atomic.py); fsync; rename; then the sidecar, whose folder fsync makes both renames durable (one fsync per
     file, one for the folder). Returns the sidecar.
 
     The sidecar is renamed second: a crash between the two renames leaves a checkpoint without a sidecar, which the

@@ -1,5 +1,4 @@
-"""Scaling laws and planning: fit laws from runs, compute-optimal plans, per-device memory plans, the CPU sweep.
-
-Pure math lives in `laws.py`, `fit.py`, `memory.py` (the model's counts and shapes in `model/shapes.py`); `cli.py`
-parses and prints; `sweep.py` trains.
-"""
+"""Scaling laws fitted to runs, and the experiments that produce the runs: fits of L(N, D) (fit.py, fit_runs.py,
+points.py, lbfgs.py, plots.py), the optimal step count (steps_optimum.py), GPU-hours, the `fit | plan | memory`
+commands (cli.py), the CPU sweep (sweep.py), ablations (ablate.py) and the ladder (ladder/). The published laws, the
+compute-optimal split and the memory planner they read are pure planning, in planning/."""

@@ -26,9 +26,9 @@ from typing import Dict, List, Optional, Sequence
 
 import yaml
 
+from lit_pretrain.atomic import atomic_open
 from lit_pretrain.errors import ConfigError, DataError, RunFolderError
 from lit_pretrain.paths import confined, is_safe_name
-from lit_pretrain.resume.atomic import atomic_open
 from lit_pretrain.runs.folder import read_metrics, series
 from lit_pretrain.runs.state import is_finished
 
@@ -102,7 +102,7 @@ def table(results: Dict[str, Dict[str, dict]], descriptions: Dict[str, str]) -> 
 
 
 def _atomic_write(path: Path, write) -> None:
-    """Write one of this module's two output names through resume.atomic's atomic_open (a reader sees the old file
+    """Write one of this module's two output names through atomic's atomic_open (a reader sees the old file
     or the new one), confined to the root folder and never through a symbolic link (paths.confined)."""
     confined(path.parent.parent, path.parent, "ablation root")
     if path.is_symlink():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from lit_pretrain.errors import ConfigError, DataError
 from lit_pretrain.model.shapes import VARIANT_KEYS, VARIANT_TYPES
-from lit_pretrain.scaling.laws import PUBLISHED
-from lit_pretrain.scaling.memory import CHECKPOINTING, PRECISIONS
+from lit_pretrain.planning.laws import PUBLISHED
+from lit_pretrain.planning.memory import CHECKPOINTING, PRECISIONS
 
 COMMANDS = ("fit", "plan", "memory")
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -158,8 +158,8 @@ def main(argv=None) -> int:
             fit_sources(args.sources, out=out, plots_dir=plots, bootstrap=args.bootstrap,
                         drop_highest=args.drop_highest, seed=args.seed)
         elif args.command == "plan" and args.run:
-            from lit_pretrain.scaling.plan import load_law
-            from lit_pretrain.scaling.run_plan import format_run_plan, run_plan
+            from lit_pretrain.planning.compute_optimal import load_law
+            from lit_pretrain.planning.run_plan import format_run_plan, run_plan
 
             run_config = _run_config(args)
             result = run_plan(run_config, run_config.plan, load_law(args.law))
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
             print(json.dumps(result, indent=2) if args.json else format_run_plan(result) + (
                 "\n" + hours["line"] if hours is not None else ""))
         elif args.command == "plan":
-            from lit_pretrain.scaling.plan import format_plan, load_law, plan
+            from lit_pretrain.planning.compute_optimal import format_plan, load_law, plan
 
             _no_overrides(args)
             template = variant(args.model)
@@ -191,7 +191,7 @@ def _gpu_hours(args, run_config, result):
     """GPU-hours of `plan --run` (scaling/gpu_hours.py) at --mfu, else at the MFU of args.bench when it exists; None
     when neither is there."""
     from lit_pretrain.model import shapes
-    from lit_pretrain.parallel.plan import sized_model
+    from lit_pretrain.planning.plan import sized_model
     from lit_pretrain.scaling.gpu_hours import bench_case_for, format_gpu_hours, gpu_hours, measured_mfu
 
     model = sized_model(run_config)
@@ -232,8 +232,8 @@ def _memory(args) -> dict:
     from dataclasses import asdict, replace
 
     from lit_pretrain.model import shapes
-    from lit_pretrain.parallel.plan import ParallelPlan
-    from lit_pretrain.scaling.memory import memory_plan, parse_bytes
+    from lit_pretrain.planning.memory import memory_plan, parse_bytes
+    from lit_pretrain.planning.plan import ParallelPlan
 
     if args.run:
         given = [f"--{k.replace('_', '-')}" for k in ("params", "layers", "hidden", "heads", "device_memory")
@@ -241,7 +241,7 @@ def _memory(args) -> dict:
         if given:
             raise ConfigError(f"--run RUN_FILE takes the shape and layout from the experiment: drop {', '.join(given)}"
                               " (override a key instead, e.g. trainer.device_memory_gb=80)")
-        from lit_pretrain.scaling.run_plan import run_memory
+        from lit_pretrain.planning.run_plan import run_memory
 
         run_config = _run_config(args)
         return run_memory(run_config, run_config.plan)
@@ -306,7 +306,7 @@ def format_memory(r: dict) -> str:
         if key in r:
             lines.insert(-1, f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gb:>10.3f} GB")
     if "run" in r:
-        from lit_pretrain.scaling.run_plan import format_fit
+        from lit_pretrain.planning.run_plan import format_fit
 
         lines.insert(0, f"run {r['run']}: {format_fit(r)}")
     elif "fits" in r:

@@ -15,7 +15,7 @@ import numpy as np
 from scipy.optimize import minimize
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.scaling.laws import ParametricLaw
+from lit_pretrain.planning.laws import ParametricLaw
 from lit_pretrain.scaling.lbfgs import FunGrad, minimize_rows
 
 HUBER_DELTA = 1e-3

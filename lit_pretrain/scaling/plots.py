@@ -6,8 +6,8 @@ from typing import List
 
 import numpy as np
 
+from lit_pretrain.planning.laws import ParametricLaw
 from lit_pretrain.scaling.fit import isoflop_groups
-from lit_pretrain.scaling.laws import ParametricLaw
 
 
 def plot_all(result: dict, folder: Path) -> List[Path]:

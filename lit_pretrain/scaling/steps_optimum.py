@@ -12,8 +12,8 @@ come from the grid's sizes, interpolated in log-log between them (linearly extra
 largest), so the search runs over a continuous family of shapes like the grid's. T(N) is the rule before its
 rounding to whole sequences, so the optimum is a smooth function of C.
 
-Pure functions; tests/test_steps_optimum.py checks them against the closed form of the same minimization where the
-three counts agree and T = t0·N^gamma.
+Pure functions; tests/scaling/test_steps_optimum.py checks them against the closed form of the same minimization where
+the three counts agree and T = t0·N^gamma.
 """
 
 import math

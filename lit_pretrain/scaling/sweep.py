@@ -205,8 +205,8 @@ def run_sweep(sweep_file: str, stage: str = "all", log: Callable = print) -> Opt
 def _predict(law: dict, held: dict) -> dict:
     """The held-out run's loss from the fitted law and its bootstrap 90% interval (ladder_report.predict, the
     ladder's own prediction, so both tools report the same interval)."""
-    from lit_pretrain.scaling.ladder_report import predict
-    from lit_pretrain.scaling.laws import ParametricLaw
+    from lit_pretrain.planning.laws import ParametricLaw
+    from lit_pretrain.scaling.ladder.report import predict
 
     samples = [ParametricLaw.from_dict(s) for s in law["chinchilla"].get("bootstrap_samples") or []]
     p = predict(ParametricLaw.from_dict(law["chinchilla"]), samples, held["params"], held["tokens"], 0.9)

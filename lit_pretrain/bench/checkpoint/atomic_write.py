@@ -1,5 +1,5 @@
 """Case: atomic checkpoint writes (temporary file, sha256 on the way, fsync, rename, sidecar, folder fsync;
-resume/atomic.py, resume/verified.py) in MB/s over plain `torch.save` of the same checkpoint to the same folder,
+atomic.py, resume/verified.py) in MB/s over plain `torch.save` of the same checkpoint to the same folder,
 alternated in one run.
 
 The checkpoint is the experiment's GPT with AdamW state after one step (weights + two moments), the bytes a

@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, mode: str, model_cfg, optim_cfg, f
     from lit_pretrain.optim.optimizers import build_adamw
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
-    from lit_pretrain.parallel.plan import ParallelPlan
+    from lit_pretrain.planning.plan import ParallelPlan
     from lit_pretrain.resume.sharded import save as sharded
     from lit_pretrain.resume.verified import load_verified, save_atomic
 

@@ -67,8 +67,8 @@ def _config(corpus: Path, **kw) -> DataConfig:
 
 
 def _local(cfg: DataConfig, work: Path):
-    from lit_pretrain.data.corpus import CorpusStats
-    from lit_pretrain.data.prepare import _first_pass
+    from lit_pretrain.data.preparation.corpus import CorpusStats
+    from lit_pretrain.data.preparation.prepare import _first_pass
 
     tmp = Path(tempfile.mkdtemp(dir=work))
     start = time.perf_counter()
@@ -77,8 +77,8 @@ def _local(cfg: DataConfig, work: Path):
 
 
 def _ray(cfg: DataConfig, session):
-    from lit_pretrain.data import ray_engine
-    from lit_pretrain.data.corpus import CorpusStats
+    from lit_pretrain.data.preparation import ray_engine
+    from lit_pretrain.data.preparation.corpus import CorpusStats
 
     start = time.perf_counter()
     _, _, decided, _, _ = ray_engine.first_pass(cfg, session, CorpusStats(), log=lambda *_: None)
@@ -87,7 +87,7 @@ def _ray(cfg: DataConfig, session):
 
 def _removed_lines(decided, cfg: DataConfig) -> set:
     """(file, line) of each removed document: the ids datatrove's exclusion writer gives back."""
-    from lit_pretrain.data.corpus import iter_documents
+    from lit_pretrain.data.preparation.corpus import iter_documents
 
     out = set()
     for i, doc in enumerate(iter_documents(cfg)):
@@ -169,7 +169,7 @@ def _overlap(a: set, b: set) -> Dict:
 def _redis_vs_memory(cfg: DeduplicationConfig, signatures: np.ndarray) -> Optional[Dict]:
     """Seconds of the LSH stage (insert all, query all) with datasketch's index in Redis and in memory (the
     reference of the <= 3 goal), and of storage=memory's numpy banding."""
-    from lit_pretrain.data.lsh import bands_rows, candidate_pairs, index_basename, minhashlsh_pairs
+    from lit_pretrain.data.preparation.lsh import bands_rows, candidate_pairs, index_basename, minhashlsh_pairs
 
     binary = shutil.which("redis-server")
     if binary is None:
@@ -217,9 +217,9 @@ def measure(docs: int = _DOCS, repeats: int = 5) -> List[Dict]:
         import ray
     except ImportError:  # the Ray cases need the extra; the others are measured without them
         ray = None
-    from lit_pretrain.data import ray_engine
-    from lit_pretrain.data.lsh import bands_rows
-    from lit_pretrain.data.ray_engine import Session
+    from lit_pretrain.data.preparation import ray_engine
+    from lit_pretrain.data.preparation.lsh import bands_rows
+    from lit_pretrain.data.preparation.ray_engine import Session
 
     work = Path(tempfile.mkdtemp(prefix="lit-pretrain-bench-engines-"))
     try:
@@ -252,8 +252,8 @@ def measure(docs: int = _DOCS, repeats: int = 5) -> List[Dict]:
                  "unit": "speed-up of pass 1 from 1 Ray worker to 2 (same 2-CPU cluster)"},
             ]
         # The LSH stage on its own: signatures of the corpus's documents from the local engine's code.
-        from lit_pretrain.data.corpus import read_documents
-        from lit_pretrain.data.minhash import compute_signatures, normalize
+        from lit_pretrain.data.preparation.corpus import read_documents
+        from lit_pretrain.data.preparation.minhash import compute_signatures, normalize
 
         texts = [normalize(d.text, dedup.lowercase, dedup.fold_whitespace) for d in read_documents(cfg)]
         signatures, _ = compute_signatures(texts, dedup.shingle, dedup.shingle_size, dedup.num_perm, dedup.seed, 2,
@@ -282,7 +282,7 @@ def _versus_datatrove(work: Path, repeats: int) -> Dict:
     """Pass 1 of prepare on the local engine (2 processes) against datatrove's four MinHash stages (2 workers), both
     from the same jsonl files of SHORT_DOCS short documents, alternated `repeats` times; a case saying why when
     datatrove cannot run here."""
-    from lit_pretrain.data.lsh import bands_rows
+    from lit_pretrain.data.preparation.lsh import bands_rows
 
     case, goal = "local_engine_vs_datatrove_docs_per_s", ">= 1.5"
     unit = (f"documents/s, MinHash deduplication of {SHORT_DOCS} documents of {SHORT_WORDS} words (ref: datatrove, "

@@ -17,7 +17,7 @@ from typing import Dict
 
 from lit_pretrain.bench import stats
 from lit_pretrain.data.datamodule import TokenShardDataModule
-from lit_pretrain.data.prepare import prepare
+from lit_pretrain.data.preparation.prepare import prepare
 
 SAMPLE_DOCUMENTS = 1000  # ~10 MB of the stdlib corpus: ~2-3M tokens, thousands of windows, prepared in seconds
 TIMED_BATCHES = 300

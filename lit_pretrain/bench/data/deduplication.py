@@ -32,18 +32,25 @@ from lit_pretrain.bench import child, stats
 from lit_pretrain.bench.child import series
 from lit_pretrain.bench.data.data_engines import SHORT_DOCS, SHORT_WORDS, near_duplicate_texts
 from lit_pretrain.bench.stats import alternate
-from lit_pretrain.data.corpus import iter_documents
-from lit_pretrain.data.lsh import band_pairs, bands_rows, candidate_pairs, clusters, index_basename, minhashlsh_pairs
-from lit_pretrain.data.minhash import compute_signatures, estimated_jaccard, normalize, shingles
-from lit_pretrain.data.workers import WorkerPool
+from lit_pretrain.data.preparation.corpus import iter_documents
+from lit_pretrain.data.preparation.lsh import (
+    band_pairs,
+    bands_rows,
+    candidate_pairs,
+    clusters,
+    index_basename,
+    minhashlsh_pairs,
+)
+from lit_pretrain.data.preparation.minhash import compute_signatures, estimated_jaccard, normalize, shingles
+from lit_pretrain.data.preparation.workers import WorkerPool
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
 
 THROUGHPUT_MB = 3
 # ~350 bytes each (50 words): 35 MB, ~3.5 s on one process, against ~0.1 s to start a worker.
 SCALE_DOCS, SCALE_WORDS = 100_000, 50
 _MEMORY_DOCS = 20_000
-# The bench's own processes run in the stage's worker pool (lit_pretrain/data/workers.py): one that cannot start or dies
-# stops the bench with one line instead of leaving it waiting.
+# The bench's own processes run in the stage's worker pool (lit_pretrain/data/preparation/workers.py): one that cannot
+# start or dies stops the bench with one line instead of leaving it waiting.
 _FIX = "check that `lit-pretrain prepare` with data.deduplication.processes=2 runs on this machine"
 
 
@@ -67,7 +74,7 @@ def _ours(texts, cfg, processes: int) -> float:
 def _worker_start(cfg) -> float:
     """Seconds to start one signature worker and have it import the signature code (an empty chunk)."""
     start = time.perf_counter()
-    with WorkerPool("lit_pretrain.data.minhash:chunk_signatures", 1, "bench signature", _FIX) as pool:
+    with WorkerPool("lit_pretrain.data.preparation.minhash:chunk_signatures", 1, "bench signature", _FIX) as pool:
         pool.submit(0, ([], cfg.shingle, cfg.shingle_size, cfg.num_perm, cfg.seed), "(an empty chunk)")
         list(pool.drain())
     return time.perf_counter() - start

@@ -23,7 +23,7 @@ SIZES_MB = (20, 200)
 DOC_WORDS = 1400  # ~8 kB a document
 _CHILD = """
 import json, sys
-from lit_pretrain.data.prepare import prepare
+from lit_pretrain.data.preparation.prepare import prepare
 from lit_pretrain.schema import DataConfig, DeduplicationConfig
 corpus, out = sys.argv[1], sys.argv[2]
 cfg = DataConfig(corpus="jsonl", paths=[corpus], prepared_dir=out, vocab_size=1024, tokenizer_train_bytes=4_000_000,

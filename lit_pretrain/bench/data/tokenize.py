@@ -23,10 +23,10 @@ from typing import Dict, List
 
 from lit_pretrain.bench import stats
 from lit_pretrain.bench.step.step import paired_case
-from lit_pretrain.data.corpus import iter_documents
 from lit_pretrain.data.datamodule import TokenShardDataModule
-from lit_pretrain.data.prepare import write_shards
-from lit_pretrain.data.tokenize_stage import TRAIN, chunks, encode_chunk, remember_tokenizer
+from lit_pretrain.data.preparation.corpus import iter_documents
+from lit_pretrain.data.preparation.prepare import write_shards
+from lit_pretrain.data.preparation.tokenize_stage import TRAIN, chunks, encode_chunk, remember_tokenizer
 from lit_pretrain.data.tokenizer import batch_encoder, load_tokenizer
 
 TOKENIZE_BYTES = 12 << 20  # 3 chunks: enough for a second process to take a share

@@ -108,7 +108,7 @@ def run(c, sample_data, trainer_tokens_per_s: float, repeats: int) -> Dict:
     reports their median and spread (bench/stats.py)."""
     module = PretrainModule(c.model, c.optim, c.schedule, max_steps=1, tokens_per_step=1, seed=c.run.seed)
     t = c.trainer
-    step = (t.tokens_per_step or t.micro_batch_size * c.model.seq_len) / trainer_tokens_per_s  # parallel/batch.py
+    step = (t.tokens_per_step or t.micro_batch_size * c.model.seq_len) / trainer_tokens_per_s  # planning/batch.py
     runs = evaluations(t.max_steps, t.val_every_n_steps)
     vals, downs = [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -49,7 +49,7 @@ def _worker(rank: int, port: int, c, model_cfg, repeats: int, results) -> None:
     from lit_pretrain.optim.optimizers import build_adamw, clip_by_global_norm
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
-    from lit_pretrain.parallel.plan import ParallelPlan
+    from lit_pretrain.planning.plan import ParallelPlan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -99,8 +99,8 @@ def run(c, repeats: int) -> list:
     import torch.multiprocessing as mp
 
     from lit_pretrain.bench.moe.mlp import moe_model_cfg
-    from lit_pretrain.parallel.plan import ParallelPlan
-    from lit_pretrain.scaling.memory import memory_plan
+    from lit_pretrain.planning.memory import memory_plan
+    from lit_pretrain.planning.plan import ParallelPlan
 
     model_cfg = moe_model_cfg(c)
     if model_cfg.vocab_size is None:  # the tokenizer's target size, as the run would build it (plan.sized_model)

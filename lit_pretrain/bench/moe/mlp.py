@@ -33,7 +33,7 @@ STEPS, SKIP = 5, 1
 
 def loop_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     """`layer`'s forward with its experts run one by one in a Python loop (dropless, no shared experts): the
-    reference the grouped matmul is measured against, and tests/test_moe.py checks equal to it."""
+    reference the grouped matmul is measured against, and tests/model/test_moe.py checks equal to it."""
     flat = x.reshape(-1, x.shape[-1])  # (N, d)
     top, weights, _, _ = layer.route(flat)  # (N, k) each
     out = torch.zeros_like(flat)

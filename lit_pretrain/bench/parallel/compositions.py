@@ -1,6 +1,6 @@
 """Cases: the step time of each composition of the parallel plan on 4 processes against one process on the same
 global batch, and the bytes each rank all-gathers, reduce-scatters and all-reduces in a step against the formulas
-of scaling/communication.py.
+of planning/communication.py.
 
 One group of 4 spawned gloo processes (1 thread each) builds every composition once from the same weights (the
 experiment's model, the trainer's micro-batch as the global batch), then alternates: the reference (rank 0 alone,
@@ -43,7 +43,7 @@ OTHER = ("all_reduce", "all_to_all", "all_to_all_single", "broadcast", "reduce",
 
 
 def plans():
-    from lit_pretrain.parallel.plan import ParallelPlan
+    from lit_pretrain.planning.plan import ParallelPlan
 
     return {
         "zero3_tp2": ParallelPlan(data_parallel_shard=2, zero_stage=3, tensor_parallel=2),
@@ -57,8 +57,8 @@ def plans():
 
 
 def formulas(cfg, batch: int) -> dict:
-    """Per-rank bytes per step of each measured composition, from scaling/communication.py."""
-    from lit_pretrain.scaling import communication as cm
+    """Per-rank bytes per step of each measured composition, from planning/communication.py."""
+    from lit_pretrain.planning import communication as cm
 
     L, d, f, V, T = cfg.n_layers, cfg.d_model, cfg.hidden_dim, cfg.vocab_size, cfg.seq_len
     b = batch // 2  # each composition has 2 data-parallel ranks (or 4 for zero3)
@@ -259,7 +259,7 @@ def run(c) -> list:
             value = measured["bytes"].get(kind, 0)
             cases.append({"case": f"comm_bytes_{name}_{kind}", "value": value, "reference": expected[kind],
                           "ratio": value / expected[kind] if expected[kind] else float("inf"),
-                          "goal": "0.95-1.05 (formula: scaling/communication.py)", "unit": "bytes/rank/step",
+                          "goal": "0.95-1.05 (formula: planning/communication.py)", "unit": "bytes/rank/step",
                           "detail": {**detail, "calls": measured["calls"], "all_bytes": measured["bytes"]}})
     return cases
 

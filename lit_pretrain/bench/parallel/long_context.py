@@ -6,9 +6,9 @@ global tokens, one window of SEQ_LEN positions a step, the experiment's model ot
   what the split and its communication cost, not a speed-up (there are no more cores to spread over).
 - saved activation bytes of the blocks per rank (parallel/memory.py SavedActivations over every block's forward,
   the RoPE tables at the rank's positions and the CPU's causal mask included) against one process's: the goal
-  about 0.5, above it by the gathered keys and values; and against the planner (scaling/memory.py
+  about 0.5, above it by the gathered keys and values; and against the planner (planning/memory.py
   block_activation_bytes x n_layers + context_forward_bytes + context_mask_bytes), within 1%.
-- bytes per step by collective (bench/parallel/compositions.py's counter) against scaling/communication.py:
+- bytes per step by collective (bench/parallel/compositions.py's counter) against planning/communication.py:
   `context_parallel` (the keys' and values' all-gather and reduce-scatter, the loss's sums) plus the gradients'
   all-reduce over the group.
 """
@@ -56,7 +56,7 @@ def _worker(rank: int, port: int, c, results) -> None:
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.context import context_losses
     from lit_pretrain.parallel.mesh import build_mesh
-    from lit_pretrain.parallel.plan import ParallelPlan
+    from lit_pretrain.planning.plan import ParallelPlan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -116,8 +116,8 @@ def _worker(rank: int, port: int, c, results) -> None:
 
 def planned(cfg, c: int) -> dict:
     """The planner's figures for one window of cfg.seq_len on c context-parallel ranks (fp32)."""
-    from lit_pretrain.scaling import communication as cm
-    from lit_pretrain.scaling.memory import block_activation_bytes, context_forward_bytes, context_mask_bytes
+    from lit_pretrain.planning import communication as cm
+    from lit_pretrain.planning.memory import block_activation_bytes, context_forward_bytes, context_mask_bytes
 
     def blocks(context: int) -> float:
         return cfg.n_layers * block_activation_bytes(
@@ -159,7 +159,7 @@ def run(c) -> list:
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         value = measured.get(kind, 0)
         cases.append({"case": f"comm_bytes_long_context_cp2_{kind}", "value": value, "reference": expected[kind],
-                      "ratio": value / expected[kind], "goal": "0.95-1.05 (formula: scaling/communication.py)",
+                      "ratio": value / expected[kind], "goal": "0.95-1.05 (formula: planning/communication.py)",
                       "unit": "bytes/rank/step",
                       "detail": {**detail, "calls": results["comm"]["calls"], "all_bytes": measured}})
     return cases

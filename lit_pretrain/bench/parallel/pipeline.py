@@ -52,8 +52,8 @@ def _worker(rank: int, port: int, c, batch: int, steps: int, skip: int, results)
     from lit_pretrain.model.gpt import GPT
     from lit_pretrain.parallel.apply import apply_plan
     from lit_pretrain.parallel.mesh import build_mesh
-    from lit_pretrain.parallel.plan import ParallelPlan
     from lit_pretrain.parallel.vocab import split_cross_entropy
+    from lit_pretrain.planning.plan import ParallelPlan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

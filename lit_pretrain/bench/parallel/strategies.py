@@ -55,9 +55,9 @@ def _worker(args) -> None:
     from lit_pretrain import config as config_lib
     from lit_pretrain.bench.step.step import _StepClock
     from lit_pretrain.module import PretrainModule
-    from lit_pretrain.parallel.plan import plan_from
-    from lit_pretrain.parallel.strategies import build_strategy
+    from lit_pretrain.planning.plan import plan_from
     from lit_pretrain.schema import StrategyConfig
+    from lit_pretrain.strategy.build import build_strategy
     from lit_pretrain.train import resolve_vocab, setup_process
 
     c = config_lib.load(args.run_file, args.overrides)

@@ -8,7 +8,7 @@ model FLOPs/s by the dense bf16 datasheet peak of all GPUs of the node (callback
 runs/bench/results-gpu.json with the machine and versions. One GPU: `make bench-gpu`; all GPUs of a node:
 `torchrun --standalone --nproc-per-node gpu -m lit_pretrain.bench.step.gpu`.
 `make bench-gpu PRESET=llama3_2_1b` (`--preset`): a model preset of experiments/model/ instead, on one GPU, at the
-largest micro-batch the memory planner (scaling/memory.py, bf16-mixed, FSDP on one rank: nothing sharded) fits with
+largest micro-batch the memory planner (planning/memory.py, bf16-mixed, FSDP on one rank: nothing sharded) fits with
 run_plan.MIN_HEADROOM to spare, with activation checkpointing only when no micro-batch fits without it, and only as
 many of its layers as fit when the whole model does not (Llama 3.1 8B: its 128 GB of model states alone exceed an
 H200's 90%); what was chosen is printed, and the MFU counts the FLOPs of the layers run.
@@ -67,9 +67,9 @@ def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, i
     one rank) leaves MIN_HEADROOM free, without activation checkpointing, else with it (full); else the most layers
     that fit at micro-batch 1."""
     from lit_pretrain.model import shapes
-    from lit_pretrain.parallel.plan import ParallelPlan
-    from lit_pretrain.scaling.memory import memory_plan
-    from lit_pretrain.scaling.run_plan import MIN_HEADROOM
+    from lit_pretrain.planning.memory import memory_plan
+    from lit_pretrain.planning.plan import ParallelPlan
+    from lit_pretrain.planning.run_plan import MIN_HEADROOM
 
     budget = (1 - MIN_HEADROOM) * device_memory
 
@@ -92,7 +92,7 @@ def fit_one_device(model: GPTConfig, device_memory: float) -> tuple[GPTConfig, i
     if not layers:
         raise SystemExit(f"error: not one layer of the preset fits {where}: nothing to benchmark")
     cfg = dataclasses.replace(model, n_layers=layers)
-    states = 16 * shapes.params(model)  # fp32 weights, gradients and AdamW moments (scaling/memory.py)
+    states = 16 * shapes.params(model)  # fp32 weights, gradients and AdamW moments (planning/memory.py)
     return cfg, 1, ac, (f"{model.n_layers} layers do not fit {where} (their model states alone are "
                         f"{states / 1e9:.3g} GB; FSDP on one GPU shards nothing): running {layers} of the "
                         f"{model.n_layers} layers, micro-batch 1, activation checkpointing {ac}, "
@@ -108,7 +108,7 @@ def preset_config(run_file: str, preset: str, device_memory: float, dry_run: boo
 
     try:
         # Only the model is taken (the micro-batch is fitted below): the run file's tokens_per_step, a count of its
-        # own model's windows, need not divide into the preset's (parallel/batch.py).
+        # own model's windows, need not divide into the preset's (planning/batch.py).
         model = config_lib.load(run_file, [f"model={preset}", "trainer.tokens_per_step=null"],
                                 check_memory=False).model
     except ConfigError as err:
@@ -146,8 +146,8 @@ def run_model(c, name: str, steps: int, skip: int, devices: int, dry_run: bool =
     from lit_pretrain.bench.step.step import paired_case, trainer_loop
     from lit_pretrain.callbacks.throughput import gpu_peak_flops
     from lit_pretrain.model.gpt import GPT
-    from lit_pretrain.parallel.plan import plan_from
-    from lit_pretrain.parallel.strategies import build_strategy
+    from lit_pretrain.planning.plan import plan_from
+    from lit_pretrain.strategy.build import build_strategy
 
     c = experiment(c, name, devices, dry_run, *(fitted[:3] if fitted else ()))
 
@@ -251,7 +251,7 @@ def main(argv=None) -> None:
 
 def run_presets(args, devices: int) -> List[Dict]:
     from lit_pretrain import config as config_lib
-    from lit_pretrain.scaling.memory import parse_bytes
+    from lit_pretrain.planning.memory import parse_bytes
 
     if devices != 1:
         raise SystemExit("error: --preset runs on one GPU (it fits the preset to one device's memory): run it "

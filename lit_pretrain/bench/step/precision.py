@@ -5,7 +5,7 @@ Both sides run our Trainer (bench/step/step.py trainer_loop) on the experiment's
 run compiles (trainer.compile resolved by the plan: `auto` compiles the default run), alternated (bench/stats.py);
 the first `skip` steps of each run hold the compile and are left out. bf16-mixed is Lightning's autocast: the
 matmuls and attention run in bf16 on fp32 weights, the loss, the gradients, their clipping and AdamW stay fp32
-(tests/test_bf16.py).
+(tests/parallel/test_bf16.py).
 
 CPUs with bf16 matrix instructions (AVX512-BF16, AMX on Sapphire Rapids and later) run a bf16 matmul at 2-2.4x the
 fp32 one (a 2048² matmul here: `detail.matmul_peak_ratio`), which bounds the step's gain: the step is ~90% matmul
@@ -20,7 +20,7 @@ from lit_pretrain.bench import stats
 from lit_pretrain.bench.step import mfu
 from lit_pretrain.bench.step.step import trainer_loop
 from lit_pretrain.model.gpt import GPT
-from lit_pretrain.parallel.plan import build_plan
+from lit_pretrain.planning.plan import build_plan
 
 EMULATED = 0.2  # bf16 / fp32 tokens/s below this: no bf16 units, one alternation is enough
 

@@ -21,7 +21,7 @@ from lit_pretrain.module import PretrainModule
 from lit_pretrain.optim.optimizers import build_adamw, clip_by_global_norm
 from lit_pretrain.optim.schedule import lr_lambda
 from lit_pretrain.parallel.apply import apply_plan
-from lit_pretrain.parallel.plan import ParallelPlan, build_plan
+from lit_pretrain.planning.plan import ParallelPlan, build_plan
 
 
 class _StepClock(L.Callback):

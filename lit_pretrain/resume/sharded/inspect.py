@@ -8,8 +8,8 @@ from typing import Any, Dict, List
 import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 
+from lit_pretrain.atomic import file_sha256
 from lit_pretrain.errors import DataError
-from lit_pretrain.resume.atomic import file_sha256
 from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.verified import META_KEY, load_verified, verify
 

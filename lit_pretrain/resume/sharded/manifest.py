@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping
 
+from lit_pretrain.atomic import atomic_write_bytes, file_sha256
 from lit_pretrain.errors import DataError
-from lit_pretrain.resume.atomic import atomic_write_bytes, file_sha256
 from lit_pretrain.resume.verified import _refuse
 
 FORMAT = "lit-pretrain-sharded/1"
@@ -25,7 +25,7 @@ FIX = "choose another checkpoint (run.resume=auto picks the newest complete one)
 
 
 def file_record(path: str | Path) -> Dict[str, Any]:
-    """{"bytes", "sha256"} of a file: one read (resume/atomic.py's hashing) and a stat."""
+    """{"bytes", "sha256"} of a file: one read (atomic.py's hashing) and a stat."""
     return {"bytes": Path(path).stat().st_size, "sha256": file_sha256(path)}
 
 

@@ -261,7 +261,7 @@ def _own_files(folder: Path, rank: int, written: Dict[str, Dict[str, Any]]) -> D
     """Size and sha256 of the files this rank wrote (its DCP data files and rank file; rank 0 also `.metadata` and
     trainer_state.pt): the records taken while writing them (`written`), the file read back only where there is
     none (or its size differs from what was written)."""
-    from lit_pretrain.resume.atomic import file_sha256
+    from lit_pretrain.atomic import file_sha256
 
     names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + [rank_file(rank)]
     if rank == 0:
@@ -281,7 +281,7 @@ def _save_files(folder: Path, chunks: Dict[str, Chunk], group, manifest: Dict[st
     `on_complete`. `written`: the records of the files this rank wrote before (_save_torch's)."""
     from torch.distributed.checkpoint import save as dcp_save
 
-    from lit_pretrain.resume.atomic import fsync_dir
+    from lit_pretrain.atomic import fsync_dir
     from lit_pretrain.resume.sharded.format import write_manifest
     from lit_pretrain.resume.sharded.writer import HashingFileSystemWriter
 
@@ -398,7 +398,7 @@ def _tidy(root: Path) -> None:
 def _install(staging: Path, folder: Path) -> None:
     """Rename the complete staging folder to `folder`; a folder already there (a complete or cut-short save of the
     same step) is renamed aside first and deleted once the new one is in place (module docstring)."""
-    from lit_pretrain.resume.atomic import fsync_dir
+    from lit_pretrain.atomic import fsync_dir
 
     aside = folder.with_name(f".{folder.name}{REPLACED}")
     replaced = folder.is_dir()  # a real folder: _prepare_folder refused a link or a file of this name
@@ -415,7 +415,7 @@ def _install(staging: Path, folder: Path) -> None:
 def _save_torch(checkpoint: Optional[dict], folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
     """This rank's rank file (and rank 0's trainer_state.pt) in `folder`'s staging folder, each hashed as it is
     written; returns their records. Their folder's fsync is _save_files' (one per rank and save)."""
-    from lit_pretrain.resume.atomic import HashingWriter, atomic_open
+    from lit_pretrain.atomic import HashingWriter, atomic_open
     from lit_pretrain.resume.rank_state import capture
 
     records = {}

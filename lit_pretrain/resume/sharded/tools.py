@@ -23,6 +23,7 @@ from typing import Any, Dict
 import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 
+from lit_pretrain.atomic import HashingWriter, atomic_open, atomic_write_bytes
 from lit_pretrain.errors import DataError
 from lit_pretrain.internals import (
     rebuild_tensor,
@@ -32,7 +33,6 @@ from lit_pretrain.internals import (
     untyped_storage_dtypes,
     untyped_storage_identity,
 )
-from lit_pretrain.resume.atomic import HashingWriter, atomic_open, atomic_write_bytes
 from lit_pretrain.resume.sharded import format as sf
 from lit_pretrain.resume.verified import META_KEY, sidecar_path, zip_writer
 

@@ -4,7 +4,7 @@ once (from memory, by torch) and never read back from disk for its manifest reco
 torch 2.13's FileSystemWriter opens each of its files through `self.fs.create_stream` (data files, and `.metadata`
 under a temporary name it then renames through `self.fs.rename`), writes with `write`, asks `tell` for offsets and
 fsyncs `fileno()` (filesystem.py `_write_files_from_queue`, `_FileSystemWriter.finish`). The stream here is
-resume/atomic.py's HashingWriter over a WriteBehind file with a large buffer: its write-back starts while it is
+atomic.py's HashingWriter over a WriteBehind file with a large buffer: its write-back starts while it is
 written, so DCP's fsync waits for the tail only; and HashingWriter's `fileno` flushes the buffer first, which DCP's
 fsync of `.metadata`, right after pickling into the still-buffered file, needs to cover its last bytes.
 """
@@ -16,7 +16,7 @@ from typing import Dict, Generator
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from lit_pretrain.resume.atomic import WRITE_BUFFER_BYTES, HashingWriter, WriteBehind
+from lit_pretrain.atomic import WRITE_BUFFER_BYTES, HashingWriter, WriteBehind
 
 
 class _HashingFileSystem(FileSystem):

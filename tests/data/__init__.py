@@ -1,0 +1,2 @@
+"""Tests of lit_pretrain/data/: each file tests one module or one behaviour of that package, with tiny models on CPU
+and gloo for more than one process."""
