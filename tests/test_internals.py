@@ -126,6 +126,9 @@ def test_launch_local_ranks_is_lightnings_launch_body():
 def test_launch_local_ranks_starts_children_then_observes_them(monkeypatch):
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
+    # A LOCAL_RANK left in this worker's environment (by an earlier test) means "launched from outside": no children.
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+
     launcher = internals.SubprocessScriptLauncher(LightningEnvironment(), num_processes=1, num_nodes=1)
     started, observed = [], []
     monkeypatch.setattr(launcher, "_call_children_scripts", lambda: (started.append(1), setattr(launcher, "procs", [])))
@@ -134,8 +137,10 @@ def test_launch_local_ranks_starts_children_then_observes_them(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero"])
-def test_local_launcher_swap_replaces_lightnings_launcher(name):
+def test_local_launcher_swap_replaces_lightnings_launcher(name, monkeypatch):
     from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # else Lightning leaves the launch to whoever set it
 
     from lit_pretrain.launch.launcher import WatchedLauncher
     from lit_pretrain.schema import StrategyConfig, TrainerConfig

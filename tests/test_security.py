@@ -104,7 +104,7 @@ def test_servers_listen_on_loopback_only():
                  for p in sorted((ROOT / folder).rglob("*.py")) if p.name != "test_security.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if wildcard.search(line)]
     assert offenders == []
-    assert "--bind\", \"127.0.0.1\"" in (ROOT / "tests" / "test_deduplication.py").read_text()
+    assert "--bind\", \"127.0.0.1\"" in (ROOT / "tests" / "data" / "test_deduplication.py").read_text()
 
 
 @pytest.mark.parametrize("override", ["strategy=../../etc/x", "model=/tmp/x", "strategy=a/b", "model=.hidden/x"])

@@ -29,7 +29,7 @@ def test_builds_the_named_callback_with_its_arguments():
 @pytest.mark.parametrize("class_path, args, message", [
     ("no_such_module_xyz:Thing", {}, r"callbacks\.extra\[0\]\.class_path='no_such_module_xyz:Thing': cannot import"),
     ("tests.callbacks.test_callbacks:NotACallback", {}, "is not a Lightning Callback class"),
-    ("tests.callbacks.test_callbacks:Missing", {}, r"module tests\.test_callbacks has no 'Missing'"),
+    ("tests.callbacks.test_callbacks:Missing", {}, r"module tests\.callbacks\.test_callbacks has no 'Missing'"),
     ("tests.callbacks.test_callbacks:CountSteps", {"every_n_step": 3}, r"callbacks\.extra\[0\]\.init_args do not fit"),
 ])
 def test_bad_specs_name_the_key(class_path, args, message):
