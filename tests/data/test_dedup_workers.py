@@ -136,7 +136,7 @@ def test_the_cli_exits_2_with_one_line_when_workers_cannot_start(tmp_path, monke
 # A main module a spawned process cannot re-import: multiprocessing's workers died at start for ever.
 PIPED_SCRIPT = f"""
 import json, sys
-from lit_pretrain.data import minhash
+from lit_pretrain.data.preparation import minhash
 from lit_pretrain.data.preparation.corpus import Document
 from lit_pretrain.data.preparation.deduplicate import deduplicate
 from lit_pretrain.schema import DeduplicationConfig
