@@ -5,7 +5,6 @@ name runs the new module. The table is data, written with the move; the finder s
 answers only the names listed here, and only where the new module exists."""
 
 import importlib
-import importlib.abc
 import importlib.util
 import sys
 import warnings
@@ -57,7 +56,9 @@ MOVED = {
 }
 
 
-class _Alias(importlib.abc.Loader):
+class _Alias:
+    # The loader protocol by its methods, not importlib.abc's base classes: importing importlib.abc pulls in
+    # importlib.resources (~16 ms), on every command's start.
     def __init__(self, old: str, new: str):
         self.old, self.new = old, new
 
@@ -79,7 +80,7 @@ class _Alias(importlib.abc.Loader):
         return importlib.util.find_spec(self.new).submodule_search_locations is not None
 
 
-class MovedFinder(importlib.abc.MetaPathFinder):
+class MovedFinder:  # the meta path finder protocol (find_spec), as _Alias
     def find_spec(self, fullname, path=None, target=None):
         new = MOVED.get(fullname)
         if new is None:
