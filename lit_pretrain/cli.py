@@ -132,6 +132,8 @@ def _hf_commands(sub) -> None:
     cmd.add_argument("source", metavar="RUN_OR_CKPT", help="a run folder (its last.ckpt) or a checkpoint file in one")
     cmd.add_argument("--to", choices=["hf"], required=True, help="the format: hf (Hugging Face transformers)")
     cmd.add_argument("out", metavar="OUT", help="the folder to write; it must not exist or be empty")
+    cmd.add_argument("--weights", choices=["raw", "ema"], default="raw",
+                     help="raw: the trained weights (default); ema: their exponential moving average (callbacks.ema)")
     text = ("write a prepared folder's token shards in another pipeline's format: megatron (.bin + .idx) or numpy "
             "(OLMo-core's flat ids + .csv.gz document offsets), with its tokenizer.json")
     cmd = sub.add_parser("export-data", help=text, description=text)
@@ -152,7 +154,7 @@ def _run_hf(args, started: float) -> None:
     from lit_pretrain.interop import hf
 
     if args.command == "export":
-        print(f"wrote {hf.export_run(args.source, args.out)}")
+        print(f"wrote {hf.export_run(args.source, args.out, weights=args.weights)}")
     elif args.out is not None:
         if args.run_file is not None:
             raise ConfigError("import: give RUN_FILE to train from the weights, or --out FILE to write them, not both")
