@@ -90,6 +90,12 @@ def test_run_with_ema_averages_exports_and_never_overwrites(tmp_path, tiny_data_
     for name, p in ema.named_parameters():
         assert torch.equal(p, newest[EMA_KEY][name]), name
 
+    consolidated = tmp_path / "step4.ckpt"  # `checkpoint consolidate` keeps it
+    assert cli.main(["checkpoint", "consolidate", str(run / "checkpoints" / "step0000004"), str(consolidated)]) == 0
+    from_file = read_checkpoint(consolidated)[EMA_KEY]
+    assert list(from_file) == list(newest[EMA_KEY]) and all(torch.equal(v, newest[EMA_KEY][k])
+                                                             for k, v in from_file.items())
+
     assert cli.main(["checkpoint", "average", str(run), "--last", "3"]) == 0
     out = run / "checkpoints" / "average-step0000002-0000004-k3.ckpt"
     averaged, parts = load_gpt(out), [load_gpt(run, f"step{s:07d}").state_dict() for s in (2, 3, 4)]
