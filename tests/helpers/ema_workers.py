@@ -7,10 +7,13 @@ of 2 processes, each case a fit of the tiny model whose checkpoint lands in the 
 3. ddp_from_zero3.ckpt: DDP, from zero3.step2.ckpt (another layout, a one-file checkpoint);
 4. tp_from_sharded.ckpt: tensor parallelism 2, from the sharded folder zero3.step2/ (another layout, a folder).
 
+Cases 1 and 4 validate on 2 batches at steps 2 and 4: their last val/loss and val/ema_loss go to val_losses.json.
+
 `fit` is also the one-process reference the test runs in its own process. Run by tests/callbacks/test_ema.py;
 Lightning's launcher re-runs it per rank.
 """
 
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -81,13 +84,23 @@ def fit(c, out, devices, ckpt=None, callbacks=(), val_batches=0):
     return trainer, module, ema
 
 
+def val_losses(trainer) -> dict:
+    return {k: float(trainer.callback_metrics[k]) for k in ("val/loss", "val/ema_loss")}
+
+
 def main(out):
     out = Path(out)
-    fit(load("zero", 2), out / "zero3.ckpt", 2,
-        callbacks=[SaveAt(2, str(out / "zero3.step2.ckpt"), str(out / "zero3.step2"))])
+    losses = {}
+    trainer, _, _ = fit(load("zero", 2), out / "zero3.ckpt", 2, val_batches=2,
+                        callbacks=[SaveAt(2, str(out / "zero3.step2.ckpt"), str(out / "zero3.step2"))])
+    losses["zero3"] = val_losses(trainer)
     fit(load("zero", 2), out / "zero3_resumed.ckpt", 2, ckpt=out / "zero3.step2.ckpt")
     fit(load("ddp", 2), out / "ddp_from_zero3.ckpt", 2, ckpt=out / "zero3.step2.ckpt")
-    fit(load("tensor", 2, t=2), out / "tp_from_sharded.ckpt", 2, ckpt=out / "zero3.step2")
+    trainer, _, _ = fit(load("tensor", 2, t=2), out / "tp_from_sharded.ckpt", 2, ckpt=out / "zero3.step2",
+                        val_batches=2)
+    losses["tp_from_sharded"] = val_losses(trainer)
+    if trainer.is_global_zero:
+        (out / "val_losses.json").write_text(json.dumps(losses))
 
 
 if __name__ == "__main__":
