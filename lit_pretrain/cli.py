@@ -1,5 +1,5 @@
 """`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`, `export-data`, `checkpoint inspect |
-consolidate`, `launch slurm | torchrun`, `ladder`: parse, load the config, call one function."""
+consolidate | average`, `launch slurm | torchrun`, `ladder`: parse, load the config, call one function."""
 
 import argparse
 import dataclasses
@@ -85,9 +85,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _checkpoint_commands(sub) -> None:
-    """`checkpoint inspect | consolidate` (lit_pretrain/resume/sharded/inspect.py, tools.py): one process, no
-    process group."""
-    text = "look into a checkpoint, or write a sharded one as one file"
+    """`checkpoint inspect | consolidate | average` (lit_pretrain/resume/sharded/inspect.py, tools.py; average.py):
+    one process, no process group."""
+    text = "look into a checkpoint, write a sharded one as one file, or average several"
     actions = sub.add_parser("checkpoint", help=text, description=text).add_subparsers(dest="action", required=True)
     text = ("print step, layout, tensors, bytes and whether every checksum holds (exit 2 when one does not). Reads "
             "a sharded folder's manifest.json, every file it lists (size, sha256), then DCP's .metadata; or a .ckpt "
@@ -102,6 +102,26 @@ def _checkpoint_commands(sub) -> None:
     cmd = actions.add_parser("consolidate", help=text.split(", in memory")[0], description=text)
     cmd.add_argument("ckpt", metavar="CKPT", help="a sharded checkpoint folder (checkpoints/step0000012/)")
     cmd.add_argument("out", metavar="OUT", help="the file to write (it must not exist): *.ckpt or *.safetensors")
+    text = ("average a run's last K checkpoints (or those of some steps) into one .ckpt that exports and evaluates like "
+            "any other (lit_pretrain/resume/average.py): fp32 weights, a uniform mean unless --weights")
+    cmd = actions.add_parser("average", help=text.split(" (")[0], description=text)
+    cmd.add_argument("run", metavar="RUN", help="a run folder (runs/<name>) with step checkpoints")
+    pick = cmd.add_mutually_exclusive_group(required=True)
+    pick.add_argument("--last", type=int, metavar="K", help="the newest K step checkpoints")
+    pick.add_argument("--steps", type=_numbers(int), metavar="A,B,C", help="the checkpoints of these steps")
+    cmd.add_argument("--weights", type=_numbers(float), metavar="W1,W2,...",
+                     help="a weighted merge: one weight per checkpoint, oldest first (normalized by their sum)")
+    cmd.add_argument("--out", metavar="FILE", help="the .ckpt to write (it must not exist); default: "
+                     "RUN/checkpoints/average-step<first>-<last>-k<K>.ckpt")
+
+
+def _numbers(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers, e.g. 1,2,3") from None
+    return parse
 
 
 def _checkpoint(args) -> int:
@@ -114,6 +134,10 @@ def _checkpoint(args) -> int:
             if report["failures"]:
                 raise DataError(f"checkpoint {report['path']} fails its checksums ({len(report['failures'])} lines "
                                 "above): choose another checkpoint")
+        elif args.action == "average":
+            from lit_pretrain.resume.average import average_run
+
+            print(f"wrote {average_run(args.run, args.last, args.steps, args.weights, args.out)}")
         else:
             from lit_pretrain.resume.sharded.tools import consolidate
 
@@ -132,6 +156,8 @@ def _hf_commands(sub) -> None:
     cmd.add_argument("source", metavar="RUN_OR_CKPT", help="a run folder (its last.ckpt) or a checkpoint file in one")
     cmd.add_argument("--to", choices=["hf"], required=True, help="the format: hf (Hugging Face transformers)")
     cmd.add_argument("out", metavar="OUT", help="the folder to write; it must not exist or be empty")
+    cmd.add_argument("--weights", choices=["raw", "ema"], default="raw",
+                     help="raw: the trained weights (default); ema: their exponential moving average (callbacks.ema)")
     text = ("write a prepared folder's token shards in another pipeline's format: megatron (.bin + .idx) or numpy "
             "(OLMo-core's flat ids + .csv.gz document offsets), with its tokenizer.json")
     cmd = sub.add_parser("export-data", help=text, description=text)
@@ -152,7 +178,7 @@ def _run_hf(args, started: float) -> None:
     from lit_pretrain.interop import hf
 
     if args.command == "export":
-        print(f"wrote {hf.export_run(args.source, args.out)}")
+        print(f"wrote {hf.export_run(args.source, args.out, weights=args.weights)}")
     elif args.out is not None:
         if args.run_file is not None:
             raise ConfigError("import: give RUN_FILE to train from the weights, or --out FILE to write them, not both")

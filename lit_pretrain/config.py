@@ -550,6 +550,10 @@ def _check_callbacks(config: Config) -> None:
     if spike.enabled and spike.threshold_sigmas is None and spike.threshold_ratio is None:
         raise ConfigError("callbacks.loss_spike: set threshold_sigmas, threshold_ratio or both (a spike must pass "
                           "every one set)")
+    ema = config.callbacks.ema
+    if ema.enabled and ema.start_step >= config.trainer.max_steps:
+        raise ConfigError(f"callbacks.ema.start_step={ema.start_step} is not below trainer.max_steps="
+                          f"{config.trainer.max_steps}: the average would never start; lower start_step")
     d = config.callbacks.downstream_eval
     if not d.enabled:
         return

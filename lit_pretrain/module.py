@@ -250,6 +250,22 @@ class PretrainModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         if batch_idx == 0:
             self._val_started = time.perf_counter()
+        batch_totals = self.validation_totals(batch)
+        if getattr(self, "_val_totals", None) is None:
+            self._val_totals = torch.zeros(3, dtype=torch.float64, device=batch_totals.device)
+        self._val_totals += batch_totals
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        sources = getattr(datamodule, "val_batch_sources", None)
+        if sources:
+            # A mixture: every validation batch holds one source's windows (data/validation.py val_batches).
+            if getattr(self, "_val_by_source", None) is None:
+                self._val_by_source = torch.zeros(len(datamodule.source_names), 3, dtype=torch.float64,
+                                                  device=batch_totals.device)
+            self._val_by_source[sources[batch_idx]] += batch_totals
+
+    def validation_totals(self, batch) -> torch.Tensor:
+        """(nats, predicted tokens, their UTF-8 bytes) of a validation batch under the weights the model holds now,
+        float64 on the device: what val/loss sums (and the weights' EMA, callbacks/ema.py, on the same batches)."""
         x, y = batch
         if self.eod_id is not None:
             # Under document masking the targets after an EOD are not predicted: neither their nats nor their bytes
@@ -264,18 +280,7 @@ class PretrainModule(L.LightningModule):
         nats = torch.where(predicted > 0, loss.detach().double() * predicted, 0.0)
         table = token_bytes_table(self)
         n_bytes = table[y[kept]].sum().double() if table is not None else torch.full((), -1.0, dtype=torch.float64)
-        batch_totals = torch.stack([nats, predicted.double(), n_bytes.to(nats.device)])
-        if getattr(self, "_val_totals", None) is None:
-            self._val_totals = torch.zeros(3, dtype=torch.float64, device=loss.device)
-        self._val_totals += batch_totals
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        sources = getattr(datamodule, "val_batch_sources", None)
-        if sources:
-            # A mixture: every validation batch holds one source's windows (data/validation.py val_batches).
-            if getattr(self, "_val_by_source", None) is None:
-                self._val_by_source = torch.zeros(len(datamodule.source_names), 3, dtype=torch.float64,
-                                                  device=loss.device)
-            self._val_by_source[sources[batch_idx]] += batch_totals
+        return torch.stack([nats, predicted.double(), n_bytes.to(nats.device)])
 
     def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
         self._val_batches_done = time.perf_counter()

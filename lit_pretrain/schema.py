@@ -739,6 +739,23 @@ class DownstreamEvalConfig(Section):
 
 
 @dataclass
+class EmaConfig(Section):
+    enabled: bool = False
+    """Keep an exponential moving average of the weights in fp32 beside them (callbacks/ema.py; Polyak averaging as
+    timm's ModelEmaV3 and OLMo-core keep it), updated after each optimizer step, evaluated at every validation on the
+    same windows as the weights (val/ema_loss beside val/loss), saved in every checkpoint and sharded like the weights;
+    `lit-pretrain export --weights ema` writes it. The loss spike's rewind restores the weights, not the average."""
+    decay: float = field(default=0.999, metadata={"gt": 0.0, "lt": 1.0})
+    """Per optimizer step: ema <- decay * ema + (1 - decay) * weights, so the average reaches back about 1 / (1 -
+    decay) steps (0.999: 1,000)."""
+    start_step: int = field(default=0, metadata={"ge": 0})
+    """The optimizer step at which the average starts, as a copy of the weights then (0: the initial weights)."""
+    every_n_steps: int = field(default=1, metadata={"ge": 1})
+    """Update every this many steps after start_step, each update with decay ** every_n_steps, so the horizon in
+    steps stays that of `decay` at a fraction of the update's cost."""
+
+
+@dataclass
 class CallbacksConfig(Section):
     extra: List[CallbackSpec] = field(default_factory=list)
     """User callbacks added to the Trainer, each `{class_path: "module:Class", init_args: {...}}`."""
@@ -756,6 +773,8 @@ class CallbacksConfig(Section):
     """lm-evaluation-harness tasks during training."""
     moe: MoEMonitorConfig = field(default_factory=MoEMonitorConfig)
     """Mixture-of-experts routing statistics and router-collapse events (model.moe only)."""
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    """Exponential moving average of the weights."""
 
 
 @dataclass

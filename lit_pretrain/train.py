@@ -321,6 +321,8 @@ def run_summary(c: Config, run_dir: Path, batch, pieces: list, datamodule: Token
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
         "val_bits_per_byte": metrics.get("val/bits_per_byte"),
+        # callbacks.ema: the weights' EMA on the same validation windows (callbacks/ema.py)
+        **({"final_val_ema_loss": metrics["val/ema_loss"]} if "val/ema_loss" in metrics else {}),
         "unigram_entropy_nats": manifest.get("unigram_entropy_nats"),
         "wall_seconds": time.perf_counter() - started,  # this invocation, start (imports included) to end
         "train_seconds": train_seconds,  # all sessions of the run; tokens_per_second divides tokens_seen by it

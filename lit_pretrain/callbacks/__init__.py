@@ -14,7 +14,17 @@ from lit_pretrain.schema import Config
 
 def build_callbacks(c: Config) -> list[Callback]:
     """Every callback the config asks for: the stability ones (in the order their hooks must run), then the user's."""
-    return stability_callbacks(c) + evaluation_callbacks(c) + user_callbacks(c.callbacks)
+    return stability_callbacks(c) + ema_callbacks(c) + evaluation_callbacks(c) + user_callbacks(c.callbacks)
+
+
+def ema_callbacks(c: Config) -> list[Callback]:
+    """The weights' EMA (callbacks.ema): before the evaluation callbacks, so val/ema_loss is logged with val/loss."""
+    e = c.callbacks.ema
+    if not e.enabled:
+        return []
+    from lit_pretrain.callbacks.ema import WeightEma
+
+    return [WeightEma(e.decay, e.start_step, e.every_n_steps)]
 
 
 def evaluation_callbacks(c: Config) -> list[Callback]:

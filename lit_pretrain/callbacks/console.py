@@ -58,7 +58,8 @@ class ValidationLine(Callback):
         if not trainer.is_global_zero or trainer.sanity_checking or trainer.state.fn != "fit":
             return  # trainer.validate after fit: the run's report follows at once
         metrics = trainer.callback_metrics
-        losses = ", ".join(f"{key} {float(metrics[key]):.4f}" for key in ("train/loss", "val/loss") if key in metrics)
+        losses = ", ".join(f"{key} {float(metrics[key]):.4f}" for key in ("train/loss", "val/loss", "val/ema_loss")
+                           if key in metrics)
         print(f"step {trainer.global_step}/{trainer.max_steps}: {losses}", flush=True)
 
 

@@ -85,12 +85,12 @@ def run_tokenizer(run_dir: Path) -> Path:
     return path
 
 
-def export_run(source: str | Path, out: str | Path) -> Path:
-    """`lit-pretrain export RUN_OR_CKPT --to hf OUT`."""
+def export_run(source: str | Path, out: str | Path, weights: str = "raw") -> Path:
+    """`lit-pretrain export RUN_OR_CKPT --to hf OUT [--weights raw|ema]` (ema: the weights' EMA, callbacks.ema)."""
     run_dir, checkpoint = resolve_source(source)
     tokenizer = run_tokenizer(run_dir)
     out = check_target(out)  # before reading the checkpoint: refuse a full folder at once
-    return export_gpt(load_gpt(run_dir, checkpoint), tokenizer, out)
+    return export_gpt(load_gpt(run_dir, checkpoint, weights=weights), tokenizer, out)
 
 
 def check_target(out: str | Path) -> Path:

@@ -261,6 +261,17 @@ class ParallelModel:
             value = self.ep.slice(value)
         return shard(value, style_of(name, self.tp_plan), self.tp_rank, self.t)
 
+    def full_like_parameters(self, named: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
+        """Tensors laid out like their parameters (single-process names; an FSDP shard a DTensor like its
+        parameter), whole, on global rank 0 (None elsewhere), as full_state gathers the weights: the weights' EMA
+        (callbacks/ema.py). Every rank calls it with the same names in the same order."""
+        return self._gather_named(named)
+
+    def share_like(self, name: str, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the whole tensor `value` of parameter `name`, laid out as `param` (load_full_state's
+        slicing, no communication)."""
+        return like(self._share(name, value), param)
+
     def full_state(self) -> Optional[Dict[str, torch.Tensor]]:
         """The single-process state dict (names and order of the full GPT) on global rank 0, None elsewhere."""
         merged = self._gather_named(self.gpt.state_dict())

@@ -140,20 +140,43 @@ def _section(state: dict, path: Path, name: str, cls: type) -> Any:
                     "outside a run folder: read it from its run's checkpoints/ folder, beside the run's config.yaml")
 
 
-def _gpt(state: dict, path: Path) -> GPT:
+WEIGHTS = ("raw", "ema")  # which weights load_gpt gives: the trained ones, or their EMA (callbacks.ema)
+
+
+def _gpt(state: dict, path: Path, weights: str = "raw") -> GPT:
     if "state_dict" not in state:
         raise DataError(f"checkpoint {path} has no state_dict: not a training checkpoint of this project")
-    weights = {k[len(MODULE_PREFIX):]: v for k, v in state["state_dict"].items() if k.startswith(MODULE_PREFIX)}
+    raw = {k[len(MODULE_PREFIX):]: v for k, v in state["state_dict"].items() if k.startswith(MODULE_PREFIX)}
     model = GPT(_section(state, path, "model", GPTConfig))
-    model.load_state_dict(weights, strict=True)
+    model.load_state_dict(raw, strict=True)
+    if weights == "ema":
+        from lit_pretrain.resume.sharded.save import EMA_KEY  # torch.distributed: only for the EMA
+
+        _load_ema(model, state.get(EMA_KEY), path)
+    elif weights != "raw":
+        raise DataError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
     return model.eval()
 
 
-def load_gpt(source: str | Path, checkpoint: str = "last.ckpt") -> GPT:
+def _load_ema(model: GPT, ema: Any, path: Path) -> None:
+    """The EMA of every parameter in place of the weights; buffers (a MoE layer's routing bias) stay the trained
+    model's, as the average keeps none of them (callbacks/ema.py)."""
+    if not ema:
+        raise DataError(f"checkpoint {path} holds no EMA of the weights: it was written without callbacks.ema."
+                        "enabled=true (or before the average started at callbacks.ema.start_step); use the raw "
+                        "weights (--weights raw) or a checkpoint of a run with the EMA")
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied embedding once, as the EMA keeps it
+            if name not in ema or tuple(ema[name].shape) != tuple(p.shape):
+                raise DataError(f"checkpoint {path}: its EMA lacks {name} {tuple(p.shape)}: it is not this model's")
+            p.copy_(ema[name])
+
+
+def load_gpt(source: str | Path, checkpoint: str = "last.ckpt", weights: str = "raw") -> GPT:
     """The GPT of a checkpoint file, or of `source/checkpoints/<checkpoint>` of a run folder, shaped by the config
-    the checkpoint carries."""
+    the checkpoint carries. weights="ema": the EMA of the weights the checkpoint holds (callbacks.ema)."""
     path = checkpoint_path(source, checkpoint)
-    return _gpt(_read(path), path)
+    return _gpt(_read(path), path, weights)
 
 
 def load_optimizer_state(source: str | Path, checkpoint: str = "last.ckpt",

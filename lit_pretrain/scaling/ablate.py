@@ -13,7 +13,8 @@ An ablation file is data (yaml.safe_load), not a run file:
 Every arm of one ablation sees the same data, seed, steps and tokens; only its overrides differ. Arm runs go to
 <root>/<ablation>/<arm> (root: runs/ablations); a run with a summary.json is reused, never retrained, so an
 interrupted `make ablate` continues where it stopped. Outputs: <root>/ablations.png (one panel per ablation:
-training loss against tokens seen, one line per arm) and <root>/ablations.md (final val/bits_per_byte per arm).
+training loss against tokens seen, one line per arm) and <root>/ablations.md (final val/bits_per_byte per arm; an
+arm with callbacks.ema has a row "<arm> (EMA)" more, its val/ema_loss).
 """
 
 import argparse
@@ -151,6 +152,10 @@ def run(names: Sequence[str] = (), folder: Path = ABLATIONS, root: Path = ROOT, 
                 "bits_per_byte": bpb if bpb is not None else final(rows, "val/bits_per_byte"),
                 "val_loss": summary.get("final_val_loss"),
                 "steps": summary.get("steps"), "tokens": summary.get("tokens_seen")}
+            if summary.get("final_val_ema_loss") is not None:  # callbacks.ema: the same run's average, its own row
+                results[ablation.name][f"{arm} (EMA)"] = {
+                    "bits_per_byte": None, "val_loss": summary["final_val_ema_loss"],
+                    "steps": summary.get("steps"), "tokens": summary.get("tokens_seen")}
     root.mkdir(parents=True, exist_ok=True)
     text = table(results, {a.name: a.description for a in ablations})
     _atomic_write(root / "ablations.md", lambda f: f.write(text.encode()))

@@ -46,6 +46,9 @@ from lit_pretrain.internals import dump_checkpoint
 from lit_pretrain.resume.sharded.manifest import TRAINER_STATE
 
 MODEL, OPTIM = "model.", "optim."
+# The weights' EMA (callbacks/ema.py): `ema.<name>` in a folder, laid out like `model.<name>`; in a one-file checkpoint
+# the whole tensors by single-process parameter name under EMA_KEY.
+EMA, EMA_KEY = "ema.", "ema_weights"
 SAVING, REPLACED = ".saving", ".replaced"
 HIDDEN_STEP_DIR = re.compile(r"^\.(step\d{7,})(\.saving|\.replaced)$")  # staging_folder's and _install's names
 SHARDED_KEY = "lit_pretrain_sharded"  # set in the dict load_checkpoint returns: model and optimizer already loaded
@@ -336,6 +339,9 @@ class ShardedSaver:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         chunks = {**model_chunks(module.model, module.parallel),
                   **optimizer_chunks(module.model, optimizer, module.parallel)}
+        for callback in trainer.callbacks:  # a callback's own tensors sharded like the weights (callbacks/ema.py)
+            if hasattr(callback, "checkpoint_chunks"):
+                chunks.update(callback.checkpoint_chunks(trainer))
         if self.async_save:  # the staging: a copy of this rank's share, so training may change the originals
             chunks = {k: Chunk(c.local.clone(), c.size(), c.offsets) for k, c in chunks.items()}
         group, rank = checkpoint_group(), _rank()
@@ -505,14 +511,17 @@ def read_trainer_state(folder: Path) -> Dict[str, Any]:
 
 def as_single_checkpoint(folder: Path) -> Dict[str, Any]:
     """The folder as a one-file checkpoint holds it (single-process state dict under `model.`, the optimizer state
-    by parameter name: optim/named_state.py), in one process without a process group: what load_gpt /
+    by parameter name: optim/named_state.py; the weights' EMA under EMA_KEY), in one process without a process group: what load_gpt /
     load_optimizer_state and a one-process resume read. The whole state passes through memory."""
-    from lit_pretrain.resume.sharded.format import load_sharded_full
+    from lit_pretrain.resume.sharded.format import VerifiedFileSystemReader, load_sharded_full
 
-    weights = load_sharded_full(folder, MODEL)  # verifies the whole folder first (trainer_state.pt included)
+    storage = VerifiedFileSystemReader(folder)  # verifies the whole folder first (trainer_state.pt included)
+    weights = load_sharded_full(folder, MODEL, storage)
     checkpoint = read_trainer_state(folder)
     checkpoint["state_dict"] = {**checkpoint.get("state_dict", {}), **{MODEL + k: v for k, v in weights.items()}}
     checkpoint["optimizer_states"] = [named_optimizer_state(checkpoint, load_sharded_full(folder, OPTIM), folder)]
+    if any(k.startswith(EMA) for k in storage.read_metadata().state_dict_metadata):
+        checkpoint[EMA_KEY] = load_sharded_full(folder, EMA, storage)
     checkpoint.pop("param_names", None)
     return checkpoint
 

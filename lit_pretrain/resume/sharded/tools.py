@@ -142,6 +142,12 @@ def _write_checkpoint(folder: Path, reader, saved: Dict, trainer: Dict, out: Pat
     if head in ckpt["state_dict"] and embedding in ckpt["state_dict"] and _model_fields(folder, trainer, {}).get(
             "tie_embeddings"):  # one matrix under two names, stored once, as torch.save stores a tied GPT
         ckpt["state_dict"][head] = ckpt["state_dict"][embedding]
+    from lit_pretrain.resume.sharded.save import EMA, EMA_KEY
+
+    ema = {k[len(EMA):]: _Pending(k, md) for k, md in saved.items()
+           if k.startswith(EMA) and isinstance(md, dcp_meta.TensorStorageMetadata)}
+    if ema:  # the weights' EMA (callbacks/ema.py), whole by parameter name as a one-file checkpoint holds it
+        ckpt[EMA_KEY] = ema
     if any(k.startswith(OPTIM) for k in saved):
         states = trainer.get("optimizer_states")
         if not (isinstance(states, list) and len(states) == 1 and isinstance(states[0], dict)):
