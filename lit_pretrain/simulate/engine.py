@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lit_pretrain.internals import fake_tensor_mode, init_fake_process_group, memory_tracker, peak_by_kind
+from lit_pretrain.internals import (dispatch_mode_class, fake_tensor_mode, init_fake_process_group, memory_tracker,
+                                   peak_by_kind)
 from lit_pretrain.simulate.collectives import CollectiveCounter
 
 MEMORY_KINDS = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
@@ -75,10 +76,10 @@ def group_labels(mesh) -> Dict[Tuple[int, ...], str]:
     return labels
 
 
-def build(config, plan, rank: int):
-    """(gpt, ParallelModel, optimizer, mesh) of `rank`, built on the meta device and wrapped by `apply_plan` as
-    PretrainModule.configure_model wraps it (our mesh, or the data-parallel mesh Lightning's FSDP strategy builds);
-    the tensors are made fake afterwards (`materialize`)."""
+def build(config, plan, device: str = "meta"):
+    """(gpt, ParallelModel, mesh) of this process's rank (its process group initialized), built on `device` ("meta":
+    no memory, made fake afterwards; "cpu": a real run's, tests/simulate/) and wrapped by `apply_plan` as
+    PretrainModule.configure_model wraps it (our mesh, or the data-parallel mesh Lightning's FSDP strategy builds)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lit_pretrain.model.gpt import GPT
@@ -86,9 +87,8 @@ def build(config, plan, rank: int):
     from lit_pretrain.parallel.mesh import build_mesh
     from lit_pretrain.planning.plan import sized_model
 
-    init_fake_process_group(rank, plan.world_size)
     torch.manual_seed(0)
-    with torch.device("meta"):
+    with torch.device(device):
         gpt = GPT(sized_model(config))
         if config.trainer.precision == "bf16-true":  # Lightning's bf16-true converts the module before the step
             gpt = gpt.to(torch.bfloat16)
@@ -118,50 +118,43 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
     reuse (the gradients), the second is every later one's twin, so the step's collectives are the first, the
     second times (accumulation - 1), and the step's own."""
     from lit_pretrain.optim.optimizers import build_optimizer
-    from lit_pretrain.optim.step_guard import StepGuard
 
     started = time.perf_counter()
     plan = replace(config.plan, compile=False)
+    if plan.pipeline_parallel > 1:
+        from lit_pretrain.errors import ConfigError
+
+        raise ConfigError(f"strategy.pipeline_parallel={plan.pipeline_parallel}: this layout cannot be simulated: the "
+                          "pipeline schedule sends its stages' shapes to each other as pickled objects at its first "
+                          "step, which the fake backend does not carry; check it with `lit-pretrain memory --run`")
     notes = []
     if config.plan.compile:
         notes.append("trainer.compile: simulated eager (compile fuses temporaries; see docs/large-runs.md)")
-    gpt, par, mesh = build(config, plan, rank)
+    init_fake_process_group(rank, plan.world_size)
     try:
+        gpt, par, mesh = build(config, plan)
         fake = fake_tensor_mode()
         with fake:
             gpt.to_empty(device="cpu")
             optimizer = build_optimizer(gpt, config.optim, plan.zero_stage, layout=par)
         x, y = batch_of(config, fake)
         accumulate = accumulation(config)
-        if par.runner is not None:
-            par.runner.scale = 1.0 / accumulate  # MeshStrategy.setup
         run = min(accumulate, max_micro_batches)
         labels = group_labels(mesh)
         tracker = memory_tracker()
         tracker.track_external(gpt, optimizer)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.trainer.precision == "bf16-mixed")
-        parts: List[CollectiveCounter] = []
-        eod = None  # data.document_masking needs the tokenizer's id; the mask's memory is the same for any id
-        if config.data.document_masking:
-            eod = 0
-        guard = StepGuard(par.grad_norm)  # the module's guard, its norm the plan's (PretrainModule.on_fit_start)
-        with fake, tracker:
-            for step in range(steps):
-                guard.begin(step)
-                parts = []
-                optimizer.zero_grad()  # PretrainModule.on_train_batch_start, an accumulation's first micro-batch
-                for _ in range(run):
-                    tracker.reset_mod_stats()  # its per-module stats allow one forward each; the peak is kept
-                    with CollectiveCounter(labels) as counter, autocast:
-                        out = par.losses((x, y), config.optim.z_loss, eod, training=True)
-                        if not par.runs_backward:
-                            (out.trained / accumulate).backward()  # Lightning's backward of an accumulated step
-                    parts.append(counter)
-                with CollectiveCounter(labels) as counter:
-                    par.sync_gradients()  # MeshStrategy.optimizer_step's closure (a no-op without our mesh)
-                    guard.clip(gpt.parameters(), config.optim.grad_clip_norm)  # configure_gradient_clipping
-                    optimizer.step()
-                parts.append(counter)
+        try:
+            with fake, valueless(), tracker:
+                parts = run_steps(config, par, gpt, optimizer, (x, y), steps, run, labels, tracker)
+        except Exception as err:  # fake tensors hold no values: a shape that depends on them cannot be made
+            if type(err).__name__ not in ("DynamicOutputShapeException", "DataDependentOutputException"):
+                raise
+            from lit_pretrain.errors import ConfigError
+
+            raise ConfigError(f"{plan.describe()}: this layout cannot be simulated: {type(err).__name__} in "
+                              f"{err.args[0] if err.args else err} (a shape that depends on tensor values, such as "
+                              "model.moe's tokens per expert under strategy.expert_parallel, which fake tensors do "
+                              "not hold); check it with `lit-pretrain memory --run`") from None
         collectives = step_collectives(parts, accumulate, run)
         state = state_bytes(gpt, optimizer)
         peak = peak_by_kind(tracker)
@@ -173,6 +166,26 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
         dist.destroy_process_group()
     return RankResult(rank, mesh_coordinates(plan, rank), peak, state, collectives, accumulate, run,
                       time.perf_counter() - started, groups, checkpoint, notes)
+
+
+def valueless():
+    """A dispatch mode answering a read of a tensor's value on the host (`.item()`, `float(t)`: aten's
+    _local_scalar_dense) that the fake mode cannot answer with 1: fake tensors hold no values but the constants they
+    were made from (AdamW's step count is one, and answered as it is). What the step reads there is a logged
+    figure, never a shape."""
+    base = dispatch_mode_class()
+
+    class Valueless(base):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            try:
+                return func(*args, **(kwargs or {}))
+            except Exception as err:
+                if func is not torch.ops.aten._local_scalar_dense.default or \
+                        type(err).__name__ != "DataDependentOutputException":
+                    raise
+                return True if args[0].dtype == torch.bool else 1
+
+    return Valueless()
 
 
 def state_bytes(gpt, optimizer) -> Dict[str, int]:
@@ -195,6 +208,39 @@ def state_bytes(gpt, optimizer) -> Dict[str, int]:
     return {"param_bytes": size(p for p in params if isinstance(p, DTensor) or not sharded),
             "grad_bytes": size(p.grad for p in params if p.grad is not None),
             "optimizer_bytes": size(optimizer_state_tensors(optimizer))}
+
+
+def run_steps(config, par, gpt, optimizer, batch, steps: int, run: int, labels, tracker=None) -> list:
+    """`steps` optimizer steps of `run` micro-batches each, as the Trainer drives the module (the module docstring);
+    returns the last step's CollectiveCounters: one per micro-batch, then the optimizer step's. On the fake backend
+    under the simulation's modes, or on a real process group (tests/simulate/: the same counts)."""
+    from lit_pretrain.optim.step_guard import StepGuard
+
+    accumulate = accumulation(config)
+    if par.runner is not None:
+        par.runner.scale = 1.0 / accumulate  # MeshStrategy.setup
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.trainer.precision == "bf16-mixed")
+    eod = 0 if config.data.document_masking else None  # the mask's bytes are the same for any end-of-document id
+    guard = StepGuard(par.grad_norm)  # the module's guard, its norm the plan's (PretrainModule.on_fit_start)
+    parts: List[CollectiveCounter] = []
+    for step in range(steps):
+        guard.begin(step)
+        parts = []
+        optimizer.zero_grad()  # PretrainModule.on_train_batch_start, an accumulation's first micro-batch
+        for _ in range(run):
+            if tracker is not None:
+                tracker.reset_mod_stats()  # its per-module stats allow one forward each; the peak is kept
+            with CollectiveCounter(labels) as counter, autocast:
+                out = par.losses(batch, config.optim.z_loss, eod, training=True)
+                if not par.runs_backward:
+                    (out.trained / accumulate).backward()  # Lightning's backward of an accumulated micro-batch
+            parts.append(counter)
+        with CollectiveCounter(labels) as counter:
+            par.sync_gradients()  # MeshStrategy.optimizer_step's closure (a no-op without our mesh)
+            guard.clip(gpt.parameters(), config.optim.grad_clip_norm)  # configure_gradient_clipping
+            optimizer.step()
+        parts.append(counter)
+    return parts
 
 
 def step_collectives(parts: List[CollectiveCounter], accumulate: int, run: int) -> Dict[Tuple[str, str], List[int]]:
