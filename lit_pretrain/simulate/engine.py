@@ -135,7 +135,7 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
         gpt, par, mesh = build(config, plan)
         fake = fake_tensor_mode()
         with fake:
-            gpt.to_empty(device="cpu")
+            to_empty_keeping_ties(gpt)
             optimizer = build_optimizer(gpt, config.optim, plan.zero_stage, layout=par)
         x, y = batch_of(config, fake)
         accumulate = accumulation(config)
@@ -166,6 +166,21 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
         dist.destroy_process_group()
     return RankResult(rank, mesh_coordinates(plan, rank), peak, state, collectives, accumulate, run,
                       time.perf_counter() - started, groups, checkpoint, notes)
+
+
+def to_empty_keeping_ties(gpt) -> None:
+    """`to_empty` on the CPU, then every parameter shared by several modules (the tied embedding and head, which
+    apply_plan may leave as one parameter in two places) shared again: to_empty replaces it in each module apart,
+    and two copies would count its bytes, gradient and optimizer state twice."""
+    owners: Dict[int, list] = {}
+    for module in gpt.modules():
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module, name))
+    gpt.to_empty(device="cpu")
+    for places in owners.values():
+        first, name = places[0]
+        for module, other in places[1:]:
+            setattr(module, other, getattr(first, name))
 
 
 def valueless():
