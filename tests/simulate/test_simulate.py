@@ -134,3 +134,35 @@ def test_simulation_counts_what_a_real_gloo_step_counts():
             # Counts and bytes are integers of shapes: equal, call for call, or the simulation is wrong.
             assert sim.collectives == real[(name, rank)]["collectives"], (name, rank)
             assert sim.state == real[(name, rank)]["state"], (name, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_file", ["experiments/runs/llama3_1_8b_h200x8.yaml",  # ZeRO-3 over 8
+                                      "experiments/runs/llama3_1_8b_h200x32.yaml"])  # HSDP 4 x 8
+def test_shipped_run_files_hold_the_planners_to_the_simulation(run_file):
+    """The shipped 8B files at their world size, one block (the others repeat it: every count below is linear in
+    the blocks) and 2 of their micro-batches: model states equal to the memory planner's padded shards (+ AdamW's
+    step scalars) and every collective equal to planning/communication.fsdp_step, calls and bytes."""
+    from lit_pretrain.model import shapes
+    from lit_pretrain.planning.communication import fsdp_step
+    from lit_pretrain.planning.memory import per_rank_model_state_bytes
+    from lit_pretrain.planning.plan import sized_model
+    from lit_pretrain.simulate.engine import simulate_rank
+
+    cfg = config.load(run_file, ["model.n_layers=1"], check_inputs=False)
+    plan = cfg.plan
+    result = simulate_rank(cfg, 0, steps=1)
+    model = sized_model(cfg)
+    param_shapes = shapes.param_shapes(model)
+    planned = per_rank_model_state_bytes(model, plan.data_parallel_shard, 3, "bf16-mixed-policy")
+    planned["optimizer_bytes"] += 4 * len(param_shapes)  # AdamW's step scalars (see the ZeRO-3 test above)
+    assert result.state == {k: planned[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
+    # FSDP2's policy: bf16 gathers, fp32 reduce-scatters; our mesh (HSDP) reduces one norm, Lightning's FSDP path one
+    # per parameter
+    norms = 1 if plan.uses_mesh else len(param_shapes)
+    expected = fsdp_step(param_shapes, plan.data_parallel_shard, 3, micro_batches=result.micro_batches,
+                         replicas=plan.data_parallel_replicate, gather_e=2, reduce_e=4, norm_values=norms)
+    measured = {}
+    for (kind, _), (calls, size) in result.collectives.items():
+        measured[kind] = (measured.get(kind, (0, 0))[0] + calls, measured.get(kind, (0, 0))[1] + size)
+    assert measured == expected
