@@ -17,8 +17,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lit_pretrain.internals import (dispatch_mode_class, fake_tensor_mode, init_fake_process_group, memory_tracker,
-                                   peak_by_kind)
+from lit_pretrain.internals import (
+    dispatch_mode_class,
+    fake_tensor_mode,
+    init_fake_process_group,
+    memory_tracker,
+    peak_by_kind,
+)
 from lit_pretrain.simulate.collectives import CollectiveCounter
 
 MEMORY_KINDS = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")

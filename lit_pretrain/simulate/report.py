@@ -79,13 +79,26 @@ def format_results(config, results: List[RankResult], planner: dict) -> str:
     if verdict is not None:
         device = config.trainer.device_memory_gb
         worst = max(r.peak.get("Total", 0) for r in results)
-        head += (f"\nplanner: {planner['total_bytes'] / GB:.1f} GB of {device} GB ({'fits' if verdict else 'does not fit'}"
-                 f"); simulated peak {worst / GB:.1f} GB ({'fits' if worst <= device * GB else 'does not fit'})")
+        planned = "fits" if verdict else "does not fit"
+        simulated = "fits" if simulated_fits(results, planner, device) else "does not fit"
+        head += (f"\nplanner: {planner['total_bytes'] / GB:.1f} GB of {device} GB ({planned}, keeping "
+                 f"{planner['min_headroom']:.0%} free); simulated peak {worst / GB:.1f} GB ({simulated})")
     return "\n".join([head] + [format_rank(r, planner) for r in results])
 
 
+def simulated_fits(results: List[RankResult], planner: dict, device_gb: float) -> bool:
+    """The planner's verdict (run_plan.run_memory's `fits`: MIN_HEADROOM of the device left free) for the largest
+    simulated peak."""
+    worst = max(r.peak.get("Total", 0) for r in results)
+    return worst <= device_gb * GB * (1 - planner["min_headroom"])
+
+
 def as_json(config, results: List[RankResult], planner: dict) -> dict:
+    device = config.trainer.device_memory_gb
+    fits = {"planner": planner.get("fits"),
+            "simulated": simulated_fits(results, planner, device) if planner.get("fits") is not None else None}
     return {"run": config.run.name, "world_size": config.plan.world_size, "layout": config.plan.describe(),
+            "fits": fits,
             "ranks": [{"rank": r.rank, "coordinates": r.coordinates, "peak": r.peak, "state": r.state,
                        "collectives": [{"kind": k, "group": g, "calls": c, "bytes": b}
                                        for (k, g), (c, b) in sorted(r.collectives.items())],

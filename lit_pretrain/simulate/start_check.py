@@ -68,12 +68,13 @@ def start_check(config, results: List) -> dict:
         lines.append(f"checkpoint: {len(missing)} key(s) a one-process resume reads are not saved, e.g. {missing[0]}")
     fmt = config.checkpoint.format or ("sharded" if plan.world_size > 1 else "single")
     per_rank = ", ".join(f"rank {r.rank} {sum(b for _, b in r.checkpoint.values()) / 1e9:.3f} GB" for r in results)
+    stages_note = "" if whole else " (the simulated pipeline stages only: --ranks corners for all)"
     lines.append(f"checkpoint ({fmt} format): {len(saved)} tensors by single-process name, global shapes as a "
-                 f"one-process resume reads them{'' if whole else ' (the simulated pipeline stages only: --ranks corners for all)'}"
-                 f"; bytes each rank writes at most: {per_rank}")
+                 f"one-process resume reads them{stages_note}; bytes each rank writes at most: {per_rank}")
     if fmt == "sharded":
-        lines.append(f"  files: .metadata, manifest.json, trainer_state.pt, rank00000.pt .. rank{plan.world_size - 1:05d}"
-                     ".pt and one DCP data file per writing rank")
+        last = f"rank{plan.world_size - 1:05d}.pt"
+        lines.append(f"  files: .metadata, manifest.json, trainer_state.pt, rank00000.pt .. {last} and one DCP data "
+                     "file per writing rank")
     return {"ok": ok, "lines": lines}
 
 

@@ -43,14 +43,21 @@ def simulated(overrides, steps=1):
     return simulate_rank(config.load(RUN, overrides, check_inputs=False), 0, steps)
 
 
-def test_zero3_step_matches_the_planners_exactly():
+def test_zero3_step_matches_the_planners_exactly(capsys):
+    """Through the command (--json): 2 steps of a 2-micro-batch accumulation at ZeRO-3 over 2 ranks."""
+    import json
+
+    from lit_pretrain.cli import main
     from lit_pretrain.model import shapes
     from lit_pretrain.planning.communication import fsdp_step
     from lit_pretrain.planning.memory import per_rank_model_state_bytes
     from lit_pretrain.planning.plan import sized_model
 
     overrides = ["strategy=fsdp", "trainer.devices=2", "trainer.micro_batch_size=2"]  # accumulation 2
-    result = simulated(overrides, steps=2)
+    assert main(["simulate", RUN, *overrides, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    result = out["ranks"][0]
+    assert out["start_check"]["ok"] and result["micro_batches"] == result["simulated"] == 2
     cfg = config.load(RUN, overrides, check_inputs=False)
     model = sized_model(cfg)
     planned = per_rank_model_state_bytes(model, 2, 3, cfg.trainer.precision)
@@ -58,16 +65,17 @@ def test_zero3_step_matches_the_planners_exactly():
     # + AdamW's step: one fp32 scalar per parameter (its state["step"]), which the planner leaves out: 4 bytes a
     # tensor, 1e-9 of an 8B model's state (docs/large-runs.md)
     planned["optimizer_bytes"] += 4 * len(param_shapes)
-    assert result.state == {k: planned[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
+    assert result["state"] == {k: planned[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")}
     # Lightning's FSDP path (no mesh of ours): optim.grad_norm reduces one fp32 norm per parameter
     expected = fsdp_step(param_shapes, 2, 3, micro_batches=2, norm_values=len(param_shapes))
-    assert {k: tuple(v) for (k, _), v in result.collectives.items()} == expected
-    assert {g for _, g in result.collectives} == {"data_parallel"}
+    assert {c["kind"]: (c["calls"], c["bytes"]) for c in result["collectives"]} == expected
+    assert {c["group"] for c in result["collectives"]} == {"data_parallel"}
     # The second step holds AdamW's state through its forward. At the peak the tracker counts it with at most one
     # transient of the largest shard (foreach's sqrt of exp_avg_sq), never the unsharded model's state, which
     # DTensor's shape inference would have added (internals.memory_tracker).
     largest = 4 * (512 // 2) * 64  # the (512, 64) embedding's fp32 shard: the largest parameter
-    assert result.state["optimizer_bytes"] <= result.peak["Optstate"] <= result.state["optimizer_bytes"] + largest
+    optimizer = result["state"]["optimizer_bytes"]
+    assert optimizer <= result["peak"]["Optstate"] <= optimizer + largest
 
 
 def test_refused_layout_is_refused_with_trains_line(capsys):
