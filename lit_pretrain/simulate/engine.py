@@ -12,7 +12,7 @@ run is listed in docs/large-runs.md: the step runs on the CPU's autocast op list
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,6 @@ from lit_pretrain.internals import (
 )
 from lit_pretrain.simulate.collectives import CollectiveCounter
 
-MEMORY_KINDS = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
-
 
 @dataclass
 class RankResult:
@@ -35,7 +33,8 @@ class RankResult:
     coordinates: Dict[str, int]
     """This rank's place on each mesh dimension (pipeline stage, replica, shard, context, tensor rank)."""
     peak: Dict[str, int]
-    """Bytes by kind (MEMORY_KINDS, "Total") at the peak of the simulated steps (the memory tracker's snapshot)."""
+    """Bytes by kind (MemTracker's: Parameter, Buffer, Gradient, Activation, Temp, Optstate, Other; and "Total") at
+    the peak of the simulated steps (the memory tracker's snapshot)."""
     state: Dict[str, int]
     """param_bytes, grad_bytes, optimizer_bytes this rank holds after the step (parallel/memory.rank_state_bytes:
     what the memory callback reports on a real run)."""
@@ -120,8 +119,7 @@ def batch_of(config, fake) -> Tuple[torch.Tensor, torch.Tensor]:
 def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int = 2) -> RankResult:
     """Simulate `steps` optimizer steps of global rank `rank` of `config` (config.Loaded, its plan) and return what
     it held and sent. Of each step's micro-batches `max_micro_batches` run: the first allocates what the later ones
-    reuse (the gradients), the second is every later one's twin, so the step's collectives are the first, the
-    second times (accumulation - 1), and the step's own."""
+    reuse (the gradients), the second is every later one's twin (step_collectives counts it for the rest)."""
     from lit_pretrain.optim.optimizers import build_optimizer
 
     started = time.perf_counter()
@@ -264,10 +262,10 @@ def run_steps(config, par, gpt, optimizer, batch, steps: int, run: int, labels, 
 
 
 def step_collectives(parts: List[CollectiveCounter], accumulate: int, run: int) -> Dict[Tuple[str, str], List[int]]:
-    """One step's collectives from its counted parts: micro-batch 1, micro-batch 2 (standing for the accumulation's
-    other accumulate - 1), then the optimizer step's own."""
+    """One step's collectives from its counted parts: the `run` micro-batches simulated, the last standing for
+    itself and the accumulation's other accumulate - run, then the optimizer step's own."""
     out: Dict[Tuple[str, str], List[int]] = {}
-    weights = [1] + [accumulate - 1] * (run - 1) + [1]
+    weights = [1] * (run - 1) + [accumulate - run + 1] + [1]
     for counter, weight in zip(parts, weights):
         for key, (calls, size) in counter.counts.items():
             entry = out.setdefault(key, [0, 0])
@@ -300,6 +298,3 @@ def ranks_to_simulate(plan, choice: str) -> List[int]:
                           f"0..{world - 1}, 'corners' or 'all'")
     return ranks
 
-
-def simulate(config, ranks: Optional[List[int]] = None, steps: int = 1) -> List[RankResult]:
-    return [simulate_rank(config, rank, steps) for rank in (ranks or [0])]
