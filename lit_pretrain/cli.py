@@ -1,5 +1,5 @@
 """`lit-pretrain prepare | train RUN_FILE [key=value ...]`, `export`, `import`, `export-data`, `checkpoint inspect |
-consolidate`, `launch slurm | torchrun`, `ladder`, `simulate`: parse, load the config, call one function."""
+consolidate`, `launch slurm | torchrun`, `ladder`: parse, load the config, call one function."""
 
 import argparse
 import dataclasses
