@@ -10,7 +10,7 @@ SWEEP ?= experiments/sweep/cpu/sweep.yaml
 LADDER ?= experiments/ladder/long_steps.yaml
 
 .DEFAULT_GOAL := help
-.PHONY: help install prepare train test test-fast lint docs bench clean sweep launch ablate ladder
+.PHONY: help install prepare train test test-fast lint docs bench clean sweep launch ablate ladder simulate
 
 help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -71,6 +71,11 @@ ladder: $(STAMP) ## model ladder on this CPU (LADDER=<grid yaml>): rungs, fit be
 ABLATIONS ?=
 ablate: $(STAMP) ## CPU ablations (AdamW vs Muon, QK-norm, GQA; ABLATIONS=adamw_vs_muon for one): runs/ablations/ablations.{md,png}
 	$(BIN)/python -m lit_pretrain.scaling.ablate $(ABLATIONS)
+
+WORLD ?=
+RANKS ?= 0
+simulate: $(STAMP) ## a run file's step at its world size on this CPU, fake process group (RUN=..., WORLD=64, RANKS=corners): peak bytes, collectives, start check
+	$(BIN)/lit-pretrain simulate $(RUN) $(ARGS) $(if $(WORLD),--world $(WORLD),) --ranks $(RANKS)
 
 NODES ?= 2
 DEVICES ?= 8

@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     for name in ("fit", "plan", "memory"):  # parsed by lit_pretrain/scaling/cli.py; listed here for --help
         sub.add_parser(name, help=f"scaling laws and planning: lit-pretrain {name} --help")
+    sub.add_parser("simulate", help="a run file's step at its world size on this machine, on a fake process group: "
+                                    "peak bytes by kind, collectives, the start check (lit-pretrain simulate --help)")
     sub.add_parser("ladder", help="train a ladder of rungs, fit L(N, D) below a compute limit, predict the rungs "
                                   # parsed by lit_pretrain/scaling/ladder/run.py
                                   "above it: lit-pretrain ladder --help")
@@ -262,6 +264,10 @@ def _main(argv=None) -> int:
         from lit_pretrain.scaling.ladder.run import main as ladder_main
 
         return ladder_main(argv[1:])
+    if argv and argv[0] == "simulate":  # a large run checked on this machine: lit_pretrain/simulate/cli.py
+        from lit_pretrain.simulate.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
     if argv and argv[0] == "launch":
         return _launch(argv[1:])
     args = _parser().parse_args(argv)

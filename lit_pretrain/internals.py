@@ -245,3 +245,104 @@ def typed_storage_record(storage) -> Tuple[Any, Any, Any, int]:
 def untyped_storage_identity(storage) -> int:
     """An untyped storage's identity (`_cdata`, its C++ address), what torch.save keys its records by."""
     return storage._cdata
+
+
+# torch's fake process group, fake tensors and memory tracker: `lit-pretrain simulate` (lit_pretrain/simulate/)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """torch.distributed initialized on torch's fake backend ("fake"): every group forms and every collective returns
+    at once, moving nothing, so one process plays rank `rank` of `world_size`. The store is
+    `torch.testing._internal.distributed.fake_pg.FakeStore` (importing that module registers the backend); torch
+    has no public fake backend, and torchtitan's dry-run mode (COMM_MODE=fake_backend) uses the same one."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def fake_tensor_mode() -> Any:
+    """A `torch._subclasses.fake_tensor.FakeTensorMode` under which tensors carry shape, dtype and device but no
+    storage (allow_non_fake_inputs: `to_empty` reads the meta tensors the model was built with). torch exposes it
+    only under torch._subclasses."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def memory_tracker() -> Any:
+    """`torch.distributed._tools.mem_tracker.MemTracker` (a dispatch mode that counts the bytes of every storage made
+    or touched in its context by kind: parameters, buffers, gradients, activations, temporaries, optimizer state;
+    what torchtitan's memory estimation uses), changed in two private places for the simulation:
+
+    - the peak is kept per device only (`_update_peak_stats`): its per-module peaks cost a pass over every module
+      at every op, minutes for a 32-layer model, and nothing here reads them;
+    - what DTensor's sharding propagation makes is not counted (`ShardingPropagator._propagate_tensor_meta_non_
+      cached`, patched while the tracker is entered): it infers an op's output by running it on empty tensors of
+      the GLOBAL shape, which under our FakeTensorMode look like allocations. Counted, they made the first AdamW
+      step's state look like the unsharded model's (docs/large-runs.md); on a GPU they never touch its memory."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    class Tracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._shape_only = 0
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = dict(snapshot)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self._shape_only:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def __enter__(self):
+            original = self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+            tracker = self
+
+            def propagate(*args, **kwargs):
+                tracker._shape_only += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    tracker._shape_only -= 1
+
+            ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+            return super().__exit__(*exc)
+
+    return Tracker()
+
+
+def peak_by_kind(tracker) -> Dict[str, int]:
+    """{kind: bytes} of `tracker`'s (memory_tracker) snapshot at its peak, summed over devices, with "Total": the
+    kinds are `_MemRefType` members (str enums: "Parameter", "Gradient", "Activation", "Temp", "Optstate", ...)."""
+    out: Dict[str, int] = {}
+    for snapshot in tracker.get_tracker_snapshot("peak").values():
+        for kind, size in snapshot.items():
+            out[str(getattr(kind, "value", kind))] = out.get(str(getattr(kind, "value", kind)), 0) + size
+    return out
+
+
+def dispatch_mode_class() -> Any:
+    """`torch.utils._python_dispatch.TorchDispatchMode`, the base of a mode that sees every aten and c10d op (the
+    collective counter of lit_pretrain/simulate/collectives.py); public in use, private in path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def group_name_to_ranks(group_name: str) -> List[int]:
+    """The global ranks of the process group a functional collective names (`_c10d_functional` ops carry the group
+    by name): `distributed_c10d._resolve_process_group`, then its ranks; torch resolves names only privately."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_process_group_ranks(_resolve_process_group(group_name))

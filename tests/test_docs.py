@@ -110,6 +110,12 @@ def _check_cli(argv: list, where: str) -> None:
         if command == "launch":
             launch_parser().parse_intermixed_args(argv[1:])
             return
+        if command == "simulate":  # its own parser (lit_pretrain/simulate/cli.py); the run file loads as train's
+            from lit_pretrain.simulate.cli import parser as simulate_parser
+
+            args = simulate_parser().parse_args(argv[1:])
+            config.load(ROOT / args.run_file, args.overrides, check_inputs=False)
+            return
         args = cli._parser().parse_args(argv)
     except SystemExit:
         pytest.fail(f"{where}: `lit-pretrain {' '.join(argv)}` does not parse (the parser's message is above)")

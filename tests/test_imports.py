@@ -131,7 +131,7 @@ LAYERS = [
     {"callbacks"},
     {"module"},
     {"train"},
-    {"scaling"},
+    {"scaling", "simulate"},  # simulate: a run's step on a fake process group, beside the planners it checks
     {"bench", "cli"},
 ]
 # The planning package is what the config load runs before any heavy import (`show` in well under a second); what it

@@ -335,3 +335,61 @@ def test_typed_storage_record():
     got = (identity, storage_class, size)
     assert got == (internals.untyped_storage_identity(untyped), torch.FloatStorage, 3) \
         and got_untyped.data_ptr() == untyped.data_ptr(), changed("typed_storage_record", got)
+
+
+def test_fake_process_group_fake_tensors_and_group_names():
+    """init_fake_process_group, fake_tensor_mode, group_name_to_ranks, dispatch_mode_class: a 4-rank world in this
+    process whose collectives return at once, a module made fake from the meta device, a group found by name."""
+    import torch.distributed as dist
+
+    internals.init_fake_process_group(2, 4)
+    try:
+        assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (2, 4, "fake")
+        group = dist.new_group([1, 2])
+        assert internals.group_name_to_ranks(group.group_name) == [1, 2]
+        seen = []
+
+        class Seen(internals.dispatch_mode_class()):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with Seen():
+            dist.all_reduce(torch.ones(2), group=group)
+        assert "c10d.allreduce_.default" in seen
+        with torch.device("meta"):
+            linear = torch.nn.Linear(1024, 1024)
+        with internals.fake_tensor_mode():
+            linear.to_empty(device="cpu")
+            out = linear(torch.ones(3, 1024))
+        assert type(linear.weight).__name__ == "FakeTensor" and out.shape == (3, 1024)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_memory_tracker_counts_by_kind_and_not_dtensor_shape_inference():
+    """memory_tracker and peak_by_kind: the peak by kind of a forward and an AdamW step, and a DTensor op's shape
+    inference (global-shape empty tensors) left out: a (4096, 64) parameter sharded over 4 counts its (1024, 64)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    internals.init_fake_process_group(0, 4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        fake = internals.fake_tensor_mode()
+        with fake:
+            weight = torch.nn.Parameter(distribute_tensor(torch.empty(4096, 64), mesh, [Shard(0)],
+                                                          src_data_rank=None))
+            weight.grad = distribute_tensor(torch.empty(4096, 64), mesh, [Shard(0)], src_data_rank=None)
+            optimizer = torch.optim.AdamW([weight], foreach=True)
+        tracker = internals.memory_tracker()
+        with fake, tracker:
+            optimizer.step()  # the first: exp_avg and exp_avg_sq made (zeros_like over a DTensor: shape inference)
+        peak = internals.peak_by_kind(tracker)
+        shard = 1024 * 64 * 4
+        # two moments and foreach's one temporary (sqrt of exp_avg_sq) at most, plus the fp32 step scalar; counted
+        # with the global-shape inference (torch's own MemTracker) it reads 15 shards
+        assert 2 * shard <= peak["Optstate"] <= 3 * shard + 4, peak
+    finally:
+        dist.destroy_process_group()

@@ -152,3 +152,33 @@ def context_parallel(L: int, B: int, T: int, kv_channels: int, micro_batches: in
     the reduce-scatter of their gradient, and the loss's all-reduce of its sums and count; per micro-batch."""
     kv = e * 2 * B * T * kv_channels * L * micro_batches
     return {"all_gather": kv, "reduce_scatter": kv, "all_reduce": e * (3 if z_loss else 2) * micro_batches}
+
+
+def fsdp_step(param_shapes: Dict[str, Shape], w: int, stage: int = 3, micro_batches: int = 1, replicas: int = 1,
+              gather_e: int = 4, reduce_e: int = 4, norm_values: int = 1) -> Dict[str, Tuple[int, int]]:
+    """{kind: (calls, bytes)} FSDP2 moves per rank per optimizer step, from the architecture table's parameter shapes
+    (model/shapes.py param_shapes: every preset's own, GQA's narrower wk/wv, an untied head) rather than `zero`'s
+    tied, full-width block of the bench's model; held to `lit-pretrain simulate` (tests/simulate/).
+
+    One FSDP group per block ("blocks.<i>.") and the root (everything else), as apply_plan shards them. Every
+    micro-batch of an accumulation gathers and reduce-scatters again (the module leaves FSDP2's gradient sync on):
+    micro_batches x (2 gathers at ZeRO-3, 1 at ZeRO-2, and 1 reduce-scatter) per group, HSDP's all-reduce of each
+    reduced shard over the replicas too. gather_e / reduce_e: bytes per element gathered (2 under FSDP2's
+    bf16 mixed-precision policy, else the parameters' 4) and reduced (4: the policy reduces in fp32). The norm:
+    `norm_values` fp32 all-reduced once a step over the shard group (our mesh's grad_norm: 1; Lightning's plain FSDP
+    path, optim.grad_norm over DTensors: one per parameter, the per-tensor norms DTensor stacks and reduces)."""
+    by_group: Dict[str, List[Shape]] = {}
+    for name, shape in param_shapes.items():
+        parts = name.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "blocks" else ""
+        by_group.setdefault(key, []).append(shape)
+    n_groups = len(by_group)
+    elements = sum(padded(shapes, w) for shapes in by_group.values())
+    gathers = 2 if stage == 3 else 1
+    out = {"all_gather": (micro_batches * gathers * n_groups, micro_batches * gathers * gather_e * elements),
+           "reduce_scatter": (micro_batches * n_groups, micro_batches * reduce_e * elements),
+           "all_reduce": (1, 4 * norm_values)}
+    if replicas > 1:
+        calls, size = out["all_reduce"]
+        out["all_reduce"] = (calls + micro_batches * n_groups, size + micro_batches * reduce_e * elements // w)
+    return out

@@ -87,3 +87,14 @@ def test_context_parallel_chunks_balance_the_causal_work():
     assert len(work) == 1
     with pytest.raises(ValueError, match="divisible by 8"):
         chunk_positions(12, 4, 0)
+
+
+def test_fsdp_step_table():
+    """fsdp_step by hand: a block of one (3, 2) weight and a root of one (5, 2), 2 shards (dim 0 padded to 4 and 6:
+    20 elements), ZeRO-3, 2 micro-batches, 2 replicas, bf16 gathers and fp32 reduce-scatters, one norm value.
+    Per micro-batch and group: 2 all-gathers, 1 reduce-scatter, 1 replica all-reduce of the w-th part."""
+    out = cm.fsdp_step({"blocks.0.w": (3, 2), "emb": (5, 2)}, w=2, stage=3, micro_batches=2, replicas=2,
+                       gather_e=2, reduce_e=4, norm_values=1)
+    assert out == {"all_gather": (2 * 2 * 2, 2 * 2 * 2 * 20), "reduce_scatter": (2 * 2, 2 * 4 * 20),
+                   "all_reduce": (1 + 2 * 2, 4 + 2 * 4 * 20 // 2)}
+    assert cm.fsdp_step({"blocks.0.w": (3, 2), "emb": (5, 2)}, w=2, stage=2)["all_gather"] == (2, 4 * 20)
