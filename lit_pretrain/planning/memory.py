@@ -423,6 +423,7 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,
         "activation_bytes": activations + logits, "logits_bytes": logits, "recompute_bytes": recompute,
         "transient_bytes": transient, "total_bytes": total, "recompute_flops": recompute_flops,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
     }
     if device_memory is not None:
         out["device_memory"] = device_memory
@@ -443,6 +444,16 @@ def _transient_bytes(b: StateBytes, cfg: GPTConfig, zero_stage: int, t: int, p: 
     if zero_stage >= 2:  # one block's and the head's gradient, unsharded until their reduce-scatter
         out += (b.grad_transient or b.grad) * (local_block + (cfg.vocab_size * cfg.d_model / t if p == 1 else 0.0))
     return out
+
+
+def kv_cache_bytes_per_token(cfg: GPTConfig, bytes_per_element: float = 2.0) -> float:
+    """Bytes a KV cache holds for each token of context, over every layer (model/gpt.py KVCache, as `generate`
+    allocates it): n_layers · heads · (key width + value width) · bytes_per_element (default 2: bf16 decoding).
+    Grouped-query attention keeps 2·n_kv_heads·head_dim numbers a token a layer; latent attention its latent and
+    shared rotated key, kv_lora_rank + qk_rope_head_dim (DeepSeek-V2 §2.1.4, table 1). Llama 3 8B in bf16:
+    32 · 8 · 256 · 2 = 131,072 B; DeepSeek-V3: 61 · (512 + 64) · 2 = 70,272 B."""
+    heads, k, v = cfg.kv_cache_layout
+    return bytes_per_element * cfg.n_layers * heads * (k + v)
 
 
 def parse_bytes(text: str) -> float:
