@@ -16,11 +16,18 @@ Tensor parallelism splits the heads (wq/wq_b, wkv_b, wo) and sets `enter_heads` 
 Megatron-LM's f on the shared rotated key, whose gradient each rank's heads only partly make.
 """
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.mask import CAUSAL, Mask, SdpaMask, sdpa_mask
+
+# The epsilon of q_norm and kv_norm, whatever model.norm_eps is: DeepSeek-V3's reference model.py and transformers'
+# DeepseekV3Attention build both latent norms with RMSNorm's default 1e-6 (rms_norm_eps reaches the block's norms
+# only). A latent's mean square is ~1e-2 at init, so 1e-5 there would move the logits by ~1e-4.
+LATENT_NORM_EPS = 1e-6
 
 
 class LatentAttention(nn.Module):
@@ -34,13 +41,14 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, \
             m.kv_lora_rank
         spec = cfg.latent_attention_modules()
+        latent = replace(cfg, norm_eps=LATENT_NORM_EPS)
         # Registered in the table's order: it is named_parameters()'s, which the planners and checkpoints read.
         if m.q_lora_rank is None:
             self.wq = build_linear(spec["attn.wq"])
         else:
-            self.wq_a, self.q_norm = build_linear(spec["attn.wq_a"]), build_norm(cfg, spec["attn.q_norm"])
+            self.wq_a, self.q_norm = build_linear(spec["attn.wq_a"]), build_norm(latent, spec["attn.q_norm"])
             self.wq_b = build_linear(spec["attn.wq_b"])
-        self.wkv_a, self.kv_norm = build_linear(spec["attn.wkv_a"]), build_norm(cfg, spec["attn.kv_norm"])
+        self.wkv_a, self.kv_norm = build_linear(spec["attn.wkv_a"]), build_norm(latent, spec["attn.kv_norm"])
         self.wkv_b = build_linear(spec["attn.wkv_b"])
         self.wo = build_linear(spec["attn.wo"])
         self.context = None  # context parallelism's gathered attention (parallel/context.py); None: one process's
