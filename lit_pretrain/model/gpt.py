@@ -242,7 +242,8 @@ class Block(nn.Module):
         super().__init__()
         spec = cfg.block_modules(layer)
         self.attn_norm = build_norm(cfg, spec["attn_norm"])
-        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)  # model.attention
+        mla = cfg.attention == "mla"  # model.attention
+        self.attn = LatentAttention(cfg, build_linear, build_norm, apply_rope) if mla else Attention(cfg)
         self.mlp_norm = build_norm(cfg, spec["mlp_norm"])
         # model.moe: the table decides which blocks route their tokens to experts (lit_pretrain/model/moe.py)
         self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLPS[cfg.mlp](cfg, layer)

@@ -19,6 +19,7 @@ Megatron-LM's f on the shared rotated key, whose gradient each rank's heads only
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lit_pretrain.model.config import GPTConfig
@@ -31,12 +32,14 @@ LATENT_NORM_EPS = 1e-6
 
 
 class LatentAttention(nn.Module):
-    """Causal multi-head latent attention of x (B, T, d_model); the interface of gpt.Attention."""
+    """Causal multi-head latent attention of x (B, T, d_model); the interface of gpt.Attention.
 
-    def __init__(self, cfg: GPTConfig):
+    build_linear, build_norm and apply_rope are model/gpt.py's (which imports this file, so passes them in): the
+    same marked Linears, fp32 norms and rotate-half RoPE as the rest of the model."""
+
+    def __init__(self, cfg: GPTConfig, build_linear, build_norm, apply_rope):
         super().__init__()
-        from lit_pretrain.model.gpt import build_linear, build_norm
-
+        self.apply_rope = apply_rope
         m = cfg.mla
         self.nope, self.rope, self.v_dim, self.rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, \
             m.kv_lora_rank
@@ -56,21 +59,17 @@ class LatentAttention(nn.Module):
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(B, n_heads, T, qk_nope + qk_rope): each head's unrotated channels, then its rotated ones."""
-        from lit_pretrain.model.gpt import apply_rope
-
         B, T, _ = x.shape
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))  # (B, T, H·(nope+rope))
         q = q.view(B, T, -1, self.nope + self.rope)  # -1: a tensor-parallel rank's share of the heads
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        return torch.cat([q_nope, apply_rope(q_pe, cos, sin)], dim=-1).transpose(1, 2)
+        return torch.cat([q_nope, self.apply_rope(q_pe, cos, sin)], dim=-1).transpose(1, 2)
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """What a KV cache keeps of x (B, T, d_model): the normalized latent (B, T, kv_lora_rank) and the rotated
         key every head shares (B, T, qk_rope)."""
-        from lit_pretrain.model.gpt import apply_rope
-
         c_kv, k_pe = self.wkv_a(x).split([self.rank, self.rope], dim=-1)
-        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)  # one "head": (B, T, 1, rope) turned
+        k_pe = self.apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)  # one "head": (B, T, 1, rope) turned
         if self.enter_heads is not None:
             k_pe = self.enter_heads(k_pe)
         return self.kv_norm(c_kv), k_pe
@@ -90,8 +89,6 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, d_model) -> (B, T, d_model); cos, sin over qk_rope_head_dim; mask as gpt.Attention.forward's."""
-        from lit_pretrain.model.gpt import attend
-
         B, T, _ = x.shape
         cos, sin = self._rows(cos, sin, T)
         q = self.queries(x, cos, sin)  # (B, H, T, nope + rope)
@@ -100,19 +97,22 @@ class LatentAttention(nn.Module):
             y = self.context(q, k, v, mask)  # (B, H, T, v_head_dim)
         else:
             sdpa = sdpa_mask(CAUSAL, T, T, q) if mask is None else SdpaMask(mask, False)
-            y = attend(q, k, v, *sdpa)  # (B, H, T, v_head_dim)
+            y = _sdpa(q, k, v, sdpa)  # (B, H, T, v_head_dim)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int) -> torch.Tensor:
         """`forward` for tokens at positions [cache.length, cache.length + T): the cache holds each position's
         latent and rotated key (not its heads' keys and values), expanded again for the attention."""
-        from lit_pretrain.model.gpt import attend
-
         B, T, _ = x.shape
         cos, sin = self._rows(cos, sin, T)
         q = self.queries(x, cos, sin)  # (B, H, T, nope + rope)
         c_kv, k_pe = self.latent(x, cos, sin)
         c_kv, k_pe = cache.append(layer, c_kv.unsqueeze(1), k_pe.unsqueeze(1))  # (B, 1, S, rank), (B, 1, S, rope)
         k, v = self.keys_values(c_kv.squeeze(1), k_pe.squeeze(1))  # (B, H, S, ...)
-        y = attend(q, k, v, *sdpa_mask(Mask(queries=cache.length), T, k.shape[2], q))  # (B, H, T, v_head_dim)
+        y = _sdpa(q, k, v, sdpa_mask(Mask(queries=cache.length), T, k.shape[2], q))  # (B, H, T, v_head_dim)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SdpaMask) -> torch.Tensor:
+    """softmax(q·kᵀ / sqrt(qk_nope + qk_rope)) v, every head its own key and value (no grouping): gpt.attend's call."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.attn_mask, is_causal=mask.is_causal)
