@@ -93,8 +93,8 @@ class LatentAttention(nn.Module):
         cos, sin = self._rows(cos, sin, T)
         q = self.queries(x, cos, sin)  # (B, H, T, nope + rope)
         k, v = self.keys_values(*self.latent(x, cos, sin))  # (B, H, T, nope + rope), (B, H, T, v_head_dim)
-        if self.context is not None:
-            y = self.context(q, k, v, mask)  # (B, H, T, v_head_dim)
+        if self.context is not None:  # the values padded to the queries' width there too (`_sdpa` says why)
+            y = self.context(q, k, _pad(v, q.shape[-1]), mask)[..., :self.v_dim]  # (B, H, T, v_head_dim)
         else:
             sdpa = sdpa_mask(CAUSAL, T, T, q) if mask is None else SdpaMask(mask, False)
             y = _sdpa(q, k, v, sdpa)  # (B, H, T, v_head_dim)
@@ -114,5 +114,15 @@ class LatentAttention(nn.Module):
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SdpaMask) -> torch.Tensor:
-    """softmax(q·kᵀ / sqrt(qk_nope + qk_rope)) v, every head its own key and value (no grouping): gpt.attend's call."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.attn_mask, is_causal=mask.is_causal)
+    """softmax(q·kᵀ / sqrt(qk_nope + qk_rope)) v, every head its own key and value (no grouping): gpt.attend's call.
+    Values narrower than the queries are zero-padded to their width and the output cut back (as transformers does
+    for flash attention): SDPA's fused CPU kernel takes equal widths only, and its math fallback keeps the B·H·T²
+    probabilities for backward (measured: 131,072 of a block's 422,912 saved elements at T 64, growing with T²)."""
+    width = v.shape[-1]
+    y = F.scaled_dot_product_attention(q, k, _pad(v, q.shape[-1]), attn_mask=mask.attn_mask, is_causal=mask.is_causal)
+    return y[..., :width]
+
+
+def _pad(v: torch.Tensor, width: int) -> torch.Tensor:
+    """v (B, H, S, v_head_dim) with zero columns up to `width` (zero columns of v give zero columns of the output)."""
+    return F.pad(v, (0, width - v.shape[-1])) if v.shape[-1] < width else v
