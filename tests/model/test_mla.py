@@ -119,6 +119,23 @@ def test_cached_generation_holds_latents_and_equals_the_full_forward(q_lora_rank
     assert per_token == kv_cache_bytes_per_token(model.cfg, 4) == 2 * (16 + 4) * 4  # L x (d_c + d_h^R) x fp32
 
 
+@pytest.mark.parametrize("q_lora_rank, v_head_dim", [(None, 6), (24, 6), (24, 12)],
+                         ids=["values_padded", "query_compressed", "values_as_wide"])
+def test_planned_activations_are_what_a_latent_attention_block_saves(q_lora_rank, v_head_dim):
+    """memory's per-block count (planning/memory.py) against the saved-tensor hooks, one process, fp32: exact."""
+    from lit_pretrain.parallel.memory import SavedActivations
+
+    cfg = GPTConfig(**{**TINY, "d_ff": 64}, attention="mla",
+                    mla=MLAConfig(**{**RANKS, "v_head_dim": v_head_dim}, q_lora_rank=q_lora_rank))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    h = model.tok_embeddings(torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(7)))
+    with SavedActivations(model) as meter:
+        out = model.blocks[0](h, model.rope_cos, model.rope_sin)
+    out.pow(2).mean().backward()
+    assert meter.bytes == memory_plan(ParallelPlan(), cfg, 8, precision="32-true")["activation_bytes_per_layer"]
+
+
 @pytest.mark.parametrize("cfg, expected", [
     # Llama 3 8B (32 layers, 8 key/value heads of 128), bf16: 32 · 8 · (128 + 128) · 2 = 131,072 B (128 KiB)
     (GPTConfig(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8), 131_072),
