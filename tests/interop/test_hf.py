@@ -269,6 +269,19 @@ def test_import_refuses_a_llama_our_gpt_cannot_express(tmp_path, tokenizer_file,
         read_hf_config(tmp_path / "hf")
 
 
+@pytest.mark.parametrize("key,value", [("first_k_dense_replace", 1), ("rope_interleave", True),
+                                       ("kv_lora_rank", 0)])
+def test_import_refuses_a_deepseek_v3_our_gpt_cannot_express(tmp_path, tokenizer_file, key, value):
+    """Routed experts (DeepSeek-V3's grouped sigmoid router), interleaved RoPE, a rank that is not one."""
+    cfg = GPTConfig(vocab_size=320, n_layers=2, d_model=64, n_heads=4, seq_len=32, attention="mla",
+                    mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8})
+    export_gpt(GPT(cfg), tokenizer_file, tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(DataError, match=rf"{key}=.*cannot be expressed"):
+        read_hf_config(tmp_path / "hf")
+
+
 def test_import_of_another_architecture_is_one_line_exit_2(tmp_path, capsys):
     folder = tmp_path / "gpt2"
     folder.mkdir()
