@@ -167,6 +167,7 @@ def main(args) -> None:
     """`lit-pretrain generate`: print each sample (prompt + continuation), then the speed on stderr."""
     import sys
 
+    from lit_pretrain.planning.memory import kv_cache_bytes_per_token
     from lit_pretrain.resume.weights import load_gpt
 
     check_sampling(args.temperature, args.top_k, args.top_p)
@@ -197,5 +198,7 @@ def main(args) -> None:
         total_tokens += len(result.tokens) * result.steps
         total_seconds += result.seconds
     rate = total_tokens / total_seconds if total_seconds > 0 else float("inf")
+    # the cache's size per token of context, every layer (latent attention keeps its latents, planning/memory.py)
+    cache_bytes = kv_cache_bytes_per_token(model.cfg, model.tok_embeddings.weight.element_size())
     print(f"generated {total_tokens} tokens in {total_seconds:.2f} s: {rate:,.1f} tokens/s "
-          f"({device.type}, KV cache, batch {args.batch})", file=sys.stderr)
+          f"({device.type}, KV cache {cache_bytes:,.0f} B per token, batch {args.batch})", file=sys.stderr)

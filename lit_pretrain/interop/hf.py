@@ -28,7 +28,9 @@ from lit_pretrain import config as config_lib
 from lit_pretrain.data.shards import pretokenized_run, run_tokenizer_entry, tokenizer_folder
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import ConfigError, DataError
+from lit_pretrain.interop import deepseek
 from lit_pretrain.interop.llama import (
+    BLOCK_NAMES,
     FUNCTION_FIELDS,
     VARIANT_DEFAULTS,
     check_exportable,
@@ -104,12 +106,13 @@ def check_target(out: str | Path) -> Path:
 
 def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
     """Write `model` and its tokenizer as a transformers LlamaForCausalLM folder (Qwen3ForCausalLM with
-    model.qk_norm, OlmoeForCausalLM with model.moe: lit_pretrain/interop/olmoe.py) at `out` (new or empty)."""
+    model.qk_norm, OlmoeForCausalLM with model.moe: lit_pretrain/interop/olmoe.py, DeepseekV3ForCausalLM with
+    model.attention=mla: interop/deepseek.py) at `out` (new or empty)."""
     check_exportable(model.cfg)  # before anything is written
     st = _safetensors()
     cfg, out = model.cfg, check_target(out)
     tensors = to_llama_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-                             cfg.tie_embeddings)
+                             cfg.tie_embeddings, deepseek.BLOCK_NAMES if cfg.attention == "mla" else BLOCK_NAMES)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     if len(dtypes) != 1:
         raise DataError(f"the model's weights have several dtypes {dtypes}: a Llama config.json names one")

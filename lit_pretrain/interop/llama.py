@@ -32,12 +32,13 @@ from dataclasses import replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.interop import olmoe
+from lit_pretrain.interop import deepseek, olmoe
 from lit_pretrain.model.config import GPTConfig, RopeScalingConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
-MODEL_TYPES = {ARCHITECTURE: "llama", QK_NORM_ARCHITECTURE: "qwen3", olmoe.ARCHITECTURE: olmoe.MODEL_TYPE}
+MODEL_TYPES = {ARCHITECTURE: "llama", QK_NORM_ARCHITECTURE: "qwen3", olmoe.ARCHITECTURE: olmoe.MODEL_TYPE,
+               deepseek.ARCHITECTURE: deepseek.MODEL_TYPE}
 
 # Our names (model/gpt.py) -> Llama's (transformers' LlamaForCausalLM). {i} is the block index.
 GLOBAL_NAMES = {
@@ -62,15 +63,17 @@ BLOCK_NAMES = {
 _OURS_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _LLAMA_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LLAMA_OF_BLOCK = {v: k for k, v in BLOCK_NAMES.items()}
+_LLAMA_OF_BLOCK.update({v: k for k, v in deepseek.BLOCK_NAMES.items() if v not in _LLAMA_OF_BLOCK})  # latent attention
 _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 
 # The GPTConfig fields that decide what function a set of weights computes (seq_len does not: it is only how many
 # positions the RoPE tables cover; init_std does not either).
 FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
-                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling")
+                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling",
+                   "attention", "mla")
 # The architecture variants, at the values a Llama (and a weights file written before them) has.
 VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu",
-                    "qk_norm_scope": "head", "moe": None, "rope_scaling": None}
+                    "qk_norm_scope": "head", "moe": None, "rope_scaling": None, "attention": "mha", "mla": None}
 # model.rope_scaling's fields each type computes with (the others are unused by it).
 ROPE_FIELDS = {"llama3": ("type", "factor", "original_seq_len", "low_freq_factor", "high_freq_factor"),
                "yarn": ("type", "factor", "original_seq_len", "beta_fast", "beta_slow", "attention_factor")}
@@ -88,6 +91,7 @@ def function_fields(cfg: GPTConfig) -> Dict[str, Any]:
     out["n_kv_heads"] = None if cfg.kv_heads == cfg.n_heads else cfg.kv_heads
     out["moe"] = olmoe.moe_function_fields(cfg)
     out["rope_scaling"] = rope_function_fields(cfg)
+    out["mla"] = deepseek.mla_function_fields(cfg)
     if cfg.moe is not None and len(cfg.moe_layers()) == cfg.n_layers:
         out["d_ff"] = None  # no dense MLP anywhere: its width computes nothing
     return out
@@ -151,6 +155,8 @@ def rope_scaling_of(hf_rope: Mapping[str, Any], max_positions: int, refuse, wher
 
 
 def architecture(cfg: GPTConfig) -> str:
+    if cfg.attention == "mla":
+        return deepseek.ARCHITECTURE
     if cfg.moe is not None:
         return olmoe.ARCHITECTURE
     return QK_NORM_ARCHITECTURE if cfg.qk_norm else ARCHITECTURE
@@ -159,6 +165,8 @@ def architecture(cfg: GPTConfig) -> str:
 def check_exportable(cfg: GPTConfig) -> None:
     """A DataError naming the first model key neither LlamaForCausalLM nor Qwen3ForCausalLM can express (exporting
     without it would compute another function)."""
+    if cfg.attention == "mla":  # DeepseekV3ForCausalLM, dense (interop/deepseek.py)
+        deepseek.check_exportable(cfg)
     if cfg.moe is not None:
         olmoe.check_exportable(cfg)
     elif cfg.qk_norm and cfg.qk_norm_scope != "head":
@@ -180,7 +188,10 @@ def check_exportable(cfg: GPTConfig) -> None:
 
 def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
     """config.json of a LlamaForCausalLM (Qwen3ForCausalLM with model.qk_norm) computing what `cfg`'s GPT computes
-    (read by transformers 4.45 to 5.x; Qwen3 from 4.51); OlmoeForCausalLM with model.moe."""
+    (read by transformers 4.45 to 5.x; Qwen3 from 4.51); OlmoeForCausalLM with model.moe; DeepseekV3ForCausalLM
+    with model.attention=mla."""
+    if cfg.attention == "mla":
+        return deepseek.to_config(to_llama_config(replace(cfg, attention="mha", mla=None), eod_id, dtype), cfg)
     if cfg.moe is not None:
         return olmoe.to_config(to_llama_config(replace(cfg, moe=None, qk_norm=False), eod_id, dtype), cfg)
     arch = architecture(cfg)
@@ -231,6 +242,8 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
         raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}], [{QK_NORM_ARCHITECTURE!r}] or "
                         f"[{olmoe.ARCHITECTURE!r}]: import reads Llama-shaped models only")
     qk_norm = known[0] == QK_NORM_ARCHITECTURE
+    if known[0] == deepseek.ARCHITECTURE:  # its head_dim is the rotated channels' (qk_rope_head_dim)
+        hf = {k: v for k, v in hf.items() if k != "head_dim"}
     get = {**LLAMA_DEFAULTS, **hf}.get
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
@@ -273,10 +286,13 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
         "qk_norm": qk_norm,
         "rope_scaling": rope_scaling,
     }
+    if known[0] == deepseek.ARCHITECTURE:
+        return deepseek.from_config(hf, fields, refuse)
     return olmoe.from_config(hf, fields, refuse) if known[0] == olmoe.ARCHITECTURE else fields
 
 
-def to_llama_names(state: Mapping[str, Any], tied: bool) -> Dict[str, Any]:
+def to_llama_names(state: Mapping[str, Any], tied: bool, block_names: Mapping[str, str] = BLOCK_NAMES
+                   ) -> Dict[str, Any]:
     """Our GPT's state dict under Llama's names; a tied head is left out (transformers ties it on load).
 
     A key with no Llama counterpart (a bias, another norm's parameter) is a DataError naming it: exporting without
@@ -292,8 +308,8 @@ def to_llama_names(state: Mapping[str, Any], tied: bool) -> Dict[str, Any]:
             out.update(experts)
         elif name in GLOBAL_NAMES:
             out[GLOBAL_NAMES[name]] = tensor
-        elif block and block.group(2) in BLOCK_NAMES:
-            out[f"model.layers.{block.group(1)}.{BLOCK_NAMES[block.group(2)]}"] = tensor
+        elif block and block.group(2) in block_names:  # deepseek.BLOCK_NAMES under latent attention
+            out[f"model.layers.{block.group(1)}.{block_names[block.group(2)]}"] = tensor
         else:
             raise DataError(f"weight {name!r} has no counterpart in transformers' Llama (which has no biases and only "
                             "RMSNorm weights): this model cannot be exported as LlamaForCausalLM or Qwen3ForCausalLM")

@@ -108,6 +108,32 @@ class RopeScalingConfig:
 
 
 @dataclass
+class MLAConfig:
+    """Multi-head latent attention (model.mla; read when model.attention=mla): DeepSeek-V2 §2.1 (DeepSeek-AI 2024),
+    as DeepSeek-V3 keeps it. Keys and values are expanded per head from one compressed latent of kv_lora_rank
+    channels, and RoPE is decoupled: each head's query carries qk_rope_head_dim rotated channels that meet one
+    rotated key shared by every head. A KV cache then holds the latent and the shared key, kv_lora_rank +
+    qk_rope_head_dim numbers a token a layer (lit_pretrain/model/mla.py). Names as transformers' DeepseekV3Config."""
+
+    kv_lora_rank: int = field(default=64, metadata={"ge": 1})
+    """Width of the compressed key/value latent (DeepSeek-V2's d_c; V3: 512)."""
+    q_lora_rank: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Width of the compressed query (d_c'; V3: 1536), normalized between its down- and up-projection. null: the
+    queries come from one projection of the input (DeepSeek-V2-Lite)."""
+    qk_rope_head_dim: int = field(default=16, metadata={"ge": 2})
+    """Rotated channels of each query head and of the one shared rotated key (d_h^R; V3: 64); even."""
+    qk_nope_head_dim: int = field(default=32, metadata={"ge": 1})
+    """Unrotated query/key channels per head, expanded from the latent (d_h; V3: 128)."""
+    v_head_dim: int = field(default=32, metadata={"ge": 1})
+    """Value channels per head, expanded from the latent (V3: 128); the output projection reads n_heads of them."""
+
+    def check(self) -> None:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} is odd: RoPE rotates pairs of "
+                             "channels; choose an even one (DeepSeek-V3: 64)")
+
+
+@dataclass
 class GPTConfig:
     vocab_size: Optional[int] = field(default=None, metadata={"ge": 2})
     """Vocabulary size. null: taken from the prepared tokenizer (`data.vocab_size` after training)."""
@@ -162,12 +188,19 @@ class GPTConfig:
     """Scaled RoPE for a context longer than pretrained (RopeScalingConfig: Llama 3.1's llama3 rule or YaRN); null:
     unscaled. Holds no weight: a context-extension stage sets it with a longer model.seq_len (docs/resume.md,
     "Context-extension stages")."""
+    attention: str = field(default="mha", metadata={"choices": ["mha", "mla"]})
+    """mha: multi-head attention with n_kv_heads key/value heads (grouped-query when fewer than n_heads); mla:
+    multi-head latent attention (DeepSeek-V2 §2.1) with the ranks of model.mla (lit_pretrain/model/mla.py)."""
+    mla: Optional[MLAConfig] = None
+    """model.attention=mla only: its ranks and head widths (MLAConfig); null with model.attention=mha."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
 
     @property
     def head_dim(self) -> int:
@@ -176,6 +209,31 @@ class GPTConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Channels of each query and key head: head_dim, or under latent attention the unrotated and rotated ones."""
+        m = self.mla if self.attention == "mla" else None
+        return self.head_dim if m is None else m.qk_nope_head_dim + m.qk_rope_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """Channels of each value head (head_dim; model.mla.v_head_dim under latent attention)."""
+        return self.head_dim if self.attention != "mla" else self.mla.v_head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Channels RoPE turns in each head: all of head_dim, or model.mla.qk_rope_head_dim (decoupled RoPE)."""
+        return self.head_dim if self.attention != "mla" else self.mla.qk_rope_head_dim
+
+    @property
+    def kv_cache_layout(self) -> Tuple[int, int, int]:
+        """(heads, key width, value width) a KV cache stores per token and layer: n_kv_heads keys and values of
+        head_dim, or under latent attention one latent of kv_lora_rank and one shared rotated key (DeepSeek-V2
+        §2.1.2, table 1: (d_c + d_h^R) elements a token a layer against GQA's 2·n_g·d_h)."""
+        if self.attention == "mla":
+            return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
+        return self.kv_heads, self.head_dim, self.head_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -228,6 +286,8 @@ class GPTConfig:
             out["attn.q_norm"] = ModuleSpec("norm", (q,), "partial")
             out["attn.k_norm"] = ModuleSpec("norm", (q,), "partial")
         out["attn.wo"] = ModuleSpec("linear", (d, d), "row", residual_projection=True)
+        if self.attention == "mla":  # latent attention's own projections in place of the four above
+            out = {"attn_norm": out["attn_norm"], **self.latent_attention_modules()}
         out["mlp_norm"] = ModuleSpec("norm", (d,))
         if self.is_moe_layer(layer):
             moe, e = self.moe, self.d_ff_expert
@@ -251,6 +311,31 @@ class GPTConfig:
             out["mlp.w_gate"] = ModuleSpec("linear", (f, d), "column")
         out["mlp.w_up"] = ModuleSpec("linear", (f, d), "column")
         out["mlp.w_down"] = ModuleSpec("linear", (d, f), "row", residual_projection=True)
+        return out
+
+    def latent_attention_modules(self) -> Dict[str, "ModuleSpec"]:
+        """Multi-head latent attention's rows of the block table (DeepSeek-V2 §2.1, eq. 9-14 and 37-47; names as
+        DeepSeek-V3's reference model.py): the query from wq, or down through wq_a, q_norm and up through wq_b; the
+        latent and the shared rotated key from wkv_a, the latent normalized (kv_norm) and expanded by wkv_b into
+        every head's unrotated key and value; wo over the heads' values.
+        Under tensor parallelism wq/wq_b and wkv_b split their output rows by whole heads like wq (both are
+        head-major: a head's qk_nope + qk_rope query channels, a head's qk_nope key then v_head_dim value
+        channels) and wo its input columns; the down-projections and their norms stay replicated, as Megatron-LM's
+        MLA keeps its q and kv down-projections (parallel/tensor.py sums the shared key's gradient).
+        """
+        m, d, H = self.mla, self.d_model, self.n_heads
+        r, rope = m.kv_lora_rank, m.qk_rope_head_dim
+        out = {}
+        if m.q_lora_rank is None:
+            out["attn.wq"] = ModuleSpec("linear", (H * self.qk_head_dim, d), "column")
+        else:
+            out["attn.wq_a"] = ModuleSpec("linear", (m.q_lora_rank, d))
+            out["attn.q_norm"] = ModuleSpec("norm", (m.q_lora_rank,))
+            out["attn.wq_b"] = ModuleSpec("linear", (H * self.qk_head_dim, m.q_lora_rank), "column")
+        out["attn.wkv_a"] = ModuleSpec("linear", (r + rope, d))
+        out["attn.kv_norm"] = ModuleSpec("norm", (r,))
+        out["attn.wkv_b"] = ModuleSpec("linear", (H * (m.qk_nope_head_dim + m.v_head_dim), r), "column")
+        out["attn.wo"] = ModuleSpec("linear", (d, H * m.v_head_dim), "row", residual_projection=True)
         return out
 
     def modules(self) -> Dict[str, "ModuleSpec"]:
@@ -300,7 +385,20 @@ class GPTConfig:
                                      "of 8 (16-byte rows); round it to one")
         if self.rope_scaling is not None:
             self.rope_scaling.check()
-        if self.head_dim % 2:
+        if self.attention == "mla" and self.mla is None:
+            raise ValueError("model.attention=mla needs its ranks in model.mla: set e.g. model.mla.kv_lora_rank=64 "
+                             "(the other keys take their defaults)")
+        if self.attention != "mla" and self.mla is not None:
+            raise ValueError(f"model.mla is set but model.attention={self.attention}: set model.attention=mla, or "
+                             "model.mla=null")
+        if self.attention == "mla":
+            self.mla.check()
+            for key, value in (("model.n_kv_heads", self.n_kv_heads), ("model.qk_norm", self.qk_norm or None)):
+                if value is not None:
+                    raise ValueError(f"{key}={value} with model.attention=mla: latent attention expands every head's "
+                                     f"key and value from one latent and normalizes the latents instead (DeepSeek-V2 "
+                                     f"§2.1); set {key}={'null' if key.endswith('heads') else 'false'}")
+        if self.attention == "mha" and self.head_dim % 2:
             raise ValueError(
                 f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "
                 "channels, so the head dimension must be even"
@@ -343,7 +441,7 @@ class ModuleSpec:
 
 
 def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
-                            mask: MaskSpec = CAUSAL) -> int:
+                            mask: MaskSpec = CAUSAL, v_head_dim: Optional[int] = None) -> int:
     """Training FLOPs per token (forward + backward): 6·N + 12·L·H·Q·T, PaLM appendix B (Chowdhery et al. 2022).
 
     6·N: each of the N matmul parameters costs one multiply-add (2 FLOPs) per token forward and twice that
@@ -352,5 +450,8 @@ def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, h
     T is the keys a query is counted against, as the attention mask says (model/mask_spec.py
     `MaskSpec.scored_keys`): the full T×T score matrix, as PaLM counts it, although causal attention needs only
     half of it.
+    v_head_dim: the value heads' width where it differs from the query/key heads' head_dim (multi-head latent
+    attention): the scores then cost 2·H·head_dim·T and the weighted sum 2·H·v_head_dim·T; None: head_dim.
     """
-    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * mask.scored_keys(seq_len)
+    v = head_dim if v_head_dim is None else v_head_dim
+    return 6 * n_matmul_params + 6 * n_layers * n_heads * (head_dim + v) * mask.scored_keys(seq_len)

@@ -19,6 +19,7 @@ from lit_pretrain.model.config import GPTConfig, ModuleSpec, RopeScalingConfig, 
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
 from lit_pretrain.model.init import initialize
 from lit_pretrain.model.mask import CAUSAL, Mask, SdpaMask, sdpa_mask
+from lit_pretrain.model.mla import LatentAttention
 from lit_pretrain.model.moe import MoE
 from lit_pretrain.model.rope import inverse_frequencies
 
@@ -241,7 +242,8 @@ class Block(nn.Module):
         super().__init__()
         spec = cfg.block_modules(layer)
         self.attn_norm = build_norm(cfg, spec["attn_norm"])
-        self.attn = Attention(cfg)
+        mla = cfg.attention == "mla"  # model.attention
+        self.attn = LatentAttention(cfg, build_linear, build_norm, apply_rope) if mla else Attention(cfg)
         self.mlp_norm = build_norm(cfg, spec["mlp_norm"])
         # model.moe: the table decides which blocks route their tokens to experts (lit_pretrain/model/moe.py)
         self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLPS[cfg.mlp](cfg, layer)
@@ -278,8 +280,8 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight  # one Parameter, two views (GPT-2, PaLM)
         # Non-persistent: derived from the config, so checkpoints hold only weights.
-        self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.rope_head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.rope_head_dim), persistent=False)
         # Context parallelism sets this from outside (lit_pretrain/parallel/context.py): an object whose
         # positions(T, device) are the (T/c,) positions of a window of T that this process computes. None: all.
         self.context_split = None
@@ -299,7 +301,7 @@ class GPT(nn.Module):
         """
         cfg = self.cfg
         initialize(self, cfg)  # model.init: lit_pretrain/model/init.py
-        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device=self.rope_cos.device,
+        cos, sin = rope_tables(cfg.rope_head_dim, cfg.seq_len, cfg.rope_theta, device=self.rope_cos.device,
                                scaling=cfg.rope_scaling)
         # Assigned, not copied: the buffers may have been cast (e.g. `.to(bfloat16)`); the tables are fp32.
         self.rope_cos, self.rope_sin = cos, sin
@@ -371,7 +373,8 @@ class GPT(nn.Module):
         max_len = cfg.seq_len if max_len is None else max_len
         if not 1 <= max_len <= cfg.seq_len:
             raise ValueError(f"a cache of {max_len} positions: choose 1..model.seq_len={cfg.seq_len}")
-        return KVCache(cfg.n_layers, batch_size, cfg.kv_heads, max_len, cfg.head_dim, weight.device, weight.dtype)
+        heads, k_dim, v_dim = cfg.kv_cache_layout  # latent attention: one latent and one shared key
+        return KVCache(cfg.n_layers, batch_size, heads, max_len, k_dim, weight.device, weight.dtype, v_dim)
 
     def num_params(self, non_embedding: bool = True, active: bool = False) -> int:
         """Number of unique parameters (a tied embedding/head Parameter is counted once).
@@ -403,7 +406,8 @@ class GPT(nn.Module):
         cfg = self.cfg
         n_matmul_params = self.num_params(non_embedding=True, active=True) + cfg.vocab_size * cfg.d_model
         seq_len = cfg.seq_len if seq_len is None else seq_len
-        return flops_per_token_formula(n_matmul_params, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
+        return flops_per_token_formula(n_matmul_params, cfg.n_layers, cfg.n_heads, cfg.qk_head_dim, seq_len,
+                                       v_head_dim=cfg.value_head_dim)
 
 
 class KVCache:
@@ -411,11 +415,12 @@ class KVCache:
     positions (no concatenation per step). Positions [0, length) are filled; `GPT.forward_cached` fills the next."""
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | None = None, dtype: torch.dtype | None = None, v_dim: int | None = None):
         # n_kv_heads, not n_heads: grouped-query attention shrinks the cache by n_heads / n_kv_heads (its purpose).
+        # v_dim: the second tensor's width where it differs (latent attention: the latent in k, the rotated key in v).
         shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, n_kv_heads, max_len, head_dim)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, n_kv_heads, max_len, head_dim)
+        self.v = torch.zeros(shape[:-1] + (v_dim or head_dim,), device=device, dtype=dtype)  # (..., v_dim)
         self.max_len, self.length = max_len, 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):

@@ -29,12 +29,13 @@ def block_params(cfg: GPTConfig) -> int:
 
 
 def block_params_replicated(cfg: GPTConfig) -> List[Tuple[int, int]]:
-    """(parameters, of which the router) of each kind of block (dense, MoE): under tensor parallelism the latter
-    is replicated over the group, not split; the routed experts are split (parallel/expert_tensor.py)."""
+    """(parameters, of which replicated matrices: the router, latent attention's down-projections) of each kind of
+    block (dense, MoE): under tensor parallelism the latter are whole on every rank of the group, not split; the
+    routed experts are split (parallel/expert_tensor.py)."""
     out = []
     for i in _block_kinds(cfg):
         specs = cfg.block_modules(i)
-        kept = sum(s.numel for name, s in specs.items() if name == "mlp.router")
+        kept = sum(s.numel for s in specs.values() if s.kind != "norm" and s.tensor_parallel is None)
         out.append((sum(s.numel for s in specs.values()), kept))
     return out
 
@@ -67,7 +68,8 @@ def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
     """Training FLOPs per token as `GPT.flops_per_token` counts them (PaLM appendix B: 6·N + 12·L·H·Q·T), N the
     active parameters (a token's matmuls touch only its top_k experts)."""
     n_matmul = active_non_embedding_params(cfg) + _vocab(cfg) * cfg.d_model
-    return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len or cfg.seq_len)
+    return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.qk_head_dim, seq_len or cfg.seq_len,
+                                   v_head_dim=cfg.value_head_dim)
 
 
 def sizes(cfg: GPTConfig) -> Dict[str, int]:

@@ -49,32 +49,33 @@ def gathered_order(T: int, c: int, device=None) -> torch.Tensor:
 
 
 class GatherKV(torch.autograd.Function):
-    """k, v (B, KV, T/c, Q) of this rank -> the whole sequence's (B, KV, T, Q) each, in global order, in one
-    all-gather. Backward: the gradients of every rank's queries summed into each key and value and this rank's
-    positions kept, in one reduce-scatter (the gathered tensors themselves are saved by attention, not here)."""
+    """k (B, KV, T/c, Qk), v (B, KV, T/c, Qv) of this rank -> the whole sequence's (B, KV, T, Qk) and (B, KV, T, Qv),
+    in global order, in one all-gather of both side by side (Qk and Qv differ under latent attention, model/mla.py).
+    Backward: the gradients of every rank's queries summed into each key and value and this rank's positions kept,
+    in one reduce-scatter (the gathered tensors themselves are saved by attention, not here)."""
 
     @staticmethod
     def forward(ctx, k, v, group, c: int):
-        B, KV, Tl, Q = k.shape
-        T = Tl * c
+        B, KV, Tl, Qk = k.shape
+        T, D = Tl * c, Qk + v.shape[-1]
         order = gathered_order(T, c, k.device)
-        ctx.group, ctx.c, ctx.order = group, c, order
-        local = torch.stack([k, v]).contiguous()  # (2, B, KV, T/c, Q)
-        out = local.new_empty((c * 2, B, KV, Tl, Q))
-        _all_gather_single(out, local, group=group)  # rank-major: (c·2, B, KV, T/c, Q)
-        rows = out.unflatten(0, (c, 2)).permute(1, 2, 3, 0, 4, 5).reshape(2, B, KV, T, Q)  # positions in `order`
-        whole = torch.empty_like(rows).index_copy_(3, order, rows)  # (2, B, KV, T, Q): global order
-        return whole[0], whole[1]
+        ctx.group, ctx.c, ctx.order, ctx.Qk = group, c, order, Qk
+        local = torch.cat([k, v], dim=-1).unsqueeze(0).contiguous()  # (1, B, KV, T/c, Qk + Qv)
+        out = local.new_empty((c, B, KV, Tl, D))
+        _all_gather_single(out, local, group=group)  # rank-major: (c, B, KV, T/c, D)
+        rows = out.permute(1, 2, 0, 3, 4).reshape(B, KV, T, D)  # positions in `order`
+        whole = torch.empty_like(rows).index_copy_(2, order, rows)  # (B, KV, T, D): global order
+        return whole[..., :Qk], whole[..., Qk:]
 
     @staticmethod
     def backward(ctx, gk, gv):
-        c = ctx.c
-        g = torch.stack([gk, gv]).index_select(3, ctx.order)  # (2, B, KV, T, Q) in the gathered (rank-major) order
-        two, B, KV, T, Q = g.shape
-        per_rank = g.unflatten(3, (c, T // c)).permute(3, 0, 1, 2, 4, 5).reshape(c * 2, B, KV, T // c, Q)
-        out = g.new_empty((2, B, KV, T // c, Q))
+        c, Qk = ctx.c, ctx.Qk
+        g = torch.cat([gk, gv], dim=-1).index_select(2, ctx.order)  # (B, KV, T, D) in the gathered (rank-major) order
+        B, KV, T, D = g.shape
+        per_rank = g.unflatten(2, (c, T // c)).permute(2, 0, 1, 3, 4).reshape(c, B, KV, T // c, D)
+        out = g.new_empty((1, B, KV, T // c, D))
         _reduce_scatter_single(out, per_rank.contiguous(), group=ctx.group)
-        return out[0], out[1], None, None
+        return out[0, ..., :Qk], out[0, ..., Qk:], None, None
 
 
 class ContextParallel:

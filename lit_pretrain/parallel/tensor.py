@@ -84,6 +84,18 @@ class RowParallelLinear(ColumnParallelLinear):
         return reduce.apply(F.linear(x, self.weight), self.group)
 
 
+class _EnterHeads:
+    """f (forward: identity; backward: sum over the group) on a tensor computed whole on every rank and then read by
+    this rank's heads alone: latent attention's shared rotated key, whose replicated down-projection must see the
+    gradient of every rank's heads, as the column-parallel linears' f gives their inputs."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return CopyToParallel.apply(x, self.group)
+
+
 def plan_of(model: nn.Module) -> Dict[str, str]:
     """Module name (wrapper prefix removed) -> its `tensor_parallel` role, for every module that has one."""
     return {plain_name(name): module.tensor_parallel for name, module in model.named_modules()
@@ -128,6 +140,9 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     if cfg.n_heads % world or cfg.kv_heads % world:
         raise ValueError(f"model.n_heads={cfg.n_heads} and model.n_kv_heads={cfg.kv_heads} must both be divisible "
                          f"by strategy.tensor_parallel={world}: each rank holds whole query and key/value heads")
+    if sequence_parallel and getattr(cfg, "attention", "mha") == "mla":
+        raise ValueError("strategy.sequence_parallel with model.attention=mla: the latent attention's replicated "
+                         "down-projections would get partial gradients; set strategy.sequence_parallel=false")
     if sequence_parallel:  # before anything is replaced
         check_seq_len(cfg.seq_len, world)
     replaced = 0
@@ -155,6 +170,9 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
                                    getattr(module, "residual_projection", False)))
         replaced += 1
     replaced += apply_vocab_parallel(model, group, sequence_parallel)
+    for module in model.modules():  # latent attention (model/mla.py): the key every head shares enters the heads
+        if hasattr(module, "enter_heads"):
+            module.enter_heads = _EnterHeads(group)
     if sequence_parallel:
         install_sequence_parallel(model, group, column_parents)
         replicate_over_sequence(model, group)

@@ -155,7 +155,7 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            tensor_parallel: int = 1, sequence_parallel: bool = False,
                            bytes_per_element: float = 4.0, *, kv_heads: Optional[int] = None, mlp: str = "swiglu",
                            norm: str = "rmsnorm", qk_norm: bool = False, autocast: bool = False, moe=None,
-                           fp32_norms: bool = False, context_parallel: int = 1) -> float:
+                           fp32_norms: bool = False, context_parallel: int = 1, mla=None) -> float:
     """Bytes one of OUR blocks (model.py: pre-norms, RoPE, fused causal attention, MLP; no dropout, no biases)
     saves for backward on one tensor-parallel rank, without recomputation, counted by storage as
     parallel/memory.py's SavedActivations measures (a tensor saved by several ops counts once; weights and the RoPE
@@ -190,6 +190,14 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       attention saves the all-gathered keys and values of the whole window (2NgQ/t, in place of this rank's
       2NgQ/(ct)) and, beside its output as wo's input, the two chunks' outputs apart (N·h/(ct) more). Per forward,
       not per block (`context_forward_bytes`): the RoPE tables at this rank's positions.
+    - Latent attention (mla = (d_qk, d_v, kv_lora_rank r, qk_rope_head_dim, q_lora_rank or None); model/mla.py),
+      replacing the attention term: per head q, k, the values zero-padded to d_qk and the padded output
+      (4N·a·d_qk/t), wo's input (N·a·d_v/t); replicated on every tensor-parallel rank, the latent side: wkv_a's
+      output (kv_norm's input, N(r + rope)), kv_norm's x̂ and rsqrt (Nr + N), wkv_b's input (Nr), and with query
+      compression wq_a's output, q_norm's x̂ and rsqrt and wq_b's input (3N·q_lora + N). Values as wide as the
+      queries are not padded: v is then a view of wkv_b's output (N·a·(d_qk - rope + d_v)) and the output is wo's
+      input. Measured exact against SavedActivations in fp32 (tests/model/test_mla.py); under context parallelism
+      the gathered keys and padded values of the whole window are counted as for multi-head attention.
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.
@@ -219,6 +227,13 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
         attention += 2 * (whole_n - n) * kv + n * h
     mlp_elements = (4 if mlp == "swiglu" else 2) * n * f
     routing_bytes = replicated = 0.0
+    if mla is not None:
+        qk, vd, r, rope, q_lora = mla
+        if vd < qk:  # q, k, the padded values and output; wo's input (mla._sdpa)
+            attention = 4 * n * a * qk + n * a * vd + 2 * (whole_n - n) * a * qk
+        else:  # q, k, wkv_b's output (v is its view); the output, which is wo's input
+            attention = 2 * n * a * qk + n * a * (qk - rope + vd) + n * a * vd + (whole_n - n) * a * (qk + vd)
+        replicated = n * (r + rope) + n + 2 * n * r + (3 * n * q_lora + n if q_lora else 0)
     if moe is not None:
         experts, k, f_e, shared = moe
         rows = k * n
@@ -360,11 +375,13 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
         states = model_state_bytes(local, data_parallel, zero_stage, precision)
     m = cfg.moe  # with model.moe the larger of a dense and an MoE block (a pipeline stage may hold either)
     moe_shape = (m.num_experts, m.top_k, cfg.d_ff_expert, m.num_shared_experts) if m is not None else None
+    latent = None if cfg.attention != "mla" else (cfg.qk_head_dim, cfg.value_head_dim, cfg.mla.kv_lora_rank,
+                                                  cfg.mla.qk_rope_head_dim, cfg.mla.q_lora_rank)
     whole = max(block_activation_bytes(cfg.seq_len, micro_batch, d, cfg.n_heads, cfg.hidden_dim, t, sequence_parallel,
                                        2.0 * b.activation_factor, kv_heads=cfg.kv_heads, mlp=cfg.mlp, norm=cfg.norm,
                                        qk_norm=cfg.qk_norm, autocast=b.autocast, fp32_norms=b.fp32_norms,
                                        moe=(m.num_experts, m.top_k, cfg.d_ff_expert, m.num_shared_experts)
-                                       if moe_layer else None, context_parallel=context_parallel)
+                                       if moe_layer else None, context_parallel=context_parallel, mla=latent)
                 for moe_layer in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)})
     # What a fully checkpointed block keeps: its input, in the residual stream's dtype (sharded along the sequence
     # under sequence parallelism).
@@ -423,6 +440,7 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,
         "activation_bytes": activations + logits, "logits_bytes": logits, "recompute_bytes": recompute,
         "transient_bytes": transient, "total_bytes": total, "recompute_flops": recompute_flops,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
     }
     if device_memory is not None:
         out["device_memory"] = device_memory
@@ -443,6 +461,16 @@ def _transient_bytes(b: StateBytes, cfg: GPTConfig, zero_stage: int, t: int, p: 
     if zero_stage >= 2:  # one block's and the head's gradient, unsharded until their reduce-scatter
         out += (b.grad_transient or b.grad) * (local_block + (cfg.vocab_size * cfg.d_model / t if p == 1 else 0.0))
     return out
+
+
+def kv_cache_bytes_per_token(cfg: GPTConfig, bytes_per_element: float = 2.0) -> float:
+    """Bytes a KV cache holds for each token of context, over every layer (model/gpt.py KVCache, as `generate`
+    allocates it): n_layers · heads · (key width + value width) · bytes_per_element (default 2: bf16 decoding).
+    Grouped-query attention keeps 2·n_kv_heads·head_dim numbers a token a layer; latent attention its latent and
+    shared rotated key, kv_lora_rank + qk_rope_head_dim (DeepSeek-V2 §2.1.4, table 1). Llama 3 8B in bf16:
+    32 · 8 · 256 · 2 = 131,072 B; DeepSeek-V3: 61 · (512 + 64) · 2 = 70,272 B."""
+    heads, k, v = cfg.kv_cache_layout
+    return bytes_per_element * cfg.n_layers * heads * (k + v)
 
 
 def parse_bytes(text: str) -> float:

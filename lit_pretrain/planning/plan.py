@@ -312,6 +312,10 @@ def _check_model(plan: ParallelPlan, trainer, model, vocab_from: Optional[str] =
         raise ConfigError(f"model.qk_norm_scope=projection normalizes over all heads of q and k, which "
                           f"strategy.tensor_parallel={t} splits across ranks: set qk_norm_scope=head or "
                           "tensor_parallel=1")
+    if model.attention == "mla" and plan.sequence_parallel:
+        raise ConfigError("strategy.sequence_parallel=true with model.attention=mla: the latent attention's "
+                          "replicated down-projections would see only this rank's heads' gradient (not tested); set "
+                          "strategy.sequence_parallel=false")
     if model.n_heads % t:
         raise ConfigError(f"model.n_heads={model.n_heads} is not divisible by strategy.tensor_parallel={t}: each "
                           "tensor-parallel rank holds whole heads; choose a tensor_parallel that divides n_heads")

@@ -305,6 +305,9 @@ def format_memory(r: dict) -> str:
     for key in ("recompute_bytes", "transient_bytes"):
         if key in r:
             lines.insert(-1, f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gb:>10.3f} GB")
+    if "kv_cache_bytes_per_token" in r:  # decoding, not training: the whole model's cache, never one rank's
+        lines.append(f"  {'kv_cache_bytes_per_token':<28} {r['kv_cache_bytes_per_token']:>20,.0f} B  (bf16, every "
+                     "layer: what generation holds per token of context)")
     if "run" in r:
         from lit_pretrain.planning.run_plan import format_fit
 

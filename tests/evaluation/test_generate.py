@@ -124,6 +124,8 @@ def test_cli_generates_from_a_tiny_run(tmp_path, tiny_data_dir, capsys):
     out = capsys.readouterr()
     assert out.out.count("=== prompt 1, sample") == 2 and "\ndef " in out.out
     assert "tokens/s" in out.err
+    # fp32 keys and values of 4 heads x 16 channels in each of 2 layers: 2 x 4 x (16 + 16) x 4 B
+    assert "KV cache 1,024 B per token" in out.err
     # The same from the checkpoint file; a prompt longer than the context (64) is one line and exit 2.
     assert cli.main(["generate", str(run_dir / "checkpoints" / "last.ckpt"), "--prompt", "def ",
                      "--max-new-tokens", "12", "--seed", "1", "--batch", "2"]) == 0

@@ -203,6 +203,45 @@ def test_qk_norm_exports_as_qwen3_with_transformers_logits_and_round_trips(tmp_p
         assert torch.equal(fresh.state_dict()[name], tensor), name
 
 
+@pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["query_projected", "query_compressed"])
+def test_latent_attention_exports_as_deepseek_v3_with_transformers_logits_and_round_trips(tmp_path, tokenizer_file,
+                                                                                          q_lora_rank):
+    """model.attention=mla -> a dense DeepseekV3ForCausalLM (first_k_dense_replace = n_layers, rope_interleave
+    false): the same logits as transformers' own DeepseekV3Attention, also from its latent KV cache, and back
+    bitwise. Every 1-d weight in [0.5, 1.5], so a swapped q_a_layernorm / kv_a_layernorm shows."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    mla = {"kv_lora_rank": 16, "q_lora_rank": q_lora_rank, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12,
+           "v_head_dim": 10}
+    model = GPT(GPTConfig(vocab_size=320, n_layers=2, d_model=64, n_heads=4, d_ff=96, seq_len=32, tie_embeddings=False,
+                          rope_theta=500.0, init_std=0.2, attention="mla", mla=mla)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+        assert ours.abs().max() > 2
+        for attention in ("sdpa", "eager"):
+            theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation=attention).eval()
+            assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+            # fp32, logits of a few units: 1e-5 is a few ulps of them; a missing latent norm or a rope in the
+            # interleaved layout moves them by ~1
+            assert (theirs(idx).logits - ours).abs().max().item() <= 1e-5, attention
+        # transformers' cache holds the latents too: its last logits after a prefix and one token are ours
+        out = theirs(idx[:, :20], use_cache=True)
+        step = theirs(idx[:, 20:21], cache=out.past_key_values, use_cache=True).logits[:, -1]
+        assert (step - ours[:, 20]).abs().max().item() <= 1e-5
+    assert read_hf_config(tmp_path / "hf") == {**function_fields(model.cfg), "seq_len": 32}
+    fresh = load_init(GPT(model.cfg), tmp_path / "hf", tokenizer_file)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
 @pytest.mark.parametrize("key,value", [("logit_softcap", 30.0), ("norm", "layernorm"), ("mlp", "gelu")])
 def test_export_refuses_a_variant_llama_cannot_express(tmp_path, tokenizer_file, key, value):
     cfg = dict(vocab_size=320, n_layers=1, d_model=64, n_heads=4, seq_len=32)
@@ -227,6 +266,19 @@ def test_import_refuses_a_llama_our_gpt_cannot_express(tmp_path, tokenizer_file,
     path = tmp_path / "hf" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
     with pytest.raises(DataError, match=rf"{key}(\.rope_type)?=.*cannot be expressed"):
+        read_hf_config(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("key,value", [("first_k_dense_replace", 1), ("rope_interleave", True),
+                                       ("kv_lora_rank", 0)])
+def test_import_refuses_a_deepseek_v3_our_gpt_cannot_express(tmp_path, tokenizer_file, key, value):
+    """Routed experts (DeepSeek-V3's grouped sigmoid router), interleaved RoPE, a rank that is not one."""
+    cfg = GPTConfig(vocab_size=320, n_layers=2, d_model=64, n_heads=4, seq_len=32, attention="mla",
+                    mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8})
+    export_gpt(GPT(cfg), tokenizer_file, tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    with pytest.raises(DataError, match=rf"{key}=.*cannot be expressed"):
         read_hf_config(tmp_path / "hf")
 
 
