@@ -20,10 +20,11 @@ to read. The two models compute the same function, which tests/interop/test_hf.p
 - QK-norm (model.qk_norm): exported as `Qwen3ForCausalLM`, which is this Llama plus per-head RMSNorms of q and k
   over head_dim (`Qwen3Attention.q_norm`/`k_norm`, eps rms_norm_eps) before RoPE, as ours; without sliding windows.
 - model.moe: exported as `OlmoeForCausalLM` (lit_pretrain/interop/olmoe.py says what makes it the same function).
-What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm and
-model.mlp=gelu (`check_exportable`; Gemma 2 has a soft-cap but differs from our block elsewhere: embeddings scaled
-by sqrt(d), norms around each sublayer); on import a bias, RoPE scaled other than llama3 or yarn (linear, dynamic,
-longrope; yarn with truncate=false or a partial rotary factor), another activation, sliding windows.
+What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm,
+model.mlp=gelu, model.attention_sinks and model.attention_gate (`check_exportable`; Gemma 2 has a soft-cap but
+differs from our block elsewhere: embeddings scaled by sqrt(d), norms around each sublayer); on import a bias,
+RoPE scaled other than llama3 or yarn (linear, dynamic, longrope; yarn with truncate=false or a partial rotary
+factor), another activation, sliding windows.
 """
 
 import math
@@ -67,10 +68,12 @@ _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 # The GPTConfig fields that decide what function a set of weights computes (seq_len does not: it is only how many
 # positions the RoPE tables cover; init_std does not either).
 FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
-                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling")
+                   "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling",
+                   "attention_sinks", "attention_gate")
 # The architecture variants, at the values a Llama (and a weights file written before them) has.
 VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu",
-                    "qk_norm_scope": "head", "moe": None, "rope_scaling": None}
+                    "qk_norm_scope": "head", "moe": None, "rope_scaling": None, "attention_sinks": False,
+                    "attention_gate": None}
 # model.rope_scaling's fields each type computes with (the others are unused by it).
 ROPE_FIELDS = {"llama3": ("type", "factor", "original_seq_len", "low_freq_factor", "high_freq_factor"),
                "yarn": ("type", "factor", "original_seq_len", "beta_fast", "beta_slow", "attention_factor")}
@@ -159,6 +162,18 @@ def architecture(cfg: GPTConfig) -> str:
 def check_exportable(cfg: GPTConfig) -> None:
     """A DataError naming the first model key neither LlamaForCausalLM nor Qwen3ForCausalLM can express (exporting
     without it would compute another function)."""
+    if cfg.attention_sinks:
+        # GptOssForCausalLM's attention has the same sinks, but only inside its own block: biased q/k/v/o projections
+        # and a mixture of experts with biases and a clamped SwiGLU (swiglu_limit, alpha 1.702), which ours is not.
+        raise DataError("model.attention_sinks=true cannot be expressed by transformers' Llama, Qwen3 or OLMoE (only "
+                        "GptOssForCausalLM has sinks, in a block of biased projections and clamped-SwiGLU experts "
+                        "ours is not): this model cannot be exported to Hugging Face format")
+    if cfg.attention_gate is not None:
+        # Qwen3NextForCausalLM gates its attention (elementwise, the gate's rows interleaved into q_proj), but with
+        # zero-centred norms, partial RoPE and its own layer types, which this exporter does not write.
+        raise DataError(f"model.attention_gate={cfg.attention_gate!r} cannot be expressed by transformers' Llama, "
+                        "Qwen3 or OLMoE (none gates the attention output): this model cannot be exported to Hugging "
+                        "Face format")
     if cfg.moe is not None:
         olmoe.check_exportable(cfg)
     elif cfg.qk_norm and cfg.qk_norm_scope != "head":

@@ -211,6 +211,15 @@ def test_export_refuses_a_variant_llama_cannot_express(tmp_path, tokenizer_file,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("key,value", [("attention_sinks", True), ("attention_gate", "headwise")])
+def test_export_refuses_sinks_and_gate_naming_the_key(tmp_path, tokenizer_file, key, value):
+    cfg = dict(vocab_size=320, n_layers=1, d_model=64, n_heads=4, seq_len=32)
+    with pytest.raises(DataError, match=rf"^model\.{key}=.*cannot be expressed by transformers'") as err:
+        export_gpt(GPT(GPTConfig(**cfg, **{key: value})), tokenizer_file, tmp_path / "hf")
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_refuses_mup_logit_multiplier_and_accepts_it_at_the_base_width(tmp_path, tokenizer_file):
     cfg = dict(vocab_size=320, n_layers=1, d_model=64, n_heads=4, seq_len=32, init="mup")
     with pytest.raises(DataError, match=r"^model\.init=mup .* multiplies the logits by 0\.5"):
