@@ -171,8 +171,8 @@ class Attention(nn.Module):
         # model.attention_gate: sigmoid(x W_g) over each head (headwise) or channel (elementwise) of the output
         self.wg = build_linear(spec["attn.wg"]) if "attn.wg" in spec else None
         self.sinks = AttentionSinks(spec["attn.sinks"]) if "attn.sinks" in spec else None  # model.attention_sinks
-        # Context parallelism (lit_pretrain/parallel/context.py) sets this from outside: a callable (q, k, v, mask)
-        # -> y that attends this rank's queries over the whole sequence's keys and values. None: one process's.
+        # Context parallelism (lit_pretrain/parallel/context.py) sets this from outside: a callable (q, k, v, mask,
+        # sinks) -> y that attends this rank's queries over the whole sequence's keys and values. None: one process's.
         self.context = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
