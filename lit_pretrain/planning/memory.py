@@ -151,7 +151,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     return sbh * (rest + attention)
 
 
-def gate_width(cfg: GPTConfig) -> int:
+def attention_gate_width(cfg: GPTConfig) -> int:
     """Gates per head of model.attention_gate: 0 (none), 1 (headwise) or head_dim (elementwise)."""
     return {None: 0, "headwise": 1, "elementwise": cfg.head_dim}[cfg.attention_gate]
 
@@ -201,7 +201,8 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       the a heads (2·b·K·h for K keys a query row's calls hold: T + 1 on one process) and the probabilities
       (b·a·P, P = T·(T + 1)), in place of the fused kernel's q, k, v, output and log-sum-exp. Under context
       parallelism each of a rank's two chunks of m = T/(2c) queries calls over the keys up to its end plus the
-      sink: K = (2c + 1)m + 2, P = m·K (the causal layout; document masking's one call over T + 1 keys is less).
+      sink: K = (2c + 1)m + 2, P = m·K, an estimate (measured on one process only); document masking's single call
+      (K = T + 1, P = (T/c)(T + 1)) is not what this counts.
     - The attention gate (`gate_width` = 1 headwise, Q elementwise; model.attention_gate): sigmoid's output
       (N·a·gate_width) and the gated output, wo's input (Nh), both split over t.
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
@@ -387,7 +388,7 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
                                        qk_norm=cfg.qk_norm, autocast=b.autocast, fp32_norms=b.fp32_norms,
                                        moe=(m.num_experts, m.top_k, cfg.d_ff_expert, m.num_shared_experts)
                                        if moe_layer else None, context_parallel=context_parallel,
-                                       sinks=cfg.attention_sinks, gate_width=gate_width(cfg))
+                                       sinks=cfg.attention_sinks, gate_width=attention_gate_width(cfg))
                 for moe_layer in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)})
     # What a fully checkpointed block keeps: its input, in the residual stream's dtype (sharded along the sequence
     # under sequence parallelism).
