@@ -201,8 +201,9 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       the a heads (2·b·K·h for K keys a query row's calls hold: T + 1 on one process) and the probabilities
       (b·a·P, P = T·(T + 1)), in place of the fused kernel's q, k, v, output and log-sum-exp. Under context
       parallelism each of a rank's two chunks of m = T/(2c) queries calls over the keys up to its end plus the
-      sink: K = (2c + 1)m + 2, P = m·K, an estimate (measured on one process only); document masking's single call
-      (K = T + 1, P = (T/c)(T + 1)) is not what this counts.
+      sink: K = (2c + 1)m + 2, P = m·K (equal to the saved-tensor hooks at c = 2 with the RoPE tables of
+      `context_forward_bytes`, measured once; no test holds it); document masking's single call (K = T + 1,
+      P = (T/c)(T + 1)) is not what this counts.
     - The attention gate (`gate_width` = 1 headwise, Q elementwise; model.attention_gate): sigmoid's output
       (N·a·gate_width) and the gated output, wo's input (Nh), both split over t.
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
