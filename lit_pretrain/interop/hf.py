@@ -37,8 +37,8 @@ from lit_pretrain.interop.llama import (
     from_llama_config,
     from_llama_names,
     function_fields,
+    to_export_names,
     to_llama_config,
-    to_llama_names,
 )
 from lit_pretrain.model.config import GPTConfig
 from lit_pretrain.model.gpt import GPT
@@ -107,12 +107,12 @@ def check_target(out: str | Path) -> Path:
 def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
     """Write `model` and its tokenizer as a transformers LlamaForCausalLM folder (Qwen3ForCausalLM with
     model.qk_norm, OlmoeForCausalLM with model.moe: lit_pretrain/interop/olmoe.py, DeepseekV3ForCausalLM with
-    model.attention=mla: interop/deepseek.py) at `out` (new or empty)."""
+    model.attention=mla: interop/deepseek.py, Qwen3NextForCausalLM with model.attention_gate:
+    lit_pretrain/interop/qwen3_next.py) at `out` (new or empty)."""
     check_exportable(model.cfg)  # before anything is written
     st = _safetensors()
     cfg, out = model.cfg, check_target(out)
-    tensors = to_llama_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-                             cfg.tie_embeddings, deepseek.BLOCK_NAMES if cfg.attention == "mla" else BLOCK_NAMES)
+    tensors = to_export_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, cfg)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     if len(dtypes) != 1:
         raise DataError(f"the model's weights have several dtypes {dtypes}: a Llama config.json names one")

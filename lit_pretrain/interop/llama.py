@@ -20,10 +20,13 @@ to read. The two models compute the same function, which tests/interop/test_hf.p
 - QK-norm (model.qk_norm): exported as `Qwen3ForCausalLM`, which is this Llama plus per-head RMSNorms of q and k
   over head_dim (`Qwen3Attention.q_norm`/`k_norm`, eps rms_norm_eps) before RoPE, as ours; without sliding windows.
 - model.moe: exported as `OlmoeForCausalLM` (lit_pretrain/interop/olmoe.py says what makes it the same function).
-What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm and
-model.mlp=gelu (`check_exportable`; Gemma 2 has a soft-cap but differs from our block elsewhere: embeddings scaled
-by sqrt(d), norms around each sublayer); on import a bias, RoPE scaled other than llama3 or yarn (linear, dynamic,
-longrope; yarn with truncate=false or a partial rotary factor), another activation, sliding windows.
+- model.attention_gate=elementwise with the per-head QK-norm: exported as `Qwen3NextForCausalLM`, export only
+  (lit_pretrain/interop/qwen3_next.py says what makes it the same function).
+What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm,
+model.mlp=gelu, model.attention_sinks and a gate Qwen3-Next does not have (`check_exportable`; Gemma 2 has a
+soft-cap but differs from our block elsewhere: embeddings scaled by sqrt(d), norms around each sublayer); on
+import a bias, RoPE scaled other than llama3 or yarn (linear, dynamic, longrope; yarn with truncate=false or a
+partial rotary factor), another activation, sliding windows.
 """
 
 import math
@@ -32,7 +35,7 @@ from dataclasses import replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from lit_pretrain.errors import DataError
-from lit_pretrain.interop import deepseek, olmoe
+from lit_pretrain.interop import deepseek, olmoe, qwen3_next
 from lit_pretrain.model.config import GPTConfig, RopeScalingConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -70,10 +73,11 @@ _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 # positions the RoPE tables cover; init_std does not either).
 FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
                    "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling",
-                   "attention", "mla")
+                   "attention", "mla", "attention_sinks", "attention_gate")
 # The architecture variants, at the values a Llama (and a weights file written before them) has.
 VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu",
-                    "qk_norm_scope": "head", "moe": None, "rope_scaling": None, "attention": "mha", "mla": None}
+                    "qk_norm_scope": "head", "moe": None, "rope_scaling": None, "attention": "mha", "mla": None,
+                    "attention_sinks": False, "attention_gate": None}
 # model.rope_scaling's fields each type computes with (the others are unused by it).
 ROPE_FIELDS = {"llama3": ("type", "factor", "original_seq_len", "low_freq_factor", "high_freq_factor"),
                "yarn": ("type", "factor", "original_seq_len", "beta_fast", "beta_slow", "attention_factor")}
@@ -157,6 +161,8 @@ def rope_scaling_of(hf_rope: Mapping[str, Any], max_positions: int, refuse, wher
 def architecture(cfg: GPTConfig) -> str:
     if cfg.attention == "mla":
         return deepseek.ARCHITECTURE
+    if cfg.attention_gate is not None:
+        return qwen3_next.ARCHITECTURE
     if cfg.moe is not None:
         return olmoe.ARCHITECTURE
     return QK_NORM_ARCHITECTURE if cfg.qk_norm else ARCHITECTURE
@@ -167,6 +173,14 @@ def check_exportable(cfg: GPTConfig) -> None:
     without it would compute another function)."""
     if cfg.attention == "mla":  # DeepseekV3ForCausalLM, dense (interop/deepseek.py)
         deepseek.check_exportable(cfg)
+    if cfg.attention_sinks:
+        # GptOssForCausalLM's attention has the same sinks, but only inside its own block: biased q/k/v/o projections
+        # and a mixture of experts with biases and a clamped SwiGLU (swiglu_limit, alpha 1.702), which ours is not.
+        raise DataError("model.attention_sinks=true cannot be expressed by transformers' Llama, Qwen3 or OLMoE (only "
+                        "GptOssForCausalLM has sinks, in a block of biased projections and clamped-SwiGLU experts "
+                        "ours is not): this model cannot be exported to Hugging Face format")
+    if cfg.attention_gate is not None:  # Qwen3NextForCausalLM: the elementwise gate with per-head QK-norm
+        qwen3_next.check_exportable(cfg)
     if cfg.moe is not None:
         olmoe.check_exportable(cfg)
     elif cfg.qk_norm and cfg.qk_norm_scope != "head":
@@ -189,9 +203,11 @@ def check_exportable(cfg: GPTConfig) -> None:
 def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
     """config.json of a LlamaForCausalLM (Qwen3ForCausalLM with model.qk_norm) computing what `cfg`'s GPT computes
     (read by transformers 4.45 to 5.x; Qwen3 from 4.51); OlmoeForCausalLM with model.moe; DeepseekV3ForCausalLM
-    with model.attention=mla."""
+    with model.attention=mla; Qwen3NextForCausalLM with model.attention_gate."""
     if cfg.attention == "mla":
         return deepseek.to_config(to_llama_config(replace(cfg, attention="mha", mla=None), eod_id, dtype), cfg)
+    if cfg.attention_gate is not None:
+        return qwen3_next.to_config(to_llama_config(replace(cfg, attention_gate=None), eod_id, dtype), cfg)
     if cfg.moe is not None:
         return olmoe.to_config(to_llama_config(replace(cfg, moe=None, qk_norm=False), eod_id, dtype), cfg)
     arch = architecture(cfg)
@@ -314,6 +330,18 @@ def to_llama_names(state: Mapping[str, Any], tied: bool, block_names: Mapping[st
             raise DataError(f"weight {name!r} has no counterpart in transformers' Llama (which has no biases and only "
                             "RMSNorm weights): this model cannot be exported as LlamaForCausalLM or Qwen3ForCausalLM")
     return out
+
+
+def to_export_names(state: Mapping[str, Any], cfg: GPTConfig) -> Dict[str, Any]:
+    """Our GPT's state dict under the names (and, for Qwen3-Next, the layout) of `architecture(cfg)`."""
+    if cfg.attention == "mla":
+        return to_llama_names(state, cfg.tie_embeddings, deepseek.BLOCK_NAMES)
+    if cfg.attention_gate is None:
+        return to_llama_names(state, cfg.tie_embeddings)
+    gates = {int(m.group(1)): t for name, t in state.items()
+             if (m := _OURS_BLOCK.fullmatch(name)) and m.group(2) == "attn.wg.weight"}
+    rest = {name: t for name, t in state.items() if not name.endswith(".attn.wg.weight")}
+    return qwen3_next.to_names(to_llama_names(rest, cfg.tie_embeddings), gates, cfg)
 
 
 def from_llama_names(state: Mapping[str, Any], tied: bool, source: str) -> Tuple[Dict[str, Any], list]:

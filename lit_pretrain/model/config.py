@@ -193,6 +193,17 @@ class GPTConfig:
     multi-head latent attention (DeepSeek-V2 §2.1) with the ranks of model.mla (lit_pretrain/model/mla.py)."""
     mla: Optional[MLAConfig] = None
     """model.attention=mla only: its ranks and head widths (MLAConfig); null with model.attention=mha."""
+    attention_sinks: bool = False
+    """A learned logit per head that joins every query's softmax as one more key whose value is zero (GPT-OSS,
+    OpenAI 2025 gpt-oss model card; the idea: Xiao et al. 2023, "Efficient Streaming Language Models with Attention
+    Sinks"), so a head can put its weight on nothing instead of on the first tokens. Starts at 0 (one zero-score key:
+    Miller 2023's softmax plus one); a bias of the logits, optim's "biases" kind, undecayed by default. Made by the
+    mask function (lit_pretrain/model/mask.py `with_sinks`); docs/model.md, "Attention sinks"."""
+    attention_gate: Optional[str] = field(default=None, metadata={"choices": [None, "headwise", "elementwise"]})
+    """Gated attention (Qiu et al. 2025, "Gated Attention for Large Language Models", position G1: after SDPA,
+    before wo): each head's output is multiplied by sigmoid(x W_g), x the block's normed input. headwise: one gate
+    per head (W_g: d_model -> n_heads, the paper's cheap variant); elementwise: one per channel (d_model -> n_heads *
+    head_dim: the paper's best and Qwen3-Next's). null: no gate. docs/model.md, "Gated attention"."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
@@ -288,6 +299,13 @@ class GPTConfig:
         out["attn.wo"] = ModuleSpec("linear", (d, d), "row", residual_projection=True)
         if self.attention == "mla":  # latent attention's own projections in place of the four above
             out = {"attn_norm": out["attn_norm"], **self.latent_attention_modules()}
+        if self.attention_gate is not None:
+            # Column-parallel like wq: the gate's rows are heads (x head_dim when elementwise), split by whole heads.
+            gates = self.n_heads * (q if self.attention_gate == "elementwise" else 1)
+            out["attn.wg"] = ModuleSpec("linear", (gates, d), "column")
+        if self.attention_sinks:
+            # One logit per query head, split by head under tensor parallelism as wq's rows are (dim 0).
+            out["attn.sinks"] = ModuleSpec("sinks", (self.n_heads,), "column")
         out["mlp_norm"] = ModuleSpec("norm", (d,))
         if self.is_moe_layer(layer):
             moe, e = self.moe, self.d_ff_expert
@@ -398,6 +416,12 @@ class GPTConfig:
                     raise ValueError(f"{key}={value} with model.attention=mla: latent attention expands every head's "
                                      f"key and value from one latent and normalizes the latents instead (DeepSeek-V2 "
                                      f"§2.1); set {key}={'null' if key.endswith('heads') else 'false'}")
+            for key, value in (("model.attention_sinks", self.attention_sinks or None),
+                               ("model.attention_gate", self.attention_gate)):
+                if value is not None:
+                    raise ValueError(f"{key}={value} with model.attention=mla: the latent attention module "
+                                     "(lit_pretrain/model/mla.py) has no sink logit or output gate; set "
+                                     f"{key}={'false' if key.endswith('sinks') else 'null'} or model.attention=mha")
         if self.attention == "mha" and self.head_dim % 2:
             raise ValueError(
                 f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "
@@ -410,8 +434,8 @@ class ModuleSpec:
     """One module of the GPT in the architecture table (`GPTConfig.modules`)."""
 
     kind: str
-    """linear (weight (out, in), no bias), embedding (weight (vocab, d)), norm (weight (dim,), no bias) or experts
-    (routed experts' stacked weights (E, out, in))."""
+    """linear (weight (out, in), no bias), embedding (weight (vocab, d)), norm (weight (dim,), no bias), experts
+    (routed experts' stacked weights (E, out, in)) or sinks (attention sink logits (n_heads,))."""
     shape: Tuple[int, ...]
     """Its weight's shape."""
     tensor_parallel: Optional[str] = None

@@ -18,7 +18,7 @@ from lit_pretrain.model.config import GPTConfig, ModuleSpec, RopeScalingConfig, 
 
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
 from lit_pretrain.model.init import initialize
-from lit_pretrain.model.mask import CAUSAL, Mask, SdpaMask, sdpa_mask
+from lit_pretrain.model.mask import CAUSAL, Mask, SdpaMask, sdpa_mask, with_sinks
 from lit_pretrain.model.mla import LatentAttention
 from lit_pretrain.model.moe import MoE
 from lit_pretrain.model.rope import inverse_frequencies
@@ -61,6 +61,18 @@ def build_norm(cfg: GPTConfig, spec: ModuleSpec) -> nn.Module:
         norm = RMSNorm(spec.shape[0], eps=cfg.norm_eps)
     norm.tensor_parallel = spec.tensor_parallel
     return norm
+
+
+class AttentionSinks(nn.Module):
+    """model.attention_sinks: one learned logit per query head (weight (n_heads,), this rank's heads under tensor
+    parallelism), joined to every softmax by the mask (model/mask.py `with_sinks`). Starts at 0 (model/init.py)."""
+
+    sink = True  # read by the initializer and the optimizer's parameter kinds
+
+    def __init__(self, spec: ModuleSpec):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(spec.shape))
+        self.tensor_parallel = spec.tensor_parallel
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -130,10 +142,14 @@ def document_mask(doc_ids: torch.Tensor, queries: torch.Tensor | None = None) ->
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-           is_causal: bool = False) -> torch.Tensor:
+           is_causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q·kᵀ/sqrt(head_dim)) v for q (B, H, T, Q) and k, v (B, KV, S, Q), KV dividing H: query head h reads
     key/value head h // (H / KV) (grouped-query attention; KV = H is multi-head attention, bit for bit the same
-    call). SDPA's enable_gqa, not k.repeat_interleave: see README's measurement (no copy of k and v)."""
+    call). SDPA's enable_gqa, not k.repeat_interleave: see README's measurement (no copy of k and v).
+    sinks: (H,) logits (model.attention_sinks) joining each query's softmax as a zero key with a zero value."""
+    if sinks is not None:
+        mask = with_sinks(SdpaMask(mask, is_causal), sinks, q.shape[2], k.shape[2], q)  # (B or 1, H, T, S + 1)
+        k, v, is_causal = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1)), False  # (B, KV, S + 1, Q): key S is 0
     gqa = k.shape[1] != q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
 
@@ -153,8 +169,11 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.wo = build_linear(spec["attn.wo"])
-        # Context parallelism (lit_pretrain/parallel/context.py) sets this from outside: a callable (q, k, v, mask)
-        # -> y that attends this rank's queries over the whole sequence's keys and values. None: one process's.
+        # model.attention_gate: sigmoid(x W_g) over each head (headwise) or channel (elementwise) of the output
+        self.wg = build_linear(spec["attn.wg"]) if "attn.wg" in spec else None
+        self.sinks = AttentionSinks(spec["attn.sinks"]) if "attn.sinks" in spec else None  # model.attention_sinks
+        # Context parallelism (lit_pretrain/parallel/context.py) sets this from outside: a callable (q, k, v, mask,
+        # sinks) -> y that attends this rank's queries over the whole sequence's keys and values. None: one process's.
         self.context = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -181,17 +200,26 @@ class Attention(nn.Module):
         for every layer (document masking), True where a query may look."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
+        sinks = None if self.sinks is None else self.sinks.weight  # (n_heads,)
         if self.context is not None:  # keys and values of the whole sequence, mask in its positions
-            y = self.context(q, k, v, mask)  # (B, n_heads, T, head_dim)
+            y = self.context(q, k, v, mask, sinks)  # (B, n_heads, T, head_dim)
         else:
             # SDPA with an explicit mask, not flex_attention: on this CPU (torch 2.13) flex_attention has no
             # backward ("FlexAttention does not support backward on CPU"), so it cannot train here; its forward
             # alone measured 190-230 ms eager and 23-48 ms compiled against SDPA's 16-31 ms with the mask (B 8,
             # 4 heads, T 256, head_dim 64; 2 loaded cores). The mask costs B·T² bytes: 0.5 MB for the default model.
             sdpa = sdpa_mask(CAUSAL, T, T, q) if mask is None else SdpaMask(mask, False)
-            y = attend(q, k, v, *sdpa)  # (B, n_heads, T, head_dim)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
-        return self.wo(y)
+            y = attend(q, k, v, *sdpa, sinks=sinks)  # (B, n_heads, T, head_dim)
+        return self.output(x, y)
+
+    def output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """wo of the heads' outputs y (B, n_heads, T, head_dim), each gated by sigmoid(x W_g) of the attention's
+        input x (B, T, d_model) under model.attention_gate (Qiu et al. 2025, G1). Returns (B, T, d_model)."""
+        B, T, _ = x.shape
+        if self.wg is not None:
+            gate = torch.sigmoid(self.wg(x)).view(B, T, y.shape[1], -1)  # (B, T, n_heads, 1 or head_dim)
+            y = y * gate.transpose(1, 2)  # (B, n_heads, T, head_dim)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, d_model)
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "KVCache",
                        layer: int) -> torch.Tensor:
@@ -202,9 +230,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
         k, v = cache.append(layer, k, v)  # (B, n_kv_heads, S, head_dim), S = cache.length + T
         # the new queries end at the last key: the causal triangle aligned to the bottom right
-        y = attend(q, k, v, *sdpa_mask(Mask(queries=cache.length), T, k.shape[2], q))  # (B, n_heads, T, head_dim)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d_model)
-        return self.wo(y)
+        sinks = None if self.sinks is None else self.sinks.weight  # (n_heads,)
+        y = attend(q, k, v, *sdpa_mask(Mask(queries=cache.length), T, k.shape[2], q), sinks=sinks)  # (B, H, T, Q)
+        return self.output(x, y)
 
 
 class SwiGLU(nn.Module):

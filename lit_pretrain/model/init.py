@@ -80,6 +80,8 @@ def initialize(model: nn.Module, cfg) -> None:
                 nn.init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        if getattr(module, "sink", False):  # model.attention_sinks start at 0: one zero-score key, no draw
+            nn.init.zeros_(module.weight)
         if getattr(module, "expert_bias", None) is not None:  # DeepSeek-V3's balancing bias starts at 0
             nn.init.zeros_(module.expert_bias)
     tied = {id(m.weight) for m in embeddings}

@@ -110,3 +110,30 @@ def _lower_right_additive(n_queries: int, width: int, dtype: torch.dtype, device
     with torch.inference_mode(False):  # kept across steps: one made under validation's inference mode must train
         allowed = torch.ones(n_queries, width, dtype=torch.bool, device=device).tril(width - n_queries)
         return torch.zeros(n_queries, width, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def with_sinks(sdpa: SdpaMask, sinks: torch.Tensor, n_queries: int, n_keys: int, like: torch.Tensor) -> torch.Tensor:
+    """model.attention_sinks: the additive mask (B or 1, H, Tq, S + 1) of `sdpa` (any of the forms above) with one
+    more key column whose score is each head's sink logit (sinks (H,): this rank's heads). The caller appends a
+    zero key and a zero value as key S (`attend`): q·0 = 0, so that key's logit is the mask's entry alone, and it
+    adds exp(sink) to every query's softmax denominator and nothing to its output, as GPT-OSS's eager attention
+    concatenates the sink to the scores. Every query row sits in one SDPA call over all the keys it may see (also
+    under context parallelism, whose ranks gather the whole window's keys), so the sink joins each softmax once.
+    The mask is floating point and per head, and its gradient flows to the sinks: SDPA takes its math path (no
+    fused kernel on CPU), which the step cost and the memory planner count (docs/model.md, "Attention sinks")."""
+    mask, device = sdpa.attn_mask, like.device
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        additive = mask  # (Tq, S): context parallelism's shared lower-right mask
+    else:
+        if mask is None:  # is_causal: the top-left triangle; else every key
+            allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+            allowed = allowed.tril() if sdpa.is_causal else allowed
+        elif isinstance(mask, torch.Tensor):
+            allowed = mask  # (Tq, S) or (B, 1, Tq, S) bool
+        else:  # CUDA's causal_lower_right bias: the triangle aligned to the last key
+            allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(n_keys - n_queries)
+        additive = torch.zeros(allowed.shape, dtype=like.dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    additive = additive.reshape((1,) * (4 - additive.dim()) + tuple(additive.shape))  # (B or 1, 1, Tq, S)
+    rows, heads = additive.shape[0], sinks.shape[0]
+    sink = sinks.to(like.dtype).view(1, heads, 1, 1).expand(rows, heads, n_queries, 1)  # (B or 1, H, Tq, 1)
+    return torch.cat([additive.expand(rows, heads, n_queries, n_keys), sink], dim=-1)  # (B or 1, H, Tq, S + 1)

@@ -18,7 +18,8 @@ from lit_pretrain.model.config import GPTConfig, flops_per_token_formula
 # The architecture table's variant keys `plan`/`memory --model KEY=VALUE` and a run file's shape carry:
 # key -> (accepted types, null allowed).
 VARIANT_TYPES = {"n_kv_heads": (int, True), "qk_norm": (bool, False), "logit_softcap": ((int, float), True),
-                 "norm": (str, False), "mlp": (str, False), "qk_norm_scope": (str, False), "moe": (dict, True)}
+                 "norm": (str, False), "mlp": (str, False), "qk_norm_scope": (str, False), "moe": (dict, True),
+                 "attention_sinks": (bool, False), "attention_gate": (str, True)}
 VARIANT_KEYS = tuple(VARIANT_TYPES)
 
 

@@ -33,9 +33,12 @@ def param_kind(module: nn.Module, module_name: str, p: torch.Tensor, tied_head: 
     norms or biases.
 
     An embedding (and a head tied to it) is "embeddings"; the untied output head "head"; any other matrix of a
-    Linear "hidden"; a Linear's vector "biases"; everything else (norm gains and biases) "norms"."""
+    Linear "hidden"; a Linear's vector and the attention sinks (logit biases) "biases"; everything else (norm
+    gains and biases) "norms"."""
     if isinstance(module, nn.Embedding) or tied_head:
         return "embeddings"
+    if getattr(module, "sink", False):  # model.attention_sinks: additive biases of the attention logits
+        return "biases"
     if getattr(module, "expert", False):  # model.moe's stacked expert matrices (lit_pretrain/model/moe.py ExpertLinear)
         return "hidden"
     if isinstance(module, nn.Linear):

@@ -101,24 +101,25 @@ class ContextParallel:
         return t[:, self.positions(t.shape[1], t.device)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+                 mask: Optional[torch.Tensor], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of this rank's queries q (B, H, T/c, Q) over the whole sequence's keys and values, given this
         rank's k, v (B, KV, T/c, Q). mask: (B, 1, T/c, T) bool in global positions (document masking, made by
         model/mask.py's `sdpa_mask`), or None for the causal mask: each of the two query chunks attends to the keys
         up to its own end, the causal triangle aligned to the bottom right, as two SDPA calls whose masks
         `sdpa_mask` makes (SDPA's is_causal for a square first chunk; off CUDA one additive mask of the window's
-        width shared by every layer and both chunks)."""
+        width shared by every layer and both chunks). sinks: (H,) the heads' sink logits (model.attention_sinks):
+        each query's softmax is one SDPA call over every key it sees, so the sink joins it once, as on one process."""
         from lit_pretrain.model.gpt import attend
 
         k, v = GatherKV.apply(k, v, self.group, self.c)  # (B, KV, T, Q) each
         if mask is not None:
-            return attend(q, k, v, mask)  # (B, H, T/c, Q)
+            return attend(q, k, v, mask, sinks=sinks)  # (B, H, T/c, Q)
         n, T = q.shape[2] // 2, k.shape[2]  # chunk length T/(2c), window
         out = []
         for i, chunk in enumerate((self.rank, 2 * self.c - 1 - self.rank)):
             qi, end = q[:, :, i * n:(i + 1) * n], (chunk + 1) * n  # the chunk's n queries end at key `end`
             sdpa = sdpa_mask(Mask(queries=end - n), n, end, q, shared_width=T)
-            out.append(attend(qi, k[:, :, :end], v[:, :, :end], *sdpa))  # (B, H, n, Q)
+            out.append(attend(qi, k[:, :, :end], v[:, :, :end], *sdpa, sinks=sinks))  # (B, H, n, Q)
         return torch.cat(out, dim=2)  # (B, H, T/c, Q)
 
 

@@ -11,6 +11,8 @@ three cost bandwidth (measured by `make bench CASES=compositions`, counted in pl
 parallelism already gathers once per input).
 Which linear is which is not listed here: each nn.Linear of the GPT carries `tensor_parallel` ("column" | "row" |
 None), set from the architecture table (`GPTConfig.block_modules`), and `plan_of(model)` reads it.
+The attention gate (model.attention_gate, attn.wg) is column-parallel like wq, its rows whole heads; the attention
+sinks (model.attention_sinks, one logit per head) are split by head the same way, each rank keeping its heads'.
 QK-norm's weights (one per head_dim, shared by the heads) are replicated but see only this rank's heads: they are
 marked "partial" and their gradients summed over the group (`sync_partial_grads`).
 Norms stay replicated: their gradients come out identical on every tensor-parallel rank because f sums the input
@@ -152,6 +154,12 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     in_moe_layer = {id(m) for layer in moe_layers(model) for m in layer.modules()}
     for name, module in list(model.named_modules()):
         style = getattr(module, "tensor_parallel", None)
+        if getattr(module, "sink", False) and module.weight.shape[0] == cfg.n_heads:  # whole: not yet split
+            # model.attention_sinks: this rank's heads' logits (dim 0, as wq's rows); each head's softmax is on
+            # one rank, so their gradients are whole there
+            module.weight = nn.Parameter(shard(module.weight.detach(), style, rank, world))
+            replaced += 1
+            continue
         if style not in ("column", "row") or not isinstance(module, nn.Linear):
             continue  # the head ("vocab") is replaced below, with the embedding
         parent_name, _, child = name.rpartition(".")

@@ -151,11 +151,17 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     return sbh * (rest + attention)
 
 
+def attention_gate_width(cfg: GPTConfig) -> int:
+    """Gates per head of model.attention_gate: 0 (none), 1 (headwise) or head_dim (elementwise)."""
+    return {None: 0, "headwise": 1, "elementwise": cfg.head_dim}[cfg.attention_gate]
+
+
 def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, mlp_hidden: int,
                            tensor_parallel: int = 1, sequence_parallel: bool = False,
                            bytes_per_element: float = 4.0, *, kv_heads: Optional[int] = None, mlp: str = "swiglu",
                            norm: str = "rmsnorm", qk_norm: bool = False, autocast: bool = False, moe=None,
-                           fp32_norms: bool = False, context_parallel: int = 1, mla=None) -> float:
+                           fp32_norms: bool = False, context_parallel: int = 1, mla=None, sinks: bool = False,
+                           gate_width: int = 0) -> float:
     """Bytes one of OUR blocks (model.py: pre-norms, RoPE, fused causal attention, MLP; no dropout, no biases)
     saves for backward on one tensor-parallel rank, without recomputation, counted by storage as
     parallel/memory.py's SavedActivations measures (a tensor saved by several ops counts once; weights and the RoPE
@@ -198,6 +204,16 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
       queries are not padded: v is then a view of wkv_b's output (N·a·(d_qk - rope + d_v)) and the output is wo's
       input. Measured exact against SavedActivations in fp32 (tests/model/test_mla.py); under context parallelism
       the gathered keys and padded values of the whole window are counted as for multi-head attention.
+    - Attention sinks (`sinks`, model.attention_sinks; model/mask.py `with_sinks`): SDPA takes its math path, which
+      saves the scaled q and the output's copy for wo (2Nh), k and v with the sink's zero key appended, expanded to
+      the a heads (2·b·K·h for K keys a query row's calls hold: T + 1 on one process) and the probabilities
+      (b·a·P, P = T·(T + 1)), in place of the fused kernel's q, k, v, output and log-sum-exp. Under context
+      parallelism each of a rank's two chunks of m = T/(2c) queries calls over the keys up to its end plus the
+      sink: K = (2c + 1)m + 2, P = m·K (equal to the saved-tensor hooks at c = 2 with the RoPE tables of
+      `context_forward_bytes`, measured once; no test holds it); document masking's single call (K = T + 1,
+      P = (T/c)(T + 1)) is not what this counts.
+    - The attention gate (`gate_width` = 1 headwise, Q elementwise; model.attention_gate): sigmoid's output
+      (N·a·gate_width) and the gated output, wo's input (Nh), both split over t.
     Total: e·[norm region/(t if sequence parallel else 1) + 2Nh + (attention + MLP)/t] + 4Na/t bytes, e the
     activation's bytes per element (4 for fp32). The residual additions and the logit soft-cap (outside the
     blocks) are not counted here.
@@ -223,8 +239,17 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     attention = 2 * n * h + 2 * n * kv
     if qk_norm:
         attention += 2 * n * h + n * a + 2 * n * kv + n * g
-    if c > 1:  # the gathered keys and values of the window in place of this rank's, and the chunks' two outputs
+    if c > 1 and not sinks:  # the gathered keys and values of the window in place of this rank's; the chunks' outputs
         attention += 2 * (whole_n - n) * kv + n * h
+    lse = 4.0 * n * a / t  # the fused kernel's log-sum-exp, fp32
+    if sinks:  # the math path's tensors in place of the fused kernel's (see above)
+        m = seq_len // (2 * c)
+        keys = seq_len + 1 if c == 1 else (2 * c + 1) * m + 2
+        probabilities = seq_len * (seq_len + 1) if c == 1 else m * keys
+        attention += 2 * micro_batch * keys * h + micro_batch * a * probabilities - 2 * n * kv
+        lse = 0.0
+    if gate_width:
+        attention += n * h + n * a * gate_width
     mlp_elements = (4 if mlp == "swiglu" else 2) * n * f
     routing_bytes = replicated = 0.0
     if mla is not None:
@@ -243,14 +268,13 @@ def block_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     sharded = (attention + mlp_elements) / t + replicated
     if fp32_norms:
         weights = 4.0 * 2 * h  # the two norms' weights cast to fp32
-        return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + 4.0 * n * a / t \
-            + routing_bytes + weights
+        return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + lse + routing_bytes + weights
     if autocast:
         # q, k, v and the MLP's column linears each save their own cast; an MoE block's router saves one cast of
         # its input and its experts' input is already counted (R·h; estimated, not measured under autocast).
         column_inputs = (3 + (1 if moe is not None else 2 if mlp == "swiglu" else 1)) * n * h
-        return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + 4.0 * n * a / t + routing_bytes
-    return bytes_per_element * (norm_region + column_inputs + sharded) + 4.0 * n * a / t + routing_bytes
+        return 4.0 * norm_region + bytes_per_element * (column_inputs + sharded) + lse + routing_bytes
+    return bytes_per_element * (norm_region + column_inputs + sharded) + lse + routing_bytes
 
 
 def context_forward_bytes(seq_len: int, micro_batch: int, head_dim: int, context_parallel: int,
@@ -381,7 +405,8 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
                                        2.0 * b.activation_factor, kv_heads=cfg.kv_heads, mlp=cfg.mlp, norm=cfg.norm,
                                        qk_norm=cfg.qk_norm, autocast=b.autocast, fp32_norms=b.fp32_norms,
                                        moe=(m.num_experts, m.top_k, cfg.d_ff_expert, m.num_shared_experts)
-                                       if moe_layer else None, context_parallel=context_parallel, mla=latent)
+                                       if moe_layer else None, context_parallel=context_parallel, mla=latent,
+                                       sinks=cfg.attention_sinks, gate_width=attention_gate_width(cfg))
                 for moe_layer in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)})
     # What a fully checkpointed block keeps: its input, in the residual stream's dtype (sharded along the sequence
     # under sequence parallelism).

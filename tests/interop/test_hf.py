@@ -250,6 +250,43 @@ def test_export_refuses_a_variant_llama_cannot_express(tmp_path, tokenizer_file,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("key,value", [("attention_sinks", True), ("attention_gate", "headwise"),
+                                       ("qk_norm", False), ("qk_norm_scope", "projection")])
+def test_export_refuses_sinks_and_a_gate_qwen3_next_lacks_naming_the_key(tmp_path, tokenizer_file, key, value):
+    cfg = dict(vocab_size=320, n_layers=1, d_model=64, n_heads=4, seq_len=32, qk_norm=True,
+               attention_gate="elementwise")
+    with pytest.raises(DataError, match=rf"^model\.{key}=.*cannot be expressed by transformers'") as err:
+        export_gpt(GPT(GPTConfig(**{**cfg, key: value})), tokenizer_file, tmp_path / "hf")
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_elementwise_gate_exports_as_qwen3_next_with_transformers_logits(tmp_path, tokenizer_file):
+    """model.attention_gate=elementwise with per-head QK-norm -> Qwen3NextForCausalLM (lit_pretrain/interop/
+    qwen3_next.py: gate rows interleaved into q_proj, zero-centred norms, whole-head RoPE, dense full-attention
+    layers), grouped-query attention too."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=320, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, qk_norm=True, d_ff=96,
+                          seq_len=32, tie_embeddings=False, rope_theta=500.0, init_std=0.2,
+                          attention_gate="elementwise")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)  # a norm written without the zero-centring's minus 1 shows
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3NextForCausalLM"]
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(theirs).__name__ == "Qwen3NextForCausalLM"
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+        assert ours.abs().max() > 2
+        # fp32 rounding only: the norms' (weight - 1) + 1 and the kernels' order; a gate row misplaced moves O(1)
+        assert (theirs(idx).logits - ours).abs().max().item() <= 1e-5
+
+
 def test_export_refuses_mup_logit_multiplier_and_accepts_it_at_the_base_width(tmp_path, tokenizer_file):
     cfg = dict(vocab_size=320, n_layers=1, d_model=64, n_heads=4, seq_len=32, init="mup")
     with pytest.raises(DataError, match=r"^model\.init=mup .* multiplies the logits by 0\.5"):
