@@ -18,7 +18,8 @@ from lit_pretrain.model.config import GPTConfig, flops_per_token_formula
 # The architecture table's variant keys `plan`/`memory --model KEY=VALUE` and a run file's shape carry:
 # key -> (accepted types, null allowed).
 VARIANT_TYPES = {"n_kv_heads": (int, True), "qk_norm": (bool, False), "logit_softcap": ((int, float), True),
-                 "norm": (str, False), "mlp": (str, False), "qk_norm_scope": (str, False), "moe": (dict, True)}
+                 "norm": (str, False), "mlp": (str, False), "qk_norm_scope": (str, False), "moe": (dict, True),
+                 "sliding_window": (int, True), "global_attention_every": (int, True), "layer_types": (list, True)}
 VARIANT_KEYS = tuple(VARIANT_TYPES)
 
 
@@ -65,9 +66,11 @@ def active_params(cfg: GPTConfig) -> int:
 
 def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
     """Training FLOPs per token as `GPT.flops_per_token` counts them (PaLM appendix B: 6·N + 12·L·H·Q·T), N the
-    active parameters (a token's matmuls touch only its top_k experts)."""
+    active parameters (a token's matmuls touch only its top_k experts), each layer's attention over the keys its
+    mask keeps (`GPTConfig.mask_specs`: a sliding-window layer's window)."""
     n_matmul = active_non_embedding_params(cfg) + _vocab(cfg) * cfg.d_model
-    return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len or cfg.seq_len)
+    return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len or cfg.seq_len,
+                                   cfg.mask_specs())
 
 
 def sizes(cfg: GPTConfig) -> Dict[str, int]:
