@@ -333,7 +333,6 @@ class GPTConfig:
                 "channels, so the head dimension must be even"
             )
 
-
     def _check_window(self) -> None:
         """model.sliding_window's pattern: one way of saying it, of the model's length."""
         if self.sliding_window is None:
@@ -353,6 +352,7 @@ class GPTConfig:
         unknown = sorted({t for t in self.layer_types if t not in ("sliding", "full")})
         if unknown:
             raise ValueError(f"model.layer_types holds {unknown}: each entry is sliding or full")
+
 
 
 @dataclass(frozen=True)

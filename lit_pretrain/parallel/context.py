@@ -115,7 +115,7 @@ class ContextParallel:
         k, v = GatherKV.apply(k, v, self.group, self.c)  # (B, KV, T, Q) each
         n, T = q.shape[2] // 2, k.shape[2]  # chunk length T/(2c), window
         if mask is None and window is not None and window < T:
-            mask = self._window_mask(T, window, q.device)  # (T/c, T)
+            mask = self._window_mask(T, window, q)  # (T/c, T)
         if mask is not None:
             return attend(q, k, v, mask)  # (B, H, T/c, Q)
         out = []
@@ -125,17 +125,15 @@ class ContextParallel:
             out.append(attend(qi, k[:, :, :end], v[:, :, :end], *sdpa))  # (B, H, n, Q)
         return torch.cat(out, dim=2)  # (B, H, T/c, Q)
 
-    def _window_mask(self, T: int, window: int, device) -> torch.Tensor:
+    def _window_mask(self, T: int, window: int, like: torch.Tensor) -> torch.Tensor:
         """The sliding-window mask of this rank's positions over the window's T keys, (T/c, T) bool, kept for the
-        next layers and steps (model/mask.py `sdpa_mask` makes it)."""
-        key = (T, window, device)
+        next layers and steps (model/mask.py `sdpa_mask` makes it); one at a time."""
+        key = (T, window, like.device)
         cached = getattr(self, "_window_masks", {})
         if key not in cached:
             with torch.inference_mode(False):  # kept across steps: one made under inference mode must train
-                positions = self.positions(T, device)
-                probe = torch.empty(0, device=device)
-                cached = self._window_masks = {key: sdpa_mask(Mask(queries=positions, window=window), T // self.c, T,
-                                                              probe).attn_mask}
+                mask = Mask(queries=self.positions(T, like.device), window=window)
+                cached = self._window_masks = {key: sdpa_mask(mask, T // self.c, T, like).attn_mask}
         return cached[key]
 
 

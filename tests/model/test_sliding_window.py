@@ -178,7 +178,8 @@ def test_mask_bytes_are_what_the_forward_builds(context_group):  # noqa: F811
     assert layers_mask_bytes(specs, T, cuda=True) == T * T  # no fused kernel takes a window
     docs = document_ids(windows(), EOD)
     by_window = {w: sdpa_mask(Mask(docs, window=w), T, T, docs).attn_mask for w in (5, None)}
-    assert layers_mask_bytes([MaskSpec(True, s.window) for s in specs], T, 2) == sum(m.numel() for m in by_window.values())
+    with_documents = [MaskSpec(True, s.window) for s in specs]
+    assert layers_mask_bytes(with_documents, T, 2) == sum(m.numel() for m in by_window.values()) == 2 * 2 * T * T
     assert layers_mask_bytes([MaskSpec(window=40)], T) == 0.0  # a window that cuts nothing: is_causal
     # context parallelism: the window layers' (T/c, T) boolean beside the full layers' additive (T/(2c), T) (CPU)
     assert context_mask_bytes(T, 2, masks=specs) == 16 * 32 + 4.0 * 8 * 32
