@@ -104,8 +104,8 @@ def _checkpoint_commands(sub) -> None:
     cmd = actions.add_parser("consolidate", help=text.split(", in memory")[0], description=text)
     cmd.add_argument("ckpt", metavar="CKPT", help="a sharded checkpoint folder (checkpoints/step0000012/)")
     cmd.add_argument("out", metavar="OUT", help="the file to write (it must not exist): *.ckpt or *.safetensors")
-    text = ("average a run's last K checkpoints (or those of some steps) into one .ckpt that exports and evaluates like "
-            "any other (lit_pretrain/resume/average.py): fp32 weights, a uniform mean unless --weights")
+    text = ("average a run's last K checkpoints (or those of some steps) into one .ckpt that exports and evaluates "
+            "like any other (lit_pretrain/resume/average.py): fp32 weights, a uniform mean unless --weights")
     cmd = actions.add_parser("average", help=text.split(" (")[0], description=text)
     cmd.add_argument("run", metavar="RUN", help="a run folder (runs/<name>) with step checkpoints")
     pick = cmd.add_mutually_exclusive_group(required=True)

@@ -139,9 +139,9 @@ def _mixture(r: _Run) -> List[Dict]:
 
 
 def _masking(r: _Run) -> List[Dict]:
-    from lit_pretrain.bench.step import masking
+    from lit_pretrain.bench.step import masking, window
 
-    return [masking.run(r.c, r.args.repeats)]
+    return [masking.run(r.c, r.args.repeats), window.run(r.c, r.args.repeats)]
 
 
 def _moe(r: _Run) -> List[Dict]:

@@ -28,9 +28,7 @@ from lit_pretrain import config as config_lib
 from lit_pretrain.data.shards import pretokenized_run, run_tokenizer_entry, tokenizer_folder
 from lit_pretrain.data.tokenizer import EOD, eod_id, load_tokenizer, tokenizer_sha256
 from lit_pretrain.errors import ConfigError, DataError
-from lit_pretrain.interop import deepseek
 from lit_pretrain.interop.llama import (
-    BLOCK_NAMES,
     FUNCTION_FIELDS,
     VARIANT_DEFAULTS,
     check_exportable,

@@ -18,15 +18,21 @@ to read. The two models compute the same function, which tests/interop/test_hf.p
 - Embeddings: tied or not (model.tie_embeddings <-> tie_word_embeddings); a tied head is stored once, as
   transformers does.
 - QK-norm (model.qk_norm): exported as `Qwen3ForCausalLM`, which is this Llama plus per-head RMSNorms of q and k
-  over head_dim (`Qwen3Attention.q_norm`/`k_norm`, eps rms_norm_eps) before RoPE, as ours; without sliding windows.
+  over head_dim (`Qwen3Attention.q_norm`/`k_norm`, eps rms_norm_eps) before RoPE, as ours.
+- Sliding windows (model.sliding_window and its pattern): transformers' sliding_window counts the query's own key
+  as ours does (masking_utils `sliding_window_overlay`: kv_idx > q_idx - sliding_window) and its layer_types say
+  which layers use it ("sliding_attention" | "full_attention", `GPTConfig.attention_window`). With model.qk_norm:
+  Qwen3ForCausalLM with use_sliding_window; without: `MinistralForCausalLM`, this Llama with sliding_window and
+  layer_types (Ministral, transformers 5); with model.moe refused (OLMoE has no window).
 - model.moe: exported as `OlmoeForCausalLM` (lit_pretrain/interop/olmoe.py says what makes it the same function).
 - model.attention_gate=elementwise with the per-head QK-norm: exported as `Qwen3NextForCausalLM`, export only
   (lit_pretrain/interop/qwen3_next.py says what makes it the same function).
+- model.attention=mla: exported as a dense `DeepseekV3ForCausalLM` (lit_pretrain/interop/deepseek.py).
 What neither can express is refused, naming it: on export model.logit_softcap, model.norm=layernorm,
-model.mlp=gelu, model.attention_sinks and a gate Qwen3-Next does not have (`check_exportable`; Gemma 2 has a
-soft-cap but differs from our block elsewhere: embeddings scaled by sqrt(d), norms around each sublayer); on
-import a bias, RoPE scaled other than llama3 or yarn (linear, dynamic, longrope; yarn with truncate=false or a
-partial rotary factor), another activation, sliding windows.
+model.mlp=gelu, model.attention_sinks, a gate Qwen3-Next does not have and a sliding window beside experts or a gate
+(`check_exportable`; Gemma 2 has a soft-cap but differs from our block elsewhere: embeddings scaled by sqrt(d), norms
+around each sublayer); on import a bias, RoPE scaled other than llama3 or yarn (linear, dynamic, longrope; yarn with
+truncate=false or a partial rotary factor), another activation.
 """
 
 import math
@@ -40,8 +46,11 @@ from lit_pretrain.model.config import GPTConfig, RopeScalingConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"  # Llama + per-head QK-norm (model.qk_norm)
+WINDOW_ARCHITECTURE = "MinistralForCausalLM"  # Llama + sliding_window on the layers layer_types names
 MODEL_TYPES = {ARCHITECTURE: "llama", QK_NORM_ARCHITECTURE: "qwen3", olmoe.ARCHITECTURE: olmoe.MODEL_TYPE,
-               deepseek.ARCHITECTURE: deepseek.MODEL_TYPE}
+               deepseek.ARCHITECTURE: deepseek.MODEL_TYPE, WINDOW_ARCHITECTURE: "ministral"}
+# model.layer_types' entries <-> transformers' layer_types'
+HF_LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
 
 # Our names (model/gpt.py) -> Llama's (transformers' LlamaForCausalLM). {i} is the block index.
 GLOBAL_NAMES = {
@@ -73,11 +82,11 @@ _OURS_OF_GLOBAL = {v: k for k, v in GLOBAL_NAMES.items()}
 # positions the RoPE tables cover; init_std does not either).
 FUNCTION_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "d_ff", "tie_embeddings", "rope_theta", "norm_eps",
                    "n_kv_heads", "qk_norm", "logit_softcap", "norm", "mlp", "qk_norm_scope", "moe", "rope_scaling",
-                   "attention", "mla", "attention_sinks", "attention_gate")
+                   "attention", "mla", "attention_sinks", "attention_gate", "sliding_window", "layer_types")
 # The architecture variants, at the values a Llama (and a weights file written before them) has.
 VARIANT_DEFAULTS = {"n_kv_heads": None, "qk_norm": False, "logit_softcap": None, "norm": "rmsnorm", "mlp": "swiglu",
                     "qk_norm_scope": "head", "moe": None, "rope_scaling": None, "attention": "mha", "mla": None,
-                    "attention_sinks": False, "attention_gate": None}
+                    "attention_sinks": False, "attention_gate": None, "sliding_window": None, "layer_types": None}
 # model.rope_scaling's fields each type computes with (the others are unused by it).
 ROPE_FIELDS = {"llama3": ("type", "factor", "original_seq_len", "low_freq_factor", "high_freq_factor"),
                "yarn": ("type", "factor", "original_seq_len", "beta_fast", "beta_slow", "attention_factor")}
@@ -98,7 +107,15 @@ def function_fields(cfg: GPTConfig) -> Dict[str, Any]:
     out["mla"] = deepseek.mla_function_fields(cfg)
     if cfg.moe is not None and len(cfg.moe_layers()) == cfg.n_layers:
         out["d_ff"] = None  # no dense MLP anywhere: its width computes nothing
+    out["layer_types"] = window_layer_types(cfg)
     return out
+
+
+def window_layer_types(cfg: GPTConfig) -> Optional[list]:
+    """model.layer_types as one list whichever key said it (model.global_attention_every names the same layers):
+    None where every layer is local (model.sliding_window alone) or there is no window."""
+    types = ["full" if cfg.attention_window(i) is None else "sliding" for i in range(cfg.n_layers)]
+    return None if cfg.sliding_window is None or "full" not in types else types
 
 
 def rope_function_fields(cfg: GPTConfig) -> Optional[Dict[str, Any]]:
@@ -165,7 +182,9 @@ def architecture(cfg: GPTConfig) -> str:
         return qwen3_next.ARCHITECTURE
     if cfg.moe is not None:
         return olmoe.ARCHITECTURE
-    return QK_NORM_ARCHITECTURE if cfg.qk_norm else ARCHITECTURE
+    if cfg.qk_norm:
+        return QK_NORM_ARCHITECTURE
+    return ARCHITECTURE if cfg.sliding_window is None else WINDOW_ARCHITECTURE
 
 
 def check_exportable(cfg: GPTConfig) -> None:
@@ -179,8 +198,16 @@ def check_exportable(cfg: GPTConfig) -> None:
         raise DataError("model.attention_sinks=true cannot be expressed by transformers' Llama, Qwen3 or OLMoE (only "
                         "GptOssForCausalLM has sinks, in a block of biased projections and clamped-SwiGLU experts "
                         "ours is not): this model cannot be exported to Hugging Face format")
+    if cfg.attention_gate is not None and cfg.sliding_window is not None:
+        raise DataError(f"model.sliding_window={cfg.sliding_window} with model.attention_gate cannot be expressed by "
+                        f"transformers' {qwen3_next.ARCHITECTURE} (its attention layers have no sliding window): this "
+                        "model cannot be exported to Hugging Face format")
     if cfg.attention_gate is not None:  # Qwen3NextForCausalLM: the elementwise gate with per-head QK-norm
         qwen3_next.check_exportable(cfg)
+    if cfg.moe is not None and cfg.sliding_window is not None:
+        raise DataError(f"model.sliding_window={cfg.sliding_window} with model.moe cannot be expressed by "
+                        f"transformers' {olmoe.ARCHITECTURE} (it has no sliding window): this model cannot be exported "
+                        "to Hugging Face format")
     if cfg.moe is not None:
         olmoe.check_exportable(cfg)
     elif cfg.qk_norm and cfg.qk_norm_scope != "head":
@@ -211,12 +238,15 @@ def to_llama_config(cfg: GPTConfig, eod_id: int, dtype: str) -> Dict[str, Any]:
     if cfg.moe is not None:
         return olmoe.to_config(to_llama_config(replace(cfg, moe=None, qk_norm=False), eod_id, dtype), cfg)
     arch = architecture(cfg)
-    qwen3 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
-             "layer_types": ["full_attention"] * cfg.n_layers} if cfg.qk_norm else {}
+    layer_types = [HF_LAYER_TYPES["full" if cfg.attention_window(i) is None else "sliding"]
+                   for i in range(cfg.n_layers)]
+    windows = {"sliding_window": cfg.sliding_window, "layer_types": layer_types}
+    if cfg.qk_norm:  # Qwen3 reads sliding_window only with use_sliding_window; layer_types name the layers
+        windows = {"use_sliding_window": cfg.sliding_window is not None, "max_window_layers": cfg.n_layers, **windows}
     return {
         "architectures": [arch],
         "model_type": MODEL_TYPES[arch],
-        **qwen3,
+        **(windows if arch != ARCHITECTURE else {}),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.hidden_dim,
@@ -255,8 +285,8 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     known = [a for a, t in MODEL_TYPES.items() if ([a] == list(arch) if arch else hf.get("model_type") == t)]
     if not known:
         found = f"architectures {list(arch)}" if arch else f"model_type {hf.get('model_type')!r}"
-        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}], [{QK_NORM_ARCHITECTURE!r}] or "
-                        f"[{olmoe.ARCHITECTURE!r}]: import reads Llama-shaped models only")
+        raise DataError(f"{source}: {found} is not [{ARCHITECTURE!r}], [{QK_NORM_ARCHITECTURE!r}], "
+                        f"[{WINDOW_ARCHITECTURE!r}] or [{olmoe.ARCHITECTURE!r}]: import reads Llama-shaped models only")
     qk_norm = known[0] == QK_NORM_ARCHITECTURE
     if known[0] == deepseek.ARCHITECTURE:  # its head_dim is the rotated channels' (qk_rope_head_dim)
         hf = {k: v for k, v in hf.items() if k != "head_dim"}
@@ -279,8 +309,7 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
     for key in ("attention_bias", "mlp_bias"):
         if get(key):
             raise refuse(key, get(key), "our linear layers have no bias")
-    if qk_norm and hf.get("use_sliding_window"):
-        raise refuse("use_sliding_window", True, "our attention is full causal attention")
+    sliding_window, layer_types = windows_of(hf, known[0], refuse)
     # transformers 5 writes rope_parameters (rope_theta inside); 4.x rope_scaling beside rope_theta, and 5.x reads
     # a rope_scaling first when both are there (`convert_rope_params_to_dict`).
     rope = dict(get("rope_scaling") or hf.get("rope_parameters") or {})
@@ -301,10 +330,36 @@ def from_llama_config(hf: Mapping[str, Any], source: str) -> Dict[str, Any]:
         "n_kv_heads": None if kv in (None, n_heads) else kv,
         "qk_norm": qk_norm,
         "rope_scaling": rope_scaling,
+        "sliding_window": sliding_window,
+        "layer_types": layer_types,
     }
     if known[0] == deepseek.ARCHITECTURE:
         return deepseek.from_config(hf, fields, refuse)
     return olmoe.from_config(hf, fields, refuse) if known[0] == olmoe.ARCHITECTURE else fields
+
+
+def windows_of(hf: Mapping[str, Any], arch: str, refuse) -> Tuple[Optional[int], Optional[list]]:
+    """(model.sliding_window, model.layer_types) of a config.json: Qwen3's with use_sliding_window, Ministral's;
+    layer_types null where every layer is local (`window_layer_types`); (None, None) without a window."""
+    window = hf.get("sliding_window")
+    if arch == QK_NORM_ARCHITECTURE and not hf.get("use_sliding_window"):
+        window = None  # what Qwen3Config does with it
+    if arch not in (QK_NORM_ARCHITECTURE, WINDOW_ARCHITECTURE) or window is None:
+        return None, None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise refuse("sliding_window", window, "a window is a positive number of tokens")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None and arch == QK_NORM_ARCHITECTURE:  # Qwen3Config's default: local from max_window_layers on
+        types = ["sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    if types is None:  # Ministral's default: every layer local
+        return window, None
+    ours = {v: k for k, v in HF_LAYER_TYPES.items()}
+    if not isinstance(types, list) or len(types) != n or any(t not in ours for t in types):
+        raise refuse("layer_types", types, f"we read {n} entries of sliding_attention | full_attention")
+    if "sliding_attention" not in types:
+        return None, None
+    return window, None if "full_attention" not in types else [ours[t] for t in types]
 
 
 def to_llama_names(state: Mapping[str, Any], tied: bool, block_names: Mapping[str, str] = BLOCK_NAMES

@@ -6,7 +6,7 @@ Field metadata (`ge`, `gt`, `le`, `choices`) is the range the config loader enfo
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from lit_pretrain.model.mask_spec import CAUSAL, MaskSpec
 
@@ -204,6 +204,18 @@ class GPTConfig:
     before wo): each head's output is multiplied by sigmoid(x W_g), x the block's normed input. headwise: one gate
     per head (W_g: d_model -> n_heads, the paper's cheap variant); elementwise: one per channel (d_model -> n_heads *
     head_dim: the paper's best and Qwen3-Next's). null: no gate. docs/model.md, "Gated attention"."""
+    sliding_window: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Local attention: a query sees the sliding_window most recent tokens, its own included (transformers'
+    sliding_window; Beltagy et al. 2020, Longformer §3.1; Mistral 7B: 4096; Gemma 3: 1024), on every layer unless
+    model.global_attention_every or model.layer_types keeps some full. null: every layer attends to the whole
+    window. A window of model.seq_len or more cuts nothing: those layers are full attention, masked and counted so."""
+    global_attention_every: Optional[int] = field(default=None, metadata={"ge": 2})
+    """With model.sliding_window: every k-th layer (layers k-1, 2k-1, ...) attends to the whole window, the others
+    are local: Gemma 3's 5 local to 1 global is 6, GPT-OSS's alternation 2 (transformers' layer_types with
+    sliding_window_pattern k). null: every layer local (or model.layer_types)."""
+    layer_types: Optional[List[str]] = None
+    """With model.sliding_window: each layer's attention, one of sliding | full per layer (n_layers of them), for a
+    pattern global_attention_every cannot say. null: by model.global_attention_every. Not both."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
@@ -268,6 +280,20 @@ class GPTConfig:
 
     def moe_layers(self) -> List[int]:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    def attention_window(self, layer: int) -> Optional[int]:
+        """The sliding window of block `layer`'s attention (model.sliding_window), or None: full attention. Every
+        consumer asks this: the model's mask term (model/mask.py), the FLOP and memory counts (`mask_specs`), export."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None:
+            return self.sliding_window if self.layer_types[layer] == "sliding" else None
+        k = self.global_attention_every
+        return None if k is not None and (layer + 1) % k == 0 else self.sliding_window
+
+    def mask_specs(self, documents: bool = False) -> List[MaskSpec]:
+        """Each layer's attention mask as data (model/mask_spec.py): what the FLOP counter and planners read."""
+        return [MaskSpec(documents, self.attention_window(i)) for i in range(self.n_layers)]
 
     def block_modules(self, layer: int = 0) -> Dict[str, "ModuleSpec"]:
         """The architecture of one block, written once: module name (under `blocks.{i}.`) -> what it is.
@@ -417,16 +443,39 @@ class GPTConfig:
                                      f"key and value from one latent and normalizes the latents instead (DeepSeek-V2 "
                                      f"§2.1); set {key}={'null' if key.endswith('heads') else 'false'}")
             for key, value in (("model.attention_sinks", self.attention_sinks or None),
-                               ("model.attention_gate", self.attention_gate)):
+                               ("model.attention_gate", self.attention_gate),
+                               ("model.sliding_window", self.sliding_window)):
                 if value is not None:
                     raise ValueError(f"{key}={value} with model.attention=mla: the latent attention module "
-                                     "(lit_pretrain/model/mla.py) has no sink logit or output gate; set "
-                                     f"{key}={'false' if key.endswith('sinks') else 'null'} or model.attention=mha")
+                                     "(lit_pretrain/model/mla.py) has no sink logit, output gate or sliding window; "
+                                     f"set {key}={'false' if key.endswith('sinks') else 'null'} or model.attention=mha")
+        self._check_window()
         if self.attention == "mha" and self.head_dim % 2:
             raise ValueError(
                 f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "
                 "channels, so the head dimension must be even"
             )
+
+    def _check_window(self) -> None:
+        """model.sliding_window's pattern: one way of saying it, of the model's length."""
+        if self.sliding_window is None:
+            for key in ("global_attention_every", "layer_types"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"model.{key} without model.sliding_window: set model.sliding_window (tokens) "
+                                     f"or model.{key}=null")
+            return
+        if self.layer_types is None:
+            return
+        if self.global_attention_every is not None:
+            raise ValueError("model.layer_types and model.global_attention_every both set the local-global pattern: "
+                             "keep one (model.global_attention_every=null or model.layer_types=null)")
+        if len(self.layer_types) != self.n_layers:
+            raise ValueError(f"model.layer_types has {len(self.layer_types)} entries for model.n_layers="
+                             f"{self.n_layers}: give one (sliding | full) per layer")
+        unknown = sorted({t for t in self.layer_types if t not in ("sliding", "full")})
+        if unknown:
+            raise ValueError(f"model.layer_types holds {unknown}: each entry is sliding or full")
+
 
 
 @dataclass(frozen=True)
@@ -465,17 +514,23 @@ class ModuleSpec:
 
 
 def flops_per_token_formula(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
-                            mask: MaskSpec = CAUSAL, v_head_dim: Optional[int] = None) -> int:
+                            mask: Union[MaskSpec, Sequence[MaskSpec]] = CAUSAL, v_head_dim: Optional[int] = None
+                            ) -> int:
     """Training FLOPs per token (forward + backward): 6·N + 12·L·H·Q·T, PaLM appendix B (Chowdhery et al. 2022).
 
     6·N: each of the N matmul parameters costs one multiply-add (2 FLOPs) per token forward and twice that
     backward (gradient w.r.t. the input and w.r.t. the weight). 12·L·H·Q·T: the attention scores QKᵀ and the
     weighted sum over V, each 2·H·Q·T FLOPs per token per layer forward, times 3 for forward + backward.
     T is the keys a query is counted against, as the attention mask says (model/mask_spec.py
-    `MaskSpec.scored_keys`): the full T×T score matrix, as PaLM counts it, although causal attention needs only
-    half of it.
+    `MaskSpec.scored_pairs`, over the window's T queries): the full T×T score matrix, as PaLM counts it, although
+    causal attention needs only half of it; a sliding-window layer exactly the pairs its window keeps.
+    mask: every layer's, or one per layer (`GPTConfig.mask_specs`). The attention term is rounded down.
     v_head_dim: the value heads' width where it differs from the query/key heads' head_dim (multi-head latent
-    attention): the scores then cost 2·H·head_dim·T and the weighted sum 2·H·v_head_dim·T; None: head_dim.
+    attention): the scores then cost 2·H·head_dim per pair and the weighted sum 2·H·v_head_dim; None: head_dim.
     """
+    masks = [mask] * n_layers if isinstance(mask, MaskSpec) else list(mask)
+    if len(masks) != n_layers:
+        raise ValueError(f"{len(masks)} layer masks for {n_layers} layers")
+    pairs = sum(m.scored_pairs(seq_len) for m in masks)  # over the window's seq_len queries
     v = head_dim if v_head_dim is None else v_head_dim
-    return 6 * n_matmul_params + 6 * n_layers * n_heads * (head_dim + v) * mask.scored_keys(seq_len)
+    return 6 * n_matmul_params + (6 * n_heads * (head_dim + v) * pairs // seq_len if seq_len else 0)

@@ -18,7 +18,7 @@ from lit_pretrain.model.config import GPTConfig, ModuleSpec, RopeScalingConfig, 
 
 # flops_per_token_formula lives with the config (pure arithmetic, no torch) and is re-exported here.
 from lit_pretrain.model.init import initialize
-from lit_pretrain.model.mask import CAUSAL, Mask, SdpaMask, sdpa_mask, with_sinks
+from lit_pretrain.model.mask import Mask, SdpaMask, sdpa_mask, with_sinks
 from lit_pretrain.model.mla import LatentAttention
 from lit_pretrain.model.moe import MoE
 from lit_pretrain.model.rope import inverse_frequencies
@@ -130,15 +130,16 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return t - first
 
 
-def document_mask(doc_ids: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
+def document_mask(doc_ids: torch.Tensor, queries: torch.Tensor | None = None,
+                  window: int | None = None) -> torch.Tensor:
     """Block-diagonal causal mask of doc_ids (B, T): True where query i may look at key j (j <= i, same document).
     Returns (B, 1, T, T) bool, broadcast over heads (so it also serves a tensor-parallel rank's share of them).
     queries: (Tq,) the positions of the queries when they are only some of the T (context parallelism computes
-    part of the sequence's queries over all its keys): their rows, (B, 1, Tq, T). Made by `sdpa_mask`
-    (model/mask.py)."""
+    part of the sequence's queries over all its keys): their rows, (B, 1, Tq, T). window: also inside a sliding
+    window of that many keys (model.sliding_window). Made by `sdpa_mask` (model/mask.py)."""
     T = doc_ids.shape[1]
     n_queries = T if queries is None else queries.shape[0]
-    return sdpa_mask(Mask(doc_ids, 0 if queries is None else queries), n_queries, T, doc_ids).attn_mask
+    return sdpa_mask(Mask(doc_ids, 0 if queries is None else queries, window), n_queries, T, doc_ids).attn_mask
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -158,9 +159,11 @@ class Attention(nn.Module):
     """Causal self-attention with RoPE on q and k; n_kv_heads key/value heads (grouped-query when fewer than
     n_heads), optional QK-norm."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.head_dim, self.qk_norm_scope = cfg.head_dim, cfg.qk_norm_scope
+        # model.sliding_window on this layer (GPTConfig.attention_window), or None: the mask's window term
+        self.window = cfg.attention_window(layer)
         spec = cfg.block_modules()
         # Separate q/k/v (not one fused wqkv) so tensor parallelism can shard each column-wise by whole heads.
         self.wq, self.wk, self.wv = (build_linear(spec[f"attn.{n}"]) for n in ("wq", "wk", "wv"))
@@ -196,19 +199,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: None for plain causal attention, or the (B, 1, T, T) bool mask `sdpa_mask` made once per forward
-        for every layer (document masking), True where a query may look."""
+        """mask: None for plain causal attention (within this layer's sliding window, if it has one), or the
+        (B, 1, T, T) bool mask `sdpa_mask` made once per forward for every layer of this layer's window (document
+        masking), True where a query may look."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
         sinks = None if self.sinks is None else self.sinks.weight  # (n_heads,)
         if self.context is not None:  # keys and values of the whole sequence, mask in its positions
-            y = self.context(q, k, v, mask, sinks)  # (B, n_heads, T, head_dim)
+            y = self.context(q, k, v, mask, self.window, sinks)  # (B, n_heads, T, head_dim)
         else:
             # SDPA with an explicit mask, not flex_attention: on this CPU (torch 2.13) flex_attention has no
             # backward ("FlexAttention does not support backward on CPU"), so it cannot train here; its forward
             # alone measured 190-230 ms eager and 23-48 ms compiled against SDPA's 16-31 ms with the mask (B 8,
             # 4 heads, T 256, head_dim 64; 2 loaded cores). The mask costs B·T² bytes: 0.5 MB for the default model.
-            sdpa = sdpa_mask(CAUSAL, T, T, q) if mask is None else SdpaMask(mask, False)
+            sdpa = sdpa_mask(Mask(window=self.window), T, T, q) if mask is None else SdpaMask(mask, False)
             y = attend(q, k, v, *sdpa, sinks=sinks)  # (B, n_heads, T, head_dim)
         return self.output(x, y)
 
@@ -229,9 +233,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)  # q (B, n_heads, T, head_dim); k, v (B, n_kv_heads, T, head_dim)
         k, v = cache.append(layer, k, v)  # (B, n_kv_heads, S, head_dim), S = cache.length + T
-        # the new queries end at the last key: the causal triangle aligned to the bottom right
+        # the new queries end at the last key: the causal triangle aligned to the bottom right (and this layer's
+        # window, counted back from each query)
         sinks = None if self.sinks is None else self.sinks.weight  # (n_heads,)
-        y = attend(q, k, v, *sdpa_mask(Mask(queries=cache.length), T, k.shape[2], q), sinks=sinks)  # (B, H, T, Q)
+        sdpa = sdpa_mask(Mask(queries=cache.length, window=self.window), T, k.shape[2], q)
+        y = attend(q, k, v, *sdpa, sinks=sinks)  # (B, n_heads, T, head_dim)
         return self.output(x, y)
 
 
@@ -271,7 +277,7 @@ class Block(nn.Module):
         spec = cfg.block_modules(layer)
         self.attn_norm = build_norm(cfg, spec["attn_norm"])
         mla = cfg.attention == "mla"  # model.attention
-        self.attn = LatentAttention(cfg, build_linear, build_norm, apply_rope) if mla else Attention(cfg)
+        self.attn = LatentAttention(cfg, build_linear, build_norm, apply_rope) if mla else Attention(cfg, layer)
         self.mlp_norm = build_norm(cfg, spec["mlp_norm"])
         # model.moe: the table decides which blocks route their tokens to experts (lit_pretrain/model/moe.py)
         self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLPS[cfg.mlp](cfg, layer)
@@ -313,6 +319,7 @@ class GPT(nn.Module):
         # Context parallelism sets this from outside (lit_pretrain/parallel/context.py): an object whose
         # positions(T, device) are the (T/c,) positions of a window of T that this process computes. None: all.
         self.context_split = None
+        self.windows = [cfg.attention_window(i) for i in range(cfg.n_layers)]  # model.sliding_window per layer
         self.reset_parameters()
 
     @torch.no_grad()
@@ -363,12 +370,13 @@ class GPT(nn.Module):
             if part is not None:  # counted over the whole window: a document may start in another rank's chunk
                 positions = positions[:, part]  # (B, T/c)
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T or T/c, head_dim)
-            mask = document_mask(document_ids, part)  # (B, 1, T or T/c, T)
+            # one mask per distinct window (model.sliding_window's layers and the full ones), shared by its layers
+            mask = {w: document_mask(document_ids, part, w) for w in set(self.windows)}  # (B, 1, T or T/c, T) each
         if part is not None:
             idx = idx[:, part]  # (B, T/c)
         x = self.tok_embeddings(idx)  # (B, T, d_model)
-        for block in self.blocks:
-            x = block(x, cos, sin, mask)  # (B, T, d_model)
+        for block, window in zip(self.blocks, self.windows):
+            x = block(x, cos, sin, None if mask is None else mask[window])  # (B, T, d_model)
         return self.head(x)  # (B, T, vocab_size)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -427,7 +435,8 @@ class GPT(nn.Module):
         mixture of experts, the top_k routed experts; the router's matmul is in N too) plus the output
         head's matmul; the embedding is a lookup, not a matmul. Norm weights stay in N, as PaLM counts all
         parameters, although they cost elementwise multiplies, not matmuls (an overcount of 6·(2L+1)·d_model).
-        The attention term counts the full T×T score matrix, as PaLM does, though attention is causal; it depends
+        The attention term counts the full T×T score matrix, as PaLM does, though attention is causal (a
+        sliding-window layer: the pairs its window keeps, model/mask_spec.py `scored_pairs`); it depends
         on the query heads only (grouped-query attention shares k and v, not the score computations).
         seq_len defaults to model.seq_len.
         """
@@ -435,7 +444,7 @@ class GPT(nn.Module):
         n_matmul_params = self.num_params(non_embedding=True, active=True) + cfg.vocab_size * cfg.d_model
         seq_len = cfg.seq_len if seq_len is None else seq_len
         return flops_per_token_formula(n_matmul_params, cfg.n_layers, cfg.n_heads, cfg.qk_head_dim, seq_len,
-                                       v_head_dim=cfg.value_head_dim)
+                                       cfg.mask_specs(), v_head_dim=cfg.value_head_dim)
 
 
 class KVCache:

@@ -3,7 +3,8 @@ what `F.scaled_dot_product_attention` takes. Every attention path asks it: the G
 cache's decoding, context parallelism's chunks (parallel/context.py) and the pipeline stages (which call the blocks).
 
 The terms are mask functions of (query position, key position), composed with `and_masks` as torchtitan composes
-its `mask_mod`s (models/common/attention.py): `causal`, `same_document`; a sliding window is one more term. The
+its `mask_mod`s (models/common/attention.py): `causal`, `same_document`, `sliding_window` (a query sees its own and
+the window - 1 keys before it: Beltagy et al. 2020, Longformer §3.1; Mistral 7B; Gemma 2/3's local layers). The
 planners read the same terms as data, without torch (model/mask_spec.py).
 
 What SDPA gets, cheapest first:
@@ -14,7 +15,9 @@ What SDPA gets, cheapest first:
   chunks): on CUDA PyTorch's `causal_lower_right` bias, which the flash and memory-efficient kernels apply without a
   mask in memory; elsewhere a boolean mask, or, with `shared_width`, an additive mask cut from one made once for the
   window (every layer and both of a context-parallel rank's chunks read it, as `MaskSpec.mask_bytes` counts);
-- anything else (documents, scattered query positions): the composed boolean mask, (B, 1, Tq, S) or (Tq, S).
+- anything else (documents, scattered query positions, a window shorter than the keys a query could see): the
+  composed boolean mask, (B, 1, Tq, S) or (Tq, S); a window's without documents is made once and cached, so every
+  window layer of a forward, and the next forward, read the same tensor (`MaskSpec.mask_bytes`).
 Boolean and additive masks give bitwise the same SDPA outputs and gradients on CPU (SDPA turns a boolean mask into
 the additive one).
 """
@@ -34,10 +37,13 @@ class Mask:
 
     documents: (B, S) the document of every key position (`document_ids`), or None: one sequence per row.
     queries: where the queries sit among the keys: an offset (queries at offset .. offset + Tq - 1; 0 in training,
-    the cached length in decoding) or (Tq,) their positions (context parallelism's chunks of a window)."""
+    the cached length in decoding) or (Tq,) their positions (context parallelism's chunks of a window).
+    window: a sliding window of that many keys (the query's own included, as transformers' sliding_window counts),
+    or None: every key before the query (model.sliding_window, on the layers `GPTConfig.attention_window` names)."""
 
     documents: Optional[torch.Tensor] = None
     queries: Union[int, torch.Tensor] = 0
+    window: Optional[int] = None
 
 
 CAUSAL = Mask()
@@ -65,6 +71,15 @@ def same_document(documents: torch.Tensor, queries: torch.Tensor) -> MaskFn:
     return fn
 
 
+def sliding_window(window: int) -> MaskFn:
+    """A query sees the `window` most recent keys, its own included: q - window < k (with `causal`, k <= q)."""
+
+    def fn(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q - k < window
+
+    return fn
+
+
 def and_masks(*fns: MaskFn) -> MaskFn:
     """Allowed where every term allows."""
 
@@ -84,7 +99,10 @@ def sdpa_mask(mask: Mask, n_queries: int, n_keys: int, like: torch.Tensor,
     (context parallelism): off CUDA their additive masks are cut from one of that width (see the module's notes)."""
     device = like.device
     offset = mask.queries if isinstance(mask.queries, int) else None
-    if mask.documents is None and offset is not None and offset + n_queries == n_keys:
+    window = mask.window
+    if window is not None and offset is not None and window >= offset + n_queries:
+        window = None  # the last query, at offset + Tq - 1, sees key 0 already: the window cuts nothing
+    if mask.documents is None and offset is not None and offset + n_queries == n_keys and window is None:
         if offset == 0:
             return SdpaMask(None, True)  # top-left and bottom-right alignments coincide
         if n_queries == 1:
@@ -96,11 +114,30 @@ def sdpa_mask(mask: Mask, n_queries: int, n_keys: int, like: torch.Tensor,
         if shared_width is not None:
             whole = _lower_right_additive(n_queries, shared_width, like.dtype, device)  # (Tq, width)
             return SdpaMask(whole[:, shared_width - n_keys:], False)  # its last n_keys columns: (Tq, S)
+    if mask.documents is None and offset is not None and window is not None:
+        return SdpaMask(_window_boolean(offset, n_queries, n_keys, window, device), False)  # (Tq, S), cached
     queries = torch.arange(offset, offset + n_queries, device=device) if offset is not None else mask.queries
-    keys = torch.arange(n_keys, device=device)
-    terms = [causal] if mask.documents is None else [causal, same_document(mask.documents, queries)]
+    return SdpaMask(_composed(mask.documents, queries, n_keys, window), False)
+
+
+def _composed(documents: Optional[torch.Tensor], queries: torch.Tensor, n_keys: int,
+              window: Optional[int]) -> torch.Tensor:
+    """The boolean mask of the terms: (Tq, S), or (B, 1, Tq, S) with documents (broadcast over heads)."""
+    keys = torch.arange(n_keys, device=queries.device)
+    terms = [causal] if documents is None else [causal, same_document(documents, queries)]
+    if window is not None:
+        terms.append(sliding_window(window))
     allowed = and_masks(*terms)(queries[:, None], keys[None, :])  # (Tq, S) or (B, Tq, S)
-    return SdpaMask(allowed if mask.documents is None else allowed[:, None], False)  # documents: (B, 1, Tq, S)
+    return allowed if documents is None else allowed[:, None]
+
+
+@functools.lru_cache(maxsize=8)
+def _window_boolean(offset: int, n_queries: int, n_keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """The causal sliding-window mask of queries offset .. offset + Tq - 1 over n_keys keys, (Tq, S) bool, made once:
+    every window layer and every step read this one tensor. Read-only: SDPA only reads it."""
+    with torch.inference_mode(False):  # kept across steps: one made under validation's inference mode must train
+        queries = torch.arange(offset, offset + n_queries, device=device)
+        return _composed(None, queries, n_keys, window)
 
 
 @functools.lru_cache(maxsize=4)

@@ -19,7 +19,8 @@ from lit_pretrain.model.config import GPTConfig, flops_per_token_formula
 # key -> (accepted types, null allowed).
 VARIANT_TYPES = {"n_kv_heads": (int, True), "qk_norm": (bool, False), "logit_softcap": ((int, float), True),
                  "norm": (str, False), "mlp": (str, False), "qk_norm_scope": (str, False), "moe": (dict, True),
-                 "attention_sinks": (bool, False), "attention_gate": (str, True)}
+                 "attention_sinks": (bool, False), "attention_gate": (str, True),
+                 "sliding_window": (int, True), "global_attention_every": (int, True), "layer_types": (list, True)}
 VARIANT_KEYS = tuple(VARIANT_TYPES)
 
 
@@ -67,10 +68,11 @@ def active_params(cfg: GPTConfig) -> int:
 
 def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
     """Training FLOPs per token as `GPT.flops_per_token` counts them (PaLM appendix B: 6·N + 12·L·H·Q·T), N the
-    active parameters (a token's matmuls touch only its top_k experts)."""
+    active parameters (a token's matmuls touch only its top_k experts), each layer's attention over the keys its
+    mask keeps (`GPTConfig.mask_specs`: a sliding-window layer's window)."""
     n_matmul = active_non_embedding_params(cfg) + _vocab(cfg) * cfg.d_model
     return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.qk_head_dim, seq_len or cfg.seq_len,
-                                   v_head_dim=cfg.value_head_dim)
+                                   cfg.mask_specs(), v_head_dim=cfg.value_head_dim)
 
 
 def sizes(cfg: GPTConfig) -> Dict[str, int]:

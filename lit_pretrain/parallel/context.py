@@ -101,26 +101,44 @@ class ContextParallel:
         return t[:, self.positions(t.shape[1], t.device)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: Optional[torch.Tensor], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 mask: Optional[torch.Tensor], window: Optional[int] = None,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of this rank's queries q (B, H, T/c, Q) over the whole sequence's keys and values, given this
         rank's k, v (B, KV, T/c, Q). mask: (B, 1, T/c, T) bool in global positions (document masking, made by
         model/mask.py's `sdpa_mask`), or None for the causal mask: each of the two query chunks attends to the keys
         up to its own end, the causal triangle aligned to the bottom right, as two SDPA calls whose masks
         `sdpa_mask` makes (SDPA's is_causal for a square first chunk; off CUDA one additive mask of the window's
         width shared by every layer and both chunks). sinks: (H,) the heads' sink logits (model.attention_sinks):
-        each query's softmax is one SDPA call over every key it sees, so the sink joins it once, as on one process."""
+        each query's softmax is one SDPA call over every key it sees, so the sink joins it once, as on one process.
+        window: the layer's sliding window (model.sliding_window),
+        which the mask made with documents already holds; without documents a binding one is a (T/c, T) boolean mask
+        of this rank's positions, made once and read by every window layer: the window crosses the chunks' edges as
+        it crosses positions, the keys all being here."""
         from lit_pretrain.model.gpt import attend
 
         k, v = GatherKV.apply(k, v, self.group, self.c)  # (B, KV, T, Q) each
+        n, T = q.shape[2] // 2, k.shape[2]  # chunk length T/(2c), window
+        if mask is None and window is not None and window < T:
+            mask = self._window_mask(T, window, q)  # (T/c, T)
         if mask is not None:
             return attend(q, k, v, mask, sinks=sinks)  # (B, H, T/c, Q)
-        n, T = q.shape[2] // 2, k.shape[2]  # chunk length T/(2c), window
         out = []
         for i, chunk in enumerate((self.rank, 2 * self.c - 1 - self.rank)):
             qi, end = q[:, :, i * n:(i + 1) * n], (chunk + 1) * n  # the chunk's n queries end at key `end`
             sdpa = sdpa_mask(Mask(queries=end - n), n, end, q, shared_width=T)
             out.append(attend(qi, k[:, :, :end], v[:, :, :end], *sdpa, sinks=sinks))  # (B, H, n, Q)
         return torch.cat(out, dim=2)  # (B, H, T/c, Q)
+
+    def _window_mask(self, T: int, window: int, like: torch.Tensor) -> torch.Tensor:
+        """The sliding-window mask of this rank's positions over the window's T keys, (T/c, T) bool, kept for the
+        next layers and steps (model/mask.py `sdpa_mask` makes it); one at a time."""
+        key = (T, window, like.device)
+        cached = getattr(self, "_window_masks", {})
+        if key not in cached:
+            with torch.inference_mode(False):  # kept across steps: one made under inference mode must train
+                mask = Mask(queries=self.positions(T, like.device), window=window)
+                cached = self._window_masks = {key: sdpa_mask(mask, T // self.c, T, like).attn_mask}
+        return cached[key]
 
 
 def context_losses(logits: torch.Tensor, targets: torch.Tensor, group, z_loss: float = 0.0,

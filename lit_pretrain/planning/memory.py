@@ -60,12 +60,12 @@ recomputation rows an upper estimate: they count 1-byte dropout masks our model 
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model import shapes
 from lit_pretrain.model.config import GPTConfig
-from lit_pretrain.model.mask_spec import CAUSAL
+from lit_pretrain.model.mask_spec import CAUSAL, MaskSpec, layers_mask_bytes
 from lit_pretrain.planning import recompute as recomputation
 
 
@@ -288,12 +288,14 @@ def context_forward_bytes(seq_len: int, micro_batch: int, head_dim: int, context
     return 4.0 * 2 * rows * seq_len // context_parallel * head_dim
 
 
-def context_mask_bytes(seq_len: int, context_parallel: int, bytes_per_element: float = 4.0) -> float:
+def context_mask_bytes(seq_len: int, context_parallel: int, bytes_per_element: float = 4.0,
+                       masks: Sequence[MaskSpec] = (CAUSAL,)) -> float:
     """The additive causal mask a context-parallel rank passes to SDPA off the GPU, once per forward (model/mask.py
     `sdpa_mask`, shared by both chunks and every layer): T/(2c) queries over the window's T keys, as
     `MaskSpec.mask_bytes` counts it. On CUDA, PyTorch's CausalBias needs none, so `memory_plan` leaves it out; CPU
-    measurements add it."""
-    return CAUSAL.mask_bytes(seq_len, 1, context_parallel, bytes_per_element)
+    measurements add it. masks: the layers' (`GPTConfig.mask_specs`): a binding sliding window adds its boolean
+    (T/c, T) mask, on any device (`mask_bytes`)."""
+    return layers_mask_bytes(masks, seq_len, 1, context_parallel, bytes_per_element)
 
 
 def context_transient_bytes(cfg: GPTConfig, micro_batch: int, context_parallel: int, tensor_parallel: int = 1,
@@ -448,12 +450,15 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
     activation_elements = 2.0 * b.activation_factor  # bytes of an activation element (fp32: 4)
     context = context_forward_bytes(cfg.seq_len, micro_batch, cfg.head_dim, cp) + context_transient_bytes(
         cfg, micro_batch, cp, t, activation_elements)
+    # model.sliding_window: the boolean mask of this stage's window layers, kept by SDPA for the backward (none
+    # without a binding window on CUDA, whose kernels take the causal mask as a flag)
+    masks = layers_mask_bytes(cfg.mask_specs()[:layers_here], cfg.seq_len, micro_batch, cp, cuda=True)
     # autocast casts the weight a matmul reads (the blocks' linears and the head, not the embedding's lookup),
     # gathered in full under ZeRO-3, and saves the copy for the backward
     matmul_params = layers_here * (local_block - norms) + (v * d / t if p == 1 else 0) - routed * (1 - 1 / ep)
     cast = b.cast_weight * matmul_params
     transient = _transient_bytes(b, cfg, zero_stage, t, p, local_block, logits, tokens)
-    total = states["model_state_bytes"] + cast + activations + logits + recompute + transient + context
+    total = states["model_state_bytes"] + cast + activations + logits + recompute + transient + context + masks
     out = {
         "params": shapes.params(cfg), "active_params": shapes.active_params(cfg), "params_per_device": local,
         "precision": precision,
@@ -465,7 +470,7 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
         **states, "cast_weight_bytes": cast, "activation_bytes_per_layer": per_layer,
         "activation_bytes": activations + logits, "logits_bytes": logits, "recompute_bytes": recompute,
         "transient_bytes": transient, "total_bytes": total, "recompute_flops": recompute_flops,
-        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg), "mask_bytes": masks,
     }
     if device_memory is not None:
         out["device_memory"] = device_memory

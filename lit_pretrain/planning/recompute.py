@@ -24,7 +24,9 @@ log-sum-exp (N·a/t, fp32 always). Norms, QK-norm, RoPE, SiLU/GELU and the produ
 `every_other` keeps the 1st, 3rd, 5th, ... matmul only (torchtitan's save list), the others run again.
 
 Recomputed FLOPs per block, in torch.utils.flop_counter's convention (2·m·n·k a matmul; attention 4·b·a·s²·Q
-forward, the whole s×s product though the causal kernel skips half): under `selective` the matmuls not saved,
+forward, the whole s×s product though the causal kernel skips half, and a sliding-window layer's too: SDPA computes
+every score its boolean mask then drops, unlike the model FLOPs of MFU, which count only the window's pairs,
+model/mask_spec.py): under `selective` the matmuls not saved,
 under `full` the whole forward, in both but the block's last matmul (w_down): torch's non-reentrant checkpoint
 stops the recomputation once it has rebuilt the last tensor the backward needs (`set_checkpoint_early_stop`, on by
 default), and nothing in the backward reads w_down's output, only its input. An MoE block's forward ends with its

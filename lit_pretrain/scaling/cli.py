@@ -302,8 +302,8 @@ def format_memory(r: dict) -> str:
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes", "cast_weight_bytes",
                 "activation_bytes_per_layer", "activation_bytes", "total_bytes"):
         lines.append(f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gb:>10.3f} GB")
-    for key in ("recompute_bytes", "transient_bytes"):
-        if key in r:
+    for key in ("recompute_bytes", "transient_bytes", "mask_bytes"):
+        if key in r and (r[key] or key != "mask_bytes"):  # a mask row only where a sliding window makes one
             lines.insert(-1, f"  {key:<28} {r[key]:>20,.0f} B  {r[key] / gb:>10.3f} GB")
     if "kv_cache_bytes_per_token" in r:  # decoding, not training: the whole model's cache, never one rank's
         lines.append(f"  {'kv_cache_bytes_per_token':<28} {r['kv_cache_bytes_per_token']:>20,.0f} B  (bf16, every "

@@ -3,6 +3,7 @@ LlamaForCausalLM, a bitwise round trip, a tokenizer transformers loads, and one-
 GPT cannot express. Nothing downloads: every model and tokenizer comes from a local folder."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -240,6 +241,46 @@ def test_latent_attention_exports_as_deepseek_v3_with_transformers_logits_and_ro
     fresh = load_init(GPT(model.cfg), tmp_path / "hf", tokenizer_file)
     for name, tensor in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("qk_norm,arch", [(False, "MinistralForCausalLM"), (True, "Qwen3ForCausalLM")])
+def test_sliding_windows_export_with_their_layer_types_with_transformers_logits_and_round_trip(
+        tmp_path, tokenizer_file, qk_norm, arch):
+    """model.sliding_window with a local-global pattern -> transformers' sliding_window and layer_types (Ministral's,
+    or Qwen3's with model.qk_norm): a window of 5 in a window of 32 positions, layers 0 and 2 local."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=320, n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, qk_norm=qk_norm, d_ff=96,
+                    seq_len=32, tie_embeddings=False, rope_theta=500.0, init_std=0.2, sliding_window=5,
+                    layer_types=["sliding", "full", "sliding"])
+    model = GPT(cfg).eval()
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == [arch] and written["sliding_window"] == 5
+    assert written["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    assert type(theirs).__name__ == arch
+    idx = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+        # transformers' mask and ours, the same keys: fp32 rounding only (a window off by one moves them by ~1e-1)
+        assert (theirs(idx).logits - ours).abs().max().item() <= 1e-5
+        assert (GPT(replace(cfg, sliding_window=None, layer_types=None)).eval()(idx) - ours).abs().max() > 1e-2
+    assert read_hf_config(tmp_path / "hf") == {**function_fields(model.cfg), "seq_len": 32}
+    fresh = load_init(GPT(model.cfg), tmp_path / "hf", tokenizer_file)
+    assert all(torch.equal(fresh.state_dict()[n], t) for n, t in model.state_dict().items())
+    # said with model.global_attention_every instead: the same function, the same layers
+    assert function_fields(replace(cfg, layer_types=None, global_attention_every=2)) == function_fields(cfg)
+
+
+def test_a_sliding_window_with_experts_is_refused_naming_the_key(tmp_path, tokenizer_file):
+    cfg = GPTConfig(vocab_size=320, n_layers=1, d_model=64, n_heads=4, seq_len=32, sliding_window=8,
+                    moe={"num_experts": 2, "top_k": 1})
+    with pytest.raises(DataError, match=r"^model\.sliding_window=8 with model\.moe cannot be expressed by "
+                                        r"transformers' OlmoeForCausalLM"):
+        export_gpt(GPT(cfg), tokenizer_file, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("key,value", [("logit_softcap", 30.0), ("norm", "layernorm"), ("mlp", "gelu")])

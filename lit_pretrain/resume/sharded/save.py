@@ -511,8 +511,8 @@ def read_trainer_state(folder: Path) -> Dict[str, Any]:
 
 def as_single_checkpoint(folder: Path) -> Dict[str, Any]:
     """The folder as a one-file checkpoint holds it (single-process state dict under `model.`, the optimizer state
-    by parameter name: optim/named_state.py; the weights' EMA under EMA_KEY), in one process without a process group: what load_gpt /
-    load_optimizer_state and a one-process resume read. The whole state passes through memory."""
+    by parameter name: optim/named_state.py; the weights' EMA under EMA_KEY), in one process without a process
+    group: what load_gpt / load_optimizer_state and a one-process resume read. The whole state passes through memory."""
     from lit_pretrain.resume.sharded.format import VerifiedFileSystemReader, load_sharded_full
 
     storage = VerifiedFileSystemReader(folder)  # verifies the whole folder first (trainer_state.pt included)
