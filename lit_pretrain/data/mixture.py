@@ -275,6 +275,11 @@ class MixtureSampler(Sampler[int]):
         draws = {**self.carried, **{name: int(s["draws"]) for name, s in saved.items()}}
         self.order.rebase(self.slot(epoch, samples), [draws.get(n, 0) for n in self.order.names])
         self.carried = {n: d for n, d in draws.items() if n not in self.order.names}
+        if self.rank == 0:
+            each = ", ".join(f"{n} after {draws[n]} windows" if n in draws else f"{n} from its first"
+                             for n in self.order.names)
+            kept = "".join(f"; {n} kept after {d} windows" for n, d in self.carried.items())
+            print(f"data: a new mixture from this checkpoint: {each}{kept}", flush=True)
 
 
 class MixtureMetrics(Callback):
