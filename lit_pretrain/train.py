@@ -146,7 +146,8 @@ def prepare_data(c: Config, plan, batch, session) -> tuple:
     every checkpoint records; the checks that need the prepared data or the resumed checkpoint run here."""
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
                                       seed=c.run.seed, val_windows=c.trainer.val_windows,
-                                      accumulate_grad_batches=batch.accumulation)
+                                      accumulate_grad_batches=batch.accumulation,
+                                      new_mixture="data.sources" in c.run.resume_allow_changes)
     # Prepared here, before the Trainer, because the model's vocabulary size comes from the tokenizer. Under the
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
@@ -387,7 +388,9 @@ def mixture_summary(c: Config, datamodule: TokenShardDataModule, metrics: dict) 
                        **progress[src.name],
                        "val_loss": metrics.get(f"val/{src.name}/loss"),
                        "val_bits_per_byte": metrics.get(f"val/{src.name}/bits_per_byte")}
-            for src in c.data.sources}
+            for src in c.data.sources} | {  # sources an earlier stage named: their position, kept for a later one
+        name: {"weight": 0.0, "carried": True, **entry} for name, entry in progress.items()
+        if name not in {src.name for src in c.data.sources}}
 
 
 def timing_line(steps: int, train_seconds: float, tokens_per_second: Optional[float], session_train_seconds: float,

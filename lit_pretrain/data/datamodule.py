@@ -138,6 +138,7 @@ class TokenShardDataModule(L.LightningDataModule):
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         accumulate_grad_batches: int = 1,
+        new_mixture: bool = False,
     ):
         super().__init__()
         for key, value in (("model.seq_len", seq_len), ("trainer.micro_batch_size", micro_batch_size),
@@ -148,6 +149,8 @@ class TokenShardDataModule(L.LightningDataModule):
         self.seed, self.val_windows = seed, val_windows
         self._rank, self._world_size = rank, world_size
         self._accumulate = accumulate_grad_batches  # without a Trainer; with one, the Trainer's
+        self.new_mixture = new_mixture
+        """A resume may begin a new mixture at its checkpoint (data.sources in run.resume_allow_changes: a stage)."""
         self.source_manifests: Optional[List[Dict]] = None
         """A mixture's manifests, one per data.sources entry (None for a single corpus)."""
         self.val_batch_sources: Optional[List[int]] = None
@@ -306,11 +309,14 @@ class TokenShardDataModule(L.LightningDataModule):
             self.mixture_order(samples_per_step, train).check_max_epochs(max_steps * samples_per_step)
 
     def source_progress(self) -> Dict[str, Dict[str, float]]:
-        """Per source: tokens and epochs the data order has handed to training (trained batches, and skipped ones)."""
+        """Per source: tokens and epochs the data order has handed to training (trained batches, and skipped ones),
+        over every stage of the run; a source an earlier stage named and this mixture does not: its tokens only."""
         epoch, samples = self.train_loader.position()
         state = self.train_sampler.source_state(epoch, samples)
-        return {name: {"tokens_seen": s["draws"] * self.seq_len, "epochs": s["draws"] / len(part)}
-                for (name, s), part in zip(state.items(), self.train_dataset.parts)}
+        out = {name: {"tokens_seen": s["draws"] * self.seq_len, "epochs": s["draws"] / len(part)}
+               for (name, s), part in zip(state.items(), self.train_dataset.parts)}
+        out.update({name: {"tokens_seen": draws * self.seq_len} for name, draws in self.train_sampler.carried.items()})
+        return out
 
     def train_dataloader(self) -> DataLoader:
         rank, world_size = self.rank_and_world_size()
@@ -326,6 +332,7 @@ class TokenShardDataModule(L.LightningDataModule):
                                                     self.seed, blocks, samples_per_step)
         kwargs = self._loader_kwargs()
         self.train_loader = TrainLoader(self.train_dataset, self.train_sampler, kwargs.pop("batch_size"), **kwargs)
+        self.train_loader.new_mixture = self.new_mixture
         return self.train_loader
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):

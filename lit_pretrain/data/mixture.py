@@ -14,6 +14,12 @@ Windows: the c-th slot of source k (c counted over the whole run) is position c 
 c div N_k of its N_k train windows, seeded by (seed, source name, that epoch). So the per-source draw counts at a
 slot are all the state a resume needs, and they too are a pure function of the slot (TrainLoader.state_dict
 records them, and a resume checks them).
+
+A stage on a new mixture (data.sources changed on resume, docs/data.md "Annealing on a new mixture") begins its own
+interleave at the checkpoint's slot: `MixtureOrder.rebase` takes that slot and each source's draws so far, so a
+source named before continues at its next unseen window, a new one starts at its first, and one the stage leaves out
+is carried (MixtureSampler.carried) for a later stage that names it again, as OLMo 2's mid-training stage (Team OLMo
+2024, §4) keeps its pretraining mixture resumable.
 """
 
 import hashlib
@@ -69,10 +75,20 @@ class MixtureOrder:
         self.max_epochs = list(max_epochs) if max_epochs is not None else [None] * len(names)
         self.keys = list(keys) if keys is not None else [f"data.sources[{k}]" for k in range(len(names))]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])  # source k's windows in the concatenated set
-        # (first slot, slots per period per source, one period's sources)
-        self.phases = [(step * samples_per_step, counts, interleave(counts))
-                       for step, counts in ((s, slot_counts(w)) for s, w in phases)]
+        self._declared = [(step * samples_per_step, slot_counts(w)) for step, w in phases]
         self._perms: Dict[Tuple[int, int], np.ndarray] = {}
+        self.rebase(0)
+
+    def rebase(self, slot: int, draws: Optional[Sequence[int]] = None) -> None:
+        """Begin this mixture at `slot`, each source having been given `draws` slots before it (None: none; a stage
+        on a new mixture passes the previous mixture's, module docstring). The weights in force at `slot` start a
+        fresh interleave period there; later schedule entries keep their steps."""
+        self.first_slot = slot
+        self.base_draws = np.zeros(len(self.names), dtype=np.int64) if draws is None else np.asarray(draws, np.int64)
+        at = [counts for first, counts in self._declared if first <= slot][-1]
+        later = [(first, counts) for first, counts in self._declared if first > slot]
+        # (first slot, slots per period per source, one period's sources)
+        self.phases = [(first, counts, interleave(counts)) for first, counts in [(slot, at), *later]]
 
     def _phase_spans(self, start: int, stop: int):
         """(first slot, slots per period, one period's sources, lo, hi) of each phase that [start, stop) meets, with
@@ -84,20 +100,22 @@ class MixtureOrder:
                 yield first, counts, pattern, lo, hi
 
     def draws_before(self, slot: int) -> np.ndarray:
-        """Slots each source has been given before `slot` (its per-source position in the run)."""
-        out = np.zeros(len(self.names), dtype=np.int64)
-        for first, counts, pattern, _, hi in self._phase_spans(0, slot):
+        """Slots each source has been given before `slot` (its per-source position in the run; `slot` at or after
+        the mixture's first)."""
+        out = self.base_draws.copy()
+        for first, counts, pattern, _, hi in self._phase_spans(self.first_slot, slot):
             full, rest = divmod(hi - first, len(pattern))
             out += full * counts + np.bincount(pattern[:rest], minlength=len(counts))
         return out
 
     def sources(self, start: int, stop: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(source index, that source's draw count) of every slot in [start, stop)."""
-        src = np.empty(stop - start, dtype=np.int64)
+        """(source index, that source's draw count) of every slot in [start, stop); source -1 before the mixture's
+        first slot (trained under an earlier stage's mixture: never read again)."""
+        src = np.full(stop - start, -1, dtype=np.int64)
         for first, _, pattern, lo, hi in self._phase_spans(start, stop):
             src[lo - start: hi - start] = pattern[(np.arange(lo, hi) - first) % len(pattern)]
-        draw = np.empty_like(src)
-        base = self.draws_before(start)
+        draw = np.zeros_like(src)
+        base = self.draws_before(max(start, self.first_slot))
         for k in range(len(self.names)):
             mask = src == k
             draw[mask] = base[k] + np.arange(int(mask.sum()))
@@ -107,9 +125,9 @@ class MixtureOrder:
         """Indices into the concatenated train windows of slots [start, stop); -(k + 1) where source k would go past
         its max_epochs (MixtureWindows turns that into the error, when and if such a slot is read)."""
         src, draw = self.sources(start, stop)
-        out = np.empty_like(src)
+        out = np.full_like(src, -(len(self.names) + 1))  # MixtureWindows' marker of a slot before this mixture
         epoch = draw // self.sizes[src]
-        for k, e in sorted(set(zip(src.tolist(), epoch.tolist()))):
+        for k, e in sorted(set(zip(src.tolist(), epoch.tolist())) - {(-1, 0)}):
             mask = (src == k) & (epoch == e)
             out[mask] = self.offsets[k] + self.permutation(k, e)[draw[mask] - e * self.sizes[k]]
         for k, limit in enumerate(self.max_epochs):
@@ -162,6 +180,9 @@ class MixtureWindows(Dataset):
         return int(np.searchsorted(self.offsets, index, side="right")) - 1
 
     def __getitem__(self, index: int):
+        if index < -len(self.keys):  # MixtureOrder.windows' marker of a slot before a stage's mixture began
+            raise DataError("the data order read a slot trained before this stage's mixture began: resume from the "
+                            "stage's own checkpoints (run.resume) rather than rewinding past its first step")
         if index < 0:  # MixtureOrder.windows' marker of a slot past the source's max_epochs
             key, limit = self.keys[-index - 1], self.max_epochs[-index - 1]
             raise DataError(f"{key}.max_epochs={limit}: the data order went past that many passes over the source "
@@ -189,6 +210,8 @@ class MixtureSampler(Sampler[int]):
         self.num_windows = int(order.sizes.sum())
         self.epoch = 0
         self.start = 0
+        self.carried: Dict[str, int] = {}
+        """Draws of sources an earlier stage named and this mixture does not: kept for a later stage that does."""
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -210,14 +233,53 @@ class MixtureSampler(Sampler[int]):
     def source_state(self, epoch: int, samples: int) -> Dict[str, Dict[str, int]]:
         return self.order.state(self.slot(epoch, samples))
 
-    def check_source_state(self, epoch: int, samples: int, saved: Dict[str, Dict[str, int]]) -> None:
-        """Refuse a resume whose mixture config gives other per-source positions at the checkpoint than the run had
-        (a changed weight, schedule entry before the checkpoint, source size or order)."""
+    def resume_state(self, epoch: int, samples: int) -> Dict:
+        """What a checkpoint records of the mixture: each source's position, the epoch's length, where this mixture
+        began (slot and draws: a stage's resume rebuilds it) and the carried sources' draws."""
+        order = self.order
+        return {"sources": self.source_state(epoch, samples), "samples_per_epoch": self.samples_per_epoch,
+                "mixture_start": {"slot": order.first_slot,
+                                  "draws": dict(zip(order.names, order.base_draws.tolist()))},
+                "carried": dict(self.carried)}
+
+    def restore(self, state: Dict, new_mixture: bool = False) -> None:
+        """Continue from a checkpoint's loader state (TrainLoader.load_state_dict). The mixture it recorded, or this
+        config's where it gives the same per-source positions at the checkpoint (a schedule entry changed after its
+        step), continues; otherwise, with `new_mixture` (data.sources in run.resume_allow_changes), this mixture
+        begins at the checkpoint from each source's draws (module docstring); otherwise the resume is refused."""
+        epoch, samples, saved = int(state["epoch"]), int(state["trained_samples"]), state["sources"]
+        if "samples_per_epoch" in state:
+            # The epoch's length stays the one the run started with, whatever a stage's sources hold: the
+            # checkpoint's position within its epoch, and Lightning's count of the epoch's batches, keep meaning.
+            per_epoch = int(state["samples_per_epoch"])
+            if per_epoch % self.order.samples_per_step:
+                raise ConfigError(f"trainer.tokens_per_step: the checkpoint's mixture epoch of {per_epoch} windows is "
+                                  f"not a whole number of steps of {self.order.samples_per_step} windows: resume "
+                                  "with the checkpoint's trainer.tokens_per_step")
+            self.samples_per_epoch = per_epoch
+        start = state.get("mixture_start")
+        if start is not None and set(start["draws"]) == set(self.order.names):
+            self.order.rebase(int(start["slot"]), [int(start["draws"][n]) for n in self.order.names])
+        self.carried = {n: int(d) for n, d in state.get("carried", {}).items()}
         now = self.source_state(epoch, samples)
-        if now != saved:
+        if now == saved:
+            return
+        if not new_mixture:
             raise ConfigError(
                 f"data.sources / data.mixture_schedule: at the checkpoint the run had drawn {saved}, this config "
-                f"gives {now}: set the weights back, or change data.mixture_schedule only after the checkpoint's step")
+                f"gives {now}: set the weights back, or change data.mixture_schedule only after the checkpoint's "
+                "step (a stage on a new mixture lists data.sources in run.resume_allow_changes)")
+        if "samples_per_epoch" not in state:
+            raise ConfigError("data.sources: the checkpoint predates per-source stage positions (its loader state "
+                              "has no samples_per_epoch): train a step under its own mixture, then start the stage")
+        draws = {**self.carried, **{name: int(s["draws"]) for name, s in saved.items()}}
+        self.order.rebase(self.slot(epoch, samples), [draws.get(n, 0) for n in self.order.names])
+        self.carried = {n: d for n, d in draws.items() if n not in self.order.names}
+        if self.rank == 0:
+            each = ", ".join(f"{n} after {draws[n]} windows" if n in draws else f"{n} from its first"
+                             for n in self.order.names)
+            kept = "".join(f"; {n} kept after {d} windows" for n, d in self.carried.items())
+            print(f"data: a new mixture from this checkpoint: {each}{kept}", flush=True)
 
 
 class MixtureMetrics(Callback):
@@ -234,4 +296,5 @@ class MixtureMetrics(Callback):
         self._step = step
         for name, entry in trainer.datamodule.source_progress().items():
             pl_module.log(f"data/{name}/tokens_seen", float(entry["tokens_seen"]))
-            pl_module.log(f"data/{name}/epochs", float(entry["epochs"]))
+            if "epochs" in entry:  # (a source carried from an earlier stage has no size here)
+                pl_module.log(f"data/{name}/epochs", float(entry["epochs"]))

@@ -35,6 +35,8 @@ class TrainLoader(DataLoader):
         self._resume_samples: Dict[int, int] = {}  # epoch → global samples already trained on (from a checkpoint)
         self.dropped: List[Dict] = []
         """Every drop: {"epoch", "micro_batches", "global_positions": [start, end)} of the global order."""
+        self.new_mixture = False
+        """A mixture may begin anew at the checkpoint this loader resumes (a stage: MixtureSampler.restore)."""
 
     def __iter__(self):
         # A resumed epoch starts where the checkpoint's trained samples end (set before the base iterator asks the
@@ -127,8 +129,8 @@ class TrainLoader(DataLoader):
                  "epoch": self._epoch, "trained_samples": self.trained_samples()}
         if self.window_tokens is not None:  # what a sample is, so a stage at another seq_len can remap by tokens
             state["window_tokens"] = self.window_tokens
-        if hasattr(self.sampler, "source_state"):  # a mixture: each source's draws, epoch and position there
-            state["sources"] = self.sampler.source_state(self._epoch, state["trained_samples"])
+        if hasattr(self.sampler, "resume_state"):  # a mixture: each source's draws, epoch and position there
+            state.update(self.sampler.resume_state(self._epoch, state["trained_samples"]))
         return state
 
     @property
@@ -148,11 +150,11 @@ class TrainLoader(DataLoader):
         self._pending_drop = state["pending_drop_samples"] // per_step
         self.dropped = [dict(d) for d in state["dropped"]]
         self._resume_samples = {int(state["epoch"]): int(state["trained_samples"])}
-        if hasattr(self.sampler, "check_source_state"):
+        if hasattr(self.sampler, "restore"):
             if "sources" not in state:
                 raise ConfigError("data.sources: the checkpoint was trained on a single corpus, not this mixture: "
                                   "resume with its data config, or start afresh")
-            self.sampler.check_source_state(int(state["epoch"]), int(state["trained_samples"]), state["sources"])
+            self.sampler.restore(state, self.new_mixture)
 
 
 def remap_to_window(state: Dict, window_tokens: Optional[int]) -> Dict:

@@ -6,7 +6,8 @@ same. Keys that change the experiment (optimizer, schedule, seed, data, max_step
 refused unless listed in `run.resume_allow_changes` (the schedule then continues from the rate reached, or
 schedule.stage declares a stage's own: optim/stages.py); keys that change the model's shape are refused always, since
 the checkpoint's weights fit only their own shape; model.seq_len and model.rope_scaling hold no weight and may change
-when listed (a context-extension stage). The tokenizer and the shard manifest are compared by hash.
+when listed (a context-extension stage). The tokenizer and the shard manifest are compared by hash; with data.sources
+listed (a stage on a new mixture), each source the two runs share by name.
 """
 
 import dataclasses
@@ -94,7 +95,24 @@ def run_meta(config: Dict, manifest: Dict, tokens_per_step: int) -> Dict:
     return {"config": flatten(config), "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True,
                                                                                   default=str).encode()).hexdigest(),
             "tokenizer_sha256": manifest["tokenizer"]["sha256"], "manifest_sha256": manifest_sha256(manifest),
-            "tokens_per_step": tokens_per_step}
+            "tokens_per_step": tokens_per_step,
+            **({"source_manifest_sha256": {name: manifest_sha256(m) for name, m in manifest["sources"].items()}}
+               if manifest.get("sources") else {})}
+
+
+def check_sources(saved: Dict, current: Dict, checkpoint: str) -> None:
+    """A stage on a new mixture (data.sources in run.resume_allow_changes): each source both mixtures name must be
+    the shards it was, so its position continues on the same windows; a source new to the stage starts at its first."""
+    before, now = saved.get("source_manifest_sha256"), current.get("source_manifest_sha256")
+    if before is None or now is None:
+        raise DataError(f"the token shards (data.prepared_dir) differ from those checkpoint {checkpoint} was trained "
+                        "on (manifest hash), and a new mixture needs both runs to train on data.sources: resume with "
+                        "the run's data config, or start afresh")
+    for i, name in enumerate(now):
+        if name in before and before[name] != now[name]:
+            raise DataError(f"data.sources[{i}] ({name}): its shards differ from those checkpoint {checkpoint} "
+                            "trained on (manifest hash): point it at that source's prepared_dir, or give the new "
+                            "data another source name")
 
 
 def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: str, tokenizer_file: str) -> List[str]:
@@ -107,7 +125,9 @@ def check_resume(saved: Dict, current: Dict, allow: Iterable[str], checkpoint: s
     if saved["tokenizer_sha256"] != current["tokenizer_sha256"]:
         raise DataError(f"tokenizer {tokenizer_file} differs from the one checkpoint {checkpoint} was trained with "
                         "(sha256): resume with the run's data.tokenizer_path and data.prepared_dir, or start afresh")
-    if saved["manifest_sha256"] != current["manifest_sha256"]:
+    if saved["manifest_sha256"] != current["manifest_sha256"] and _listed("data.sources", allow):
+        check_sources(saved, current, checkpoint)
+    elif saved["manifest_sha256"] != current["manifest_sha256"]:
         raise DataError(f"the token shards (data.prepared_dir) differ from those checkpoint {checkpoint} was trained "
                         "on (manifest hash): resume with the run's data.prepared_dir, or start afresh")
     if saved["tokens_per_step"] != current["tokens_per_step"] and "trainer.tokens_per_step" not in allow:

@@ -94,9 +94,10 @@ def mixture(tmp_path_factory):
     return data, root
 
 
-def make_dm(data, rank=0, world_size=1, micro_batch_size=4, accumulate=2):
+def make_dm(data, rank=0, world_size=1, micro_batch_size=4, accumulate=2, new_mixture=False):
     dm = TokenShardDataModule(data, seq_len=SEQ_LEN, micro_batch_size=micro_batch_size, seed=5, val_windows=12,
-                              rank=rank, world_size=world_size, accumulate_grad_batches=accumulate)
+                              rank=rank, world_size=world_size, accumulate_grad_batches=accumulate,
+                              new_mixture=new_mixture)
     dm.setup()
     return dm
 
@@ -145,6 +146,70 @@ def test_resume_state_round_trips_mid_epoch_on_any_world_size(mixture):
     changed = replace(data, sources=[data.sources[0], replace(data.sources[1], weight=1.0)])
     with pytest.raises(ConfigError, match="data.mixture_schedule only after"):
         make_dm(changed).train_dataloader().load_state_dict(state)
+
+
+def test_a_stage_order_continues_each_source_where_it_stood():
+    """A stage's mixture (b kept, c new, a left out) rebased at slot 40 of the first mixture: b continues at its
+    41st-slot position on the same windows, c starts at its first, the stage's interleave starts afresh."""
+    first = order()  # a:b = 1:3 over sizes 50, 70
+    draws = first.draws_before(40)
+    assert draws.tolist() == [10, 30]
+    stage = MixtureOrder(["b", "c"], [70, 30], [(0, [3.0, 1.0])], samples_per_step=8, seed=3)
+    stage.rebase(40, [draws[1], 0])
+    src, draw = stage.sources(40, 48)
+    assert src.tolist() == [0, 0, 1, 0, 0, 0, 1, 0]  # deadlines (j + 1/2)/a_k, ties to the lower index
+    assert draw.tolist() == [30, 31, 0, 32, 33, 34, 1, 35]
+    got = stage.windows(40, 48)
+    b_next = first.permutation(1, 0)[30:36]  # b's permutation is a function of (seed, name, epoch): the same
+    assert (got[src == 0] - stage.offsets[0]).tolist() == b_next.tolist()
+    assert (got[src == 1] - stage.offsets[1]).tolist() == stage.permutation(1, 0)[:2].tolist()
+    assert (stage.windows(36, 40) == -3).all()  # slots of the earlier mixture: a marker MixtureWindows refuses
+    assert stage.draws_before(48).tolist() == [36, 2] and stage.state(48)["c"]["position"] == 2
+
+
+def test_a_stage_on_a_new_mixture_resumes_inside_on_any_world_size_and_a_later_stage_continues(mixture):
+    data, root = mixture
+    dm = make_dm(data)
+    original = dm.train_dataloader()
+    take(original, 6)  # 3 steps of 8 windows: a 6, b 18
+    state = original.state_dict()
+    # The stage: b alone (a left out and carried; b's tokenizer named, as a's folder gave it), no schedule.
+    stage_data = replace(data, sources=[replace(data.sources[1], weight=1.0)], mixture_schedule=[],
+                         tokenizer_path=str(root / "prepared" / "a" / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="run.resume_allow_changes"):
+        make_dm(stage_data).train_dataloader().load_state_dict(state)
+    whole = make_dm(stage_data, new_mixture=True).train_dataloader()
+    whole.load_state_dict(state)
+    expected = take(whole, 8)
+    end = whole.state_dict()
+    assert end["sources"]["b"]["draws"] == 18 + 32 and end["carried"] == {"a": 6}
+    assert end["mixture_start"] == {"slot": 24, "draws": {"b": 18}}
+    # Inside the stage: stopped after 4 micro-batches, continued on 2 ranks of micro-batch 2 (no stage flag needed).
+    part = make_dm(stage_data, new_mixture=True).train_dataloader()
+    part.load_state_dict(state)
+    take(part, 4)
+    mid = part.state_dict()
+    ranks = [make_dm(stage_data, rank=r, world_size=2, micro_batch_size=2).train_dataloader() for r in (0, 1)]
+    for r in ranks:
+        r.load_state_dict(mid)
+    got = [take(r, 4) for r in ranks]
+    for j in range(4):
+        assert torch.equal(torch.stack([got[0][j], got[1][j]], dim=1).reshape(4, SEQ_LEN), expected[4 + j])
+    # A later stage on the first mixture: a continues at its 7th window, b past the stage's; nothing repeats.
+    later = make_dm(data, new_mixture=True)
+    loader = later.train_dataloader()
+    loader.load_state_dict(end)
+    assert later.source_progress()["a"]["tokens_seen"] == 6 * SEQ_LEN
+    seen = []
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+        seen += loader.take_trained_indices()
+    unbroken = original.sampler.order.windows(0, 200)  # the first mixture never interrupted: a's windows in turn
+    a_windows = unbroken[unbroken < later.train_dataset.offsets[1]].tolist()
+    a_seen = [w for w in seen if w < later.train_dataset.offsets[1]]
+    assert len(a_seen) == 12 and a_seen == a_windows[6:18]  # 16 windows at the 3:1 of the schedule's step 4 on
+    assert loader.state_dict()["sources"]["b"]["draws"] > 50 and loader.state_dict()["carried"] == {}
 
 
 def test_validation_batches_hold_one_source_each(mixture):

@@ -171,6 +171,30 @@ def test_resume_compatibility_rules():
         compat.check_resume(saved, compat.run_meta(cfg, other, 512), [], "c", "tok.json")
 
 
+def test_a_stage_on_a_new_mixture_compares_the_shards_of_each_source_both_name():
+    def shard(sha):
+        return {"tokenizer": {"sha256": "t"}, "splits": {"train": {"shards": [{"file": "x", "tokens": 1,
+                                                                              "sha256": sha}]}}}
+
+    def mixture(**sources):  # combined_manifest's shape: the sources' manifests by name
+        return {"tokenizer": {"sha256": "t"}, "splits": {"train": {"shards": [
+            {"file": f"{n}/x", "tokens": 1, "sha256": m} for n, m in sources.items()]}},
+            "sources": {n: shard(m) for n, m in sources.items()}}
+
+    def meta(names, manifest):
+        return compat.run_meta({"data": {"sources": [{"name": n} for n in names]}}, manifest, 512)
+
+    saved = meta(["web", "code"], mixture(web="w", code="c"))
+    # code kept on its shards, math new: allowed with data.sources listed, refused unlisted (the manifest hash).
+    anneal = meta(["code", "math"], mixture(code="c", math="m"))
+    assert compat.check_resume(saved, anneal, ["data.sources"], "ck", "t") == ["data.sources"]
+    with pytest.raises(DataError, match="manifest hash"):
+        compat.check_resume(saved, anneal, [], "ck", "t")
+    # A source the stage names again on other shards is refused by its key.
+    with pytest.raises(DataError, match=r"data.sources\[0\] \(code\): its shards differ"):
+        compat.check_resume(saved, meta(["code"], mixture(code="other")), ["data.sources"], "ck", "t")
+
+
 def test_malformed_sidecar_is_a_clear_error(tmp_path):
     write_steps(tmp_path, [1])
     path = tmp_path / store.step_file(1)
