@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_pretrain.data.mixture import MixtureOrder, MixtureSampler, MixtureWindows
+from lit_pretrain.data.packing import PackedWindows, packing_report
 from lit_pretrain.data.permutation import CHUNK, BlockTable, FeistelPermutation
-from lit_pretrain.data.packing import PackedWindows, report as packing_report
 from lit_pretrain.data.preparation.prepare import prepare
 from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
 from lit_pretrain.data.shards import SPLITS, TOKENIZER_FILE, check_config, load_manifest, open_shard, verify_shards

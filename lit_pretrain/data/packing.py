@@ -184,17 +184,17 @@ class PackedWindows(Dataset):
         return {**self.__dict__, "_maps": {}}
 
 
-def report(windows: PackedWindows, buffer: int) -> str:
+def packing_report(windows: PackedWindows, buffer: int) -> str:
     """One line comparing concat's cuts with best_fit's on one train split (`lit-pretrain prepare`, train's start)."""
     concat, packed = concat_stats(windows.shard_lengths, windows.seq_len), windows.stats
     return (f"packing at model.seq_len={windows.seq_len} over {packed['documents']:,} train documents: concat cuts "
-            f"{concat['documents_cut']:.1%} of them, best_fit (data.packing_buffer={buffer}) {packed['documents_cut']:.1%}"
-            f"; padding 0% either way; tokens in no window: concat {concat['tokens_dropped']:.2%}, best_fit "
-            f"{packed['tokens_dropped']:.2%} ({concat['windows']:,} and {packed['windows']:,} windows)")
+            f"{concat['documents_cut']:.1%} of them, best_fit (data.packing_buffer={buffer}) "
+            f"{packed['documents_cut']:.1%}; padding 0% either way; tokens in no window: concat "
+            f"{concat['tokens_dropped']:.2%}, best_fit {packed['tokens_dropped']:.2%} ({concat['windows']:,} and "
+            f"{packed['windows']:,} windows)")
 
 
 def prepare_report(folder, manifest: Dict, seq_len: int, buffer: int) -> str:
-    """report() for a prepared (or pretokenized) corpus's train split."""
-    train = manifest["splits"]["train"]["shards"]
-    return report(PackedWindows(folder, train, manifest["dtype"], seq_len, manifest["tokenizer"]["eod_id"], buffer),
-                  buffer)
+    """packing_report() for a prepared (or pretokenized) corpus's train split."""
+    train, eod = manifest["splits"]["train"]["shards"], manifest["tokenizer"]["eod_id"]
+    return packing_report(PackedWindows(folder, train, manifest["dtype"], seq_len, eod, buffer), buffer)
