@@ -7,11 +7,11 @@ so any keyed round function gives a permutation (Luby & Rackoff 1988). With b od
 trade widths each round (an unbalanced Feistel network). A value at or above n walks the cycle on: apply the network
 again until it lands below n (cycle-walking, Black & Rogaway 2002, "Ciphers with arbitrary finite domains",
 section 3); the walk ends because the cycle through x also passes through x < n, and since 2^b < 2n it takes under
-two steps on average. levanter's `Permutation` (its data/permutation.py) orders its corpora the same way.
+two steps on average. levanter's data/permutation.py shuffles its corpora by index in the same way.
 
 The round function is splitmix64's finalizer (Steele et al. 2014) of R plus a round key; the keys come from the
 seed by SHA-256. Six rounds: three are enough for a pseudo-random permutation in theory, four for a strong one
-(Luby & Rackoff), and the margin costs a few nanoseconds an index.
+(Luby & Rackoff); the two more cost half again the network's time, 0.1-1.5 µs an index on a loaded 2-core CPU.
 """
 
 import hashlib
