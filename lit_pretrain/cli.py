@@ -304,11 +304,16 @@ def _main(argv=None) -> int:
 
             data = cfg.data
             if data.sources:  # a mixture: each source's own folder
-                prepare_sources(data)
+                manifests = prepare_sources(data)
             elif is_pretokenized(data):  # nothing to write: the files are checked where they lie
-                open_corpus(data)
+                manifests = [open_corpus(data)]
             else:
-                prepare(data)
+                manifests = [prepare(data)]
+            from lit_pretrain.data.datamodule import source_configs
+            from lit_pretrain.data.packing import prepare_report
+
+            for source, manifest in zip(source_configs(data) if data.sources else [data], manifests):
+                print(prepare_report(source.prepared_dir, manifest, cfg.model.seq_len, data.packing_buffer))
         elif cfg.run.max_restarts and not _supervised():
             return _supervise(argv, cfg)
         else:

@@ -237,6 +237,22 @@ class DataConfig(Section):
     window shuffled on its own). A context-extension stage (docs/resume.md) continues the data exactly at the
     next unseen token when both stages use the same value, a multiple of both seq_lens (e.g. the final context):
     set it from the first stage on. A shard's tail shorter than a block is not trained on. Single corpus only."""
+    packing: str = field(default="concat", metadata={"choices": ["concat", "best_fit"]})
+    """How training windows are cut from the documents (docs/data.md#best-fit-packing). concat: the shards read at
+    a fixed stride, documents cut at every window edge. best_fit: each window filled with whole documents, the
+    longest that fits first, from a buffer of data.packing_buffer documents; only the documents longer than a
+    window, and one piece per window to fill it exactly, are cut (no padding: every position is a real token).
+    Built at setup from the shards (no new prepared folder); validation windows stay concat's, so the validation
+    loss of both is measured on the same windows."""
+    packing_buffer: int = field(default=1000, metadata={"ge": 1})
+    """data.packing=best_fit: documents held at once to choose from (nanochat's loader uses 1,000); more cuts fewer
+    documents at a cost of memory and setup time."""
+    shuffle: str = field(default="stored", metadata={"choices": ["stored", "feistel"]})
+    """How an epoch's window order is drawn (docs/data.md#a-shuffle-in-constant-memory). stored: a seeded random
+    permutation of all windows held in memory (8 bytes a window; the order of runs before this key, so their
+    checkpoints resume exactly). feistel: the window at each position computed from the position by a seeded
+    Feistel network with cycle-walking (Black & Rogaway 2002), memory independent of the corpus size. A resume
+    under the other choice is refused (its data position counts windows of another order). Single corpus only."""
 
     def __post_init__(self):
         self.check_mixture()
@@ -246,6 +262,12 @@ class DataConfig(Section):
         if self.val_paths and self.corpus not in ("megatron", "numpy", "nanogpt"):
             raise ConfigError(f"data.val_paths is for pretokenized corpora (megatron, numpy, nanogpt), not "
                               f"data.corpus={self.corpus}: unset it (data.val_fraction holds documents out)")
+        if self.packing == "best_fit" and self.shuffle_block_tokens is not None:
+            raise ConfigError("data.packing=best_fit packs whole documents into windows, data.shuffle_block_tokens "
+                              "shuffles runs of consecutive tokens: unset data.shuffle_block_tokens (or use concat)")
+        if self.shuffle == "feistel" and self.sources:
+            raise ConfigError("data.shuffle=feistel orders a single corpus; a mixture (data.sources) draws each "
+                              "source's windows in its own order: set data.shuffle=stored")
 
     def check_mixture(self) -> None:
         """The mixture's own rules, at config load (ranges of list items are not reached by config.check_ranges)."""

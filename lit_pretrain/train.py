@@ -333,6 +333,8 @@ def run_summary(c: Config, run_dir: Path, batch, pieces: list, datamodule: Token
     }
     if c.data.sources:
         summary["sources"] = mixture_summary(c, datamodule, metrics)
+    if c.data.packing != "concat":  # data.packing=best_fit: documents, share cut, padding (data/packing.py)
+        summary["packing"] = datamodule.packing_stats()
     return summary
 
 

@@ -78,6 +78,12 @@ def _prepare_memory(r: _Run) -> List[Dict]:
     return [prepare_memory.run(r.tmp)]
 
 
+def _shuffle_memory(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench.data import shuffle_memory
+
+    return [shuffle_memory.run(r.tmp)]
+
+
 def _evaluation(r: _Run) -> List[Dict]:
     from lit_pretrain.bench.evaluation import in_training
 
@@ -161,7 +167,7 @@ CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
     "compositions": _compositions, "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
     "prepare_memory": _prepare_memory, "mixture": _mixture, "masking": _masking, "data_engines": _data_engines,
-    "moe": _moe, "long_context": _long_context,
+    "moe": _moe, "long_context": _long_context, "shuffle_memory": _shuffle_memory,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 

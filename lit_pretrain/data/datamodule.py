@@ -23,6 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_pretrain.data.mixture import MixtureOrder, MixtureSampler, MixtureWindows
+from lit_pretrain.data.packing import PackedWindows, packing_report
+from lit_pretrain.data.permutation import CHUNK, BlockTable, FeistelPermutation
 from lit_pretrain.data.preparation.prepare import prepare
 from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
 from lit_pretrain.data.shards import SPLITS, TOKENIZER_FILE, check_config, load_manifest, open_shard, verify_shards
@@ -74,6 +76,12 @@ class ShardWindows(Dataset):
             rows.append(first + torch.arange(blocks * k, dtype=torch.int64).view(blocks, k))
         return torch.cat(rows) if rows else torch.empty(0, k, dtype=torch.int64)
 
+    def block_table(self, block_tokens: int) -> BlockTable:
+        """block_windows' rows as a rule, not a table (data.shuffle=feistel): O(shards) memory."""
+        k = block_tokens // self.seq_len
+        counts = [max(0, (tokens - 1) // block_tokens) for _, tokens, _ in self.spans]
+        return BlockTable(np.asarray(self.starts[:-1], dtype=np.int64), np.asarray(counts, dtype=np.int64), k)
+
     def __getstate__(self):
         return {**self.__dict__, "_maps": {}}
 
@@ -87,12 +95,14 @@ class GlobalOrderSampler(Sampler[int]):
     """Rank `rank`'s share of the global training order (see the module docstring)."""
 
     def __init__(self, num_windows: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 blocks: Optional[torch.Tensor] = None, samples_per_step: Optional[int] = None):
+                 blocks=None, samples_per_step: Optional[int] = None, shuffle: str = "stored"):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        # data.shuffle_block_tokens: the permutation is of blocks (rows of window indices), each read in a row.
-        self.blocks = blocks
-        num_windows = num_windows if blocks is None else blocks.numel()
+        # data.shuffle_block_tokens: the permutation is of blocks (rows of window indices), each read in a row; a
+        # (blocks, k) tensor, or for data.shuffle=feistel a BlockTable.
+        self.blocks, self.shuffle = blocks, shuffle
+        if blocks is not None:
+            num_windows = blocks.numel() if shuffle == "stored" else len(blocks) * blocks.k
         self.num_windows, self.rank, self.world_size, self.seed = num_windows, rank, world_size, seed
         self.global_batch_size = micro_batch_size * world_size
         # An epoch is a whole number of optimizer steps (samples_per_step: the global windows of one step, the same
@@ -112,14 +122,36 @@ class GlobalOrderSampler(Sampler[int]):
 
     def global_order(self, epoch: int) -> torch.Tensor:
         """Window indices of epoch `epoch` in global order (the same for every rank and world size)."""
+        if self.shuffle == "feistel":
+            return torch.from_numpy(self.windows_at(epoch, np.arange(self.samples_per_epoch)))
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         if self.blocks is None:
             return torch.randperm(self.num_windows, generator=generator)[: self.samples_per_epoch]
         order = torch.randperm(len(self.blocks), generator=generator)
         return self.blocks[order].flatten()[: self.samples_per_epoch]
 
+    def windows_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """data.shuffle=feistel: the window index at each global position of epoch `epoch`, computed from the
+        position (data/permutation.py), so no order is held."""
+        if getattr(self, "_perm_epoch", None) != epoch:
+            units = self.num_windows if self.blocks is None else len(self.blocks)
+            self._perm, self._perm_epoch = FeistelPermutation(units, epoch_seed(self.seed, epoch)), epoch
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.blocks is None:
+            return self._perm(positions)
+        k = self.blocks.k
+        return self.blocks.windows(self._perm(positions // k), positions % k)
+
     def __iter__(self) -> Iterator[int]:
+        if self.shuffle == "feistel":
+            return self._computed(self.epoch, self.start)
         return iter(self.global_order(self.epoch)[self.start + self.rank :: self.world_size].tolist())
+
+    def _computed(self, epoch: int, start: int) -> Iterator[int]:
+        step = CHUNK * self.world_size
+        for first in range(start + self.rank, self.samples_per_epoch, step):
+            yield from self.windows_at(epoch, np.arange(first, min(first + step, self.samples_per_epoch),
+                                                        self.world_size)).tolist()
 
     def __len__(self) -> int:
         return self.samples_per_epoch // self.world_size
@@ -156,6 +188,7 @@ class TokenShardDataModule(L.LightningDataModule):
         self.val_batch_sources: Optional[List[int]] = None
         """A mixture: the source index of each of this rank's validation batches (module.validation_step)."""
         self._manifest: Optional[Dict] = None
+        self._packed: Dict[str, PackedWindows] = {}
         self.train_dataset: Optional[ShardWindows] = None
         self.val_dataset: Optional[ShardWindows] = None
         self.train_sampler: Optional[GlobalOrderSampler] = None
@@ -246,7 +279,7 @@ class TokenShardDataModule(L.LightningDataModule):
         it before the run folder is made, with the data-parallel size, so such a start leaves nothing behind."""
         if self.data.sources:
             return self._mixture_windows(world_size)
-        train = ShardWindows(self.prepared_dir, manifest["splits"]["train"]["shards"], manifest["dtype"], self.seq_len)
+        train = self._train_windows(self.prepared_dir, manifest)
         val = ShardWindows(self.prepared_dir, manifest["splits"]["val"]["shards"], manifest["dtype"], self.seq_len)
         # An epoch is a whole number of optimizer steps (GlobalOrderSampler): the split must hold one step's windows.
         per_step = world_size * self.micro_batch_size * self._accumulate
@@ -269,12 +302,33 @@ class TokenShardDataModule(L.LightningDataModule):
             )
         return train, val
 
+    def _train_windows(self, folder, manifest: Dict):
+        """One corpus's train windows: concat's (ShardWindows), or data.packing=best_fit's (data/packing.py), built
+        once per folder (train() asks before the run folder is made, setup again)."""
+        shards, dtype = manifest["splits"]["train"]["shards"], manifest["dtype"]
+        if self.data.packing == "concat":
+            return ShardWindows(folder, shards, dtype, self.seq_len)
+        if str(folder) not in self._packed:
+            self._packed[str(folder)] = PackedWindows(folder, shards, dtype, self.seq_len,
+                                                      manifest["tokenizer"]["eod_id"], self.data.packing_buffer)
+            if is_primary_process():
+                print(f"{folder}: {packing_report(self._packed[str(folder)], self.data.packing_buffer)}")
+        return self._packed[str(folder)]
+
+    def packing_stats(self) -> Optional[Dict]:
+        """data.packing=best_fit: the packing's figures (data/packing.py packing_stats), per source for a mixture
+        (by name); None for concat."""
+        if self.data.packing == "concat" or self.train_dataset is None:
+            return None
+        if self.data.sources:
+            return {name: part.stats for name, part in zip(self.source_names, self.train_dataset.parts)}
+        return self.train_dataset.stats
+
     def _mixture_windows(self, world_size: int) -> Tuple[MixtureWindows, MixtureWindows]:
         parts = {split: [] for split in SPLITS}
         for i, (cfg, m) in enumerate(zip(source_configs(self.data), self.source_manifests)):
-            for split in SPLITS:
-                parts[split].append(ShardWindows(cfg.prepared_dir, m["splits"][split]["shards"], m["dtype"],
-                                                 self.seq_len))
+            parts["train"].append(self._train_windows(cfg.prepared_dir, m))
+            parts["val"].append(ShardWindows(cfg.prepared_dir, m["splits"]["val"]["shards"], m["dtype"], self.seq_len))
             if len(parts["train"][-1]) < 1 or len(parts["val"][-1]) < 1:
                 raise DataError(
                     f"data.sources[{i}] ({cfg.prepared_dir}) has {len(parts['train'][-1])} train and "
@@ -326,10 +380,13 @@ class TokenShardDataModule(L.LightningDataModule):
             self.train_sampler = MixtureSampler(self.mixture_order(samples_per_step), self.micro_batch_size, rank,
                                                 world_size)
         else:
-            block = self.data.shuffle_block_tokens
-            blocks = self.train_dataset.block_windows(block) if block not in (None, self.seq_len) else None
+            block, shuffle = self.data.shuffle_block_tokens, self.data.shuffle
+            blocks = None
+            if block not in (None, self.seq_len):
+                blocks = (self.train_dataset.block_windows(block) if shuffle == "stored" else
+                          self.train_dataset.block_table(block))
             self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank, world_size,
-                                                    self.seed, blocks, samples_per_step)
+                                                    self.seed, blocks, samples_per_step, shuffle)
         kwargs = self._loader_kwargs()
         self.train_loader = TrainLoader(self.train_dataset, self.train_sampler, kwargs.pop("batch_size"), **kwargs)
         self.train_loader.new_mixture = self.new_mixture

@@ -9,9 +9,11 @@ the same n micro-batches on every rank therefore drops one contiguous range of t
 from collections import deque
 from typing import Deque, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from lit_pretrain.data.permutation import CHUNK
 from lit_pretrain.errors import ConfigError
 
 
@@ -31,6 +33,7 @@ class TrainLoader(DataLoader):
         self._pending_drop = 0
         self._handed_out: Deque[List[int]] = deque()  # window indices of batches handed out, not yet trained on
         self._order_cache: Dict[int, torch.Tensor] = {}
+        self._chunks: Dict[Tuple[int, int], np.ndarray] = {}  # data.shuffle=feistel: (epoch, chunk) → windows
         self.in_flight = 0  # 1 while a checkpoint is taken at the start of a batch that is not trained on yet
         self._resume_samples: Dict[int, int] = {}  # epoch → global samples already trained on (from a checkpoint)
         self.dropped: List[Dict] = []
@@ -72,10 +75,28 @@ class TrainLoader(DataLoader):
 
     def window_indices(self, epoch: int, micro_batch: int) -> List[int]:
         """Dataset indices of this rank's micro-batch `micro_batch` in epoch `epoch`."""
+        s, b = self.sampler, self.batch_size
+        if getattr(s, "shuffle", "stored") == "feistel":  # computed per position: no epoch's order held
+            return self._computed_indices(epoch, micro_batch * b + np.arange(b)).tolist()
         if epoch not in self._order_cache:
             self._order_cache[epoch] = self.sampler.global_order(epoch)
-        s, b = self.sampler, self.batch_size
         return self._order_cache[epoch][s.rank :: s.world_size][micro_batch * b : (micro_batch + 1) * b].tolist()
+
+    def _computed_indices(self, epoch: int, local: np.ndarray) -> np.ndarray:
+        """data.shuffle=feistel: the windows at this rank's positions `local` of the epoch (global positions rank +
+        W·local), from chunks of CHUNK positions computed at once and the last two kept (one call per batch cost
+        a network evaluation per batch, a third of the loader's time at 8 windows a batch)."""
+        s, out = self.sampler, np.empty(len(local), dtype=np.int64)
+        chunks = local // CHUNK
+        for c in np.unique(chunks).tolist():
+            if (epoch, c) not in self._chunks:
+                if len(self._chunks) >= 2:
+                    self._chunks.pop(next(iter(self._chunks)))
+                lo, hi = c * CHUNK, min((c + 1) * CHUNK, len(s))
+                self._chunks[(epoch, c)] = s.windows_at(epoch, s.rank + s.world_size * np.arange(lo, hi))
+            here = chunks == c
+            out[here] = self._chunks[(epoch, c)][local[here] - c * CHUNK]
+        return out
 
     def take_trained_indices(self) -> Optional[List[int]]:
         """Window indices of the oldest batch handed out and not yet claimed: the one being trained on, when called
