@@ -162,6 +162,12 @@ class GPTConfig:
     """Scaled RoPE for a context longer than pretrained (RopeScalingConfig: Llama 3.1's llama3 rule or YaRN); null:
     unscaled. Holds no weight: a context-extension stage sets it with a longer model.seq_len (docs/resume.md,
     "Context-extension stages")."""
+    loss_chunk_size: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Positions per chunk of the output head and cross-entropy (and z-loss) in training and validation: the
+    (B, T, V) logits never exist whole, forward or backward (each chunk's logits are recomputed in the backward:
+    model/losses.py `chunked_lm_sums`; torchtitan's and OLMo-core's chunked loss). Holds no weight and changes no
+    loss beyond fp32 rounding; costs one more head matmul per token (the recomputation). null: the whole window at
+    once. Under context or sequence parallelism it counts this rank's positions."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)

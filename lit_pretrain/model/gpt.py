@@ -304,11 +304,14 @@ class GPT(nn.Module):
         # Assigned, not copied: the buffers may have been cast (e.g. `.to(bfloat16)`); the tables are fp32.
         self.rope_cos, self.rope_sin = cos, sin
 
-    def forward(self, idx: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, document_ids: torch.Tensor | None = None, output=None):
         """Logits of idx (B, T). document_ids (B, T), e.g. `document_ids(idx, eod_id)`: attention stays inside each
         document and RoPE positions restart at each document's first token, so a document is computed as if it
         were alone in the window (document masking). None: one causal sequence per row, positions 0..T-1.
-        Under context parallelism (`context_split`) the logits are those of this process's T/c positions."""
+        Under context parallelism (`context_split`) the logits are those of this process's T/c positions.
+        output: what the forward returns instead of the logits, output(gpt, x, (cos, sin, mask)) of the last
+        block's output x (B, T, d_model): the loss path's chunked cross-entropy (parallel/batch_losses.py) runs
+        there, inside the forward, so FSDP's hooks and compile see the head as they see it in the logits' path."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(
@@ -339,6 +342,8 @@ class GPT(nn.Module):
         x = self.tok_embeddings(idx)  # (B, T, d_model)
         for block in self.blocks:
             x = block(x, cos, sin, mask)  # (B, T, d_model)
+        if output is not None:
+            return output(self, x, (cos, sin, mask))
         return self.head(x)  # (B, T, vocab_size)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.gpt import document_ids
-from lit_pretrain.model.losses import lm_losses, loss_targets
+from lit_pretrain.model.losses import IGNORE_INDEX, chunked_lm_sums, lm_losses, loss_targets, means_of_sums
 from lit_pretrain.model.moe import moe_loss
 
 
@@ -47,11 +47,15 @@ def choose(par) -> Tuple[Callable[..., StepLosses], bool]:
     if par.forward_losses is not None:  # trainer.compile: the compiled forward and loss (parallel/compile.py)
         loss_fn = par.forward_losses
     else:
-        from lit_pretrain.parallel.vocab import split_cross_entropy
+        from lit_pretrain.parallel.vocab import sequence_slices, split_cross_entropy
 
         # the head's vocabulary columns on this rank under tensor parallelism: the loss reduces over that group
         split = split_cross_entropy(par.vocab_group)
-        if par.cp is not None:
+        chunk = par.gpt.cfg.loss_chunk_size
+        if chunk is not None:  # model.loss_chunk_size: the head and loss a chunk of positions at a time
+            seq_slices = sequence_slices(par.gpt)
+            loss_fn = functools.partial(chunked_losses, par.gpt, split, par.cp, chunk, seq_slices)
+        elif par.cp is not None:
             loss_fn = functools.partial(context_parallel_losses, par.gpt, split, par.cp)
         else:
             loss_fn = functools.partial(eager_losses, par.gpt, split)
@@ -69,6 +73,22 @@ def context_parallel_losses(gpt, split, cp, x, y, docs, z_loss: float):
 
     logits = gpt(x) if docs is None else gpt(x, document_ids=docs)  # (B, T/c, V or V/t)
     return context_losses(logits, cp.local(y), cp.group, z_loss, split)
+
+
+def chunked_losses(gpt, split, cp, chunk: int, seq_slices: int, x, y, docs, z_loss: float):
+    """The losses of model.loss_chunk_size: the head and cross-entropy over chunks of this rank's positions, inside
+    the GPT's forward (model/losses.py `chunked_lm_sums`); under context parallelism counted over its group."""
+    targets = y if cp is None else cp.local(y)  # (B, T or T/c)
+
+    def output(model, hidden, _rope_and_mask):  # hidden (B, T_local, d_model)
+        sums = chunked_lm_sums(model.head, hidden, targets, chunk, z_loss, split, seq_slices)
+        if cp is None:
+            return means_of_sums(sums, targets, z_loss)
+        from lit_pretrain.parallel.context import group_means
+
+        return group_means(list(sums), (targets != IGNORE_INDEX).sum(), cp.group, z_loss)
+
+    return gpt(x, document_ids=docs, output=output)
 
 
 def forward_then_loss(gpt, loss_fn: LossFn, batch, z_loss: float, eod_id: Optional[int],

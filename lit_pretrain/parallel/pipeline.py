@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_pretrain.model.gpt import softcap
-from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
+from lit_pretrain.model.losses import IGNORE_INDEX, chunked_lm_sums, lm_losses, means_of_sums
 from lit_pretrain.parallel.moe_mesh import install_pipeline_losses
-from lit_pretrain.parallel.vocab import split_cross_entropy, vocab_group
+from lit_pretrain.parallel.vocab import sequence_slices, split_cross_entropy, vocab_group
 from lit_pretrain.planning.layout import balanced_stages, bubble_formula, stage_of_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -77,7 +77,7 @@ class StageForward(nn.Module):
             x = self.tok_embeddings(x)  # (B, T) ids -> (B, T, d_model)
         for block in self.blocks:
             x = block(x, cos, sin)  # (B, T, d_model)
-        if self.lm_head is not None:
+        if self.lm_head is not None and gpt.cfg.loss_chunk_size is None:  # else the loss applies it in chunks
             x = softcap(self.lm_head(self.norm(x)), gpt.cfg.logit_softcap)  # (B, T, vocab_size), as GPT.head
         return x
 
@@ -225,7 +225,18 @@ class PipelineRunner:
         # accumulation. The parts are kept apart for logging: the schedule sees only their sum.
         # Under tensor parallelism logits are this rank's vocabulary columns: the loss reduces over the group.
         split = self.gpt.context_split
-        if split is not None:  # context parallelism: this rank's positions, the group's count (parallel/context.py)
+        chunk = self.gpt.cfg.loss_chunk_size
+        if chunk is not None:  # model.loss_chunk_size: `logits` is the last block's output, the head applied here
+            target = target if split is None else split.local(target)
+            sums = chunked_lm_sums(self.gpt.head, logits, target, chunk, self.z_loss,
+                                   split_cross_entropy(vocab_group(self.gpt)), sequence_slices(self.gpt))
+            if split is None:
+                task, z = means_of_sums(sums, target, self.z_loss)
+            else:
+                from lit_pretrain.parallel.context import group_means
+
+                task, z = group_means(list(sums), (target != IGNORE_INDEX).sum(), split.group, self.z_loss)
+        elif split is not None:  # context parallelism: this rank's positions, the group's count (parallel/context.py)
             from lit_pretrain.parallel.context import context_losses
 
             task, z = context_losses(logits, split.local(target), split.group, self.z_loss,
