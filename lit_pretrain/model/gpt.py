@@ -20,6 +20,7 @@ from lit_pretrain.model.config import GPTConfig, ModuleSpec, RopeScalingConfig, 
 from lit_pretrain.model.init import initialize
 from lit_pretrain.model.mask import CAUSAL, Mask, SdpaMask, sdpa_mask
 from lit_pretrain.model.moe import MoE
+from lit_pretrain.model.mtp import MTPModule
 from lit_pretrain.model.rope import inverse_frequencies
 
 
@@ -277,6 +278,11 @@ class GPT(nn.Module):
         self.lm_head = build_linear(spec["lm_head"])
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight  # one Parameter, two views (GPT-2, PaLM)
+        if cfg.mtp_depth:  # model.mtp_depth: trained only, after the head (model/mtp.py); absent otherwise
+            mtp = cfg.mtp_modules()
+            self.mtp = nn.ModuleList(MTPModule(build_norm(cfg, mtp["hnorm"]), build_norm(cfg, mtp["enorm"]),
+                                               build_linear(mtp["proj"]), Block(cfg, cfg.n_layers - 1),
+                                               build_norm(cfg, mtp["norm"])) for _ in range(cfg.mtp_depth))
         # Non-persistent: derived from the config, so checkpoints hold only weights.
         self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
@@ -351,6 +357,12 @@ class GPT(nn.Module):
         call it too."""
         return softcap(self.lm_head(self.norm(x)), self.cfg.logit_softcap)  # (B, T, vocab_size)
 
+    def mtp_head(self, k: int):
+        """Depth k's (0-based) head: its own final norm, then the shared output head and soft-cap (DeepSeek-V3
+        eq. 23's OutHead)."""
+        norm = self.mtp[k].norm
+        return lambda h: softcap(self.lm_head(norm(h)), self.cfg.logit_softcap)  # (B, T, vocab_size)
+
     def forward_cached(self, idx: torch.Tensor, cache: "KVCache") -> torch.Tensor:
         """Logits of the last token of idx (B, T), which continues the cache's sequence at position cache.length;
         the cache then holds cache.length + T positions. Only the new tokens are computed: a decoding step costs
@@ -406,9 +418,13 @@ class GPT(nn.Module):
         seq_len defaults to model.seq_len.
         """
         cfg = self.cfg
-        n_matmul_params = self.num_params(non_embedding=True, active=True) + cfg.vocab_size * cfg.d_model
+        # model.mtp_depth: each depth's parameters are in N, its block is one more attention layer, and it runs
+        # the shared head's matmul once more (DeepSeek-V3 §2.2)
+        heads = 1 + cfg.mtp_depth
+        n_matmul_params = self.num_params(non_embedding=True, active=True) + heads * cfg.vocab_size * cfg.d_model
         seq_len = cfg.seq_len if seq_len is None else seq_len
-        return flops_per_token_formula(n_matmul_params, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)
+        return flops_per_token_formula(n_matmul_params, cfg.n_layers + cfg.mtp_depth, cfg.n_heads, cfg.head_dim,
+                                       seq_len)
 
 
 class KVCache:

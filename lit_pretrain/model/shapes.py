@@ -66,8 +66,10 @@ def active_params(cfg: GPTConfig) -> int:
 def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
     """Training FLOPs per token as `GPT.flops_per_token` counts them (PaLM appendix B: 6·N + 12·L·H·Q·T), N the
     active parameters (a token's matmuls touch only its top_k experts)."""
-    n_matmul = active_non_embedding_params(cfg) + _vocab(cfg) * cfg.d_model
-    return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len or cfg.seq_len)
+    # model.mtp_depth: its modules are in N, each adds an attention layer and a pass through the shared head
+    n_matmul = active_non_embedding_params(cfg) + (1 + cfg.mtp_depth) * _vocab(cfg) * cfg.d_model
+    return flops_per_token_formula(n_matmul, cfg.n_layers + cfg.mtp_depth, cfg.n_heads, cfg.head_dim,
+                                   seq_len or cfg.seq_len)
 
 
 def sizes(cfg: GPTConfig) -> Dict[str, int]:

@@ -20,6 +20,7 @@ from lit_pretrain.errors import ConfigError
 from lit_pretrain.model.gpt import document_ids
 from lit_pretrain.model.losses import IGNORE_INDEX, chunked_lm_sums, lm_losses, loss_targets, means_of_sums
 from lit_pretrain.model.moe import moe_loss
+from lit_pretrain.model.mtp import mtp_tokens
 
 
 @dataclass
@@ -34,6 +35,9 @@ class StepLosses:
     only: the schedule has run its backward, the MoE terms inside it)."""
     metrics: Dict[str, float] = field(default_factory=dict)
     """What the layout measured of this training step, logged by the module under these names (pipeline/*)."""
+    mtp: Optional[torch.Tensor] = None
+    """model.mtp_depth's loss when training: the mean over depths of their cross-entropies (unweighted; λ times it is
+    in `trained`), logged as train/mtp_loss. None without multi-token prediction, and in validation."""
 
 
 LossFn = Callable  # (x, y, document_ids or None, z_loss) -> (task loss, z-loss or None), from logits on this rank
@@ -51,10 +55,9 @@ def choose(par) -> Tuple[Callable[..., StepLosses], bool]:
 
         # the head's vocabulary columns on this rank under tensor parallelism: the loss reduces over that group
         split = split_cross_entropy(par.vocab_group)
-        chunk = par.gpt.cfg.loss_chunk_size
-        if chunk is not None:  # model.loss_chunk_size: the head and loss a chunk of positions at a time
-            seq_slices = sequence_slices(par.gpt)
-            loss_fn = functools.partial(chunked_losses, par.gpt, split, par.cp, chunk, seq_slices)
+        chunk, depth = par.gpt.cfg.loss_chunk_size, par.gpt.cfg.mtp_depth
+        if chunk is not None or depth:  # model.loss_chunk_size, model.mtp_depth: the loss inside the forward
+            loss_fn = functools.partial(forward_losses, par.gpt, split, par.cp, chunk, sequence_slices(par.gpt))
         elif par.cp is not None:
             loss_fn = functools.partial(context_parallel_losses, par.gpt, split, par.cp)
         else:
@@ -75,18 +78,43 @@ def context_parallel_losses(gpt, split, cp, x, y, docs, z_loss: float):
     return context_losses(logits, cp.local(y), cp.group, z_loss, split)
 
 
-def chunked_losses(gpt, split, cp, chunk: int, seq_slices: int, x, y, docs, z_loss: float):
-    """The losses of model.loss_chunk_size: the head and cross-entropy over chunks of this rank's positions, inside
-    the GPT's forward (model/losses.py `chunked_lm_sums`); under context parallelism counted over its group."""
-    targets = y if cp is None else cp.local(y)  # (B, T or T/c)
-
-    def output(model, hidden, _rope_and_mask):  # hidden (B, T_local, d_model)
-        sums = chunked_lm_sums(model.head, hidden, targets, chunk, z_loss, split, seq_slices)
+def head_losses(head, hidden, targets, z_loss: float, split, cp, chunk: Optional[int], seq_slices: int):
+    """(task loss, z-loss or None) of head(hidden) (B, T_local, d_model) against this rank's targets: whole or, with
+    model.loss_chunk_size, a chunk of positions at a time (model/losses.py `chunked_lm_sums`); under context
+    parallelism counted over its group (parallel/context.py)."""
+    if chunk is None:
+        logits = head(hidden)  # (B, T_local, V or V/t)
         if cp is None:
-            return means_of_sums(sums, targets, z_loss)
-        from lit_pretrain.parallel.context import group_means
+            return lm_losses(logits, targets, z_loss, split)
+        from lit_pretrain.parallel.context import context_losses
 
-        return group_means(list(sums), (targets != IGNORE_INDEX).sum(), cp.group, z_loss)
+        return context_losses(logits, targets, cp.group, z_loss, split)
+    sums = chunked_lm_sums(head, hidden, targets, chunk, z_loss, split, seq_slices)
+    if cp is None:
+        return means_of_sums(sums, targets, z_loss)
+    from lit_pretrain.parallel.context import group_means
+
+    return group_means(list(sums), (targets != IGNORE_INDEX).sum(), cp.group, z_loss)
+
+
+def forward_losses(gpt, split, cp, chunk: Optional[int], seq_slices: int, x, y, docs, z_loss: float, mtp=()):
+    """The losses computed inside the GPT's forward (its `output`): the main head's, and with `mtp` (model.mtp_depth's
+    (inputs, targets) per depth, model/mtp.py `mtp_tokens`) each depth's module run on the previous depth's output
+    under the same RoPE positions and document mask, its cross-entropy through the shared head. Returns (task, z),
+    and with `mtp` the depths' mean cross-entropy third."""
+    local = (lambda t: t) if cp is None else cp.local  # this rank's positions under context parallelism
+
+    def output(model, hidden, rope_and_mask):  # hidden (B, T_local, d_model)
+        task, z = head_losses(model.head, hidden, local(y), z_loss, split, cp, chunk, seq_slices)
+        if not mtp:
+            return task, z
+        cos, sin, mask = rope_and_mask
+        depths = []
+        for k, (inputs, targets) in enumerate(mtp):
+            hidden = model.mtp[k](hidden, model.tok_embeddings(local(inputs)), cos, sin, mask)  # (B, T_local, d)
+            depths.append(head_losses(model.mtp_head(k), hidden, local(targets), 0.0, split, cp, chunk,
+                                      seq_slices)[0])
+        return task, z, torch.stack(depths).mean()
 
     return gpt(x, document_ids=docs, output=output)
 
@@ -94,11 +122,17 @@ def chunked_losses(gpt, split, cp, chunk: int, seq_slices: int, x, y, docs, z_lo
 def forward_then_loss(gpt, loss_fn: LossFn, batch, z_loss: float, eod_id: Optional[int],
                       training: bool) -> StepLosses:
     x, y = batch  # (B, T) inputs and (B, T) next-token targets
+    cfg = gpt.cfg
+    # model.mtp_depth: each depth's tokens and targets, from the targets before masking (model/mtp.py); trained on
+    # only (validation reports the next-token loss)
+    mtp = [mtp_tokens(x, y, k, eod_id) for k in range(1, cfg.mtp_depth + 1)] if training else []
     docs = None
     if eod_id is not None:  # data.document_masking
         docs, y = document_ids(x, eod_id), loss_targets(x, y, eod_id)  # (B, T) each
-    task, z = loss_fn(x, y, docs, z_loss)
+    task, z, mtp_loss = loss_fn(x, y, docs, z_loss, mtp) if mtp else (*loss_fn(x, y, docs, z_loss), None)
     trained = task
+    if mtp_loss is not None:  # DeepSeek-V3 eq. 25: λ/D Σ_k CE_k, the mean over depths times λ
+        trained = trained + cfg.mtp_loss_weight * mtp_loss
     # model.moe: the load-balancing and router z-losses of this forward (model/moe.py), trained on but kept out of
     # train/loss, as the z-loss is (the MoE monitor logs them per layer). Added in this order, task + MoE + z, as
     # the step always has: the sum is then the same bits.
@@ -107,7 +141,7 @@ def forward_then_loss(gpt, loss_fn: LossFn, batch, z_loss: float, eod_id: Option
         trained = trained + balance
     if z is not None:
         trained = trained + z  # the task loss stays what train/loss reports, comparable across z_loss settings
-    return StepLosses(task, z, trained)
+    return StepLosses(task, z, trained, mtp=mtp_loss)
 
 
 def pipeline_losses(runner, batch, z_loss: float, eod_id: Optional[int], training: bool) -> StepLosses:

@@ -165,7 +165,8 @@ def install_context_parallel(gpt, group, sequence_parallel: int = 1) -> ContextP
     gathered attention over `group`. Returns the ContextParallel."""
     cp = ContextParallel(group, sequence_parallel)
     gpt.context_split = cp
-    for block in gpt.blocks:
+    mtp_blocks = [m.block for m in getattr(gpt, "mtp", None) or ()]  # model.mtp_depth's blocks attend alike
+    for block in [*gpt.blocks, *mtp_blocks]:
         attn = getattr(block, "attn", None)  # a block of another pipeline stage is an nn.Identity
         if attn is not None:
             attn.context = cp

@@ -408,6 +408,9 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
         # over the sequence-parallel ranks before the head (model/losses.py chunked_lm_sums)
         tokens = micro_batch * min(cfg.loss_chunk_size * (t if sequence_parallel else 1), cfg.seq_len // cp)
     logits = 4.0 * tokens * v / t if p == 1 else 0.0
+    if p == 1:  # model.mtp_depth (refused with pipelines): each module keeps a block's activations and its own
+        # fp32 logits for the backward (one chunk's with model.loss_chunk_size), model/mtp.py
+        activations += cfg.mtp_depth * (per_layer + logits)
     activation_elements = 2.0 * b.activation_factor  # bytes of an activation element (fp32: 4)
     context = context_forward_bytes(cfg.seq_len, micro_batch, cfg.head_dim, cp) + context_transient_bytes(
         cfg, micro_batch, cp, t, activation_elements)

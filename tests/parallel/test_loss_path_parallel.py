@@ -1,6 +1,9 @@
-"""model.loss_chunk_size under the layouts that split the head or its positions: the vocabulary-parallel head (TP 2,
-with and without sequence parallelism), the pipeline's last stage and context parallelism, each one training step
-against one process's whole-window loss from the same weights. One 2-process spawn runs every case."""
+"""The one loss path's variants under the layouts that split the head or its positions, each one training step
+against one process from the same weights: model.loss_chunk_size under the vocabulary-parallel head (TP 2, with and
+without sequence parallelism), the pipeline's last stage and context parallelism (against the whole window); and
+model.mtp_depth under tensor parallelism (its blocks split like the main ones, the shared head vocabulary-parallel)
+and context parallelism with document masking (its blocks' attention over the gathered keys). One 2-process spawn
+runs every case."""
 
 import pytest
 import torch.multiprocessing as mp
@@ -17,10 +20,13 @@ CASES = [
     ("tp2_sp_softcap", Plan(tensor_parallel=2, sequence_parallel=True), {**CHUNK, "logit_softcap": 0.3}),
     ("pp2_1f1b", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4), CHUNK),
     ("cp2", Plan(context_parallel=2), {**CHUNK, "tie_embeddings": False}),
+    ("tp2_mtp2", Plan(tensor_parallel=2), {"mtp_depth": 2}),
+    ("tp2_mtp_chunked_untied", Plan(tensor_parallel=2), {**CHUNK, "mtp_depth": 1, "tie_embeddings": False}),
+    ("cp2_mtp2_documents", Plan(context_parallel=2), {"mtp_depth": 2, "eod_id": 5}),
 ]
 
 
-def test_chunked_loss_matches_one_process_whole_window_under_each_layout():
+def test_chunked_loss_and_mtp_match_one_process_under_each_layout():
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
@@ -34,4 +40,5 @@ def test_chunked_loss_matches_one_process_whole_window_under_each_layout():
         # 1e-6 as tests/parallel/test_mesh_parallel.py bounds them. A chunk's targets misaligned with its logits
         # (sequence parallelism's rank order) moves the loss by ~1e-2.
         assert r["task"] < 2e-6 and r["z"] < 2e-7, (name, r)
+        assert (r["mtp"] is None) == ("mtp" not in name) and (r["mtp"] or 0.0) < 2e-6, (name, r)
         assert r["grad_keys"] and r["grad"] < 1e-6, (name, r)
