@@ -133,3 +133,17 @@ def test_the_memory_planner_adds_a_block_and_a_logit_row_per_depth():
     assert two["activation_bytes"] - base["activation_bytes"] == \
         2 * (base["activation_bytes_per_layer"] + base["logits_bytes"])
     assert two["params"] - base["params"] == 2 * (shapes.block_params(cfg) + 2 * 32 * 32 + 3 * 32)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["strategy.name=ddp", "strategy.pipeline_parallel=2", "trainer.devices=2"], "strategy.pipeline_parallel=2"),
+    (["strategy.name=ddp", "strategy.tensor_parallel=2", "strategy.sequence_parallel=true", "trainer.devices=2"],
+     "strategy.sequence_parallel=true"),
+])
+def test_the_layouts_without_the_modules_are_refused_when_the_config_loads(overrides, key):
+    from lit_pretrain import config
+    from lit_pretrain.errors import ConfigError
+    from tests.conftest import EXPERIMENTS
+
+    with pytest.raises(ConfigError, match=rf"^model\.mtp_depth=1 with {key}: .* or model\.mtp_depth=0$"):
+        config.load(EXPERIMENTS / "runs" / "tiny.yaml", ["model.mtp_depth=1", *overrides], check_inputs=False)
