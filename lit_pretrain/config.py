@@ -545,18 +545,15 @@ def check(config: Config) -> "ParallelPlan":
 
 
 def _check_mtp(config: Config, plan) -> None:
-    """model.mtp_depth's modules run inside the GPT's forward on the one loss path (parallel/batch_losses.py): the
-    layouts whose step runs elsewhere, or splits the MTP modules' positions without them, are refused."""
+    """model.mtp_depth's modules run inside the GPT's forward on the one loss path (parallel/batch_losses.py), or in
+    the pipeline's last stage's loss: the compiled step, which runs elsewhere, and sequence parallelism, which
+    would split the modules' positions without their collectives, are refused."""
     if not config.model.mtp_depth:
         return
     depth = config.model.mtp_depth
     if plan.sequence_parallel:
         raise ConfigError(f"model.mtp_depth={depth} with strategy.sequence_parallel=true: the multi-token prediction "
                           "modules run on whole sequences; set strategy.sequence_parallel=false or model.mtp_depth=0")
-    if plan.pipeline_parallel > 1:
-        raise ConfigError(f"model.mtp_depth={depth} with strategy.pipeline_parallel={plan.pipeline_parallel}: the "
-                          "pipeline's last stage computes the next-token loss only; set strategy.pipeline_parallel=1 "
-                          "or model.mtp_depth=0")
     if plan.compile:
         raise ConfigError(f"model.mtp_depth={depth} with trainer.compile=true: the compiled step computes the "
                           "next-token loss only; set trainer.compile=false or model.mtp_depth=0")

@@ -33,10 +33,11 @@ class MTPModule(nn.Module):
         return self.block(x, cos, sin, mask)  # (B, T, d_model)
 
 
-def mtp_tokens(x: torch.Tensor, y: torch.Tensor, k: int, eod_id: Optional[int] = None
+def mtp_tokens(x: Optional[torch.Tensor], y: torch.Tensor, k: int, eod_id: Optional[int] = None
                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of depth k >= 1, each (B, T), from a window's inputs x and next-token targets y (B, T),
-    y before any masking (it may hold IGNORE_INDEX where nothing is to be predicted, padding).
+    y before any masking (it may hold IGNORE_INDEX where nothing is to be predicted, padding); x is read only with
+    eod_id (a pipeline's last stage, which has no document masking, has the targets alone).
 
     At position t the module reads token x_{t+k} = y_{t+k-1} and predicts x_{t+k+1} = y_{t+k}; past the window's end
     (t > T-1-k) there is no target (IGNORE_INDEX) and the input is token 0 (its prediction is never scored, and a

@@ -98,25 +98,33 @@ def head_losses(head, hidden, targets, z_loss: float, split, cp, chunk: Optional
 
 
 def forward_losses(gpt, split, cp, chunk: Optional[int], seq_slices: int, x, y, docs, z_loss: float, mtp=()):
-    """The losses computed inside the GPT's forward (its `output`): the main head's, and with `mtp` (model.mtp_depth's
-    (inputs, targets) per depth, model/mtp.py `mtp_tokens`) each depth's module run on the previous depth's output
-    under the same RoPE positions and document mask, its cross-entropy through the shared head. Returns (task, z),
-    and with `mtp` the depths' mean cross-entropy third."""
-    local = (lambda t: t) if cp is None else cp.local  # this rank's positions under context parallelism
+    """The losses computed inside the GPT's forward (its `output`, `output_losses`). Returns (task, z), and with
+    `mtp` the depths' mean cross-entropy third."""
 
     def output(model, hidden, rope_and_mask):  # hidden (B, T_local, d_model)
-        task, z = head_losses(model.head, hidden, local(y), z_loss, split, cp, chunk, seq_slices)
-        if not mtp:
-            return task, z
-        cos, sin, mask = rope_and_mask
-        depths = []
-        for k, (inputs, targets) in enumerate(mtp):
-            hidden = model.mtp[k](hidden, model.tok_embeddings(local(inputs)), cos, sin, mask)  # (B, T_local, d)
-            depths.append(head_losses(model.mtp_head(k), hidden, local(targets), 0.0, split, cp, chunk,
-                                      seq_slices)[0])
-        return task, z, torch.stack(depths).mean()
+        return output_losses(model, hidden, rope_and_mask, y, z_loss, mtp, split, cp, chunk, seq_slices)
 
     return gpt(x, document_ids=docs, output=output)
+
+
+def output_losses(model, hidden, rope_and_mask, y, z_loss: float, mtp, split, cp, chunk: Optional[int],
+                  seq_slices: int):
+    """The main head's losses of the last block's output `hidden` (B, T_local, d_model) against the window's
+    targets y (B, T), and with `mtp` (model.mtp_depth's (inputs, targets) per depth, model/mtp.py `mtp_tokens`)
+    each depth's module run on the previous depth's output under the same RoPE positions and document mask
+    (`rope_and_mask`: cos, sin, mask as the blocks had them), its cross-entropy through the shared head. Called
+    inside the GPT's forward, and by the pipeline's last stage on its output (parallel/pipeline.py)."""
+    local = (lambda t: t) if cp is None else cp.local  # this rank's positions under context parallelism
+    task, z = head_losses(model.head, hidden, local(y), z_loss, split, cp, chunk, seq_slices)
+    if not mtp:
+        return task, z
+    cos, sin, mask = rope_and_mask
+    depths = []
+    for k, (inputs, targets) in enumerate(mtp):
+        hidden = model.mtp[k](hidden, model.tok_embeddings(local(inputs)), cos, sin, mask)  # (B, T_local, d)
+        depths.append(head_losses(model.mtp_head(k), hidden, local(targets), 0.0, split, cp, chunk,
+                                  seq_slices)[0])
+    return task, z, torch.stack(depths).mean()
 
 
 def forward_then_loss(gpt, loss_fn: LossFn, batch, z_loss: float, eod_id: Optional[int],
@@ -131,8 +139,6 @@ def forward_then_loss(gpt, loss_fn: LossFn, batch, z_loss: float, eod_id: Option
         docs, y = document_ids(x, eod_id), loss_targets(x, y, eod_id)  # (B, T) each
     task, z, mtp_loss = loss_fn(x, y, docs, z_loss, mtp) if mtp else (*loss_fn(x, y, docs, z_loss), None)
     trained = task
-    if mtp_loss is not None:  # DeepSeek-V3 eq. 25: λ/D Σ_k CE_k, the mean over depths times λ
-        trained = trained + cfg.mtp_loss_weight * mtp_loss
     # model.moe: the load-balancing and router z-losses of this forward (model/moe.py), trained on but kept out of
     # train/loss, as the z-loss is (the MoE monitor logs them per layer). Added in this order, task + MoE + z, as
     # the step always has: the sum is then the same bits.
@@ -141,6 +147,8 @@ def forward_then_loss(gpt, loss_fn: LossFn, batch, z_loss: float, eod_id: Option
         trained = trained + balance
     if z is not None:
         trained = trained + z  # the task loss stays what train/loss reports, comparable across z_loss settings
+    if mtp_loss is not None:  # DeepSeek-V3 eq. 25: λ/D Σ_k CE_k, the mean over depths times λ
+        trained = trained + cfg.mtp_loss_weight * mtp_loss
     return StepLosses(task, z, trained, mtp=mtp_loss)
 
 
@@ -153,4 +161,8 @@ def pipeline_losses(runner, batch, z_loss: float, eod_id: Optional[int], trainin
     z = runner.last_z_loss if z_loss > 0 else None
     metrics = {"pipeline/idle_fraction": runner.last_idle_fraction,
                "pipeline/bubble_formula": runner.bubble_formula} if training else {}
-    return StepLosses(task, z, task if z is None else task + z, metrics)
+    trained = task if z is None else task + z
+    mtp = runner.last_mtp_loss if training and runner.gpt.cfg.mtp_depth else None
+    if mtp is not None:  # its value only, as the task loss's: the schedule has run the backward of λ·mtp too
+        trained = trained + runner.gpt.cfg.mtp_loss_weight * mtp
+    return StepLosses(task, z, trained, metrics, mtp=mtp)

@@ -1,9 +1,9 @@
 """The one loss path's variants under the layouts that split the head or its positions, each one training step
 against one process from the same weights: model.loss_chunk_size under the vocabulary-parallel head (TP 2, with and
 without sequence parallelism), the pipeline's last stage and context parallelism (against the whole window); and
-model.mtp_depth under tensor parallelism (its blocks split like the main ones, the shared head vocabulary-parallel)
-and context parallelism with document masking (its blocks' attention over the gathered keys). One 2-process spawn
-runs every case."""
+model.mtp_depth under tensor parallelism (its blocks split like the main ones, the shared head vocabulary-parallel),
+context parallelism with document masking (its blocks' attention over the gathered keys) and pipeline parallelism
+(the modules on the last stage). One 2-process spawn runs every case."""
 
 import pytest
 import torch.multiprocessing as mp
@@ -23,6 +23,10 @@ CASES = [
     ("tp2_mtp2", Plan(tensor_parallel=2), {"mtp_depth": 2}),
     ("tp2_mtp_chunked_untied", Plan(tensor_parallel=2), {**CHUNK, "mtp_depth": 1, "tie_embeddings": False}),
     ("cp2_mtp2_documents", Plan(context_parallel=2), {"mtp_depth": 2, "eod_id": 5}),
+    # the modules on the last stage, after the head; untied, that stage keeps its own copy of the embedding
+    ("pp2_mtp_untied", Plan(pipeline_parallel=2, schedule="1f1b", micro_batches=4),
+     {"mtp_depth": 1, "tie_embeddings": False}),
+    ("pp2_mtp2_chunked", Plan(pipeline_parallel=2, schedule="gpipe", micro_batches=2), {**CHUNK, "mtp_depth": 2}),
 ]
 
 
