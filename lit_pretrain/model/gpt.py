@@ -316,8 +316,9 @@ class GPT(nn.Module):
         were alone in the window (document masking). None: one causal sequence per row, positions 0..T-1.
         Under context parallelism (`context_split`) the logits are those of this process's T/c positions.
         output: what the forward returns instead of the logits, output(gpt, x, (cos, sin, mask)) of the last
-        block's output x (B, T, d_model): the loss path's chunked cross-entropy (parallel/batch_losses.py) runs
-        there, inside the forward, so FSDP's hooks and compile see the head as they see it in the logits' path."""
+        block's output x (B, T, d_model): the loss path's chunked cross-entropy and multi-token prediction modules
+        (parallel/batch_losses.py) run there, inside the forward, so FSDP's hooks and compile see the head as they
+        see it in the logits' path."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(
