@@ -536,11 +536,27 @@ def check(config: Config) -> "ParallelPlan":
     from lit_pretrain.planning.plan import build_plan
 
     plan = build_plan(config)
+    _check_mtp(config, plan)
     _check_checkpoint(config, plan)
     _check_callbacks(config)
     check_loggers(config.trainer.loggers)
     _check_allowed_changes(config)
     return plan
+
+
+def _check_mtp(config: Config, plan) -> None:
+    """model.mtp_depth's modules run inside the GPT's forward on the one loss path (parallel/batch_losses.py), or in
+    the pipeline's last stage's loss: the compiled step, which runs elsewhere, and sequence parallelism, which
+    would split the modules' positions without their collectives, are refused."""
+    if not config.model.mtp_depth:
+        return
+    depth = config.model.mtp_depth
+    if plan.sequence_parallel:
+        raise ConfigError(f"model.mtp_depth={depth} with strategy.sequence_parallel=true: the multi-token prediction "
+                          "modules run on whole sequences; set strategy.sequence_parallel=false or model.mtp_depth=0")
+    if plan.compile:
+        raise ConfigError(f"model.mtp_depth={depth} with trainer.compile=true: the compiled step computes the "
+                          "next-token loss only; set trainer.compile=false or model.mtp_depth=0")
 
 
 def _check_callbacks(config: Config) -> None:

@@ -176,6 +176,7 @@ class PretrainModule(L.LightningModule):
     def on_train_start(self):
         self._loss_sum = torch.zeros((), device=self.device)
         self._z_loss_sum = torch.zeros((), device=self.device)
+        self._mtp_loss_sum = torch.zeros((), device=self.device)  # model.mtp_depth's loss (batch_losses.StepLosses)
         self._micro_batches = 0
         self._step_seen = self.global_step
 
@@ -185,6 +186,8 @@ class PretrainModule(L.LightningModule):
         self._micro_batches += 1
         if out.z is not None:
             self._z_loss_sum += out.z.detach()
+        if out.mtp is not None:
+            self._mtp_loss_sum += out.mtp.detach()
         for key, value in out.metrics.items():
             self.log(key, value)
         return out.trained
@@ -212,8 +215,11 @@ class PretrainModule(L.LightningModule):
             self.log("train/lr", self._lr_used)
             if self.optim_cfg.z_loss > 0:
                 self.log("train/z_loss", self._z_loss_sum / self._micro_batches, sync_dist=True)
+            if self.model_cfg.mtp_depth:  # as train/loss: the micro-batches' mean, then the data-parallel ranks'
+                self.log("train/mtp_loss", self._mtp_loss_sum / self._micro_batches, sync_dist=True)
         self._loss_sum.zero_()
         self._z_loss_sum.zero_()
+        self._mtp_loss_sum.zero_()
         self._micro_batches = 0
 
     def logs_at(self, step: int) -> bool:

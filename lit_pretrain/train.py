@@ -319,6 +319,7 @@ def run_summary(c: Config, run_dir: Path, batch, pieces: list, datamodule: Token
         **({"error": f"training ended at step {steps} of trainer.max_steps={max_steps} "
                      "with no stop asked for"} if status == run_state.FAILED else {}),
         "final_train_loss": metrics.get("train/loss"),
+        **({"final_train_mtp_loss": metrics.get("train/mtp_loss")} if c.model.mtp_depth else {}),
         "final_val_loss": metrics.get("val/loss"),
         "val_perplexity": perplexity(metrics["val/loss"]) if "val/loss" in metrics else None,
         "val_bits_per_byte": metrics.get("val/bits_per_byte"),
@@ -350,6 +351,9 @@ def write_outputs(summary: dict, run_dir: Path, trainer: L.Trainer, callbacks: l
     logged = series(rows, "train/loss")
     if logged:
         summary["final_train_loss_step"], summary["final_train_loss"] = logged[-1]
+    mtp_logged = series(rows, "train/mtp_loss")  # model.mtp_depth: logged on the same steps as train/loss
+    if mtp_logged:
+        summary["final_train_mtp_loss"] = mtp_logged[-1][1]
     write_summary(run_dir, summary)
     plot_loss_curve(rows, run_dir / "loss_curve.png", summary["unigram_entropy_nats"])
     report(summary, run_dir)

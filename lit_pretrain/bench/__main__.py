@@ -162,12 +162,18 @@ def _long_context(r: _Run) -> List[Dict]:
     return long_context.run(r.c)
 
 
+def _loss(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench.step import chunked_loss
+
+    return chunked_loss.run(r.c, r.args.repeats)
+
+
 CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "step": _step, "compile": _compile, "precision": _precision, "datamodule": _datamodule, "tokenize": _tokenize,
     "evaluation": _evaluation, "deduplication": _deduplication, "strategies": _strategies, "pipeline": _pipeline,
     "compositions": _compositions, "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
     "prepare_memory": _prepare_memory, "mixture": _mixture, "masking": _masking, "data_engines": _data_engines,
-    "moe": _moe, "long_context": _long_context, "shuffle_memory": _shuffle_memory,
+    "moe": _moe, "long_context": _long_context, "shuffle_memory": _shuffle_memory, "loss": _loss,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 

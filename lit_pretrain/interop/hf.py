@@ -110,7 +110,10 @@ def export_gpt(model: GPT, tokenizer_file: str | Path, out: str | Path) -> Path:
     check_exportable(model.cfg)  # before anything is written
     st = _safetensors()
     cfg, out = model.cfg, check_target(out)
-    tensors = to_export_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, cfg)
+    # model.mtp_depth's modules are dropped: trained only (lit_pretrain/model/mtp.py), the main head's logits need
+    # none of them, and transformers' Llama has no place for them (our checkpoints keep them)
+    tensors = to_export_names({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+                               if not k.startswith("mtp.")}, cfg)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     if len(dtypes) != 1:
         raise DataError(f"the model's weights have several dtypes {dtypes}: a Llama config.json names one")

@@ -216,6 +216,21 @@ class GPTConfig:
     layer_types: Optional[List[str]] = None
     """With model.sliding_window: each layer's attention, one of sliding | full per layer (n_layers of them), for a
     pattern global_attention_every cannot say. null: by model.global_attention_every. Not both."""
+    loss_chunk_size: Optional[int] = field(default=None, metadata={"ge": 1})
+    """Positions per chunk of the output head and cross-entropy (and z-loss) in training and validation: the
+    (B, T, V) logits never exist whole, forward or backward (each chunk's logits are recomputed in the backward:
+    model/losses.py `chunked_lm_sums`; torchtitan's and OLMo-core's chunked loss). Holds no weight and changes no
+    loss beyond fp32 rounding; costs one more head matmul per token (the recomputation). null: the whole window at
+    once. Under context or sequence parallelism it counts this rank's positions."""
+    mtp_depth: int = field(default=0, metadata={"ge": 0})
+    """Multi-token prediction (DeepSeek-V3, DeepSeek-AI 2024, §2.2): D sequential modules after the last block, the
+    k-th predicting token t+1+k from its RMSNorm'd input (the previous depth's output, the last block's for k = 1)
+    and the RMSNorm'd embedding of token t+k, concatenated and projected to d_model, through one transformer block,
+    its own final norm and the shared output head (eq. 21-23; lit_pretrain/model/mtp.py). Trained on, never used to
+    generate: generation and HF export read the main head only. 0: none."""
+    mtp_loss_weight: float = field(default=0.3, metadata={"ge": 0})
+    """λ: the objective adds λ/D times the sum of the D depths' cross-entropies (DeepSeek-V3 eq. 25; 0.3 for its
+    first 10T tokens, then 0.1, §4.2). train/loss stays the next-token loss; train/mtp_loss logs the depths' mean."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
@@ -294,6 +309,12 @@ class GPTConfig:
     def mask_specs(self, documents: bool = False) -> List[MaskSpec]:
         """Each layer's attention mask as data (model/mask_spec.py): what the FLOP counter and planners read."""
         return [MaskSpec(documents, self.attention_window(i)) for i in range(self.n_layers)]
+
+    def attention_masks(self, documents: bool = False) -> List[MaskSpec]:
+        """Every attention layer's mask, the blocks' and then model.mtp_depth's (each the last block's kind, its
+        window too: model/mtp.py): the layers the FLOP counter counts."""
+        masks = self.mask_specs(documents)
+        return masks + masks[-1:] * self.mtp_depth
 
     def block_modules(self, layer: int = 0) -> Dict[str, "ModuleSpec"]:
         """The architecture of one block, written once: module name (under `blocks.{i}.`) -> what it is.
@@ -397,6 +418,21 @@ class GPTConfig:
             out.update({f"blocks.{i}.{name}": spec for name, spec in block.items()})
         out["norm"] = ModuleSpec("norm", (d,))
         out["lm_head"] = ModuleSpec("linear", (v, d), "vocab", tied=self.tie_embeddings)
+        for k in range(self.mtp_depth):
+            out.update({f"mtp.{k}.{name}": spec for name, spec in self.mtp_modules().items()})
+        return out
+
+    def mtp_modules(self) -> Dict[str, "ModuleSpec"]:
+        """One multi-token prediction module (under `mtp.{k}.`, model.mtp_depth of them; DeepSeek-V3 eq. 21-23):
+        the norms of the previous depth's output and of the next token's embedding, the (d, 2d) projection of their
+        concatenation (replicated under tensor parallelism: its input is whole on every rank), one block of the
+        last block's kind (`block.` + block_modules) and its final norm before the shared head. The embedding and
+        head are the model's own (not listed again)."""
+        d = self.d_model
+        out = {"hnorm": ModuleSpec("norm", (d,)), "enorm": ModuleSpec("norm", (d,)),
+               "proj": ModuleSpec("linear", (d, 2 * d))}
+        out.update({f"block.{name}": spec for name, spec in self.block_modules(self.n_layers - 1).items()})
+        out["norm"] = ModuleSpec("norm", (d,))
         return out
 
     def check(self) -> None:
@@ -450,6 +486,9 @@ class GPTConfig:
                                      "(lit_pretrain/model/mla.py) has no sink logit, output gate or sliding window; "
                                      f"set {key}={'false' if key.endswith('sinks') else 'null'} or model.attention=mha")
         self._check_window()
+        if self.mtp_depth >= self.seq_len:
+            raise ValueError(f"model.mtp_depth={self.mtp_depth} predicts tokens beyond a window of model.seq_len="
+                             f"{self.seq_len}: choose a depth below it (DeepSeek-V3 uses 1)")
         if self.attention == "mha" and self.head_dim % 2:
             raise ValueError(
                 f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE rotates pairs of "

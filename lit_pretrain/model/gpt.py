@@ -21,6 +21,7 @@ from lit_pretrain.model.init import initialize
 from lit_pretrain.model.mask import Mask, SdpaMask, sdpa_mask, with_sinks
 from lit_pretrain.model.mla import LatentAttention
 from lit_pretrain.model.moe import MoE
+from lit_pretrain.model.mtp import MTPModule
 from lit_pretrain.model.rope import inverse_frequencies
 
 
@@ -313,6 +314,11 @@ class GPT(nn.Module):
         self.lm_head = build_linear(spec["lm_head"])
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight  # one Parameter, two views (GPT-2, PaLM)
+        if cfg.mtp_depth:  # model.mtp_depth: trained only, after the head (model/mtp.py); absent otherwise
+            mtp = cfg.mtp_modules()
+            self.mtp = nn.ModuleList(MTPModule(build_norm(cfg, mtp["hnorm"]), build_norm(cfg, mtp["enorm"]),
+                                               build_linear(mtp["proj"]), Block(cfg, cfg.n_layers - 1),
+                                               build_norm(cfg, mtp["norm"])) for _ in range(cfg.mtp_depth))
         # Non-persistent: derived from the config, so checkpoints hold only weights.
         self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.rope_head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.rope_head_dim), persistent=False)
@@ -341,11 +347,15 @@ class GPT(nn.Module):
         # Assigned, not copied: the buffers may have been cast (e.g. `.to(bfloat16)`); the tables are fp32.
         self.rope_cos, self.rope_sin = cos, sin
 
-    def forward(self, idx: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, document_ids: torch.Tensor | None = None, output=None):
         """Logits of idx (B, T). document_ids (B, T), e.g. `document_ids(idx, eod_id)`: attention stays inside each
         document and RoPE positions restart at each document's first token, so a document is computed as if it
         were alone in the window (document masking). None: one causal sequence per row, positions 0..T-1.
-        Under context parallelism (`context_split`) the logits are those of this process's T/c positions."""
+        Under context parallelism (`context_split`) the logits are those of this process's T/c positions.
+        output: what the forward returns instead of the logits, output(gpt, x, (cos, sin, mask)) of the last
+        block's output x (B, T, d_model): the loss path's chunked cross-entropy and multi-token prediction modules
+        (parallel/batch_losses.py) run there, inside the forward, so FSDP's hooks and compile see the head as they
+        see it in the logits' path."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(
@@ -377,12 +387,20 @@ class GPT(nn.Module):
         x = self.tok_embeddings(idx)  # (B, T, d_model)
         for block, window in zip(self.blocks, self.windows):
             x = block(x, cos, sin, None if mask is None else mask[window])  # (B, T, d_model)
+        if output is not None:  # the MTP blocks are the last block's kind, its window too (model/mtp.py)
+            return output(self, x, (cos, sin, None if mask is None else mask[self.windows[-1]]))
         return self.head(x)  # (B, T, vocab_size)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the last block's output x (B, T, d_model): final norm, output head, soft-cap. Pipeline stages
         call it too."""
         return softcap(self.lm_head(self.norm(x)), self.cfg.logit_softcap)  # (B, T, vocab_size)
+
+    def mtp_head(self, k: int):
+        """Depth k's (0-based) head: its own final norm, then the shared output head and soft-cap (DeepSeek-V3
+        eq. 23's OutHead)."""
+        norm = self.mtp[k].norm
+        return lambda h: softcap(self.lm_head(norm(h)), self.cfg.logit_softcap)  # (B, T, vocab_size)
 
     def forward_cached(self, idx: torch.Tensor, cache: "KVCache") -> torch.Tensor:
         """Logits of the last token of idx (B, T), which continues the cache's sequence at position cache.length;
@@ -441,10 +459,13 @@ class GPT(nn.Module):
         seq_len defaults to model.seq_len.
         """
         cfg = self.cfg
-        n_matmul_params = self.num_params(non_embedding=True, active=True) + cfg.vocab_size * cfg.d_model
+        # model.mtp_depth: each depth's parameters are in N, its block is one more attention layer, and it runs
+        # the shared head's matmul once more (DeepSeek-V3 §2.2)
+        heads = 1 + cfg.mtp_depth
+        n_matmul_params = self.num_params(non_embedding=True, active=True) + heads * cfg.vocab_size * cfg.d_model
         seq_len = cfg.seq_len if seq_len is None else seq_len
-        return flops_per_token_formula(n_matmul_params, cfg.n_layers, cfg.n_heads, cfg.qk_head_dim, seq_len,
-                                       cfg.mask_specs(), v_head_dim=cfg.value_head_dim)
+        return flops_per_token_formula(n_matmul_params, cfg.n_layers + cfg.mtp_depth, cfg.n_heads, cfg.qk_head_dim,
+                                       seq_len, cfg.attention_masks(), v_head_dim=cfg.value_head_dim)
 
 
 class KVCache:

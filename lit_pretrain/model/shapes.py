@@ -68,11 +68,12 @@ def active_params(cfg: GPTConfig) -> int:
 
 def flops_per_token(cfg: GPTConfig, seq_len: Optional[int] = None) -> int:
     """Training FLOPs per token as `GPT.flops_per_token` counts them (PaLM appendix B: 6·N + 12·L·H·Q·T), N the
-    active parameters (a token's matmuls touch only its top_k experts), each layer's attention over the keys its
-    mask keeps (`GPTConfig.mask_specs`: a sliding-window layer's window)."""
-    n_matmul = active_non_embedding_params(cfg) + _vocab(cfg) * cfg.d_model
-    return flops_per_token_formula(n_matmul, cfg.n_layers, cfg.n_heads, cfg.qk_head_dim, seq_len or cfg.seq_len,
-                                   cfg.mask_specs(), v_head_dim=cfg.value_head_dim)
+    active parameters (a token's matmuls touch only its top_k experts), each attention layer over the keys its
+    mask keeps (`GPTConfig.attention_masks`: a sliding-window layer's window)."""
+    # model.mtp_depth: its modules are in N, each adds an attention layer and a pass through the shared head
+    n_matmul = active_non_embedding_params(cfg) + (1 + cfg.mtp_depth) * _vocab(cfg) * cfg.d_model
+    return flops_per_token_formula(n_matmul, cfg.n_layers + cfg.mtp_depth, cfg.n_heads, cfg.qk_head_dim,
+                                   seq_len or cfg.seq_len, cfg.attention_masks(), v_head_dim=cfg.value_head_dim)
 
 
 def sizes(cfg: GPTConfig) -> Dict[str, int]:

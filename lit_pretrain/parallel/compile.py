@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from lit_pretrain.errors import ConfigError
-from lit_pretrain.model.losses import lm_losses
+from lit_pretrain.model.losses import chunked_lm_losses, lm_losses
 from lit_pretrain.planning.compile_policy import missing_toolchain
 
 _COMPILED = "_lit_pretrain_compiled"
@@ -101,7 +101,11 @@ def is_compiled(block: nn.Module) -> bool:
 def _forward_losses(gpt: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
                     document_ids: Optional[torch.Tensor] = None, z_loss: float = 0.0):
     """(task loss, z-loss) of the GPT on idx (B, T) against targets (B, T): what the module's training step computes
-    (losses.lm_losses of the model's logits)."""
+    (losses.lm_losses of the model's logits; model.loss_chunk_size: the chunked head and loss inside the forward)."""
+    chunk = gpt.cfg.loss_chunk_size
+    if chunk is not None:
+        return gpt(idx, document_ids=document_ids, output=lambda model, hidden, _: chunked_lm_losses(
+            model.head, hidden, targets, chunk, z_loss))
     logits = gpt(idx) if document_ids is None else gpt(idx, document_ids=document_ids)  # (B, T, V)
     return lm_losses(logits, targets, z_loss)
 
@@ -115,6 +119,8 @@ def _compiled(fn: Callable) -> Callable:
 
 
 def _regional(gpt: nn.Module, idx, targets, document_ids=None, z_loss: float = 0.0):
+    if gpt.cfg.loss_chunk_size is not None:  # the chunked loss runs eager, around the compiled blocks
+        return _forward_losses(gpt, idx, targets, document_ids, z_loss)
     logits = gpt(idx) if document_ids is None else gpt(idx, document_ids=document_ids)  # (B, T, V)
     return _compiled(lm_losses)(logits, targets, z_loss)
 

@@ -151,7 +151,6 @@ def context_losses(logits: torch.Tensor, targets: torch.Tensor, group, z_loss: f
     gradients over the group (as over data-parallel ranks) gives the micro-batch's gradient. With ignored targets
     (document masking, padding) the ranks predict different counts: a mean of the ranks' own means would weigh them
     wrongly."""
-    c = dist.get_world_size(group)
     logits, targets = logits.float().flatten(0, 1), targets.flatten()  # (N, V or V/t), (N,)
     kept = (targets != IGNORE_INDEX).float()
     if split_cross_entropy is None:
@@ -161,7 +160,14 @@ def context_losses(logits: torch.Tensor, targets: torch.Tensor, group, z_loss: f
         nll, log_z = split_cross_entropy(logits, targets)
         nll = nll * kept
     sums = [nll.sum()] + ([(log_z.square() * kept).sum()] if z_loss else [])
-    totals = torch.stack([s.detach() for s in sums] + [kept.sum()])
+    return group_means(sums, kept.sum(), group, z_loss)
+
+
+def group_means(sums, kept: torch.Tensor, group, z_loss: float = 0.0):
+    """(task loss, z-loss or None) from this rank's sums (Σ nll and, with z_loss, Σ log(Z)²) over its `kept`
+    predicted targets: the group's means, trained on as `context_losses` explains."""
+    c = dist.get_world_size(group)
+    totals = torch.stack([s.detach() for s in sums] + [kept.to(sums[0].dtype)])
     dist.all_reduce(totals, group=group)
     count = totals[-1]
     out = []
@@ -179,7 +185,8 @@ def install_context_parallel(gpt, group, sequence_parallel: int = 1) -> ContextP
     gathered attention over `group`. Returns the ContextParallel."""
     cp = ContextParallel(group, sequence_parallel)
     gpt.context_split = cp
-    for block in gpt.blocks:
+    mtp_blocks = [m.block for m in getattr(gpt, "mtp", None) or ()]  # model.mtp_depth's blocks attend alike
+    for block in [*gpt.blocks, *mtp_blocks]:
         attn = getattr(block, "attn", None)  # a block of another pipeline stage is an nn.Identity
         if attn is not None:
             attn.context = cp

@@ -27,8 +27,9 @@ from torch import nn
 
 from lit_pretrain.model.gpt import softcap
 from lit_pretrain.model.losses import IGNORE_INDEX, lm_losses
+from lit_pretrain.model.mtp import mtp_tokens
 from lit_pretrain.parallel.moe_mesh import install_pipeline_losses
-from lit_pretrain.parallel.vocab import split_cross_entropy, vocab_group
+from lit_pretrain.parallel.vocab import sequence_slices, split_cross_entropy, vocab_group
 from lit_pretrain.planning.layout import balanced_stages, bubble_formula, stage_of_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -46,8 +47,10 @@ def stage_bounds(model: nn.Module, n_stages: int) -> List[Tuple[int, int]]:
     """Blocks [start, end) of each stage, balanced by the parameters of the built modules (so a variant's block
     weighs what it holds); the first also holds the embedding, the last the norm and head (counted even when tied:
     its matmul costs the same)."""
+    mtp = getattr(model, "mtp", None)  # model.mtp_depth: its modules run on the last stage, after the head
     return balanced_stages(block_param_counts(model), n_stages, first_extra=_numel(model.tok_embeddings),
-                           last_extra=_numel(model.norm) + model.lm_head.weight.numel())
+                           last_extra=_numel(model.norm) + model.lm_head.weight.numel()
+                           + (_numel(mtp) if mtp is not None else 0))
 
 
 class StageForward(nn.Module):
@@ -60,6 +63,11 @@ class StageForward(nn.Module):
         self.tok_embeddings = gpt.tok_embeddings if first else None
         self.norm = gpt.norm if last else None
         self.lm_head = gpt.lm_head if last else None
+        # model.mtp_depth: the modules (and the embedding's copy they read) on the last stage, run by its loss
+        self.mtp = getattr(gpt, "mtp", None) if last else None
+        # registered, so FSDP shards it with the stage, where the head does not hold it (untied)
+        self.mtp_embeddings = gpt.tok_embeddings if self.mtp is not None and not first and \
+            not gpt.cfg.tie_embeddings else None
         self._gpt = [gpt]  # the RoPE tables, unregistered: the stage does not own them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +85,7 @@ class StageForward(nn.Module):
             x = self.tok_embeddings(x)  # (B, T) ids -> (B, T, d_model)
         for block in self.blocks:
             x = block(x, cos, sin)  # (B, T, d_model)
-        if self.lm_head is not None:
+        if self.lm_head is not None and not hidden_out(gpt.cfg):  # else the loss function applies the head
             x = softcap(self.lm_head(self.norm(x)), gpt.cfg.logit_softcap)  # (B, T, vocab_size), as GPT.head
         return x
 
@@ -90,15 +98,18 @@ def prune_to_stages(gpt: nn.Module, bounds: List[Tuple[int, int]], stages: List[
         if i not in keep:
             gpt.blocks[i] = nn.Identity()
     first, last = 0 in stages, n - 1 in stages
-    if gpt.cfg.tie_embeddings and last and not first:
-        # The last stage's own copy of the tied matrix, kept tied to its head (names and weight decay as in the
-        # full model).
+    if last_holds_embedding(gpt.cfg) and last and not first:
+        # The last stage's own copy of the embedding, kept tied to its head or read by model.mtp_depth's modules
+        # (names and weight decay as in the full model).
         gpt.tok_embeddings.weight = nn.Parameter(gpt.tok_embeddings.weight.detach().clone())
-        gpt.lm_head.weight = gpt.tok_embeddings.weight
+        if gpt.cfg.tie_embeddings:
+            gpt.lm_head.weight = gpt.tok_embeddings.weight
     elif not first:
         gpt.tok_embeddings = None
     if not last:
         gpt.norm = None
+        if getattr(gpt, "mtp", None) is not None:
+            gpt.mtp = None
         if not (gpt.cfg.tie_embeddings and first):
             gpt.lm_head = None
     return [StageForward(gpt, *bounds[s], first=s == 0, last=s == n - 1) for s in stages]
@@ -111,7 +122,7 @@ def tied_grad_sync(gpt: nn.Module, pp_group, fsdp_shard: Optional[Tuple[int, int
     Under tensor parallelism each rank sums its vocabulary rows (V/t of them, the same on both stages for the same
     tensor-parallel rank); under FSDP each rank its own shard of those (`fsdp_shard` = (rank, size) in the shard
     group): both stages' copies are sharded alike (dim 0, torch.chunk's split) over the same coordinates."""
-    if not gpt.cfg.tie_embeddings or pp_group is None or dist.get_world_size(pp_group) == 1:
+    if not last_holds_embedding(gpt.cfg) or pp_group is None or dist.get_world_size(pp_group) == 1:
         return
     cfg = gpt.cfg
     emb = gpt.tok_embeddings
@@ -131,7 +142,19 @@ def tied_grad_sync(gpt: nn.Module, pp_group, fsdp_shard: Optional[Tuple[int, int
 
 def is_tied_copy(name: str, gpt: nn.Module, holds_first_stage: bool) -> bool:
     """The last stage's copy of the tied embedding: counted once (on the first stage) in global norms."""
-    return bool(gpt.cfg.tie_embeddings and not holds_first_stage and name.endswith("tok_embeddings.weight"))
+    return bool(last_holds_embedding(gpt.cfg) and not holds_first_stage and name.endswith("tok_embeddings.weight"))
+
+
+def last_holds_embedding(cfg) -> bool:
+    """Whether the last stage holds a copy of the embedding: tied to its head (model.tie_embeddings), or read by
+    model.mtp_depth's modules (DeepSeek-V3 §2.2: the embedding shared with the main model)."""
+    return bool(cfg.tie_embeddings or cfg.mtp_depth)
+
+
+def hidden_out(cfg) -> bool:
+    """Whether the last stage returns its last block's output, the loss function applying the head: in chunks
+    (model.loss_chunk_size) or with model.mtp_depth's modules after it."""
+    return cfg.loss_chunk_size is not None or bool(cfg.mtp_depth)
 
 
 class PipelineRunner:
@@ -157,6 +180,8 @@ class PipelineRunner:
         self.scale = 1.0  # 1 / gradient-accumulation micro-batches, set by the strategy
         self.z_loss = 0.0  # optim.z_loss, set by PretrainModule.losses
         self.last_z_loss = torch.zeros(())  # the z-loss of the last `loss` call (0 with z_loss = 0)
+        self.last_mtp_loss = torch.zeros(())  # model.mtp_depth's loss of the last training `loss` call
+        self.training = True  # the MTP modules run in training only
         self._parts: list = []
         self.busy = 0.0
         for stage in self.stages:
@@ -225,7 +250,20 @@ class PipelineRunner:
         # accumulation. The parts are kept apart for logging: the schedule sees only their sum.
         # Under tensor parallelism logits are this rank's vocabulary columns: the loss reduces over the group.
         split = self.gpt.context_split
-        if split is not None:  # context parallelism: this rank's positions, the group's count (parallel/context.py)
+        cfg, mtp_loss = self.gpt.cfg, None
+        if hidden_out(cfg):  # `logits` is the last block's output: the head (in chunks) and the MTP modules here
+            from lit_pretrain.parallel.batch_losses import output_losses
+
+            T = target.shape[1]  # the window's (the stages have no document masking: positions 0..T-1)
+            part = slice(0, T) if split is None else split.positions(T, target.device)
+            rope = (self.gpt.rope_cos[part], self.gpt.rope_sin[part], None)
+            mtp = [mtp_tokens(None, target, k) for k in range(1, cfg.mtp_depth + 1)] if self.training else []
+            out = output_losses(self.gpt, logits, rope, target, self.z_loss, mtp,
+                                split_cross_entropy(vocab_group(self.gpt)), split, cfg.loss_chunk_size,
+                                sequence_slices(self.gpt))
+            (task, z), mtp_loss = out[:2], (out[2] if mtp else None)
+            target = target if split is None else split.local(target)
+        elif split is not None:  # context parallelism: this rank's positions, the group's count (parallel/context.py)
             from lit_pretrain.parallel.context import context_losses
 
             task, z = context_losses(logits, split.local(target), split.group, self.z_loss,
@@ -234,8 +272,13 @@ class PipelineRunner:
         else:
             task, z = lm_losses(logits, target, self.z_loss, split_cross_entropy(vocab_group(self.gpt)))
         predicted = (target != IGNORE_INDEX).sum().to(task.dtype)  # validation weighs micro-batches by it
-        self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else torch.zeros(()), predicted]))
-        return (task if z is None else task + z) * (self.scale / self.m)  # the mean over micro-batches (see above)
+        zero = torch.zeros(())
+        self._parts.append(torch.stack([task.detach(), z.detach() if z is not None else zero, predicted,
+                                        mtp_loss.detach() if mtp_loss is not None else zero]))
+        trained = task if z is None else task + z
+        if mtp_loss is not None:  # DeepSeek-V3 eq. 25, as batch_losses.forward_then_loss adds it
+            trained = trained + cfg.mtp_loss_weight * mtp_loss
+        return trained * (self.scale / self.m)  # the mean over micro-batches (see above)
 
     def _schedule(self):
         if self.scale not in self._schedules:
@@ -259,6 +302,7 @@ class PipelineRunner:
         sched = self._schedule()
         self.busy = 0.0
         self._parts = []
+        self.training = training
         start = time.perf_counter()
         if training:
             sched.step(*args, target=target, losses=losses)
@@ -266,12 +310,13 @@ class PipelineRunner:
             with torch.no_grad():
                 sched.eval(*args, target=target, losses=losses)
         wall = time.perf_counter() - start
-        out = torch.zeros(3)
+        out = torch.zeros(4)
         if self.holds_last:
             # The schedule's first step also calls the loss once for shape inference, before the micro-batches:
             # only the last len(losses) parts are the micro-batches' (task loss and z-loss, unscaled).
-            parts = torch.stack(self._parts[-len(losses):])  # (micro-batches, 3): task, z-loss, predicted
+            parts = torch.stack(self._parts[-len(losses):])  # (micro-batches, 4): task, z-loss, predicted, MTP
             out[0], out[2] = parts[:, :2].mean(0)  # training: the mean of the micro-batches' means, as accumulation
+            out[3] = parts[:, 3].mean()
             if not training:
                 # Validation: the mean over the batch's predicted targets, as one process computes it (a padding
                 # micro-batch of data/validation.py predicts nothing, and its NaN mean weighs 0).
@@ -283,7 +328,7 @@ class PipelineRunner:
         dist.all_reduce(out, group=self.group)
         if training:
             self.last_idle_fraction = float(out[1]) / self.p
-        self.last_z_loss = out[2]
+        self.last_z_loss, self.last_mtp_loss = out[2], out[3]
         return out[0]
 
     @property

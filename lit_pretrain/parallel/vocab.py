@@ -88,6 +88,16 @@ def vocab_group(gpt: nn.Module):
     return None
 
 
+def sequence_slices(gpt: nn.Module) -> int:
+    """How many slices of the window the head's input is split into along the sequence (sequence parallelism: the
+    tensor-parallel degree, its all-gather joining them in rank order); 1 when the head reads the whole window.
+    model/losses.py `chunked_lm_sums` matches each chunk's targets to it."""
+    head = getattr(gpt, "lm_head", None)
+    if isinstance(head, VocabParallelHead) and head.sequence_parallel:
+        return dist.get_world_size(head.group)
+    return 1
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-row negative log-likelihood and log-normalizer of logits split along the vocabulary (Megatron-LM's
     `_VocabParallelCrossEntropy`): forward one max all-reduce and one all-reduce of (sum of exponentials, target

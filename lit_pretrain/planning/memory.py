@@ -48,7 +48,9 @@ Not counted: the CUDA context, NCCL buffers, the allocator's fragmentation, the 
 come after the activations are freed): what `run_plan.MIN_HEADROOM` is kept free for.
 Under 1F1B pipeline parallelism the first stage keeps p micro-batches of its L/p layers in flight, i.e. L layers'
 worth whatever p is (§4.2.3); it also holds the input embedding. Logits for the cross-entropy are stored in fp32,
-4·s·b·v/t bytes (§4.3), on the last stage.
+4·s·b·v/t bytes (§4.3), on the last stage. With model.loss_chunk_size C the head and loss run C positions at a time
+and the backward recomputes each chunk's logits (model/losses.py chunked_lm_sums): s becomes C (C·t gathered under
+sequence parallelism) in the logits row and its transient gradient, the one chunk live at the start of the backward.
 Vocabulary terms under tensor parallelism, as the code holds them (parallel/vocab.py, Megatron-LM's
 VocabParallelEmbedding, column-parallel output layer and vocab_parallel_cross_entropy; Shoeybi et al. 2019 §3): each
 tensor-parallel rank keeps V/t rows of the embedding and of an untied head (v·d/t parameters each, their state and,
@@ -446,7 +448,13 @@ def memory_plan(plan, cfg: GPTConfig, micro_batch: int, precision: str = "zero-m
     # 1F1B: the first stage has p micro-batches of its L/p layers in flight (Korthikanti et al. §4.2.3)
     activations = per_layer * layers_here * p
     tokens = cfg.seq_len * micro_batch // cp  # this rank's
+    if cfg.loss_chunk_size is not None:  # one chunk's logits at a time (recomputed in the backward), gathered
+        # over the sequence-parallel ranks before the head (model/losses.py chunked_lm_sums)
+        tokens = micro_batch * min(cfg.loss_chunk_size * (t if sequence_parallel else 1), cfg.seq_len // cp)
     logits = 4.0 * tokens * v / t if p == 1 else 0.0
+    if p == 1:  # model.mtp_depth (refused with pipelines): each module keeps a block's activations and its own
+        # fp32 logits for the backward (one chunk's with model.loss_chunk_size), model/mtp.py
+        activations += cfg.mtp_depth * (per_layer + logits)
     activation_elements = 2.0 * b.activation_factor  # bytes of an activation element (fp32: 4)
     context = context_forward_bytes(cfg.seq_len, micro_batch, cfg.head_dim, cp) + context_transient_bytes(
         cfg, micro_batch, cp, t, activation_elements)

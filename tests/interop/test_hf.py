@@ -452,3 +452,23 @@ def test_trained_run_exports_loads_in_transformers_and_continues_training(tmp_pa
     assert config.load(continued / "config.yaml").run.init_from == str((tmp_path / "hf").resolve())
     for name, tensor in load_gpt(continued).state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
+
+
+def test_mtp_modules_are_dropped_on_export_and_the_logits_are_the_main_heads(tmp_path, tokenizer_file):
+    """model.mtp_depth's modules are trained only (lit_pretrain/model/mtp.py): none of their weights is written, and
+    transformers' Llama computes our logits, which never read them."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    base = tiny_gpt(False)
+    model = GPT(replace(base.cfg, mtp_depth=1)).eval()
+    model.load_state_dict({**model.state_dict(), **base.state_dict()})
+    assert any(name.startswith("mtp.0.block.") for name in model.state_dict())  # kept in our checkpoints
+    export_gpt(model, tokenizer_file, tmp_path / "hf")
+    assert sorted(load_file(tmp_path / "hf" / "model.safetensors")) == sorted(
+        load_file(export_gpt(base, tokenizer_file, tmp_path / "plain") / "model.safetensors"))
+    idx = torch.randint(0, 320, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf_model(tmp_path / "hf")(idx).logits - model(idx)).abs().max().item()
+    assert diff <= 5e-5  # as test_logits_match_transformers_llama: fp32 rounding of the attention kernel only
