@@ -150,6 +150,12 @@ def _masking(r: _Run) -> List[Dict]:
     return [masking.run(r.c, r.args.repeats), window.run(r.c, r.args.repeats)]
 
 
+def _variants(r: _Run) -> List[Dict]:
+    from lit_pretrain.bench.step import variants
+
+    return variants.run(r.c, r.args.repeats)
+
+
 def _moe(r: _Run) -> List[Dict]:
     from lit_pretrain.bench.moe import expert_parallel, mlp
 
@@ -174,6 +180,7 @@ CASES: Dict[str, Callable[[_Run], List[Dict]]] = {
     "compositions": _compositions, "stability": _stability, "checkpoint": _checkpoint, "generation": _generation,
     "prepare_memory": _prepare_memory, "mixture": _mixture, "masking": _masking, "data_engines": _data_engines,
     "moe": _moe, "long_context": _long_context, "shuffle_memory": _shuffle_memory, "loss": _loss,
+    "variants": _variants,
 }
 assert tuple(CASES) == history.CASE_GROUPS
 

@@ -19,7 +19,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 # The case groups of `python -m lit_pretrain.bench --cases ...`, in the order a full run measures them.
 CASE_GROUPS = ("step", "compile", "precision", "datamodule", "tokenize", "evaluation", "deduplication",
                "strategies", "pipeline", "compositions", "stability", "checkpoint", "generation", "prepare_memory",
-               "mixture", "masking", "data_engines", "moe", "long_context", "shuffle_memory", "loss")
+               "mixture", "masking", "data_engines", "moe", "long_context", "shuffle_memory", "loss",
+               "variants")
 
 
 def parse_cases(text: Optional[str], valid: Sequence[str] = CASE_GROUPS) -> List[str]:
