@@ -105,7 +105,26 @@ def build(config, plan, device: str = "meta"):
         mesh = init_device_mesh("cpu", (plan.world_size,), mesh_dim_names=("data_parallel",)) \
             if plan.uses_fsdp else None
         par = apply_plan(gpt, plan, fsdp_mesh=mesh)
+    if par.runner is not None:  # the stages' shapes from the config: the fake backend cannot carry their exchange
+        par.runner.fix_stage_shapes(*pipeline_shapes(config, plan))
     return gpt, par, mesh
+
+
+def pipeline_shapes(config, plan):
+    """((B, T) of a batch, (shape, dtype) of one pipeline micro-batch's residual stream between stages, (shape,
+    dtype) of its logits) for PipelineRunner.fix_stage_shapes: B/m rows of T/c positions (context parallelism), T/c/t
+    under sequence parallelism (parallel/sequence.py), d_model wide; bf16 where the blocks' parameters are (bf16-true,
+    or FSDP2's policy, whose cast_forward_inputs casts the stream: parallel/zero.py), else fp32 (the residual sum
+    promotes autocast's bf16 outputs). The logits: V/t columns (parallel/vocab.py), bf16 under any bf16 precision."""
+    model, rows = config.model, config.trainer.micro_batch_size
+    vocab = model.vocab_size or config.data.vocab_size
+    seq = model.seq_len // plan.context_parallel
+    stream_seq = seq // plan.tensor_parallel if plan.sequence_parallel else seq
+    bf16 = config.trainer.precision == "bf16-true" or plan.mixed_precision_policy
+    stream = ((rows // plan.micro_batches, stream_seq, model.d_model), torch.bfloat16 if bf16 else torch.float32)
+    logits_dtype = torch.bfloat16 if config.trainer.precision.startswith("bf16") else torch.float32
+    return (rows, model.seq_len), stream, ((rows // plan.micro_batches, seq, vocab // plan.tensor_parallel),
+                                           logits_dtype)
 
 
 def batch_of(config, fake) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -124,12 +143,6 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
 
     started = time.perf_counter()
     plan = replace(config.plan, compile=False)
-    if plan.pipeline_parallel > 1:
-        from lit_pretrain.errors import ConfigError
-
-        raise ConfigError(f"strategy.pipeline_parallel={plan.pipeline_parallel}: this layout cannot be simulated: the "
-                          "pipeline schedule sends its stages' shapes to each other as pickled objects at its first "
-                          "step, which the fake backend does not carry; check it with `lit-pretrain memory --run`")
     notes = []
     if config.plan.compile:
         notes.append("trainer.compile: simulated eager (compile fuses temporaries; see docs/large-runs.md)")

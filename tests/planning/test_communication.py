@@ -98,3 +98,14 @@ def test_fsdp_step_table():
     assert out == {"all_gather": (2 * 2 * 2, 2 * 2 * 2 * 20), "reduce_scatter": (2 * 2, 2 * 4 * 20),
                    "all_reduce": (1 + 2 * 2, 4 + 2 * 4 * 20 // 2)}
     assert cm.fsdp_step({"blocks.0.w": (3, 2), "emb": (5, 2)}, w=2, stage=2)["all_gather"] == (2, 4 * 20)
+
+
+@pytest.mark.parametrize("stages, n_stages, calls", [
+    ([0], 2, 8),  # 1F1B's first of 2 stages: m x accumulation forward sends, as many gradient receives
+    ([1], 2, 8),  # the last: the gradients sent back
+    ([1], 4, 16),  # a middle stage both ways
+    ([0, 2], 4, 24),  # interleaved (v = 2): stage 0 forward, stage 2 both ways
+])
+def test_pipeline_p2p_table(stages, n_stages, calls):
+    """pipeline_p2p by hand: m = 4 pipeline micro-batches, accumulation 2, a 100-byte stream."""
+    assert cm.pipeline_p2p(stages, n_stages, 4, 2, 100) == {"send": (calls, 100 * calls), "recv": (calls, 100 * calls)}
