@@ -149,6 +149,10 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
     init_fake_process_group(rank, plan.world_size)
     try:
         gpt, par, mesh = build(config, plan)
+        from lit_pretrain.simulate.routing import balance_routing
+
+        if balance_routing(gpt):
+            notes.append("model.moe: routing simulated balanced, N·k/E copies per expert (docs/large-runs.md)")
         fake = fake_tensor_mode()
         with fake:
             to_empty_keeping_ties(gpt)
@@ -169,8 +173,8 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
 
             raise ConfigError(f"{plan.describe()}: this layout cannot be simulated: {type(err).__name__} in "
                               f"{err.args[0] if err.args else err} (a shape that depends on tensor values, such as "
-                              "model.moe's tokens per expert under strategy.expert_parallel, which fake tensors do "
-                              "not hold); check it with `lit-pretrain memory --run`") from None
+                              "the copies model.moe.capacity_factor keeps, which fake tensors do not hold; routing "
+                              "itself is simulated balanced); check it with `lit-pretrain memory --run`") from None
         collectives = step_collectives(parts, accumulate, run)
         state = state_bytes(gpt, optimizer)
         peak = peak_by_kind(tracker)
@@ -203,11 +207,14 @@ def valueless():
     """A dispatch mode answering a read of a tensor's value on the host (`.item()`, `float(t)`: aten's
     _local_scalar_dense) that the fake mode cannot answer with 1: fake tensors hold no values but the constants they
     were made from (AdamW's step count is one, and answered as it is). What the step reads there is a logged
-    figure, never a shape."""
+    figure, never a shape (the MoE's split sizes are balanced before: simulate/routing.py). And fp32 grouped
+    matmuls (`grouped_mm_like`)."""
     base = dispatch_mode_class()
 
     class Valueless(base):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32:
+                return grouped_mm_like(*args, **(kwargs or {}))
             try:
                 return func(*args, **(kwargs or {}))
             except Exception as err:
@@ -217,6 +224,16 @@ def valueless():
                 return True if args[0].dtype == torch.bool else 1
 
     return Valueless()
+
+
+def grouped_mm_like(a: torch.Tensor, b: torch.Tensor, *rest, offs=None, **kwargs) -> torch.Tensor:
+    """The output of `_grouped_mm(a, b, offs)` in fp32, which the CPU kernel computes (the routed experts,
+    model/moe_kernels.py) and whose meta function refuses (it checks CUDA's bf16-only rule): a (M, K) @ b (L, K, N)
+    -> (M, N); a (K, M) @ b (M, N), grouped along M -> (L, K, N), L = len(offs)."""
+    offs = rest[0] if offs is None and rest else offs
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
 
 
 def state_bytes(gpt, optimizer) -> Dict[str, int]:
