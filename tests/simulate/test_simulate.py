@@ -118,12 +118,13 @@ def test_pipeline_stages_held_to_the_planners(monkeypatch):
     for rank in (0, 1):
         result = engine.simulate_rank(cfg, rank)
         sends = {kind: tuple(v) for (kind, _), v in result.collectives.items() if kind in ("send", "recv")}
-        # + the schedule's warm-up vote of its first step (static or dynamic shapes?): one int32 each way
+        # + the warm-up vote of the schedule's first step (stated or exchanged shapes): one int32 each way
         assert sends == {k: (calls + 1, size + 4) for k, (calls, size) in
                          pipeline_p2p([rank], 2, 4, result.micro_batches, stream).items()}
         norm = 4 * 64 * rank
         tensors = 10 + rank  # the parameters: 9 of a block, the embedding; the last stage also the final norm
-        assert result.state == {"param_bytes": planner["param_bytes"] + norm, "grad_bytes": planner["grad_bytes"] + norm,
+        assert result.state == {"param_bytes": planner["param_bytes"] + norm,
+                                "grad_bytes": planner["grad_bytes"] + norm,
                                 "optimizer_bytes": planner["optimizer_bytes"] + 2 * norm + 4 * tensors}
     shapes = engine.pipeline_shapes
     monkeypatch.setattr(engine, "pipeline_shapes", lambda c, p: (*shapes(c, p)[:1], ((1, 64, 64), torch.float64),
