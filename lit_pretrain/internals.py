@@ -280,7 +280,9 @@ def memory_tracker() -> Any:
     - what DTensor's sharding propagation makes is not counted (`ShardingPropagator._propagate_tensor_meta_non_
       cached`, patched while the tracker is entered): it infers an op's output by running it on empty tensors of
       the GLOBAL shape, which under our FakeTensorMode look like allocations. Counted, they made the first AdamW
-      step's state look like the unsharded model's (docs/large-runs.md); on a GPU they never touch its memory."""
+      step's state look like the unsharded model's (docs/large-runs.md); on a GPU they never touch its memory;
+    - a root module may run forward again before the step ends (`_pre_fw_hook`): a pipeline schedule runs each
+      stage once per micro-batch, where the tracker would refuse a second iteration's forward."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
@@ -294,6 +296,12 @@ def memory_tracker() -> Any:
                 if self._peak_mem.get(device, 0) < snapshot["Total"]:
                     self._peak_mem[device] = snapshot["Total"]
                     self._peak_mem_snap[device] = dict(snapshot)
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and \
+                    set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                del self.memory_tracking[module]  # a root's next forward: a pipeline schedule's next micro-batch
+            super()._pre_fw_hook(module, inputs)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self._shape_only:
@@ -346,3 +354,18 @@ def group_name_to_ranks(group_name: str) -> List[int]:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return dist.get_process_group_ranks(_resolve_process_group(group_name))
+
+
+def pipeline_stage_shapes(stage, inputs: Tuple[Any, ...], outputs: Tuple[Any, ...]) -> None:
+    """Give a built `torch.distributed.pipelining.PipelineStage` its input and output tensors' metadata, as its
+    constructor's `input_args`/`output_args` would: the schedule's first step then skips the shape inference that
+    sends each stage's output shapes to the next as pickled objects (`_send_meta`/`_recv_meta`, object collectives),
+    which torch's fake backend cannot carry. The stage keeps what it was given in `_user_meta` (a `_StageMeta`),
+    set here after the build so the one `apply_plan` builds the stages of a simulation and of a run alike. The stage
+    then checks every micro-batch's inputs and outputs against them (`_runtime_validate`, on by default only at
+    TORCH_DISTRIBUTED_DEBUG=DETAIL): a stated shape or dtype that the stage does not compute fails its step."""
+    from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
+
+    stage._user_meta = _StageMeta(inputs=extract_tensor_metas(tuple(inputs)),
+                                  outputs=extract_tensor_metas(tuple(outputs)))
+    stage._runtime_validate = True

@@ -367,6 +367,24 @@ def test_fake_process_group_fake_tensors_and_group_names():
         dist.destroy_process_group()
 
 
+def test_pipeline_stage_shapes_are_kept_and_checked():
+    """pipeline_stage_shapes: a built PipelineStage keeps the stated input and output metadata (what its
+    input_args/output_args would give) and checks each micro-batch against them."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    internals.init_fake_process_group(0, 2)
+    try:
+        stage = PipelineStage(torch.nn.Linear(4, 4), 0, 2, torch.device("cpu"))
+        x = torch.empty(2, 3, 4, device="meta")
+        internals.pipeline_stage_shapes(stage, (x,), (x.to(torch.bfloat16),))
+        assert [(m.shape, m.dtype) for m in stage._user_meta.inputs + stage._user_meta.outputs] == \
+            [((2, 3, 4), torch.float32), ((2, 3, 4), torch.bfloat16)]
+        assert stage._runtime_validate
+    finally:
+        dist.destroy_process_group()
+
+
 def test_memory_tracker_counts_by_kind_and_not_dtensor_shape_inference():
     """memory_tracker and peak_by_kind: the peak by kind of a forward and an AdamW step, and a DTensor op's shape
     inference (global-shape empty tensors) left out: a (4096, 64) parameter sharded over 4 counts its (1024, 64)."""

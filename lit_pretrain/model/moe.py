@@ -60,6 +60,11 @@ def _linear(spec: ModuleSpec) -> nn.Linear:
     return linear
 
 
+def assignment_counts(expert_of: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (num_experts,) of the experts chosen (N*k,)."""
+    return torch.bincount(expert_of, minlength=num_experts)
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts plus optional shared experts, for block `layer` (its table rows `mlp.*`)."""
 
@@ -92,6 +97,9 @@ class MoE(nn.Module):
         # together (and the context-parallel ranks holding the rest of the micro-batch, under either scope); set
         # from outside (parallel/moe_mesh.py). None: this process's counts alone.
         self.count_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        # (expert of each assignment (N*k,), E) -> assignments per expert (E,): a bincount. Replaced from outside
+        # only by `lit-pretrain simulate` (simulate/routing.py), whose tensors hold no values to count.
+        self.count_assignments: Callable[[torch.Tensor, int], torch.Tensor] = assignment_counts
         # Whether a training forward adds to `load`: the pipeline runner turns it off outside the schedule's
         # micro-batch forwards (parallel/pipeline.py).
         self.count_routing = True
@@ -116,7 +124,7 @@ class MoE(nn.Module):
         top, weights, scores, logits = self.route(flat)
         expert_of = top.flatten()  # (N*k,): assignment a = token a // k
         order = expert_of.argsort(stable=True)  # assignments grouped by expert, tokens in order within each
-        counts = torch.bincount(expert_of, minlength=E)  # (E,)
+        counts = self.count_assignments(expert_of, E)  # (E,)
         token_of, weight_of = order // k, weights.flatten()[order]  # (N*k,) each
         kept_counts, dropped = counts, counts.new_zeros(())
         if moe.capacity_factor is not None:

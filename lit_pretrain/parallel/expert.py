@@ -33,7 +33,7 @@ process group, so its collectives never interleave with the dense gradients' all
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -112,25 +112,36 @@ class ExpertDispatch:
 
     def __init__(self, layer, group, degree: int):
         self.layer, self.group, self.degree = layer, group, degree
+        # (copies per expert (P, L) this rank sends, copies per expert (P, L) it receives, rows M of xs) -> (rows sent
+        # to each rank, rows received from each), the all-to-all's split sizes read on the host; replaced from outside
+        # only by `lit-pretrain simulate` (simulate/routing.py), whose tensors hold no values to read.
+        self.split_sizes: Callable[[torch.Tensor, torch.Tensor, int], Tuple[List[int], List[int]]] = host_split_sizes
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return dispatch_compute_combine(self.layer.experts, xs, counts, self.group, self.degree)
+        return dispatch_compute_combine(self.layer.experts, xs, counts, self.group, self.degree, self.split_sizes)
 
 
-def dispatch_compute_combine(experts: nn.Module, xs: torch.Tensor, counts: torch.Tensor, group, P: int):
+def host_split_sizes(send_counts: torch.Tensor, recv_counts: torch.Tensor, rows: int) -> Tuple[List[int], List[int]]:
+    """Rows to and from each rank: the (P, L) counts summed over the L experts of each, read on the host (one sync
+    per layer, as any all-to-all MoE)."""
+    return send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+
+
+def dispatch_compute_combine(experts: nn.Module, xs: torch.Tensor, counts: torch.Tensor, group, P: int,
+                             split_sizes=host_split_sizes):
     """The experts' outputs for the token copies xs (M, d), sorted by expert with counts (E,) per expert, computed
     by the rank of `group` (P ranks) that owns each with its `experts` module (this rank's E/P experts); returned in
-    xs's order, unweighted."""
+    xs's order, unweighted. `split_sizes`: the exchange's rows per rank from the counts (`host_split_sizes`)."""
     E = counts.shape[0]
     L = E // P  # experts per rank
     # How many copies each rank sends to each of my L experts: (P, L), source-rank major.
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
     recv_counts = recv_counts.view(P, L)
-    send = counts.view(P, L).sum(1).tolist()  # host: the split sizes (one sync per layer, as any all-to-all MoE)
-    recv = recv_counts.sum(1).tolist()
+    send, recv = split_sizes(counts.view(P, L), recv_counts, xs.shape[0])
     xr = _AllToAll.apply(xs, recv, send, group)  # (R, d): by source rank, then by my local expert
-    local = torch.arange(L, device=xs.device).repeat(P).repeat_interleave(recv_counts.flatten())  # (R,)
+    local = torch.arange(L, device=xs.device).repeat(P).repeat_interleave(recv_counts.flatten(),
+                                                                          output_size=sum(recv))  # (R,)
     order = local.argsort(stable=True)  # regroup by local expert (source ranks in order within each)
     offsets = recv_counts.sum(0).cumsum(0).to(torch.int32)  # (L,)
     yl = experts(xr[order], offsets)  # (R, d) by local expert

@@ -331,6 +331,21 @@ class PipelineRunner:
         self.last_z_loss, self.last_mtp_loss = out[2], out[3]
         return out[0]
 
+    def fix_stage_shapes(self, batch: Tuple[int, int], stream, logits) -> None:
+        """Tell each stage the tensors it receives and sends (so the schedule's first step skips its shape exchange,
+        internals.pipeline_stage_shapes): the first stage takes a micro-batch's ids, (B/m, T) int64; every other
+        stage takes the residual stream, `stream` = (shape, dtype) of one micro-batch's (B/m, T', d_model) between
+        blocks; the last stage gives `logits` = (shape, dtype), the others the stream."""
+        from lit_pretrain.internals import pipeline_stage_shapes
+
+        n_stages = self.p * self.v
+        rows, seq = batch
+        ids = torch.empty(rows // self.m, seq, dtype=torch.int64, device="meta")
+        between = torch.empty(*stream[0], dtype=stream[1], device="meta", requires_grad=True)
+        out = torch.empty(*logits[0], dtype=logits[1], device="meta", requires_grad=True)
+        for stage, s in zip(self.stages, self.stage_ids):
+            pipeline_stage_shapes(stage, (ids if s == 0 else between,), (out if s == n_stages - 1 else between,))
+
     @property
     def bubble_formula(self) -> float:
         return bubble_formula(self.p, self.m, self.v)

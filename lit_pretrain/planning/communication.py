@@ -51,6 +51,17 @@ input is the same size (g key/value heads of Q channels, g/t of them under tenso
 FSDP the group is part of the shard group (`zero` with w = data_parallel_shard x c). With activation checkpointing
 the recomputed forward all-gathers again (not counted here).
   all_gather = reduce_scatter = 2 e B T g Q L per micro-batch,  all_reduce = e (2 or 3) per micro-batch
+Pipeline parallelism (parallel/pipeline.py, torch.distributed.pipelining's schedules): every stage but the last
+sends each pipeline micro-batch's residual stream forward, every stage but the first its gradient backward, and
+the neighbour receives each; a rank's stages are never adjacent (stage s on pipeline rank s mod p), so every
+boundary crosses ranks. Per schedule call (one of the accumulation's micro-batches, cut into m) a rank holding
+stages S of n sends and receives m (|S not last| + |S not first|) tensors of (B/m, T', d) (T' = T/c, /t under
+sequence parallelism), e the stream's bytes.
+Expert parallelism over P ranks (parallel/expert.py), per MoE layer and micro-batch: an all-to-all of the (E,) int64
+counts, then the N·k token copies (N this rank's tokens, k experts each) out to their experts' ranks and the
+outputs back, each an all-to-all of (rows, d) counted by its input; the backward runs the two again in reverse.
+Under balanced routing (every expert N·k/E copies, simulate/routing.py) every one of the four moves N·k rows:
+  all_to_all = 5 calls, 8 E + 4 e N k d bytes per MoE layer and micro-batch
 """
 
 from typing import Dict, List, Tuple
@@ -182,3 +193,23 @@ def fsdp_step(param_shapes: Dict[str, Shape], w: int, stage: int = 3, micro_batc
         calls, size = out["all_reduce"]
         out["all_reduce"] = (calls + micro_batches * n_groups, size + micro_batches * reduce_e * elements // w)
     return out
+
+
+def pipeline_p2p(stages: List[int], n_stages: int, micro_batches: int, accumulation: int, stream_bytes: int
+                 ) -> Dict[str, Tuple[int, int]]:
+    """{"send"/"recv": (calls, bytes)} of one pipeline rank per optimizer step: `stages` the stage ids it holds of
+    `n_stages` (layout.stage_of_rank), `micro_batches` the schedule's m, `accumulation` its calls per step,
+    `stream_bytes` one pipeline micro-batch's residual stream (B/m x T' x d x e); held to `lit-pretrain simulate`
+    (tests/simulate/)."""
+    boundaries = sum(s != n_stages - 1 for s in stages) + sum(s != 0 for s in stages)
+    calls = accumulation * micro_batches * boundaries
+    return {"send": (calls, calls * stream_bytes), "recv": (calls, calls * stream_bytes)}
+
+
+def expert_all_to_all(moe_layers: int, tokens: int, top_k: int, d: int, num_experts: int, micro_batches: int = 1,
+                      e: int = 4) -> Tuple[int, int]:
+    """(calls, bytes) of expert parallelism's all-to-alls per rank per optimizer step under balanced routing:
+    `moe_layers` MoE layers on this rank's stage, `tokens` one micro-batch's tokens on this rank, e the bytes of
+    the copies (the MoE input's dtype); held to `lit-pretrain simulate` (tests/simulate/)."""
+    per_layer = 8 * num_experts + 4 * e * tokens * top_k * d
+    return 5 * moe_layers * micro_batches, per_layer * moe_layers * micro_batches

@@ -105,7 +105,26 @@ def build(config, plan, device: str = "meta"):
         mesh = init_device_mesh("cpu", (plan.world_size,), mesh_dim_names=("data_parallel",)) \
             if plan.uses_fsdp else None
         par = apply_plan(gpt, plan, fsdp_mesh=mesh)
+    if par.runner is not None:  # the stages' shapes from the config: the fake backend cannot carry their exchange
+        par.runner.fix_stage_shapes(*pipeline_shapes(config, plan))
     return gpt, par, mesh
+
+
+def pipeline_shapes(config, plan):
+    """((B, T) of a batch, (shape, dtype) of one pipeline micro-batch's residual stream between stages, (shape,
+    dtype) of its logits) for PipelineRunner.fix_stage_shapes: B/m rows of T/c positions (context parallelism), T/c/t
+    under sequence parallelism (parallel/sequence.py), d_model wide; bf16 where the blocks' parameters are (bf16-true,
+    or FSDP2's policy, whose cast_forward_inputs casts the stream: parallel/zero.py), else fp32 (the residual sum
+    promotes autocast's bf16 outputs). The logits: V/t columns (parallel/vocab.py), bf16 under any bf16 precision."""
+    model, rows = config.model, config.trainer.micro_batch_size
+    vocab = model.vocab_size or config.data.vocab_size
+    seq = model.seq_len // plan.context_parallel
+    stream_seq = seq // plan.tensor_parallel if plan.sequence_parallel else seq
+    bf16 = config.trainer.precision == "bf16-true" or plan.mixed_precision_policy
+    stream = ((rows // plan.micro_batches, stream_seq, model.d_model), torch.bfloat16 if bf16 else torch.float32)
+    logits_dtype = torch.bfloat16 if config.trainer.precision.startswith("bf16") else torch.float32
+    return (rows, model.seq_len), stream, ((rows // plan.micro_batches, seq, vocab // plan.tensor_parallel),
+                                           logits_dtype)
 
 
 def batch_of(config, fake) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -124,18 +143,16 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
 
     started = time.perf_counter()
     plan = replace(config.plan, compile=False)
-    if plan.pipeline_parallel > 1:
-        from lit_pretrain.errors import ConfigError
-
-        raise ConfigError(f"strategy.pipeline_parallel={plan.pipeline_parallel}: this layout cannot be simulated: the "
-                          "pipeline schedule sends its stages' shapes to each other as pickled objects at its first "
-                          "step, which the fake backend does not carry; check it with `lit-pretrain memory --run`")
     notes = []
     if config.plan.compile:
         notes.append("trainer.compile: simulated eager (compile fuses temporaries; see docs/large-runs.md)")
     init_fake_process_group(rank, plan.world_size)
     try:
         gpt, par, mesh = build(config, plan)
+        from lit_pretrain.simulate.routing import balance_routing
+
+        if balance_routing(gpt):
+            notes.append("model.moe: routing simulated balanced, N·k/E copies per expert (docs/large-runs.md)")
         fake = fake_tensor_mode()
         with fake:
             to_empty_keeping_ties(gpt)
@@ -156,8 +173,8 @@ def simulate_rank(config, rank: int = 0, steps: int = 1, max_micro_batches: int 
 
             raise ConfigError(f"{plan.describe()}: this layout cannot be simulated: {type(err).__name__} in "
                               f"{err.args[0] if err.args else err} (a shape that depends on tensor values, such as "
-                              "model.moe's tokens per expert under strategy.expert_parallel, which fake tensors do "
-                              "not hold); check it with `lit-pretrain memory --run`") from None
+                              "the copies model.moe.capacity_factor keeps, which fake tensors do not hold; routing "
+                              "itself is simulated balanced); check it with `lit-pretrain memory --run`") from None
         collectives = step_collectives(parts, accumulate, run)
         state = state_bytes(gpt, optimizer)
         peak = peak_by_kind(tracker)
@@ -190,11 +207,14 @@ def valueless():
     """A dispatch mode answering a read of a tensor's value on the host (`.item()`, `float(t)`: aten's
     _local_scalar_dense) that the fake mode cannot answer with 1: fake tensors hold no values but the constants they
     were made from (AdamW's step count is one, and answered as it is). What the step reads there is a logged
-    figure, never a shape."""
+    figure, never a shape (the MoE's split sizes are balanced before: simulate/routing.py). And fp32 grouped
+    matmuls (`grouped_mm_like`)."""
     base = dispatch_mode_class()
 
     class Valueless(base):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32:
+                return grouped_mm_like(*args, **(kwargs or {}))
             try:
                 return func(*args, **(kwargs or {}))
             except Exception as err:
@@ -204,6 +224,16 @@ def valueless():
                 return True if args[0].dtype == torch.bool else 1
 
     return Valueless()
+
+
+def grouped_mm_like(a: torch.Tensor, b: torch.Tensor, *rest, offs=None, **kwargs) -> torch.Tensor:
+    """The output of `_grouped_mm(a, b, offs)` in fp32, which the CPU kernel computes (the routed experts,
+    model/moe_kernels.py) and whose meta function refuses (it checks CUDA's bf16-only rule): a (M, K) @ b (L, K, N)
+    -> (M, N); a (K, M) @ b (M, N), grouped along M -> (L, K, N), L = len(offs)."""
+    offs = rest[0] if offs is None and rest else offs
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
 
 
 def state_bytes(gpt, optimizer) -> Dict[str, int]:

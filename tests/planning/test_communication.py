@@ -98,3 +98,20 @@ def test_fsdp_step_table():
     assert out == {"all_gather": (2 * 2 * 2, 2 * 2 * 2 * 20), "reduce_scatter": (2 * 2, 2 * 4 * 20),
                    "all_reduce": (1 + 2 * 2, 4 + 2 * 4 * 20 // 2)}
     assert cm.fsdp_step({"blocks.0.w": (3, 2), "emb": (5, 2)}, w=2, stage=2)["all_gather"] == (2, 4 * 20)
+
+
+@pytest.mark.parametrize("stages, n_stages, calls", [
+    ([0], 2, 8),  # 1F1B's first of 2 stages: m x accumulation forward sends, as many gradient receives
+    ([1], 2, 8),  # the last: the gradients sent back
+    ([1], 4, 16),  # a middle stage both ways
+    ([0, 2], 4, 24),  # interleaved (v = 2): stage 0 forward, stage 2 both ways
+])
+def test_pipeline_p2p_table(stages, n_stages, calls):
+    """pipeline_p2p by hand: m = 4 pipeline micro-batches, accumulation 2, a 100-byte stream."""
+    assert cm.pipeline_p2p(stages, n_stages, 4, 2, 100) == {"send": (calls, 100 * calls), "recv": (calls, 100 * calls)}
+
+
+def test_expert_all_to_all_table():
+    """expert_all_to_all by hand: 2 MoE layers, 3 micro-batches of 10 tokens, top-2 of 4 experts, d 8, fp32: per
+    layer and micro-batch the counts (4 x 8 bytes) and four moves of 20 rows of 8 fp32."""
+    assert cm.expert_all_to_all(2, 10, 2, 8, 4, micro_batches=3) == (5 * 2 * 3, (32 + 4 * 20 * 8 * 4) * 2 * 3)
