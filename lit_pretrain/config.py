@@ -536,11 +536,32 @@ def check(config: Config) -> "ParallelPlan":
     from lit_pretrain.planning.plan import build_plan
 
     plan = build_plan(config)
+    _check_batch_schedule(config, plan)
     _check_checkpoint(config, plan)
     _check_callbacks(config)
     check_loggers(config.trainer.loggers)
     _check_allowed_changes(config)
     return plan
+
+
+def _check_batch_schedule(config: Config, plan) -> None:
+    """trainer.batch_schedule: each entry splits over the layout at the run's one accumulation
+    (planning/batch_schedule.py); refused beside what needs one batch size throughout."""
+    if not config.trainer.batch_schedule:
+        return
+    if config.data.sources:
+        raise ConfigError("trainer.batch_schedule with data.sources: a mixture's interleave is laid out for one "
+                          "batch per step (data/mixture.py); train a mixture at a fixed trainer.tokens_per_step, or "
+                          "set trainer.batch_schedule=[]")
+    if plan.pipeline_parallel > 1:
+        raise ConfigError(f"trainer.batch_schedule with strategy.pipeline_parallel={plan.pipeline_parallel}: the "
+                          "pipeline schedule splits one micro-batch size into its micro-batches; set "
+                          "strategy.pipeline_parallel=1 or trainer.batch_schedule=[]")
+    from lit_pretrain.planning import batch_schedule
+    from lit_pretrain.planning.batch import global_batch
+
+    batch = global_batch(config.trainer, config.model.seq_len, plan)
+    batch_schedule.check(config.trainer.batch_schedule, config.model.seq_len, plan.data_parallel, batch.accumulation)
 
 
 def _check_callbacks(config: Config) -> None:
