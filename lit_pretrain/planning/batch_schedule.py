@@ -2,8 +2,8 @@
 
 The schedule is a list of (at_step, tokens_per_step): step s (0-based: the update made when trainer.global_step == s)
 trains on the tokens_per_step of the last entry with at_step <= s. The batch grows the way OLMo-core's batch-size
-scheduler and the critical-batch-size work argue for (McCandlish et al. 2018, section 3: the useful batch grows as
-the loss falls; Merrill et al. 2025: the critical batch size grows early in training).
+scheduler and the critical-batch-size work argue for (McCandlish et al. 2018: the useful batch, the gradient noise
+scale, grows as the loss falls; Merrill et al. 2025: the critical batch size grows early in training).
 
 Lightning steps the optimizer every accumulate_grad_batches micro-batches of its epoch, one number per fit, so the
 accumulation stays fixed and the micro-batch changes at each change instead: the planned micro-batch is the largest
