@@ -537,6 +537,7 @@ def check(config: Config) -> "ParallelPlan":
 
     plan = build_plan(config)
     _check_mtp(config, plan)
+    _check_batch_schedule(config, plan)
     _check_checkpoint(config, plan)
     _check_callbacks(config)
     check_loggers(config.trainer.loggers)
@@ -557,6 +558,26 @@ def _check_mtp(config: Config, plan) -> None:
     if plan.compile:
         raise ConfigError(f"model.mtp_depth={depth} with trainer.compile=true: the compiled step computes the "
                           "next-token loss only; set trainer.compile=false or model.mtp_depth=0")
+
+
+def _check_batch_schedule(config: Config, plan) -> None:
+    """trainer.batch_schedule: each entry splits over the layout at the run's one accumulation
+    (planning/batch_schedule.py); refused beside what needs one batch size throughout."""
+    if not config.trainer.batch_schedule:
+        return
+    if config.data.sources:
+        raise ConfigError("trainer.batch_schedule with data.sources: a mixture's interleave is laid out for one "
+                          "batch per step (data/mixture.py); train a mixture at a fixed trainer.tokens_per_step, or "
+                          "set trainer.batch_schedule=[]")
+    if plan.pipeline_parallel > 1:
+        raise ConfigError(f"trainer.batch_schedule with strategy.pipeline_parallel={plan.pipeline_parallel}: the "
+                          "pipeline schedule splits one micro-batch size into its micro-batches; set "
+                          "strategy.pipeline_parallel=1 or trainer.batch_schedule=[]")
+    from lit_pretrain.planning import batch_schedule
+    from lit_pretrain.planning.batch import global_batch
+
+    batch = global_batch(config.trainer, config.model.seq_len, plan)
+    batch_schedule.check(config.trainer.batch_schedule, config.model.seq_len, plan.data_parallel, batch.accumulation)
 
 
 def _check_callbacks(config: Config) -> None:

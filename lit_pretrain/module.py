@@ -21,6 +21,7 @@ from lit_pretrain.optim.optimizers import build_optimizer
 from lit_pretrain.optim.step_guard import StepGuard
 from lit_pretrain.parallel.apply import apply_plan, one_process
 from lit_pretrain.parallel.batch_losses import StepLosses
+from lit_pretrain.planning.batch_schedule import entries, lr_factor, step_windows
 from lit_pretrain.planning.plan import ParallelPlan
 from lit_pretrain.resume.sharded.save import SHARDED_KEY
 from lit_pretrain.resume.verified import sidecar_path, verify
@@ -41,19 +42,25 @@ class PretrainModule(L.LightningModule):
                  max_steps: int, tokens_per_step: int, seed: Optional[int] = None,
                  strategy: Optional[StrategyConfig | dict] = None, compile: bool = False,
                  plan: Optional[ParallelPlan] = None, eod_id: Optional[int] = None,
-                 schedule_pieces: Optional[list] = None):
+                 schedule_pieces: Optional[list] = None, batch_schedule: Optional[list] = None,
+                 batch_schedule_lr: str = "none"):
         super().__init__()
         model_cfg, strategy = route_moved(model_cfg, strategy)  # a checkpoint's, written before they moved
         model_cfg, optim = from_plain(GPTConfig, model_cfg), from_plain(OptimConfig, optim)
         schedule, strategy = from_plain(ScheduleConfig, schedule), from_plain(StrategyConfig, strategy or {})
+        batch_schedule_plain = [{"at_step": at, "tokens_per_step": n} for at, n in entries(batch_schedule or [])]
         # logger=False: the run's config.yaml already records them; loggers would get a second, partial copy.
         self.save_hyperparameters({
             "model_cfg": asdict(model_cfg), "optim": asdict(optim), "schedule": asdict(schedule),
             "max_steps": max_steps, "tokens_per_step": tokens_per_step, "seed": seed, "strategy": asdict(strategy),
-            "compile": compile, "eod_id": eod_id, "schedule_pieces": schedule_pieces}, logger=False)
+            "compile": compile, "eod_id": eod_id, "schedule_pieces": schedule_pieces,
+            "batch_schedule": batch_schedule_plain, "batch_schedule_lr": batch_schedule_lr}, logger=False)
         self.model_cfg, self.optim_cfg, self.schedule_cfg = model_cfg, optim, schedule
         self.strategy_cfg = strategy
         self.max_steps, self.tokens_per_step, self.compile_blocks = max_steps, tokens_per_step, compile
+        # trainer.batch_schedule (planning/batch_schedule.py): the tokens of each step, and the rate's factor for it.
+        self.batch_schedule, self.batch_schedule_lr = batch_schedule_plain, batch_schedule_lr
+        self.step_tokens = step_windows(batch_schedule_plain, 1, tokens_per_step)
         # data.document_masking: the end-of-document id the documents of a window are told apart by; None keeps
         # attention across the whole window (the default, and what checkpoints written before it meant).
         self.eod_id = eod_id
@@ -211,7 +218,7 @@ class PretrainModule(L.LightningModule):
             # The step's loss is the mean over its micro-batches and (sync_dist) over data-parallel ranks, not rank
             # 0's last micro-batch.
             self.log("train/loss", self._loss_sum / self._micro_batches, prog_bar=True, sync_dist=True)
-            self.log("train/tokens_seen", float(self.global_step * self.tokens_per_step))
+            self.log("train/tokens_seen", float(self.tokens_before(self.global_step)))
             self.log("train/lr", self._lr_used)
             if self.optim_cfg.z_loss > 0:
                 self.log("train/z_loss", self._z_loss_sum / self._micro_batches, sync_dist=True)
@@ -221,6 +228,10 @@ class PretrainModule(L.LightningModule):
         self._z_loss_sum.zero_()
         self._mtp_loss_sum.zero_()
         self._micro_batches = 0
+
+    def tokens_before(self, step: int) -> int:
+        """Global tokens of the optimizer steps before `step` (all of them: tokens_seen once `step` steps are done)."""
+        return self.step_tokens.before(step)
 
     def logs_at(self, step: int) -> bool:
         """Whether optimizer step `step` (1-based) is logged: every trainer.log_every_n_steps, and the last one (of
@@ -361,10 +372,10 @@ class PretrainModule(L.LightningModule):
     def configure_optimizers(self):
         o = self.optim_cfg
         optimizer = build_optimizer(self.model, o, self.plan.zero_stage, layout=self.parallel)
-        pieces = self.schedule_pieces
+        pieces, batches, rule = self.schedule_pieces, self.batch_schedule, self.batch_schedule_lr
 
         def schedule(step: int) -> float:  # a closure, not an object: LambdaLR's state_dict would save its fields
-            return stages.factor_at(pieces, step)
+            return stages.factor_at(pieces, step) * lr_factor(batches, rule, step)
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

@@ -449,6 +449,14 @@ class Float8Config(Section):
 
 
 @dataclass
+class BatchChange(Section):
+    at_step: int = field(default=0, metadata={"ge": 0})
+    """The first optimizer step (trainer.global_step, 0-based) trained at this batch; the first entry's is 0."""
+    tokens_per_step: int = field(default=1, metadata={"ge": 1})
+    """Global tokens per optimizer step from at_step on (as trainer.tokens_per_step)."""
+
+
+@dataclass
 class TrainerConfig(Section):
     max_steps: int = field(default=1000, metadata={"ge": 1})
     """Optimizer steps to train for (after gradient accumulation)."""
@@ -467,6 +475,19 @@ class TrainerConfig(Section):
     parameters are counted from the architecture table (model.vocab_size, or data.vocab_size while it is null).
     Needs tokens_per_step; a run file or command line that sets max_steps as well is refused (set
     trainer.tokens_per_param=null to give steps instead). null: max_steps as given."""
+    batch_schedule: List[BatchChange] = field(default_factory=list)
+    """A global batch that changes during training, by optimizer step: e.g. [{at_step: 0, tokens_per_step: 4096},
+    {at_step: 100, tokens_per_step: 8192}] (docs/scaling.md, "A batch-size schedule"). The first entry is at step 0,
+    steps increase. The accumulation is fixed for the run, set by the largest entry (trainer.tokens_per_step must be
+    null or equal to it) and trainer.micro_batch_size; the micro-batch shrinks for the smaller entries, so each must
+    be a multiple of model.seq_len x data-parallel degree x accumulation (refused at load otherwise). Windows of the
+    data order are consumed step by step (planning/batch_schedule.py), exact across a change and a resume on any
+    layout. Not with data.sources, pipeline parallelism or trainer.tokens_per_param. []: trainer.tokens_per_step
+    every step."""
+    batch_schedule_lr: str = field(default="sqrt", metadata={"choices": ["sqrt", "linear", "none"]})
+    """How the learning rate follows trainer.batch_schedule: optim.lr_peak (and the whole schedule) is for the first
+    entry's batch, scaled by sqrt(batch / first batch) (Malladi et al. 2022, for Adam), by batch / first batch
+    (linear, Goyal et al. 2017, for SGD) or not at all (none)."""
     accelerator: str = field(default="auto", metadata={"choices": ["auto", "cpu", "gpu", "cuda"]})
     """Lightning accelerator."""
     devices: int = field(default=1, metadata={"ge": 1})
@@ -535,6 +556,26 @@ class TrainerConfig(Section):
                               "metrics.csv; add csv to the list")
         if len(set(self.loggers)) != len(self.loggers):
             raise ConfigError(f"trainer.loggers={list(self.loggers)} names a logger twice: name each once")
+        self.check_batch_schedule()
+
+    def check_batch_schedule(self) -> None:
+        for i, change in enumerate(self.batch_schedule):
+            if isinstance(change, dict):  # from a checkpoint's plain hyperparameters (dataclasses.asdict)
+                self.batch_schedule[i] = change = BatchChange(**change)
+            previous = self.batch_schedule[i - 1].at_step if i else None
+            if (i == 0 and change.at_step != 0) or (i and change.at_step <= previous):
+                raise ConfigError(f"trainer.batch_schedule[{i}].at_step={change.at_step}: the first entry is at step "
+                                  "0 and the steps increase from entry to entry")
+        if not self.batch_schedule:
+            return
+        top = max(change.tokens_per_step for change in self.batch_schedule)
+        if self.tokens_per_step not in (None, top):
+            raise ConfigError(f"trainer.tokens_per_step={self.tokens_per_step} with trainer.batch_schedule (largest "
+                              f"batch {top}): the schedule gives the batch of each step; set trainer.tokens_per_step="
+                              f"null (or {top}, the largest entry, which sets the accumulation)")
+        if self.tokens_per_param is not None:
+            raise ConfigError("trainer.tokens_per_param with trainer.batch_schedule: the steps of a token budget "
+                              "depend on the batch; give trainer.max_steps (tokens_per_param=null)")
 
 
 @dataclass

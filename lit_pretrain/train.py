@@ -29,6 +29,7 @@ from lit_pretrain.model import shapes
 from lit_pretrain.module import PretrainModule, perplexity
 from lit_pretrain.optim.stages import describe as describe_schedule
 from lit_pretrain.planning.batch import global_batch, plan_line
+from lit_pretrain.planning.batch_schedule import schedule_line, step_windows
 from lit_pretrain.planning.plan import DEGREE_KEYS, check_vocab, compile_decision, sized_model
 from lit_pretrain.resume import session as resume_session
 from lit_pretrain.resume import store as checkpoint_store
@@ -147,13 +148,15 @@ def prepare_data(c: Config, plan, batch, session) -> tuple:
     datamodule = TokenShardDataModule(c.data, seq_len=c.model.seq_len, micro_batch_size=c.trainer.micro_batch_size,
                                       seed=c.run.seed, val_windows=c.trainer.val_windows,
                                       accumulate_grad_batches=batch.accumulation,
-                                      new_mixture="data.sources" in c.run.resume_allow_changes)
+                                      new_mixture="data.sources" in c.run.resume_allow_changes,
+                                      batch_schedule=c.trainer.batch_schedule)
     # Prepared here, before the Trainer, because the model's vocabulary size comes from the tokenizer. Under the
     # ddp launcher the other ranks re-run this after rank 0 has prepared, so they only verify and reuse.
     datamodule.prepare_data()
     manifest = datamodule.manifest
     train_windows, _ = datamodule.windows(manifest, plan.data_parallel)
     datamodule.check_mixture(train_windows, c.trainer.max_steps, batch.tokens_per_step // c.model.seq_len)
+    datamodule.check_schedule(train_windows, c.trainer.max_steps)
     from_tokenizer = c.model.vocab_size is None
     c = resolve_vocab(c, manifest["tokenizer"]["vocab_size"])
     check_vocab(c.model.vocab_size, plan.tensor_parallel, "tokenizer" if from_tokenizer else None)
@@ -170,7 +173,8 @@ def build_module(c: Config, plan, tokens_per_step: int, datamodule: TokenShardDa
                             tokens_per_step=tokens_per_step, seed=c.run.seed, strategy=c.strategy,
                             compile=plan.compile, plan=plan,
                             eod_id=datamodule.eod_id if c.data.document_masking else None,
-                            schedule_pieces=run_meta["schedule"])
+                            schedule_pieces=run_meta["schedule"], batch_schedule=c.trainer.batch_schedule,
+                            batch_schedule_lr=c.trainer.batch_schedule_lr)
     if c.run.init_from is not None and session.checkpoint is None:  # a resumed run's weights are in its checkpoint
         from lit_pretrain.interop.hf import load_init  # needs safetensors (the hf extra): only when asked for
 
@@ -236,6 +240,8 @@ def fit(c: Config, layout: tuple, session, run_meta: dict, module: PretrainModul
             start = run_state.start_record(c.run.name, first, c.trainer.max_steps)
             write_summary(run_dir, start)
             print(plan_line(plan, batch), flush=True)  # after every check: what the steps will run
+            if c.trainer.batch_schedule:
+                print(schedule_line(c.trainer.batch_schedule, batch, c.trainer.batch_schedule_lr), flush=True)
             print(describe_schedule(run_meta["schedule"], c.optim.lr_peak, first or None), flush=True)
         with warnings.catch_warnings():
             # CSVLogger warns that the run folder is not empty: it holds our config.yaml, and create_run_dir has
@@ -288,7 +294,8 @@ def run_summary(c: Config, run_dir: Path, batch, pieces: list, datamodule: Token
     (status, the StepCheckpoint callback, the stop asked for)."""
     status, stepper, stop = ending
     tokens_per_step, steps, max_steps = batch.tokens_per_step, trainer.global_step, c.trainer.max_steps
-    tokens_seen = steps * tokens_per_step
+    # trainer.batch_schedule: the steps' own batches (tokens_per_step is then the largest, the planned one).
+    tokens_seen = step_windows(c.trainer.batch_schedule, 1, tokens_per_step).before(steps)
     # On resume Lightning's Timer restores the training time of earlier sessions: time_elapsed counts all of them,
     # start/end times this session's alone (none when a finished run is resumed and no step runs).
     train_seconds = timer.time_elapsed("train")

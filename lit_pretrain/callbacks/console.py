@@ -97,7 +97,10 @@ class StepLine(Callback):
             return  # mid-accumulation, or not a line's step
         now = time.perf_counter()
         seconds = now - self._last - self._paused
-        tokens = (step - self._last_step) * getattr(pl_module, "tokens_per_step", 0)
+        if hasattr(pl_module, "tokens_before"):  # trainer.batch_schedule: the steps' own batches
+            tokens = pl_module.tokens_before(step) - pl_module.tokens_before(self._last_step)
+        else:
+            tokens = (step - self._last_step) * getattr(pl_module, "tokens_per_step", 0)
         rate = tokens / seconds if seconds > 0 else 0.0
         fpt = self._flops_per_token
         mfu = rate * fpt / (self._peak * trainer.world_size) if fpt and self._peak else None

@@ -27,11 +27,13 @@ from lit_pretrain.data.packing import PackedWindows, packing_report
 from lit_pretrain.data.permutation import CHUNK, BlockTable, FeistelPermutation
 from lit_pretrain.data.preparation.prepare import prepare
 from lit_pretrain.data.pretokenized import is_pretokenized, open_corpus
+from lit_pretrain.data.scheduled import ScheduledOrderSampler
 from lit_pretrain.data.shards import SPLITS, TOKENIZER_FILE, check_config, load_manifest, open_shard, verify_shards
 from lit_pretrain.data.tokenizer import load_tokenizer, token_byte_lengths
 from lit_pretrain.data.train_loader import TrainLoader
 from lit_pretrain.data.validation import PaddedWindows, val_batches
 from lit_pretrain.errors import DataError
+from lit_pretrain.planning.batch_schedule import step_windows
 from lit_pretrain.runs.folder import is_primary_process
 
 
@@ -171,6 +173,7 @@ class TokenShardDataModule(L.LightningDataModule):
         world_size: Optional[int] = None,
         accumulate_grad_batches: int = 1,
         new_mixture: bool = False,
+        batch_schedule=(),
     ):
         super().__init__()
         for key, value in (("model.seq_len", seq_len), ("trainer.micro_batch_size", micro_batch_size),
@@ -183,6 +186,8 @@ class TokenShardDataModule(L.LightningDataModule):
         self._accumulate = accumulate_grad_batches  # without a Trainer; with one, the Trainer's
         self.new_mixture = new_mixture
         """A resume may begin a new mixture at its checkpoint (data.sources in run.resume_allow_changes: a stage)."""
+        self.batch_schedule = list(batch_schedule)
+        """trainer.batch_schedule: each step's windows by the step map (data/scheduled.py); []: a fixed batch."""
         self.source_manifests: Optional[List[Dict]] = None
         """A mixture's manifests, one per data.sources entry (None for a single corpus)."""
         self.val_batch_sources: Optional[List[int]] = None
@@ -385,12 +390,36 @@ class TokenShardDataModule(L.LightningDataModule):
             if block not in (None, self.seq_len):
                 blocks = (self.train_dataset.block_windows(block) if shuffle == "stored" else
                           self.train_dataset.block_table(block))
-            self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank, world_size,
-                                                    self.seed, blocks, samples_per_step, shuffle)
+            if self.batch_schedule:
+                self.train_sampler = self._scheduled_sampler(rank, world_size, accumulate, blocks)
+            else:
+                self.train_sampler = GlobalOrderSampler(len(self.train_dataset), self.micro_batch_size, rank,
+                                                        world_size, self.seed, blocks, samples_per_step, shuffle)
         kwargs = self._loader_kwargs()
         self.train_loader = TrainLoader(self.train_dataset, self.train_sampler, kwargs.pop("batch_size"), **kwargs)
         self.train_loader.new_mixture = self.new_mixture
         return self.train_loader
+
+    def _scheduled_sampler(self, rank: int, world_size: int, accumulate: int, blocks, train=None):
+        train = self.train_dataset if train is None else train
+        steps = step_windows(self.batch_schedule, self.seq_len, self.micro_batch_size * self.seq_len)
+        base = GlobalOrderSampler(len(train), 1, rank, world_size, self.seed, blocks, None, self.data.shuffle)
+        return ScheduledOrderSampler(base, steps, accumulate)
+
+    def check_schedule(self, train: Dataset, max_steps: int) -> None:
+        """Before the run folder is made (train: the windows() train set): a DataError when trainer.batch_schedule's
+        max_steps do not fit in one epoch of the train split (data/scheduled.py)."""
+        if not self.batch_schedule or self.data.sources:
+            return
+        block = self.data.shuffle_block_tokens
+        blocks = None if block in (None, self.seq_len) else train.block_table(block)
+        sampler = self._scheduled_sampler(0, 1, 1, blocks, train)
+        if sampler.steps_per_epoch < max_steps:
+            raise DataError(
+                f"trainer.batch_schedule: trainer.max_steps={max_steps} steps take {sampler.steps.before(max_steps)} "
+                f"windows of model.seq_len={self.seq_len}, and one epoch of the train split holds "
+                f"{sampler.num_windows} ({sampler.steps_per_epoch} steps); a run under a batch schedule stays within "
+                "one epoch: lower trainer.max_steps or the schedule's batches, or use a larger corpus")
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Lightning calls this as training takes each batch (after its prefetch), so the indices are the trained ones.

@@ -26,7 +26,12 @@ class TrainLoader(DataLoader):
     """
 
     def __init__(self, dataset, sampler, batch_size: int, **kwargs):
-        super().__init__(dataset, sampler=sampler, batch_size=batch_size, drop_last=True, **kwargs)
+        if hasattr(sampler, "micro_span"):  # trainer.batch_schedule: each step's micro-batch size (data/scheduled.py)
+            super().__init__(dataset, batch_sampler=sampler, **kwargs)
+        else:
+            super().__init__(dataset, sampler=sampler, batch_size=batch_size, drop_last=True, **kwargs)
+        self.order = sampler
+        """The sampler of the global order (DataLoader's `sampler` is its own default under a batch sampler)."""
         self._base = None
         self._epoch = 0
         self._position = 0  # micro-batches taken from the base iterator this epoch (handed out or dropped)
@@ -50,14 +55,14 @@ class TrainLoader(DataLoader):
         # sampler draws its order at the first fetch, after Lightning's set_epoch (its count of finished epochs):
         # the two agree only while the checkpoint's loop counters do (resume/checkpointing.py keeps them so), and
         # `window_indices` reports this loader's epoch either way.
-        epoch, start = next(iter(self._resume_samples.items()), (self.sampler.epoch, 0))
+        epoch, start = next(iter(self._resume_samples.items()), (self.order.epoch, 0))
         self._resume_samples.clear()
-        if start >= len(self.sampler) * self.sampler.world_size:
+        if start >= self.order.samples_per_epoch:
             epoch, start = epoch + 1, 0
-        self.sampler.set_epoch(epoch)
-        self.sampler.start = start
+        self.order.set_epoch(epoch)
+        self.order.start = start
         self._base = super().__iter__()
-        self._epoch, self._position = self.sampler.epoch, start // (self.batch_size * self.sampler.world_size)
+        self._epoch, self._position = self.order.epoch, self._micro_at(start)
         self._handed_out.clear()
         self._order_cache = {k: v for k, v in self._order_cache.items() if k == self._epoch}
         self._drop_pending()
@@ -75,18 +80,37 @@ class TrainLoader(DataLoader):
 
     def window_indices(self, epoch: int, micro_batch: int) -> List[int]:
         """Dataset indices of this rank's micro-batch `micro_batch` in epoch `epoch`."""
-        s, b = self.sampler, self.batch_size
+        s, b = self.order, self.batch_size
+        if hasattr(s, "micro_span"):
+            return s.windows_of(epoch, micro_batch, None if s.shuffle == "feistel" else self._order(epoch))
         if getattr(s, "shuffle", "stored") == "feistel":  # computed per position: no epoch's order held
             return self._computed_indices(epoch, micro_batch * b + np.arange(b)).tolist()
         if epoch not in self._order_cache:
-            self._order_cache[epoch] = self.sampler.global_order(epoch)
+            self._order_cache[epoch] = self.order.global_order(epoch)
         return self._order_cache[epoch][s.rank :: s.world_size][micro_batch * b : (micro_batch + 1) * b].tolist()
+
+    def _order(self, epoch: int):
+        if epoch not in self._order_cache:
+            self._order_cache[epoch] = self.order.global_order(epoch)
+        return self._order_cache[epoch]
+
+    def _span_start(self, micro_batch: int) -> int:
+        """Global position where this epoch's micro-batch `micro_batch` starts."""
+        if hasattr(self.order, "micro_span"):
+            return self.order.micro_span(micro_batch)[0]
+        return micro_batch * self.batch_size * self.order.world_size
+
+    def _micro_at(self, samples: int) -> int:
+        """The micro-batch of this epoch that starts at global position `samples`."""
+        if hasattr(self.order, "micro_at"):
+            return self.order.micro_at(samples)
+        return samples // (self.batch_size * self.order.world_size)
 
     def _computed_indices(self, epoch: int, local: np.ndarray) -> np.ndarray:
         """data.shuffle=feistel: the windows at this rank's positions `local` of the epoch (global positions rank +
         W·local), from chunks of CHUNK positions computed at once and the last two kept (one call per batch cost
         a network evaluation per batch, a third of the loader's time at 8 windows a batch)."""
-        s, out = self.sampler, np.empty(len(local), dtype=np.int64)
+        s, out = self.order, np.empty(len(local), dtype=np.int64)
         chunks = local // CHUNK
         for c in np.unique(chunks).tolist():
             if (epoch, c) not in self._chunks:
@@ -121,19 +145,18 @@ class TrainLoader(DataLoader):
             self._position += 1
             self._pending_drop -= 1
         if self._position > start:
-            per_step = self.batch_size * self.sampler.world_size
             self.dropped.append({"epoch": self._epoch, "micro_batches": self._position - start,
-                                 "global_positions": [start * per_step, self._position * per_step]})
+                                 "global_positions": [self._span_start(start), self._span_start(self._position)]})
 
     def trained_samples(self) -> int:
         """Global samples of this epoch trained on so far: micro-batches taken minus those prefetched but not yet
         trained on, times the global micro-batch (every rank is at the same micro-batch)."""
         trained = self._position - len(self._handed_out) - self.in_flight
-        return trained * self.batch_size * self.sampler.world_size
+        return self._span_start(trained)
 
     def mid_epoch(self) -> bool:
         """Whether this epoch has windows left that were not trained on (a prefetched batch is not trained on)."""
-        return self._base is not None and 0 < self.trained_samples() < len(self.sampler) * self.sampler.world_size
+        return self._base is not None and 0 < self.trained_samples() < self.order.samples_per_epoch
 
     def position(self) -> Tuple[int, int]:
         """(epoch, global samples of it trained on so far); before the first batch of a resumed run, the
@@ -145,23 +168,30 @@ class TrainLoader(DataLoader):
     def state_dict(self) -> Dict:
         # Lightning saves this with every checkpoint (a stateful loader) and restores it before iterating. Positions
         # are global samples, so a run resumed on another number of ranks continues the same global order.
-        per_step = self.batch_size * self.sampler.world_size
-        state = {"pending_drop_samples": self._pending_drop * per_step, "dropped": [dict(d) for d in self.dropped],
+        pending = self._span_start(self._position + self._pending_drop) - self._span_start(self._position)
+        state = {"pending_drop_samples": pending, "dropped": [dict(d) for d in self.dropped],
                  "epoch": self._epoch, "trained_samples": self.trained_samples()}
         if self.window_tokens is not None:  # what a sample is, so a stage at another seq_len can remap by tokens
             state["window_tokens"] = self.window_tokens
-        if hasattr(self.sampler, "resume_state"):  # a mixture: each source's draws, epoch and position there
-            state.update(self.sampler.resume_state(self._epoch, state["trained_samples"]))
+        if hasattr(self.order, "resume_state"):  # a mixture: each source's draws, epoch and position there
+            state.update(self.order.resume_state(self._epoch, state["trained_samples"]))
         return state
 
     @property
     def window_tokens(self) -> Optional[int]:
         """Tokens of one sample (model.seq_len); None for a mixture, whose sources' positions are draws."""
-        return getattr(self.dataset, "seq_len", None) if not hasattr(self.sampler, "source_state") else None
+        return getattr(self.dataset, "seq_len", None) if not hasattr(self.order, "source_state") else None
 
     def load_state_dict(self, state: Dict) -> None:
-        per_step = self.batch_size * self.sampler.world_size
         state = remap_to_window(state, self.window_tokens)
+        if hasattr(self.order, "micro_at"):  # trainer.batch_schedule: positions are read through the step map
+            trained = int(state["trained_samples"])
+            self._pending_drop = self.order.micro_at(trained + state["pending_drop_samples"]) - \
+                self.order.micro_at(trained)
+            self.dropped = [dict(d) for d in state["dropped"]]
+            self._resume_samples = {int(state["epoch"]): trained}
+            return
+        per_step = self.batch_size * self.order.world_size
         for key in ("pending_drop_samples", "trained_samples"):
             if state[key] % per_step:
                 raise ConfigError(
@@ -171,11 +201,11 @@ class TrainLoader(DataLoader):
         self._pending_drop = state["pending_drop_samples"] // per_step
         self.dropped = [dict(d) for d in state["dropped"]]
         self._resume_samples = {int(state["epoch"]): int(state["trained_samples"])}
-        if hasattr(self.sampler, "restore"):
+        if hasattr(self.order, "restore"):
             if "sources" not in state:
                 raise ConfigError("data.sources: the checkpoint was trained on a single corpus, not this mixture: "
                                   "resume with its data config, or start afresh")
-            self.sampler.restore(state, self.new_mixture)
+            self.order.restore(state, self.new_mixture)
 
 
 def remap_to_window(state: Dict, window_tokens: Optional[int]) -> Dict:

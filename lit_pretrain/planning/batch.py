@@ -32,6 +32,8 @@ def global_batch(trainer, seq_len: int, plan) -> GlobalBatch:
     """The run's global batch on `plan` (a ParallelPlan), or a ConfigError naming the keys and what works."""
     micro, d = trainer.micro_batch_size, plan.data_parallel
     tokens = trainer.tokens_per_step if trainer.tokens_per_step is not None else micro * seq_len
+    if getattr(trainer, "batch_schedule", None):  # the planned batch: the largest (planning/batch_schedule.py)
+        tokens = max(change.tokens_per_step for change in trainer.batch_schedule)
     per_micro_step = micro * seq_len * d
     if tokens % per_micro_step == 0:
         return GlobalBatch(micro, seq_len, d, tokens // per_micro_step, tokens)

@@ -110,12 +110,14 @@ def run_plan(config, plan, law) -> dict:
     split of the same compute (planning/compute_optimal.py), and its memory (`run_memory`); `plan`: the run's parallel
     plan."""
     from lit_pretrain.planning.batch import global_batch
+    from lit_pretrain.planning.batch_schedule import step_windows
     from lit_pretrain.planning.compute_optimal import plan as law_plan
     from lit_pretrain.planning.plan import sized_model
 
     model, trainer = sized_model(config), config.trainer
     tokens_per_step = global_batch(trainer, model.seq_len, plan).tokens_per_step
-    n, d = shapes.params(model), trainer.max_steps * tokens_per_step
+    # trainer.batch_schedule: the steps' own batches (tokens_per_step is then the largest, the planned one).
+    n, d = shapes.params(model), step_windows(trainer.batch_schedule, 1, tokens_per_step).before(trainer.max_steps)
     optimum = law_plan(law, flops=6.0 * n * d, vocab_size=model.vocab_size, seq_len=model.seq_len,
                    tokens_per_step=tokens_per_step)
     return {"run": config.run.name, "params": n, "tokens": d, "tokens_per_param": d / n, "steps": trainer.max_steps,

@@ -66,7 +66,9 @@ def tokens_per_step(run: RunRecord) -> Optional[float]:
 def points(run: RunRecord, key: str, per_step: float) -> tuple:
     """(tokens seen, value) of every metrics row holding `key`, in file order (every row's step is the optimizer
     steps completed when it was measured: lit_pretrain/runs/step_axis.py)."""
-    pairs = [(r["step"] * per_step, r[key]) for r in run.rows if key in r and "step" in r]
+    # The tokens the run logged at a step where it did (a trainer.batch_schedule's steps differ in size).
+    seen = {r["step"]: r["train/tokens_seen"] for r in run.rows if "train/tokens_seen" in r and "step" in r}
+    pairs = [(seen.get(r["step"], r["step"] * per_step), r[key]) for r in run.rows if key in r and "step" in r]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 

@@ -146,7 +146,9 @@ def run(names: Sequence[str] = (), folder: Path = ABLATIONS, root: Path = ROOT, 
             summary = train_arm(ablation, arm, root, log)
             rows = read_metrics(root / ablation.name / arm / "metrics.csv")
             per_step = summary.get("tokens_per_step") or 0
-            curves.setdefault(ablation.name, {})[arm] = [(s * per_step, v) for s, v in series(rows, "train/loss")]
+            seen = dict(series(rows, "train/tokens_seen"))  # a trainer.batch_schedule's steps differ in size
+            curves.setdefault(ablation.name, {})[arm] = [(seen.get(s, s * per_step), v)
+                                                         for s, v in series(rows, "train/loss")]
             bpb = summary.get("val_bits_per_byte")
             results.setdefault(ablation.name, {})[arm] = {
                 "bits_per_byte": bpb if bpb is not None else final(rows, "val/bits_per_byte"),

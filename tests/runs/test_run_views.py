@@ -89,6 +89,16 @@ def test_panels_hold_each_runs_input_series(two_runs):
     assert got["loss_tokens"].notes == ["b: no val/loss in metrics.csv"]
 
 
+def test_a_batch_schedule_is_plotted_at_the_tokens_it_logged(tmp_path):
+    # trainer.batch_schedule: 512 tokens for steps 1-2, 1,024 after; summary.json's tokens_per_step is the largest.
+    rows = [{"step": 2, "train/loss": 6.2, "train/tokens_seen": 1024}, {"step": 4, "train/loss": 5.9,
+            "train/tokens_seen": 3072}, {"step": 4, "val/loss": 6.0}]
+    run = read_run(write_run(tmp_path / "runs" / "c", rows, {"steps": 4, "tokens_seen": 3072,
+                                                              "tokens_per_step": 1024}))
+    assert lines_of(panels([run])["loss_tokens"]) == {("c", "c train"): ([1024, 3072], [6.2, 5.9], "C0", False),
+                                                      ("c", "c val"): ([3072], [6.0], "C0", True)}
+
+
 def snapshot(folder: Path) -> dict:
     return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}

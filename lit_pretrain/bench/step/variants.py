@@ -31,7 +31,7 @@ def run(c, repeats: int) -> List[Dict]:
     for case, keys in VARIANTS.items():
         variant = dataclasses.replace(c.model, **keys)
         variant.check()
-        base, other = stats.alternate(lambda: step_seconds(c, c.model), lambda: step_seconds(c, variant), repeats)
+        base, other = stats.alternate(lambda: step_seconds(c, c.model), lambda v=variant: step_seconds(c, v), repeats)
         out.append({"case": case, **stats.summary(base, other), "goal": "report", "unit": "s/step",
                     "detail": {"variant": other, "baseline": base, "timed_steps": STEPS - SKIP,
                                "keys": {k: str(v) for k, v in keys.items()},
